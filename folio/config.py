@@ -1,0 +1,114 @@
+"""Engine configuration, grouped by concern and validated once at construction.
+
+No torch import here: the core (scheduler, KV cache manager) reads these configs and must stay
+importable without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_VALID_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+_VALID_POLICIES = ("fcfs", "priority")
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{field_name} {message}")
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to run and how to read them."""
+
+    model: str | None = None          # HF directory, hub id or .gguf file; None = embedded default
+    tokenizer: str | None = None      # defaults to the model's own tokenizer
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    revision: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,
+                 "dtype", f"must be one of {list(_VALID_DTYPES)}, got {self.dtype!r}")
+        self.dtype = self.dtype.lower()
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
+                 f"must be an int, got {self.seed!r}")
+        if self.max_model_len is not None:
+            _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
+                     "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
+        _require(self.device in ("auto", "cpu", "cuda"), "device",
+                 f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block geometry, size and prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Memory for the KV cache on CPU; None = a default sized from this machine's free memory.
+    kv_cache_memory_bytes: int | None = None
+    # Fixes the number of blocks (vLLM's name), for tests and capacity planning.
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and self.block_size >= 1
+                 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size", f"must be a positive power of two, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _require(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0,
+                     "kv_cache_memory_bytes", f"must be a positive int, got {self.kv_cache_memory_bytes!r}")
+        if self.num_gpu_blocks_override is not None:
+            _require(isinstance(self.num_gpu_blocks_override, int) and self.num_gpu_blocks_override >= 1,
+                     "num_gpu_blocks_override",
+                     f"must be a positive int, got {self.num_gpu_blocks_override!r}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How each step's token budget is shared out."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # None = a default chosen in EngineConfig
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                 "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is not None:
+            _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+                     "max_num_batched_tokens",
+                     f"must be a positive int, got {self.max_num_batched_tokens!r}")
+        _require(self.policy in _VALID_POLICIES, "scheduling_policy",
+                 f"must be one of {list(_VALID_POLICIES)}, got {self.policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    disable_log_stats: bool = True
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill the defaults that depend on the model, and check the settings agree."""
+        if self.model.max_model_len is None:
+            self.model.max_model_len = model_max_len
+        sched = self.scheduler
+        if sched.max_num_batched_tokens is None:
+            # With chunked prefill a modest budget keeps decode latency low; without it, a
+            # whole prompt must fit in one step.
+            sched.max_num_batched_tokens = (2048 if sched.enable_chunked_prefill
+                                            else max(2048, self.model.max_model_len))
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.model.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.model.max_model_len}) with chunked prefill disabled: "
+                "a long prompt could never be scheduled")
+        if sched.max_num_batched_tokens < sched.max_num_seqs and not sched.enable_chunked_prefill:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")

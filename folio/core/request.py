@@ -1,0 +1,123 @@
+"""A request as the engine core sees it: token ids, progress, and its block hashes."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+from folio.core.block_hash import BlockHash, hash_block_tokens
+
+if TYPE_CHECKING:
+    from folio.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence to generate. A request with n>1 is fanned out into n of these upstream."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: "SamplingParams",
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        block_size: int,
+        max_model_len: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        extra_hash_keys: tuple[Any, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.extra_hash_keys = extra_hash_keys
+        self.block_size = block_size
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache when first scheduled (-1 = not yet scheduled).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # The number of output tokens this request may produce, bounded by the context window.
+        room = max_model_len - len(self.prompt_token_ids)
+        self.max_tokens = room if sampling_params.max_tokens is None else min(
+            sampling_params.max_tokens, room)
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    # Ordering for the priority policy: lower priority value first, then earlier arrival.
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.priority, self.arrival_time, self.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every block that became full. Hashes chain, so block i's hash names the whole
+        prefix up to it; extra keys (tenant salt, adapter, media) go into the first block."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            extra: tuple[Any, ...] = ()
+            if index == 0:
+                extra = (self.cache_salt,) + tuple(self.extra_hash_keys)
+            tokens = self.all_token_ids[index * bs:(index + 1) * bs]
+            self.block_hashes.append(hash_block_tokens(parent, tokens, extra))

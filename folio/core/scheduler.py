@@ -1,0 +1,333 @@
+"""The scheduler: one token budget per step, shared by running requests first, then waiting.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens`, and each
+step closes part of the gap to `num_tokens`. Chunked prefill (a partial gap), prefix-cache hits
+(a gap that starts later) and decodes (a gap of one) all fall out of that rule.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int      # tokens already in the KV cache before this step
+    num_new_tokens: int           # tokens computed this step
+    block_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start:start + self.num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the end of the request's known tokens, so a new one is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests finished or aborted since the previous step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns for one step, keyed by request id."""
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Any] = field(default_factory=dict)            # SampledTokenLogprobs
+    prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # for this chunk, in order
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Any] = field(default_factory=list)
+    new_prompt_logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class WaitingQueue:
+    """FCFS: a deque, preempted requests back at the front. Priority: a heap on
+    (priority, arrival), so a preempted request regains its place by its own key."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[tuple, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._deque) if self.policy == "fcfs" else len(self._heap)
+
+    def add(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._deque.append(request)
+        else:
+            heapq.heappush(self._heap, (request.sort_key(), request))
+
+    def add_preempted(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._deque.appendleft(request)
+        else:
+            self.add(request)
+
+    def peek(self) -> Request:
+        return self._deque[0] if self.policy == "fcfs" else self._heap[0][1]
+
+    def pop(self) -> Request:
+        return self._deque.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[1]
+
+    def remove(self, requests: set[Request]) -> None:
+        if self.policy == "fcfs":
+            self._deque = deque(r for r in self._deque if r not in requests)
+        else:
+            self._heap = [item for item in self._heap if item[1] not in requests]
+            heapq.heapify(self._heap)
+
+    def __iter__(self):
+        return iter(self._deque) if self.policy == "fcfs" else (r for _, r in sorted(self._heap))
+
+
+class Scheduler:
+    def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._first_scheduled: dict[str, float] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            aborted.append(request)
+        if not aborted:
+            return []
+        aborted_set = set(aborted)
+        self.running = [r for r in self.running if r not in aborted_set]
+        self.waiting.remove(aborted_set)
+        for request in aborted:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+        return aborted
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._first_scheduled.pop(request.request_id, None)
+        self._finished_since_last_step.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        # Running requests first: they hold blocks already, and finishing them frees blocks.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                    index -= 1
+                if victim is request:
+                    break
+            if new_blocks is None:
+                # The request preempted itself: nothing below it can run either.
+                break
+            scheduled[request.request_id] = ScheduledRequest(
+                request, request.num_computed_tokens, num_new, [])
+            budget -= num_new
+            index += 1
+
+        # Then waiting requests, unless this step had to preempt (no room to grow).
+        while (not preempted and len(self.waiting) > 0 and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if self.kv.enable_caching and not request.needs_prompt_logprobs:
+                self.kv.record_lookup(request, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._first_scheduled.setdefault(request.request_id, time.monotonic())
+            scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, [])
+            budget -= num_new
+
+        for item in scheduled.values():
+            item.block_ids = self.kv.get_block_ids(item.request_id)
+            item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=[r.request_id for r in preempted],
+        )
+        self._finished_since_last_step = set()
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the request's blocks; it rejoins the waiting queue and
+        later recomputes its tokens, mostly from the prefix cache."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(request.request_id, [],
+                                                    new_prompt_logprobs=prompt_logprobs,
+                                                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                continue
+            request.append_output_token(token_id)
+            self._check_stop(request, token_id)
+            logprobs = runner_output.logprobs.get(request.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else [],
+                new_prompt_logprobs=prompt_logprobs,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                first_scheduled_time=self._first_scheduled.get(request.request_id),
+            ))
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for a reason found outside the core (a stop string in the text)."""
+        for request in self.abort_requests(request_ids):
+            request.status = status
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits)

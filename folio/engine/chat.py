@@ -1,0 +1,65 @@
+"""Chat conversations to prompt text, through the model's (or a given) chat template."""
+from __future__ import annotations
+
+from typing import Any
+
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def _normalise_content(content: Any, index: int) -> Any:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise ValueError(f"messages[{index}].content parts must be objects with a 'type'")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{index}].content text part needs a string 'text'")
+                texts.append(part["text"])
+            else:
+                raise ValueError(f"messages[{index}].content part type {part['type']!r} is not "
+                                 "supported (this model takes text only)")
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+        item = dict(message)
+        item["content"] = _normalise_content(message.get("content"), i)
+        if role == "developer":
+            item["role"] = "system"  # templates know "system"; OpenAI's developer is the same
+        out.append(item)
+    return out
+
+
+def apply_chat_template(tokenizer: Any, messages: Any, *, chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        tools: list[dict] | None = None,
+                        chat_template_kwargs: dict | None = None) -> str:
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    conversation = normalise_messages(messages)
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ValueError("continue_final_message needs the last message to be from the assistant")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            **(chat_template_kwargs or {}))
+    except Exception as exc:
+        raise ValueError(f"the chat template failed on these messages: {exc}") from exc

@@ -1,0 +1,55 @@
+"""The engine core: the scheduler and the executor, stepping together. It sees token ids only;
+text is the front end's business."""
+from __future__ import annotations
+
+from typing import Any
+
+from folio.config import EngineConfig
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.request import Request, RequestStatus
+from folio.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from folio.executor.uniproc import UniProcExecutor
+from folio.model.loader import ModelSource
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
+        self.config = config
+        self.executor = UniProcExecutor(config, source, hf_config)
+        self.num_blocks = self.executor.num_blocks
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=config.model.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        """Stopped by the front end (a stop string): finished, not aborted."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            # Still let the worker drop state of requests that finished meanwhile.
+            self.executor.execute_model(scheduler_output)
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,204 @@
+"""Engine-core outputs (token ids) to RequestOutputs (text, logprobs, finish reasons).
+
+Detokenization and stop strings live here, in the front end: the core never sees text. A stop
+string found here finishes the request; the caller tells the core to free it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from folio.core.scheduler import EngineCoreOutput
+from folio.engine.detokenizer import IncrementalDetokenizer
+from folio.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from folio.sampling_params import RequestOutputKind, SamplingParams
+
+
+class TokenTextCache:
+    """Decoded text of single tokens, for logprob entries (decoding is slow; vocabularies are
+    finite)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def to_position_logprobs(entry: Any, token_text: TokenTextCache | None) -> PositionLogprobs:
+    """SampledTokenLogprobs -> {token_id: Logprob}: the top-k, plus the chosen token."""
+    def text(tid: int) -> str | None:
+        return token_text(tid) if token_text is not None else None
+    result: PositionLogprobs = {}
+    for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+        result[tid] = Logprob(lp, rank, text(tid))
+    if entry.token_id not in result:
+        result[entry.token_id] = Logprob(entry.logprob, entry.rank, text(entry.token_id))
+    return result
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    children: list["ChildState"] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+@dataclass
+class ChildState:
+    request_id: str
+    index: int
+    parent: ParentState
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0
+    updated: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.token_text = TokenTextCache(tokenizer)
+        self.parents: dict[str, ParentState] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def add_request(self, parent_id: str, child_ids: list[str], prompt: str | None,
+                    prompt_token_ids: list[int], params: list[SamplingParams],
+                    arrival_time: float) -> None:
+        parent = ParentState(parent_id, prompt, prompt_token_ids, params[0],
+                             RequestMetrics(arrival_time))
+        if params[0].prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
+        for index, (child_id, child_params) in enumerate(zip(child_ids, params)):
+            detok = None
+            if child_params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids,
+                    skip_special_tokens=child_params.skip_special_tokens,
+                    spaces_between_special_tokens=child_params.spaces_between_special_tokens,
+                    stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output,
+                    stream_holdback=child_params.output_kind == RequestOutputKind.DELTA)
+            child = ChildState(child_id, index, parent, child_params, detok,
+                               logprobs=[] if child_params.logprobs is not None else None,
+                               cumulative_logprob=0.0 if child_params.logprobs is not None else None)
+            parent.children.append(child)
+            self.children[child_id] = child
+        self.parents[parent_id] = parent
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def abort(self, parent_id: str) -> list[str]:
+        """Forget a request; returns the child ids the core must abort."""
+        parent = self.parents.pop(parent_id, None)
+        if parent is None:
+            return []
+        ids = []
+        for child in parent.children:
+            self.children.pop(child.request_id, None)
+            if child.finish_reason is None:
+                ids.append(child.request_id)
+        return ids
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs to hand out and the child ids that a stop string
+        finished (the core must free them)."""
+        now = time.monotonic()
+        stopped_by_text: list[str] = []
+        touched: dict[str, ParentState] = {}
+        for out in core_outputs:
+            child = self.children.get(out.request_id)
+            if child is None:
+                continue  # aborted meanwhile
+            parent = child.parent
+            touched[parent.request_id] = parent
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                start, entries = out.new_prompt_logprobs
+                for offset, entry in enumerate(entries):
+                    parent.prompt_logprobs[start + offset] = to_position_logprobs(entry, self.token_text)
+            if out.first_scheduled_time is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = out.first_scheduled_time
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if not out.new_token_ids:
+                continue
+            child.updated = True
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            child.token_ids.extend(out.new_token_ids)
+            if child.logprobs is not None:
+                for entry in out.new_logprobs:
+                    child.logprobs.append(to_position_logprobs(entry, self.token_text))
+                    child.cumulative_logprob += entry.logprob
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if child.detokenizer is not None:
+                # An EOS/stop token that ended the request is not part of the text.
+                ended_by_token = finish_reason == "stop" and not child.params.include_stop_str_in_output
+                matched = child.detokenizer.update(out.new_token_ids, stop_terminated=ended_by_token)
+                if matched is not None and finish_reason is None:
+                    finish_reason, stop_reason = "stop", matched
+                    stopped_by_text.append(child.request_id)
+            if finish_reason is not None:
+                child.finish_reason, child.stop_reason = finish_reason, stop_reason
+        outputs = []
+        for parent in touched.values():
+            output = self._make_output(parent, now)
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped_by_text
+
+    def _make_output(self, parent: ParentState, now: float) -> RequestOutput | None:
+        finished = parent.finished
+        kind = parent.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = []
+        for child in parent.children:
+            if delta and not child.updated and not (finished and child.num_tokens_sent == 0):
+                continue
+            completions.append(self._completion(child, delta))
+            child.updated = False
+        if finished:
+            parent.metrics.finished_time = now
+            self.parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self.children.pop(child.request_id, None)
+        if delta and not completions and not finished:
+            return None
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
+            outputs=completions, finished=finished, metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens)
+
+    def _completion(self, child: ChildState, delta: bool) -> CompletionOutput:
+        finished = child.finish_reason is not None
+        text = child.detokenizer.get_next_output_text(finished, delta) if child.detokenizer else ""
+        start = child.num_tokens_sent if delta else 0
+        child.num_tokens_sent = len(child.token_ids)
+        return CompletionOutput(
+            index=child.index, text=text, token_ids=child.token_ids[start:],
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=None if child.logprobs is None else child.logprobs[start:],
+            finish_reason=child.finish_reason, stop_reason=child.stop_reason)

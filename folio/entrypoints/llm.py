@@ -1,0 +1,132 @@
+"""The offline API, in vLLM's shape: LLM(...).generate(...) and .chat(...)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from folio.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from folio.engine.chat import apply_chat_template
+from folio.engine.llm_engine import LLMEngine
+from folio.outputs import RequestOutput
+from folio.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An engine for offline batches.
+
+    `LLM()` with no model runs the embedded default model (SmolLM2-135M-Instruct).
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 block_size: int = 16, kv_cache_memory_bytes: int | None = None,
+                 num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
+                 device: str = "auto", revision: str | None = None,
+                 gpu_memory_utilization: float = 0.9) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
+                              max_model_len=max_model_len, revision=revision, device=device),
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              num_gpu_blocks_override=num_gpu_blocks_override,
+                              gpu_memory_utilization=gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      policy=scheduling_policy),
+        )
+        self.llm_engine = LLMEngine(config)
+        self._request_counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True, priority: list[int] | None = None,
+                 cache_salt: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of either.
+        Outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        count = len(prompts)
+        params_list = self._expand("sampling_params", sampling_params, count)
+        priorities = self._expand("priority", priority, count, default=0)
+        salts = self._expand("cache_salt", cache_salt, count, default=None)
+        # Validate everything before queueing anything: a bad prompt fails the call cleanly.
+        request_ids = []
+        try:
+            for prompt, params, prio, salt in zip(prompts, params_list, priorities, salts):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_ids.append(self._add(prompt, params, prio, salt))
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {role, content}) or a list of them."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = apply_chat_template(
+                tokenizer, conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools,
+                chat_template_kwargs=chat_template_kwargs)
+            # The template already holds the special tokens (BOS and so on).
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _expand(self, name: str, value: Any, count: int, default: Any = ...) -> list:
+        if value is None and default is ...:
+            value = self.get_default_sampling_params()
+        elif value is None:
+            return [default] * count
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return list(value)
+        return [value] * count
+
+    def _add(self, prompt: Any, params: SamplingParams, priority: int, salt: str | None) -> str:
+        request_id = str(self._request_counter)
+        self._request_counter += 1
+        return self.llm_engine.add_request(request_id, prompt, params, priority=priority,
+                                           cache_salt=salt)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [results[rid] for rid in request_ids]

@@ -1,0 +1,51 @@
+"""The attention backend interface: what the model layers call, and what a GPU kernel implements.
+
+One call per layer does two things for the whole flat batch of scheduled tokens: write the new
+K/V into the paged cache at `slot_mapping`, then attend each request's queries over its
+context (cached prefix + this step's tokens), causally. Writing first means a request can read,
+in the same step, blocks another request is filling (prefix-cache hits on freshly scheduled
+blocks rely on it).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat token batch; built once, shared by every layer."""
+    slot_mapping: torch.Tensor        # [T] int64: cache slot (block_id * block_size + offset)
+    query_start_loc: list[int]        # [B+1]: request i owns tokens [qsl[i], qsl[i+1])
+    seq_lens: list[int]               # [B]: context length after this step
+    num_computed_tokens: list[int]    # [B]: context length before this step
+    block_tables: torch.Tensor        # [B, max_blocks] int64, padded with 0
+    block_size: int
+    # Backend-specific precomputed tensors (masks, gather indices), filled lazily and reused
+    # by all layers of the step.
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, *, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D].
+        Returns [T, H, D]."""
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    from folio.model.attention.torch_paged import TorchPagedAttention
+    return TorchPagedAttention()

@@ -1,0 +1,107 @@
+"""Paged attention in plain torch: the reference path, and the CPU path.
+
+Decodes (one query token) of the whole batch run as one padded, masked SDPA call over their
+gathered blocks. Requests with several query tokens (prefill chunks) run one SDPA each: with no
+cached prefix they attend over their own new K/V directly, otherwise over their gathered blocks
+with an offset causal mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from folio.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[Q, K] bool: key visible to query (causal, and inside the sliding window if any)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+class TorchPagedAttention(AttentionBackend):
+    def _plan(self, meta: AttentionMetadata, sliding_window: int | None) -> dict:
+        key = ("torch_plan", sliding_window)
+        plan = meta.cache.get(key)
+        if plan is not None:
+            return plan
+        qsl = meta.query_start_loc
+        decode_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        plan = {"decode_reqs": decode_reqs, "prefills": []}
+        device = meta.block_tables.device
+        if decode_reqs:
+            lens = torch.tensor([meta.seq_lens[i] for i in decode_reqs], device=device)
+            max_len = int(lens.max())
+            num_blocks = -(-max_len // meta.block_size)
+            k_pos = torch.arange(num_blocks * meta.block_size, device=device)
+            visible = k_pos[None, :] < lens[:, None]
+            if sliding_window is not None:
+                visible &= k_pos[None, :] >= (lens[:, None] - sliding_window)
+            plan["decode_tokens"] = torch.tensor([qsl[i] for i in decode_reqs], device=device)
+            plan["decode_tables"] = meta.block_tables[decode_reqs, :num_blocks]
+            plan["decode_mask"] = visible[:, None, None, :]
+        for i in range(meta.num_reqs):
+            n = qsl[i + 1] - qsl[i]
+            if n == 1:
+                continue
+            start, ctx = meta.num_computed_tokens[i], meta.seq_lens[i]
+            entry = {"req": i, "start": qsl[i], "end": qsl[i + 1], "fresh": start == 0}
+            if start == 0 and sliding_window is None:
+                entry["mask"] = None  # plain causal over the request's own new tokens
+            else:
+                q_pos = torch.arange(start, ctx, device=device)
+                entry["mask"] = _window_mask(q_pos, torch.arange(ctx, device=device), sliding_window)
+            if start > 0:
+                num_blocks = -(-ctx // meta.block_size)
+                entry["blocks"] = meta.block_tables[i, :num_blocks]
+                entry["ctx"] = ctx
+            plan["prefills"].append(entry)
+        meta.cache[key] = plan
+        return plan
+
+    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        plan = self._plan(metadata, sliding_window)
+        out = torch.empty_like(query)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+
+        for entry in plan["prefills"]:
+            s, e = entry["start"], entry["end"]
+            q = query[s:e].transpose(0, 1)                      # [H, n, D]
+            if entry["fresh"]:
+                k = key[s:e].transpose(0, 1)
+                v = value[s:e].transpose(0, 1)
+            else:
+                blocks = entry["blocks"]
+                ctx = entry["ctx"]
+                k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+                v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            mask = entry["mask"]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            out[s:e] = o.transpose(0, 1)
+
+        if plan["decode_reqs"]:
+            tokens = plan["decode_tokens"]
+            tables = plan["decode_tables"]                      # [B, nb]
+            batch = tables.shape[0]
+            q = query[tokens].unsqueeze(2)                      # [B, H, 1, D]
+            k = k_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+            v = v_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan["decode_mask"], scale=scale,
+                enable_gqa=True)
+            out[tokens] = o.squeeze(2)
+        return out

@@ -1,0 +1,124 @@
+"""The decoder-only transformer every supported family is built from."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from folio.model.attention import AttentionBackend, AttentionMetadata
+from folio.model.families import ArchSpec
+from folio.model.layers import Attention, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
+
+# Checkpoint names of projections that folio stores merged: (merged module, shard).
+_MERGED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(
+            hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
+            qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
+            sliding_window=sliding_window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act)
+
+    def forward(self, positions, hidden, residual, kv_cache, metadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, spec: ArchSpec, hf_config: Any, backend: AttentionBackend,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        # One rotary table shared by all layers (it is a buffer, not a weight).
+        rotary = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        windows = spec.sliding_windows or (None,) * spec.num_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, rotary, backend, windows[i]) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
+            spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """Flat batch in, final hidden states out ([T, hidden]); logits are computed only for
+        the rows that need them (compute_logits)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue  # derived buffers some checkpoints carry
+            name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the output matrix
+            parts = name.split(".")
+            merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+            if merged is not None:
+                module_path = ".".join(parts[:-2] + [merged[0]])
+                target = f"{module_path}.{parts[-1]}"
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                module = self.get_submodule(module_path)
+                assert isinstance(module, MergedLinear)
+                module.load_shard(merged[1], parts[-1], tensor)
+                loaded.add(f"{target}:{merged[1]}")
+                continue
+            if name not in params:
+                unexpected.append(name)
+                continue
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        if unexpected:
+            raise ValueError(f"checkpoint has weights this model does not use: {unexpected[:5]}"
+                             f"{' ...' if len(unexpected) > 5 else ''}")
+        missing = []
+        for pname, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                for shard in module.shard_offsets:
+                    for attr in ("weight", "bias"):
+                        if getattr(module, attr, None) is not None and \
+                                f"{pname}.{attr}:{shard}" not in loaded:
+                            missing.append(f"{pname}.{attr}:{shard}")
+        merged_names = {f"{n}.{a}" for n, m in self.named_modules() if isinstance(m, MergedLinear)
+                        for a in ("weight", "bias")}
+        missing += [n for n in params if n not in loaded and n not in merged_names]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,186 @@
+"""Shared layers of decoder-only transformers. A model family is a choice among these."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.model.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the activations' dtype, scale in the input dtype: the
+        # order Hugging Face uses, so bf16 results round the same way.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`, adds it first and also returns the sum (the next residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def _rope_parameters(hf_config: Any) -> dict:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        # Per-layer-type dicts (e.g. {"full_attention": {...}}) are not used by this family.
+        if "rope_type" not in params and "rope_theta" not in params and len(params) == 1:
+            params = next(iter(params.values()))
+        return dict(params)
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between."""
+    factor = params["factor"]
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    original = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, neox layout (halves rotated), with a cos/sin table built once."""
+
+    def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
+        super().__init__()
+        params = _rope_parameters(hf_config)
+        rope_type = params.get("rope_type", "default")
+        base = float(params.get("rope_theta", 10000.0))
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor",
+                                               getattr(hf_config, "partial_rotary_factor", 1.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        attention_scaling = 1.0
+        if rope_type == "default":
+            pass
+        elif rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type in ("yarn", "longrope"):
+            # These need the model's full config; transformers' reference formulas serve.
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        else:
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+        self.rotary_dim = rotary_dim
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, KVH, D]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        q_rot = q[..., :r] * cos + self._rotate_half(q[..., :r]) * sin
+        k_rot = k[..., :r] * cos + self._rotate_half(k[..., :r]) * sin
+        return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections that read the same input (q/k/v, gate/up). Loads
+    each checkpoint shard into its slice of the output rows."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard]
+        target = getattr(self, param_name)
+        if tensor.shape[0] != size:
+            raise ValueError(f"shard {shard}.{param_name} has {tensor.shape[0]} rows, expected {size}")
+        with torch.no_grad():
+            target[offset:offset + size].copy_(tensor)
+
+
+class Attention(nn.Module):
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, rms_norm_eps: float,
+                 rotary: RotaryEmbedding, backend: AttentionBackend,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
+                                                   "k": num_kv_heads * head_dim,
+                                                   "v": num_kv_heads * head_dim}, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
+                                   sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size,
+                                                       "up": intermediate_size}, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if act in ("silu", "swish"):
+            self.act = F.silu
+        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        elif act == "gelu":
+            self.act = F.gelu
+        else:
+            raise ValueError(f"activation {act!r} is not supported")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,109 @@
+"""Turns a SchedulerOutput into one forward pass over the flat batch, then samples."""
+from __future__ import annotations
+
+import torch
+
+from folio.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from folio.model.attention import AttentionMetadata
+from folio.model.decoder import DecoderLM
+from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        # Per-request sampling generators, kept across steps (and preemptions) so a seeded
+        # request draws the same stream whatever else runs beside it.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[request_id] = gen
+        return gen
+
+    def _build_inputs(self, scheduled: list[ScheduledRequest]):
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        num_computed: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int64)
+        for i, item in enumerate(scheduled):
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            token_ids.extend(item.token_ids)
+            positions.extend(range(start, start + n))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            num_computed.append(start)
+            tables[i, :len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        counts = torch.tensor([s.num_new_tokens for s in scheduled])
+        req_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
+        slots = tables[req_index, pos // self.block_size] * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(self.device), query_start_loc=query_start_loc,
+            seq_lens=seq_lens, num_computed_tokens=num_computed,
+            block_tables=tables.to(self.device), block_size=self.block_size)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        return ids, pos.to(self.device), meta
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in scheduler_output.finished_req_ids:
+            self.generators.pop(rid, None)
+        scheduled = scheduler_output.scheduled
+        output = ModelRunnerOutput()
+        if not scheduled:
+            return output
+        input_ids, positions, meta = self._build_inputs(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        # Prompt logprobs: row p scores prompt token p+1, for the prompt rows in this chunk.
+        for i, item in enumerate(scheduled):
+            request = item.request
+            if not request.needs_prompt_logprobs:
+                continue
+            start = item.num_computed_tokens
+            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            rows = hidden[meta.query_start_loc[i]:meta.query_start_loc[i] + (end - start)]
+            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
+            logits = self.model.compute_logits(rows)
+            # Keyed by the prompt position of the first token scored: after a preemption the
+            # prompt is recomputed and the front end must place, not append, these.
+            output.prompt_logprobs[request.request_id] = (start + 1, compute_token_logprobs(
+                logits, targets, request.sampling_params.prompt_logprobs))
+
+        sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
+        if not sampling:
+            return output
+        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling],
+                                 device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows])
+        states = []
+        for _, item in sampling:
+            request = item.request
+            params = request.sampling_params
+            states.append(SamplingState(
+                params=params, prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                generator=self._generator_for(request.request_id, params.seed),
+                eos_token_ids=request.eos_token_ids))
+        result = self.sampler(logits, states)
+        for (_, item), token_id, logprobs in zip(sampling, result.sampled_token_ids, result.logprobs):
+            output.sampled_token_ids[item.request_id] = token_id
+            if logprobs is not None:
+                output.logprobs[item.request_id] = logprobs
+        return output

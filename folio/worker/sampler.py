@@ -1,0 +1,376 @@
+"""Turns one step's logits into next tokens, vectorized over the batch.
+
+Every per-request knob is gathered into a per-row tensor so that each
+processing step is a handful of batched tensor ops, and a step is skipped
+entirely when no row in the batch uses it. Order of processing (vLLM's):
+
+    raw logprobs (of the unprocessed logits)
+    allowed_token_ids -> logit_bias -> bad_words -> min_tokens -> penalties
+    greedy rows: argmax
+    random rows: temperature -> min_p -> top_k -> top_p -> exponential race
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """One row of the batch, built by the model runner each step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    # Generated so far, not including the token being sampled now.
+    output_token_ids: list[int]
+    # Set when params.seed is not None. Owned by the request and advanced only
+    # by its own sampling, so its tokens do not depend on batch composition.
+    generator: torch.Generator | None
+    # Masked (together with params.stop_token_ids) until min_tokens is reached.
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SampledTokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely token
+    top_token_ids: list[int]  # best first
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    logprobs: list[SampledTokenLogprobs | None]  # None where params.logprobs is None
+
+
+_NEG_INF = float("-inf")
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
+                f"for {len(states)} states"
+            )
+        # Always work on a float32 copy: we modify in place and must not touch
+        # the caller's tensor (it may be reused, e.g. for prompt logprobs).
+        logits = logits.to(torch.float32, copy=True)
+        params = [s.params for s in states]
+
+        # Logprobs report the raw model distribution, so take them first.
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
+        self._apply_processors(logits, states)
+        sampled = _sample(logits, states)
+
+        out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
+        if raw_logprobs is not None:
+            rows = _gather_logprobs(
+                raw_logprobs,
+                sampled[logprob_rows],
+                [params[i].logprobs for i in logprob_rows],
+            )
+            for i, row in zip(logprob_rows, rows):
+                out_logprobs[i] = row
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The logits after every request-level processor (allowed ids, bias,
+        bad words, min_tokens, penalties) but before temperature/filters, as a
+        new float32 tensor. Exposed for tests and for debugging."""
+        logits = logits.to(torch.float32, copy=True)
+        self._apply_processors(logits, states)
+        return logits
+
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        _apply_allowed_token_ids(logits, states)
+        _apply_logit_bias(logits, states)
+        _apply_bad_words(logits, states)
+        _apply_min_tokens(logits, states)
+        _apply_penalties(logits, states)
+
+
+# ---------------------------------------------------------------------------
+# Logprobs
+# ---------------------------------------------------------------------------
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> list[SampledTokenLogprobs]:
+    """Logprob and rank of token_ids[i] under row i of logits, plus the top
+    `num_top` alternatives (-1 = whole vocabulary). Also used for prompt
+    logprobs, where row i scores prompt token i + 1."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return _gather_logprobs(logprobs, token_ids.to(logits.device), [num_top] * logits.shape[0])
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
+) -> list[SampledTokenLogprobs]:
+    num_rows, vocab = logprobs.shape
+    if num_rows == 0:
+        return []
+    token_ids = token_ids.long().view(-1, 1)
+    token_lp = logprobs.gather(1, token_ids)
+    # Rank = 1 + number of tokens strictly more likely (ties share the rank).
+    ranks = (logprobs > token_lp).sum(dim=-1) + 1
+
+    ks = [vocab if k == -1 else min(k, vocab) for k in num_tops]
+    k_max = max(ks)
+    if k_max > 0:
+        top_lp, top_ids = logprobs.topk(k_max, dim=-1)  # sorted, best first
+        top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
+    else:
+        top_lp_list = top_ids_list = [[] for _ in range(num_rows)]
+
+    # One device->host transfer per tensor instead of one per element.
+    token_list = token_ids.view(-1).tolist()
+    token_lp_list = token_lp.view(-1).tolist()
+    rank_list = ranks.tolist()
+    return [
+        SampledTokenLogprobs(
+            token_id=token_list[i],
+            logprob=token_lp_list[i],
+            rank=rank_list[i],
+            top_token_ids=top_ids_list[i][: ks[i]],
+            top_logprobs=top_lp_list[i][: ks[i]],
+        )
+        for i in range(num_rows)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Logit processing (all in place on float32 logits)
+# ---------------------------------------------------------------------------
+
+
+def _index_fill(logits: torch.Tensor, rows: list[int], cols: list[int], value: float) -> None:
+    """logits[rows[j], cols[j]] = value for all j, as one scatter."""
+    if rows:
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(value, device=device),
+        )
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    rows = [i for i, s in enumerate(states) if s.params.allowed_token_ids is not None]
+    if not rows:
+        return
+    # Ban everything in the restricted rows, then un-ban the allowed ids.
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    banned[rows] = True
+    r = [i for i in rows for _ in states[i].params.allowed_token_ids]
+    c = [t for i in rows for t in states[i].params.allowed_token_ids]
+    _check_cols(c, logits.shape[1], "allowed_token_ids")
+    _index_fill(banned, r, c, False)
+    logits.masked_fill_(banned, _NEG_INF)
+
+
+def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    r, c, v = [], [], []
+    for i, s in enumerate(states):
+        for tok, bias in (s.params.logit_bias or {}).items():
+            r.append(i)
+            c.append(tok)
+            v.append(bias)
+    if not r:
+        return
+    _check_cols(c, logits.shape[1], "logit_bias")
+    device = logits.device
+    logits.index_put_(
+        (torch.tensor(r, device=device), torch.tensor(c, device=device)),
+        torch.tensor(v, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
+
+
+def _apply_bad_words(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    # Deciding which tokens to ban depends on each row's recent history, which
+    # is plain Python; the ban itself is one scatter for the whole batch.
+    r, c = [], []
+    for i, s in enumerate(states):
+        out = s.output_token_ids
+        for seq in s.params.bad_words_token_ids:
+            prefix_len = len(seq) - 1
+            if prefix_len > len(out):
+                continue
+            if prefix_len == 0 or out[len(out) - prefix_len :] == seq[:-1]:
+                r.append(i)
+                c.append(seq[-1])
+    _check_cols(c, logits.shape[1], "bad_words")
+    _index_fill(logits, r, c, _NEG_INF)
+
+
+def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    vocab = logits.shape[1]
+    r, c = [], []
+    for i, s in enumerate(states):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            for tok in {*s.eos_token_ids, *(s.params.stop_token_ids or ())}:
+                if 0 <= tok < vocab:  # eos ids of padded vocabs may be out of range
+                    r.append(i)
+                    c.append(tok)
+    _index_fill(logits, r, c, _NEG_INF)
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrence counts, built with one scatter_add.
+
+    Rows are padded with the id `vocab`, which lands in a spare column that is
+    dropped afterwards, so no masking of padding is needed.
+    """
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)
+    for i, toks in enumerate(token_lists):
+        if toks:
+            padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    vocab, device = logits.shape[1], logits.device
+    params = [s.params for s in states]
+
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = _token_counts(
+            [states[i].prompt_token_ids + states[i].output_token_ids for i in rep_rows],
+            vocab,
+            device,
+        ) > 0
+        penalty = torch.tensor(
+            [params[i].repetition_penalty for i in rep_rows], device=device
+        ).unsqueeze(1)
+        sub = logits[rep_rows]
+        # Dividing a positive logit / multiplying a negative one both make the
+        # token less likely when penalty > 1 (more likely when < 1).
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[rep_rows] = torch.where(seen, penalised, sub)
+
+    add_rows = [
+        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if add_rows:
+        counts = _token_counts([states[i].output_token_ids for i in add_rows], vocab, device)
+        freq = torch.tensor([params[i].frequency_penalty for i in add_rows], device=device)
+        pres = torch.tensor([params[i].presence_penalty for i in add_rows], device=device)
+        logits[add_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).float()
+
+
+def _check_cols(cols: list[int], vocab: int, name: str) -> None:
+    # update_from_tokenizer validates against the tokenizer vocab; the model's
+    # logits may be narrower, and an out-of-range index would crash the step
+    # with an opaque indexing error, so fail with the field name instead.
+    if cols and (max(cols) >= vocab or min(cols) < 0):
+        raise ValueError(f"{name} contains token ids outside the logits vocabulary [0, {vocab})")
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+
+
+def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    params = [s.params for s in states]
+    vocab = logits.shape[1]
+    device = logits.device
+    greedy = [p.is_greedy for p in params]
+
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    sampled = logits.argmax(dim=-1) if any(greedy) else None
+
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    sub = logits[random_rows]
+    rparams = [params[i] for i in random_rows]
+
+    temps = torch.tensor([p.temperature for p in rparams], device=device)
+    sub.div_(temps.unsqueeze(1))
+    apply_min_p(sub, rparams)
+    apply_top_k_top_p(sub, rparams)
+    probs = torch.softmax(sub, dim=-1)
+
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
+    # probability p_i, and lets each row draw its noise from its own generator.
+    noise = torch.empty_like(probs)
+    unseeded = [j for j, i in enumerate(random_rows) if states[i].generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    for j, i in enumerate(random_rows):
+        gen = states[i].generator
+        if gen is not None:
+            noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+    # exponential_ can in principle return 0; keep the division finite.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    random_tokens = (probs / noise).argmax(dim=-1)
+
+    if sampled is None:
+        return random_tokens
+    sampled[random_rows] = random_tokens
+    return sampled
+
+
+def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: drop tokens whose probability is below min_p times the row's
+    top probability (row i uses params[i])."""
+    if not any(p.min_p > 0.0 for p in params):
+        return
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1) * min_p
+    logits.masked_fill_(probs < threshold.unsqueeze(1), _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: keep each row's top_k logits (ties kept), then the smallest
+    high-probability set whose mass reaches top_p (row i uses params[i])."""
+    vocab = logits.shape[1]
+    device = logits.device
+    # top_k == 0 (disabled) or >= vocab keeps everything: treat as k = vocab.
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    need_k = any(k < vocab for k in ks)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if not need_k and not need_p:
+        return
+
+    if not need_p:
+        # Only top-k: a partial topk is much cheaper than a full sort.
+        k_max = max(ks)
+        top_vals = logits.topk(k_max, dim=-1).values  # best first
+        k_idx = torch.tensor(ks, device=device).unsqueeze(1) - 1
+        kth = top_vals.gather(1, k_idx)
+        # Ties with the k-th value are kept; rows without top-k use k = vocab,
+        # whose k-th value is the row minimum, so nothing is removed there.
+        logits.masked_fill_(logits < kth, _NEG_INF)
+        return
+
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if need_k:
+        k = torch.tensor(ks, device=device).unsqueeze(1)
+        kth = sorted_logits.gather(1, vocab - k)
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    # Drop the low tail whose total mass is at most 1 - top_p; the most likely
+    # token is always kept so the row can never be emptied.
+    drop = cum <= 1.0 - top_p
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, _NEG_INF)
+    logits.scatter_(1, order, sorted_logits)

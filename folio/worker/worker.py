@@ -1,0 +1,56 @@
+"""A worker owns one device: it loads the model, sizes and allocates the KV cache, and runs steps."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from folio.config import EngineConfig
+from folio.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from folio.model.families import ArchSpec
+from folio.model.loader import ModelSource, load_model, resolve_dtype
+from folio.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from folio.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
+        torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
+        self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
+                                           config.model.max_model_len)
+        self.load_seconds = time.perf_counter() - start
+        cache = config.cache
+        self.num_blocks = determine_num_blocks(
+            self.spec, block_size=cache.block_size, dtype=self.dtype,
+            max_model_len=config.model.max_model_len,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            num_blocks_override=cache.num_gpu_blocks_override)
+        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
+                                            self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device)
+        logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
+                    self.load_seconds, self.dtype, self.device, self.num_blocks,
+                    cache.block_size, self.num_blocks * cache.block_size)
+
+    @property
+    def arch_spec(self) -> ArchSpec:
+        return self.spec
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
