@@ -121,6 +121,12 @@ class BlockPool:
             block.block_hash = None
             self.num_evictions += 1
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Drop a block from the prefix-cache index: its K/V will never be written after all."""
+        if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits; a hit on a free block takes it off the free queue."""
         for block in blocks:

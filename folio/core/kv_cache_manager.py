@@ -95,6 +95,14 @@ class KVCacheManager:
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
+    def uncache_unwritten_blocks(self, request: Request, num_written_tokens: int) -> None:
+        """Un-index the blocks holding positions at or past `num_written_tokens`. For a step
+        that was scheduled and then undone (its request preempted later in the same step):
+        allocate_slots indexed the blocks that step would have filled, but it never runs."""
+        first = num_written_tokens // self.block_size
+        for block in self.req_to_blocks.get(request.request_id, [])[first:]:
+            self.block_pool.uncache_block(block)
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)

@@ -203,17 +203,22 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
-                self._preempt(victim)
-                preempted.append(victim)
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
+                    # Scheduled earlier in this step (priority policy): that step never runs,
+                    # so the blocks it would have filled must not stay in the prefix cache.
+                    self.kv.uncache_unwritten_blocks(victim, undone.num_computed_tokens)
                     budget += undone.num_new_tokens
                     index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
-                # The request preempted itself: nothing below it can run either.
-                break
+                # The request preempted itself and left the running list, so `index` already
+                # names the next one. Under fcfs it was the last; under priority the ones after
+                # it rank higher and may fit in the blocks it just gave back.
+                continue
             scheduled[request.request_id] = ScheduledRequest(
                 request, request.num_computed_tokens, num_new, [])
             budget -= num_new

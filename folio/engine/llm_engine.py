@@ -36,6 +36,9 @@ class LLMEngine:
         self.model_source = source
         self.hf_config, gguf_chat_template = load_hf_config(source)
         self.generation_config = _load_generation_config(source.path) if source.kind == "hf_dir" else None
+        extra_eos: list[int] = []
+        if source.gguf_checkpoint is not None:
+            extra_eos = list(source.gguf_checkpoint.extra.get("extra_eos_token_ids", []))
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if config.model.max_model_len is not None and config.model.max_model_len > model_max:
             raise ValueError(f"max_model_len={config.model.max_model_len} is larger than the "
@@ -47,6 +50,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, source, self.hf_config)
         self.vocab_size = self.engine_core.executor.worker.spec.vocab_size
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config, self.generation_config)
+        self.eos_token_ids += tuple(t for t in extra_eos if t not in self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size,
                                               config.model.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)

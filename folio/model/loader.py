@@ -4,7 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -24,6 +24,9 @@ _DTYPES = {
 class ModelSource:
     kind: str   # "hf_dir" or "gguf"
     path: str
+    # A GGUF file is parsed once: the config and the weights come from the same read, and the
+    # weights are dropped once loaded.
+    gguf_checkpoint: Any = field(default=None, repr=False)
 
 
 def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
@@ -71,10 +74,12 @@ def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
     """The transformers config, and a chat template found beside the weights (GGUF)."""
     from transformers import AutoConfig
     if source.kind == "gguf":
-        from folio.model.gguf_loader import read_gguf_config
-        cfg_dict, chat_template = read_gguf_config(source.path)
-        cfg_dict = dict(cfg_dict)
-        return AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict), chat_template
+        from folio.model.gguf_loader import read_gguf
+        if source.gguf_checkpoint is None:
+            source.gguf_checkpoint = read_gguf(source.path)
+        cfg_dict = dict(source.gguf_checkpoint.hf_config)
+        return (AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict),
+                source.gguf_checkpoint.chat_template)
     try:
         return AutoConfig.from_pretrained(source.path), None
     except Exception as exc:
@@ -97,7 +102,9 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
 def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     if source.kind == "gguf":
         from folio.model.gguf_loader import read_gguf
-        yield from read_gguf(source.path).state_dict.items()
+        checkpoint = source.gguf_checkpoint or read_gguf(source.path)
+        source.gguf_checkpoint = None
+        yield from checkpoint.state_dict.items()
         return
     path = source.path
     index = os.path.join(path, "model.safetensors.index.json")

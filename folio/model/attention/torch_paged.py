@@ -97,11 +97,13 @@ class TorchPagedAttention(AttentionBackend):
             tokens = plan["decode_tokens"]
             tables = plan["decode_tables"]                      # [B, nb]
             batch = tables.shape[0]
-            q = query[tokens].unsqueeze(2)                      # [B, H, 1, D]
+            num_heads = query.shape[1]
+            # Grouped layout: the G query heads sharing a KV head become G "query positions"
+            # of that KV head, so K/V are never repeated across heads.
+            q = query[tokens].view(batch, kv_heads, num_heads // kv_heads, head_dim)
             k = k_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
             v = v_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan["decode_mask"], scale=scale,
-                enable_gqa=True)
-            out[tokens] = o.squeeze(2)
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan["decode_mask"], scale=scale)
+            out[tokens] = o.reshape(batch, num_heads, head_dim)
         return out

@@ -1,0 +1,48 @@
+"""Engine flags for the command line, with vLLM's names, mapped onto LLM(...) keyword arguments."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="Hugging Face model directory, hub id (org/name) or .gguf file; "
+                                 "default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    parser.add_argument("--revision", default=None, help="hub revision of the model")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the engine")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (prompt + output); default: the model's maximum")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step (default 2048 with chunked prefill)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV cache of shared prompt prefixes")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="split long prompts across steps so decodes keep flowing")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="memory for the KV cache on CPU (default: min(4 GiB, a quarter of free memory))")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="fix the number of KV cache blocks (testing, capacity planning)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="fcfs, or priority (lower value first, then arrival)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=getattr(args, "model_flag", None) or getattr(args, "model", None),
+        tokenizer=args.tokenizer, revision=args.revision, dtype=args.dtype, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        scheduling_policy=args.scheduling_policy, device=args.device)

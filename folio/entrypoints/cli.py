@@ -1,0 +1,81 @@
+"""The `folio` command: chat with a model, run benchmarks."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from folio.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--system", default=None, help="system prompt")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from folio import LLM, SamplingParams
+    llm = LLM(**engine_kwargs_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+
+    def answer(text: str) -> str:
+        history.append({"role": "user", "content": text})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        return reply
+
+    if args.prompt is not None:
+        print(answer(args.prompt))
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("folio chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip():
+            print(answer(line.strip()), flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="folio: LLM inference and serving engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows start-up details)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)")
+    add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--prompt", default=None, help="answer this one message and exit")
+    chat.set_defaults(func=_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_sub.add_parser("throughput", help="offline throughput, optionally against a peer")
+    from folio.bench import throughput as throughput_bench
+    throughput_bench.add_cli_args(throughput)
+    throughput.set_defaults(func=lambda a: (throughput_bench.run(a), 0)[1])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"folio: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
