@@ -303,13 +303,18 @@ def check_greedy_close(folio_ids: Sequence[int], hf_ids: Sequence[int],
     return None
 
 
-def assert_logprobs_match(folio_position: Mapping[int, float], hf_row: torch.Tensor, *,
+def assert_logprobs_match(folio_position: Mapping[int, float],
+                          reference: torch.Tensor | Mapping[int, float], *,
                           atol: float, where: str) -> None:
     """Every token folio reports at one position (its top-k and the chosen token) must carry
-    transformers' logprob for it."""
+    the reference logprob for it. `reference` is a full-vocab row, or a dict that covers at
+    least folio's token ids."""
     assert folio_position, f"{where}: folio returned no logprobs"
     ids = list(folio_position)
-    expected = hf_row[ids].tolist()
+    if isinstance(reference, torch.Tensor):
+        expected = reference[ids].tolist()
+    else:
+        expected = [reference[tid] for tid in ids]
     for tid, exp in zip(ids, expected):
         got = folio_position[tid]
         assert abs(got - exp) <= atol, (
