@@ -3,12 +3,24 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
+from folio.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from folio.sampling_params import SamplingParams
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized, validated request as the front end hands it to the engine core (in the
+    same process, or over ZMQ to the engine-core process)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,7 +57,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: "SamplingParams",
+        sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         *,
         block_size: int,
@@ -79,6 +91,13 @@ class Request:
             sampling_params.max_tokens, room)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, *, block_size: int,
+                                 max_model_len: int) -> "Request":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                   tuple(req.eos_token_ids), block_size=block_size, max_model_len=max_model_len,
+                   arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:

@@ -10,9 +10,10 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from folio.core.request import Request, RequestStatus
 
 
@@ -52,40 +53,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the worker returns for one step, keyed by request id."""
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Any] = field(default_factory=dict)            # SampledTokenLogprobs
-    prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # for this chunk, in order
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Any] = field(default_factory=list)
-    new_prompt_logprobs: list[Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class WaitingQueue:
@@ -176,6 +143,9 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
+
+    def has_finished_since_last_step(self) -> bool:
+        return bool(self._finished_since_last_step)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -335,4 +305,5 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
-            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits)
+            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
+            num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks)

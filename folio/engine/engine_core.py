@@ -6,8 +6,9 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.request import Request, RequestStatus
-from folio.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from folio.core.request import EngineCoreRequest, Request, RequestStatus
+from folio.core.outputs import EngineCoreOutput, SchedulerStats
+from folio.core.scheduler import Scheduler
 from folio.executor.uniproc import UniProcExecutor
 from folio.model.loader import ModelSource
 
@@ -26,7 +27,11 @@ class EngineCore:
             max_model_len=config.model.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        if isinstance(request, EngineCoreRequest):
+            request = Request.from_engine_core_request(
+                request, block_size=self.config.cache.block_size,
+                max_model_len=self.config.model.max_model_len)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -44,6 +49,10 @@ class EngineCore:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_pending_notifications(self) -> bool:
+        """Requests finished outside a step (aborts) whose worker state is still to drop."""
+        return self.scheduler.has_finished_since_last_step()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

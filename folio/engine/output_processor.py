@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from folio.core.scheduler import EngineCoreOutput
+from folio.core.outputs import EngineCoreOutput
 from folio.engine.detokenizer import IncrementalDetokenizer
 from folio.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
@@ -133,9 +133,9 @@ class OutputProcessor:
             parent = child.parent
             touched[parent.request_id] = parent
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
-                start, entries = out.new_prompt_logprobs
-                for offset, entry in enumerate(entries):
-                    parent.prompt_logprobs[start + offset] = to_position_logprobs(entry, self.token_text)
+                chunk = out.new_prompt_logprobs
+                for offset, entry in enumerate(chunk.entries):
+                    parent.prompt_logprobs[chunk.start + offset] = to_position_logprobs(entry, self.token_text)
             if out.first_scheduled_time is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = out.first_scheduled_time
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from folio.config import EngineConfig
-from folio.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from folio.core.outputs import ModelRunnerOutput
+from folio.core.scheduler import SchedulerOutput
 from folio.model.loader import ModelSource
 from folio.worker.worker import Worker
 

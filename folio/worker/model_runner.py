@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from folio.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
+from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
@@ -83,8 +84,9 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             # Keyed by the prompt position of the first token scored: after a preemption the
             # prompt is recomputed and the front end must place, not append, these.
-            output.prompt_logprobs[request.request_id] = (start + 1, compute_token_logprobs(
-                logits, targets, request.sampling_params.prompt_logprobs))
+            output.prompt_logprobs[request.request_id] = PromptLogprobsChunk(
+                start + 1, compute_token_logprobs(logits, targets,
+                                                  request.sampling_params.prompt_logprobs))
 
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from folio.core.outputs import SampledTokenLogprobs
 from folio.sampling_params import SamplingParams
 
 
@@ -32,15 +33,6 @@ class SamplingState:
     generator: torch.Generator | None
     # Masked (together with params.stop_token_ids) until min_tokens is reached.
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SampledTokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely token
-    top_token_ids: list[int]  # best first
-    top_logprobs: list[float]
 
 
 @dataclass

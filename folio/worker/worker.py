@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from folio.config import EngineConfig
-from folio.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from folio.core.outputs import ModelRunnerOutput
+from folio.core.scheduler import SchedulerOutput
 from folio.model.families import ArchSpec
 from folio.model.loader import ModelSource, load_model, resolve_dtype
 from folio.worker.kv_cache import allocate_kv_caches, determine_num_blocks

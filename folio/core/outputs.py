@@ -1,0 +1,61 @@
+"""Plain data passed out of the engine core: per-step results of the worker and the per-request
+outputs the core returns. Dataclasses with exact types, so msgspec can carry them between the
+engine-core process and the front end unchanged."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampledTokenLogprobs:
+    """Logprobs at one position: the chosen token (with its rank, 1 = most likely) and the
+    top-k alternatives, best first."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens [start, start + len(entries)) computed in one step. Placed by
+    position: after a preemption the prompt is recomputed and the same positions come again."""
+    start: int
+    entries: list[SampledTokenLogprobs]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns for one step, keyed by request id."""
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampledTokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledTokenLogprobs] = field(default_factory=list)
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0

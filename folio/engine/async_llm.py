@@ -1,0 +1,296 @@
+"""The asynchronous front end used by the server: an engine-core process behind ZMQ, and one
+output stream per request.
+
+Threads: the event loop owns all front-end state (output processor, request queues) and the
+sending socket; one receiver thread owns the receiving socket and hands each message to the
+loop. The engine core runs in a separate process (spawned), so the model's compute never
+blocks the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, AsyncIterator
+
+import zmq
+
+from folio.config import EngineConfig
+from folio.core.outputs import SchedulerStats
+from folio.engine import messages as msg
+from folio.engine.core_proc import run_engine_core
+from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_params, load_model_info
+from folio.engine.input_processor import PromptType
+from folio.engine.output_processor import OutputProcessor
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; requests cannot be served."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, metrics: Any | None = None,
+                 ready_timeout_s: float = 900.0) -> None:
+        self.config = config
+        self.model_info: ModelInfo = load_model_info(config)
+        self.preparer = RequestPreparer(self.model_info)
+        self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        self.metrics = metrics
+        self.stats = SchedulerStats()
+        self.errored: str | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="folio-ipc-")
+        input_address = f"ipc://{self._ipc_dir}/input"
+        output_address = f"ipc://{self._ipc_dir}/output"
+        self._context = zmq.Context()
+        self._send_socket = self._context.socket(zmq.PUSH)
+        self._send_socket.bind(input_address)
+        self._recv_socket = self._context.socket(zmq.PULL)
+        self._recv_socket.bind(output_address)
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=run_engine_core, name="folio-engine-core",
+                                   args=(config, input_address, output_address, os.getpid()),
+                                   daemon=True)
+        self.process.start()
+        try:
+            self.ready = self._wait_ready(ready_timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, name="folio-output-receiver",
+                                          daemon=True)
+
+    # ---- start-up and shutdown -----------------------------------------------------------
+
+    def _wait_ready(self, timeout_s: float) -> msg.ReadyInfo:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._recv_socket.poll(500):
+                kind, payload = msg.decode(self._recv_socket.recv_multipart())
+                if kind == msg.READY:
+                    return payload
+                if kind == msg.FATAL:
+                    raise RuntimeError(f"the engine core failed to start: {payload}")
+            elif not self.process.is_alive():
+                raise RuntimeError(f"the engine core exited during start-up "
+                                   f"(exit code {self.process.exitcode})")
+        raise RuntimeError(f"the engine core was not ready after {timeout_s:.0f} s")
+
+    def _ensure_started(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._receiver.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine core (graceful, then forced) and release sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.process.is_alive():
+                self._send_socket.send_multipart(msg.encode(msg.SHUTDOWN, None), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._send_socket.close(linger=0)
+        self._recv_socket.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._fail_all(EngineDeadError("the engine is shut down"))
+
+    # ---- model facts the server needs ----------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model_info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_info.max_model_len
+
+    def default_sampling_params(self) -> SamplingParams:
+        return default_sampling_params(self.model_info)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.errored is None and not self._closed and self.process.is_alive()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(self.errored or "the engine core is not running")
+        self._send_socket.send_multipart(msg.encode(kind, payload))
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs for one request (as params.output_kind says). Raises
+        ValueError for bad input before anything is queued, EngineDeadError if the engine
+        dies. Closing the stream early (client gone) aborts the request."""
+        self._ensure_started()
+        if not self.is_healthy:
+            raise EngineDeadError(self.errored or "the engine core is not running")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prepared = self.preparer.prepare(request_id, prompt, params, priority=priority,
+                                         cache_salt=cache_salt)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        arrival = prepared.core_requests[0].arrival_time
+        self.output_processor.add_request(request_id, prepared.child_ids, prepared.prompt.prompt,
+                                          prepared.prompt.prompt_token_ids, prepared.child_params,
+                                          arrival)
+        if self.metrics is not None:
+            self.metrics.request_added(request_id, arrival, len(prepared.prompt.prompt_token_ids))
+        finished = False
+        try:
+            for core_request in prepared.core_requests:
+                self._send(msg.ADD, core_request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_locally(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_locally(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _abort_locally(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort(request_id)
+        if child_ids and self.is_healthy:
+            self._send_socket.send_multipart(msg.encode(msg.ABORT, child_ids))
+        if child_ids and self.metrics is not None:
+            self.metrics.request_aborted(request_id, time.monotonic())
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call_utility("reset_prefix_cache")
+
+    async def get_stats(self) -> SchedulerStats:
+        """Fresh scheduler stats from the engine core (the cached `stats` lags by a step)."""
+        result = await self._call_utility("stats")
+        return SchedulerStats(**result) if isinstance(result, dict) else result
+
+    async def _call_utility(self, method: str, *args: Any) -> Any:
+        self._ensure_started()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        try:
+            self._send(msg.UTILITY, msg.UtilityCall(call_id, method, list(args)))
+            return await future
+        finally:
+            self._utility_futures.pop(call_id, None)
+
+    # ---- outputs -------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        """Receiver thread: hand every message to the event loop; watch the process."""
+        assert self._loop is not None
+        while not self._closed:
+            try:
+                ready = self._recv_socket.poll(500)
+            except zmq.ZMQError:
+                return  # socket closed at shutdown
+            if not ready:
+                if not self.process.is_alive() and not self._closed:
+                    self._loop.call_soon_threadsafe(
+                        self._on_engine_dead, f"the engine core exited (code {self.process.exitcode})")
+                    return
+                continue
+            try:
+                kind, payload = msg.decode(self._recv_socket.recv_multipart())
+            except zmq.ZMQError:
+                return
+            if kind == msg.FATAL:
+                self._loop.call_soon_threadsafe(self._on_engine_dead, f"the engine core failed: {payload}")
+                return
+            self._loop.call_soon_threadsafe(self._on_message, kind, payload)
+
+    def _on_message(self, kind: bytes, payload: Any) -> None:
+        if kind == msg.OUTPUTS:
+            self._on_step_outputs(payload)
+        elif kind == msg.UTILITY_RESULT:
+            future = self._utility_futures.get(payload.call_id)
+            if future is not None and not future.done():
+                if payload.error is not None:
+                    future.set_exception(RuntimeError(payload.error))
+                else:
+                    future.set_result(payload.result)
+
+    def _on_step_outputs(self, step: msg.StepOutputs) -> None:
+        self.stats = step.stats
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.observe_scheduler_stats(step.stats)
+            self._record_token_metrics(step, now)
+        outputs, stopped = self.output_processor.process(step.outputs)
+        if stopped and self.is_healthy:
+            self._send_socket.send_multipart(msg.encode(msg.FINISH, stopped))
+        for output in outputs:
+            if output.finished and self.metrics is not None:
+                completion = output.outputs[0] if output.outputs else None
+                self.metrics.request_finished(
+                    output.request_id, completion.finish_reason if completion else "stop", now,
+                    len(output.prompt_token_ids),
+                    sum(len(c.token_ids) for c in output.outputs) if output.outputs else 0)
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _record_token_metrics(self, step: msg.StepOutputs, now: float) -> None:
+        per_parent: dict[str, tuple[int, float | None]] = {}
+        for out in step.outputs:
+            child = self.output_processor.children.get(out.request_id)
+            if child is None or not out.new_token_ids:
+                continue
+            parent_id = child.parent.request_id
+            count, first = per_parent.get(parent_id, (0, None))
+            per_parent[parent_id] = (count + len(out.new_token_ids), first or out.first_scheduled_time)
+        for parent_id, (count, first_scheduled) in per_parent.items():
+            self.metrics.tokens_generated(parent_id, count, now, first_scheduled)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        logger.error("%s", reason)
+        self.errored = reason
+        self._fail_all(EngineDeadError(reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in list(self._queues.values()):
+            queue.put_nowait(error)
+        for future in list(self._utility_futures.values()):
+            if not future.done():
+                future.set_exception(error)

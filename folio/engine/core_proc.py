@@ -1,0 +1,100 @@
+"""The engine core in its own process: a busy loop of scheduler + model steps, fed over ZMQ.
+
+The front end (API server) tokenizes and detokenizes; this process sees only token ids. It
+exits when told to, when its parent dies, or on a fatal error (reported first, so the front
+end can fail requests instead of hanging).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from folio.config import EngineConfig
+from folio.engine import messages as msg
+
+logger = logging.getLogger(__name__)
+
+# The EngineCore methods the front end may call remotely.
+UTILITY_METHODS = {"reset_prefix_cache", "stats"}
+
+_IDLE_POLL_MS = 500
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    parent_pid: int) -> None:
+    """Process entry point (multiprocessing target)."""
+    # Ctrl-C goes to the whole process group; the front end decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    try:
+        from folio.engine.engine_core import EngineCore
+        from folio.engine.frontend import load_model_info
+        info = load_model_info(config)
+        core = EngineCore(config, info.source, info.hf_config)
+        outbox.send_multipart(msg.encode(msg.READY, msg.ReadyInfo(
+            core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid())))
+        _busy_loop(core, inbox, outbox, parent_pid)
+    except Exception as exc:  # report, then die: the front end fails requests with 500s
+        detail = f"{type(exc).__name__}: {exc}"
+        logger.error("engine core failed: %s\n%s", detail, traceback.format_exc())
+        try:
+            outbox.send_multipart(msg.encode(msg.FATAL, detail), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        context.term()
+
+
+def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    last_parent_check = time.monotonic()
+    while True:
+        # Block only while idle; with work queued, just drain what has arrived.
+        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        while poller.poll(timeout):
+            kind, payload = msg.decode(inbox.recv_multipart())
+            if kind == msg.SHUTDOWN:
+                return
+            _handle(core, kind, payload, outbox)
+            timeout = 0
+        now = time.monotonic()
+        if now - last_parent_check > 1.0:
+            last_parent_check = now
+            if os.getppid() != parent_pid:
+                logger.warning("front end process is gone; engine core exiting")
+                return
+        if core.has_unfinished_requests() or core.has_pending_notifications():
+            outputs = core.step()
+            outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
+                outputs, core.stats(), time.monotonic())))
+
+
+def _handle(core, kind: bytes, payload, outbox: zmq.Socket) -> None:
+    if kind == msg.ADD:
+        core.add_request(payload)
+    elif kind == msg.ABORT:
+        core.abort_requests(payload)
+    elif kind == msg.FINISH:
+        core.finish_requests(payload)
+    elif kind == msg.UTILITY:
+        result = msg.UtilityResult(payload.call_id)
+        if payload.method not in UTILITY_METHODS:
+            result.error = f"unknown utility method {payload.method!r}"
+        else:
+            try:
+                result.result = getattr(core, payload.method)(*payload.args)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+        outbox.send_multipart(msg.encode(msg.UTILITY_RESULT, result))

@@ -1,0 +1,287 @@
+"""Prometheus metrics for one folio engine, named like vLLM's (``folio:`` instead of ``vllm:``).
+
+The async front end calls :class:`EngineMetrics` as requests run: once per scheduler step with
+the scheduler's stats, and per request as it is added, produces tokens, finishes or is aborted.
+``render()`` gives the text exposition for a ``/metrics`` endpoint.
+
+Each instance owns its own ``CollectorRegistry`` rather than using prometheus_client's global
+one: registering the same metric name twice in one registry raises, so several engines (or
+tests) in one process would otherwise clash.
+
+Everything is called from a single asyncio loop, so no locking is done here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:  # only for annotations; keeps this module free of engine imports
+    from folio.core.outputs import SchedulerStats
+
+PREFIX = "folio:"
+
+# Finish reasons pre-created on request_success so they are exported (at 0) from the start,
+# which lets dashboards compute ratios before the first request of each kind finishes.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+ABORT_REASON = "abort"
+
+# Latency buckets (seconds). Dense where interactive serving lives (tens of ms to a few
+# seconds), then coarse out to long-queue / long-generation tails.
+TTFT_BUCKETS: list[float] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+ITL_BUCKETS: list[float] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+REQUEST_LATENCY_BUCKETS: list[float] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to and including ``max_value`` (at least ``[1]``).
+
+    Token-length histograms are scaled to the model's context so a 2k model doesn't carry
+    empty buckets up to 1M and a 128k model still resolves its long requests.
+    """
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets or [1.0]
+            buckets.append(float(value))
+        exponent += 1
+
+
+@dataclass
+class _RequestState:
+    """What we must remember about an in-flight request to derive its latencies."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+    queue_time_observed: bool = False
+
+
+class EngineMetrics:
+    """Prometheus metrics for one engine, in a private registry, labelled by ``model_name``."""
+
+    CONTENT_TYPE: str = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests: dict[str, _RequestState] = {}
+        # Last cumulative values seen in SchedulerStats, to turn them into counter deltas.
+        self._last_cumulative: dict[str, int] = {}
+        self._cache_info_blocks: int | None = None
+
+        labels = ["model_name"]
+        reg = self.registry
+        p = PREFIX
+
+        # --- scheduler state (gauges: last observed value) ---
+        self._g_running = Gauge(
+            p + "num_requests_running", "Number of requests in model execution batches.",
+            labels, registry=reg).labels(model_name)
+        self._g_waiting = Gauge(
+            p + "num_requests_waiting", "Number of requests waiting to be processed.",
+            labels, registry=reg).labels(model_name)
+        self._g_kv_usage = Gauge(
+            p + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            labels, registry=reg).labels(model_name)
+        # Info-style gauge (always 1); the block count lives in a label, like vLLM's.
+        self._g_cache_info = Gauge(
+            p + "cache_config_info", "Information of the KV cache configuration.",
+            ["model_name", "num_gpu_blocks"], registry=reg)
+
+        # --- cumulative scheduler counters (fed as deltas) ---
+        # prometheus_client appends "_total" on exposition: folio:num_preemptions_total etc.
+        self._c_preemptions = Counter(
+            p + "num_preemptions", "Cumulative number of preemptions from the engine.",
+            labels, registry=reg).labels(model_name)
+        self._c_prefix_queries = Counter(
+            p + "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=reg).labels(model_name)
+        self._c_prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=reg).labels(model_name)
+
+        # --- token throughput ---
+        self._c_prompt_tokens = Counter(
+            p + "prompt_tokens", "Number of prefill tokens processed.",
+            labels, registry=reg).labels(model_name)
+        self._c_generation_tokens = Counter(
+            p + "generation_tokens", "Number of generation tokens processed.",
+            labels, registry=reg).labels(model_name)
+
+        # --- finished requests ---
+        self._c_success = Counter(
+            p + "request_success", "Count of successfully processed requests.",
+            ["model_name", "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:
+            self._c_success.labels(model_name, reason)
+
+        # --- latencies ---
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(p + name, doc, labels, buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        self._h_ttft = hist("time_to_first_token_seconds",
+                            "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self._h_itl = hist("inter_token_latency_seconds",
+                           "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self._h_tpot = hist("request_time_per_output_token_seconds",
+                            "Histogram of time_per_output_token_seconds per request.",
+                            ITL_BUCKETS)
+        self._h_e2e = hist("e2e_request_latency_seconds",
+                           "Histogram of e2e request latency in seconds.",
+                           REQUEST_LATENCY_BUCKETS)
+        self._h_queue = hist("request_queue_time_seconds",
+                             "Histogram of time spent in WAITING phase for request.",
+                             REQUEST_LATENCY_BUCKETS)
+        self._h_prefill = hist("request_prefill_time_seconds",
+                               "Histogram of time spent in PREFILL phase for request.",
+                               REQUEST_LATENCY_BUCKETS)
+        self._h_decode = hist("request_decode_time_seconds",
+                              "Histogram of time spent in DECODE phase for request.",
+                              REQUEST_LATENCY_BUCKETS)
+        self._h_inference = hist("request_inference_time_seconds",
+                                 "Histogram of time spent in RUNNING phase for request.",
+                                 REQUEST_LATENCY_BUCKETS)
+
+        # --- request sizes ---
+        length_buckets = build_1_2_5_buckets(max_model_len)
+        self._h_prompt_len = hist("request_prompt_tokens",
+                                  "Number of prefill tokens processed.", length_buckets)
+        self._h_gen_len = hist("request_generation_tokens",
+                               "Number of generation tokens processed.", length_buckets)
+
+    # ------------------------------------------------------------------ scheduler stats
+
+    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Record one scheduler step's stats: gauges are set, cumulative values become deltas."""
+        self._g_running.set(stats.num_running)
+        self._g_waiting.set(stats.num_waiting)
+        self._g_kv_usage.set(stats.kv_cache_usage)
+
+        self._inc_cumulative("num_preemptions", stats.num_preemptions, self._c_preemptions)
+        self._inc_cumulative("prefix_cache_queries", stats.prefix_cache_queries,
+                             self._c_prefix_queries)
+        self._inc_cumulative("prefix_cache_hits", stats.prefix_cache_hits, self._c_prefix_hits)
+
+        if stats.num_blocks and stats.num_blocks != self._cache_info_blocks:
+            # Replace, not add: a stale label set would read as a second cache config.
+            if self._cache_info_blocks is not None:
+                self._g_cache_info.remove(self.model_name, str(self._cache_info_blocks))
+            self._g_cache_info.labels(self.model_name, str(stats.num_blocks)).set(1)
+            self._cache_info_blocks = stats.num_blocks
+
+    def _inc_cumulative(self, key: str, value: int, counter: Counter) -> None:
+        last = self._last_cumulative.get(key, 0)
+        # A value below the last one means the source was reset (e.g. the prefix cache was
+        # cleared); like Prometheus' own reset handling, everything since the reset is new.
+        delta = value - last if value >= last else value
+        if delta > 0:
+            counter.inc(delta)
+        self._last_cumulative[key] = value
+
+    # ------------------------------------------------------------------ per request
+
+    def request_added(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _RequestState(arrival_time, num_prompt_tokens)
+
+    def tokens_generated(self, request_id: str, num_new_tokens: int, now: float,
+                         first_scheduled_time: float | None) -> None:
+        """Record ``num_new_tokens`` produced for a request at ``now``.
+
+        The first batch gives TTFT (and queue time when the schedule time is known); each later
+        batch gives one inter-token latency sample. Calls with no tokens change nothing.
+        """
+        if num_new_tokens <= 0:
+            return
+        self._c_generation_tokens.inc(num_new_tokens)
+        state = self._requests.get(request_id)
+        if state is None:  # unknown (never added or already forgotten): count tokens only
+            return
+
+        if first_scheduled_time is not None and state.first_scheduled_time is None:
+            state.first_scheduled_time = first_scheduled_time
+        if state.first_scheduled_time is not None and not state.queue_time_observed:
+            self._h_queue.observe(max(0.0, state.first_scheduled_time - state.arrival_time))
+            state.queue_time_observed = True
+
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self._h_ttft.observe(max(0.0, now - state.arrival_time))
+            # The prompt has been prefilled once the first token exists.
+            self._c_prompt_tokens.inc(state.num_prompt_tokens)
+        else:
+            assert state.last_token_time is not None
+            self._h_itl.observe(max(0.0, now - state.last_token_time))
+        state.last_token_time = now
+        state.num_generation_tokens += num_new_tokens
+
+    def request_finished(self, request_id: str, finish_reason: str, now: float,
+                         num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Record a finished request (reason "stop", "length", "abort", ...) and forget it."""
+        state = self._requests.pop(request_id, None)
+        self._c_success.labels(self.model_name, finish_reason).inc()
+        self._h_prompt_len.observe(num_prompt_tokens)
+        self._h_gen_len.observe(num_generation_tokens)
+        if state is None:  # nothing timed for it; the sizes and the count are all we know
+            return
+        if state.first_token_time is None:
+            # Finished before any token was reported: its prompt was never counted.
+            self._c_prompt_tokens.inc(num_prompt_tokens)
+
+        self._h_e2e.observe(max(0.0, now - state.arrival_time))
+        first, last = state.first_token_time, state.last_token_time
+        if first is not None and last is not None:
+            self._h_decode.observe(max(0.0, last - first))
+            if num_generation_tokens > 1:
+                self._h_tpot.observe(max(0.0, (last - first) / (num_generation_tokens - 1)))
+            if state.first_scheduled_time is not None:
+                self._h_prefill.observe(max(0.0, first - state.first_scheduled_time))
+                self._h_inference.observe(max(0.0, last - state.first_scheduled_time))
+
+    def request_aborted(self, request_id: str, now: float) -> None:
+        """Forget an aborted request and count it under ``finished_reason="abort"``.
+
+        Only tracked requests count, so aborting one that already finished (a client that
+        disconnects after the last token) is a no-op rather than a second count.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        self._c_success.labels(self.model_name, ABORT_REASON).inc()
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """In-flight requests with per-request state (bounded: dropped on finish/abort)."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ exposition
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of this engine's registry (serve with ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""EngineMetrics driven with synthetic calls and fake times; checked through render()."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from folio.core.outputs import SchedulerStats
+from folio.metrics import EngineMetrics, build_1_2_5_buckets
+
+MODEL = "tiny-model"
+
+
+def scrape(m: EngineMetrics) -> dict[tuple[str, frozenset], float]:
+    """All samples of one render(), keyed by (sample name, label items)."""
+    out: dict[tuple[str, frozenset], float] = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def val(m: EngineMetrics, name: str, **labels: str) -> float:
+    labels = {"model_name": MODEL, **labels}
+    return scrape(m)[(name, frozenset(labels.items()))]
+
+
+def hist(m: EngineMetrics, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram."""
+    return val(m, f"folio:{name}_count"), val(m, f"folio:{name}_sum")
+
+
+@pytest.fixture
+def m() -> EngineMetrics:
+    return EngineMetrics(MODEL, max_model_len=2048)
+
+
+def test_gauges_reflect_last_stats(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(num_running=3, num_waiting=5, kv_cache_usage=0.5,
+                                             num_blocks=100, num_free_blocks=50))
+    m.observe_scheduler_stats(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25,
+                                             num_blocks=100, num_free_blocks=75))
+    assert val(m, "folio:num_requests_running") == 2
+    assert val(m, "folio:num_requests_waiting") == 1
+    assert val(m, "folio:kv_cache_usage_perc") == 0.25
+    assert val(m, "folio:cache_config_info", num_gpu_blocks="100") == 1
+
+
+def test_cumulative_stats_become_counter_deltas(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(num_preemptions=2, prefix_cache_queries=100,
+                                             prefix_cache_hits=40))
+    m.observe_scheduler_stats(SchedulerStats(num_preemptions=5, prefix_cache_queries=150,
+                                             prefix_cache_hits=40))
+    assert val(m, "folio:num_preemptions_total") == 5
+    assert val(m, "folio:prefix_cache_queries_total") == 150
+    assert val(m, "folio:prefix_cache_hits_total") == 40
+
+    # Source reset to lower values: never decreases; counts since the reset are added.
+    m.observe_scheduler_stats(SchedulerStats(num_preemptions=1, prefix_cache_queries=10,
+                                             prefix_cache_hits=0))
+    assert val(m, "folio:num_preemptions_total") == 6
+    assert val(m, "folio:prefix_cache_queries_total") == 160
+    assert val(m, "folio:prefix_cache_hits_total") == 40
+    # And deltas resume from the post-reset baseline.
+    m.observe_scheduler_stats(SchedulerStats(num_preemptions=3, prefix_cache_queries=30,
+                                             prefix_cache_hits=4))
+    assert val(m, "folio:num_preemptions_total") == 8
+    assert val(m, "folio:prefix_cache_queries_total") == 180
+    assert val(m, "folio:prefix_cache_hits_total") == 44
+
+
+def test_request_lifecycle_latencies(m: EngineMetrics) -> None:
+    m.request_added("r1", arrival_time=100.0, num_prompt_tokens=7)
+    m.tokens_generated("r1", 1, now=100.5, first_scheduled_time=100.2)  # TTFT .5, queue .2
+    m.tokens_generated("r1", 1, now=100.6, first_scheduled_time=100.2)  # ITL .1
+    m.tokens_generated("r1", 2, now=100.9, first_scheduled_time=100.2)  # ITL .3 (one per batch)
+    m.request_finished("r1", "stop", now=101.0, num_prompt_tokens=7, num_generation_tokens=4)
+
+    assert hist(m, "time_to_first_token_seconds") == (1, pytest.approx(0.5))
+    assert hist(m, "request_queue_time_seconds") == (1, pytest.approx(0.2))
+    assert hist(m, "inter_token_latency_seconds") == (2, pytest.approx(0.4))
+    # TPOT = (last token − first token) / (gen − 1) = 0.4 / 3
+    assert hist(m, "request_time_per_output_token_seconds") == (1, pytest.approx(0.4 / 3))
+    assert hist(m, "e2e_request_latency_seconds") == (1, pytest.approx(1.0))
+    assert hist(m, "request_prefill_time_seconds") == (1, pytest.approx(0.3))
+    assert hist(m, "request_decode_time_seconds") == (1, pytest.approx(0.4))
+    assert hist(m, "request_inference_time_seconds") == (1, pytest.approx(0.7))
+    assert hist(m, "request_prompt_tokens") == (1, 7)
+    assert hist(m, "request_generation_tokens") == (1, 4)
+    assert val(m, "folio:prompt_tokens_total") == 7
+    assert val(m, "folio:generation_tokens_total") == 4
+    assert val(m, "folio:request_success_total", finished_reason="stop") == 1
+    assert val(m, "folio:request_success_total", finished_reason="length") == 0
+    assert m.num_tracked_requests == 0
+
+
+def test_single_token_request_has_no_tpot_and_unknown_schedule_no_queue(m: EngineMetrics) -> None:
+    m.request_added("r", arrival_time=10.0, num_prompt_tokens=3)
+    m.tokens_generated("r", 0, now=10.1, first_scheduled_time=None)  # no tokens: ignored
+    m.tokens_generated("r", 1, now=10.25, first_scheduled_time=None)
+    m.request_finished("r", "length", now=10.3, num_prompt_tokens=3, num_generation_tokens=1)
+    assert hist(m, "time_to_first_token_seconds") == (1, pytest.approx(0.25))
+    assert hist(m, "request_time_per_output_token_seconds")[0] == 0
+    assert hist(m, "inter_token_latency_seconds")[0] == 0
+    assert hist(m, "request_queue_time_seconds")[0] == 0
+    assert val(m, "folio:request_success_total", finished_reason="length") == 1
+
+
+def test_abort_counts_and_forgets(m: EngineMetrics) -> None:
+    m.request_added("a", arrival_time=0.0, num_prompt_tokens=5)
+    m.tokens_generated("a", 1, now=1.0, first_scheduled_time=0.5)
+    m.request_added("b", arrival_time=0.0, num_prompt_tokens=5)
+    assert m.num_tracked_requests == 2
+    m.request_aborted("a", now=2.0)
+    m.request_aborted("b", now=2.0)
+    assert m.num_tracked_requests == 0
+    assert val(m, "folio:request_success_total", finished_reason="abort") == 2
+    # Aborting again (already forgotten) is a no-op, and later tokens don't resurrect state.
+    m.request_aborted("a", now=3.0)
+    m.tokens_generated("a", 1, now=3.0, first_scheduled_time=0.5)
+    assert m.num_tracked_requests == 0
+    assert val(m, "folio:request_success_total", finished_reason="abort") == 2
+    assert hist(m, "e2e_request_latency_seconds")[0] == 0
+
+
+def test_many_requests_state_is_bounded(m: EngineMetrics) -> None:
+    for i in range(200):
+        rid = f"r{i}"
+        m.request_added(rid, arrival_time=float(i), num_prompt_tokens=2)
+        m.tokens_generated(rid, 1, now=i + 0.1, first_scheduled_time=float(i))
+        m.request_finished(rid, "stop", now=i + 0.2, num_prompt_tokens=2, num_generation_tokens=1)
+    assert m.num_tracked_requests == 0
+    assert val(m, "folio:request_success_total", finished_reason="stop") == 200
+    assert val(m, "folio:prompt_tokens_total") == 400
+
+
+def test_labels_and_exposition(m: EngineMetrics) -> None:
+    m.request_added("r", arrival_time=0.0, num_prompt_tokens=1)
+    m.tokens_generated("r", 1, now=0.1, first_scheduled_time=0.0)
+    m.request_finished("r", "stop", now=0.2, num_prompt_tokens=1, num_generation_tokens=1)
+    samples = scrape(m)
+    assert samples
+    for (name, labels) in samples:
+        assert name.startswith("folio:")
+        assert dict(labels).get("model_name") == MODEL
+        if name.startswith("folio:request_success"):
+            assert "finished_reason" in dict(labels)
+    assert m.CONTENT_TYPE == CONTENT_TYPE_LATEST
+
+
+def test_length_buckets_scale_with_max_model_len() -> None:
+    assert build_1_2_5_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    small = EngineMetrics(MODEL, max_model_len=50)
+    les = {dict(lbl)["le"] for (name, lbl) in scrape(small)
+           if name == "folio:request_prompt_tokens_bucket"}
+    assert les == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"}
+
+
+def test_instances_do_not_share_a_registry() -> None:
+    a = EngineMetrics(MODEL, max_model_len=128)
+    b = EngineMetrics(MODEL, max_model_len=128)  # same names: would raise on a shared registry
+    assert a.registry is not b.registry
+    a.observe_scheduler_stats(SchedulerStats(num_running=4, num_preemptions=3))
+    assert val(a, "folio:num_requests_running") == 4
+    assert val(b, "folio:num_requests_running") == 0
+    assert val(b, "folio:num_preemptions_total") == 0
