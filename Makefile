@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 setup: $(STAMP)
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/folio chat
+	HF_HUB_OFFLINE=1 $(VENV)/bin/folio serve
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests

@@ -27,6 +27,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     revision: str | None = None
     device: str = "auto"
+    # Sampling defaults: "auto" reads the model's generation_config.json, "folio" (or "vllm")
+    # ignores it, anything else is a directory holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,

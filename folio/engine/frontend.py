@@ -41,7 +41,15 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     source = resolve_model_source(config.model.model, config.model.revision)
     hf_config, gguf_chat_template = load_hf_config(source)
     spec = arch_spec_from_hf_config(hf_config)  # fails early on an unsupported architecture
-    generation_config = _load_generation_config(source.path) if source.kind == "hf_dir" else None
+    generation_config = None
+    if config.model.generation_config == "auto":
+        if source.kind == "hf_dir":
+            generation_config = _load_generation_config(source.path)
+    elif config.model.generation_config not in ("folio", "vllm"):
+        generation_config = _load_generation_config(config.model.generation_config)
+        if generation_config is None:
+            raise ValueError(f"generation_config: no generation_config.json in "
+                             f"{config.model.generation_config!r}")
     extra_eos: list[int] = []
     if source.gguf_checkpoint is not None:
         extra_eos = list(source.gguf_checkpoint.extra.get("extra_eos_token_ids", []))

@@ -48,8 +48,18 @@ def _chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="folio: LLM inference and serving engine")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (INFO shows start-up details)")
+    parser.add_argument("--log-level", default=None,
+                        help="logging level (default: INFO for serve, WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)")
+    from folio.entrypoints.openai.cli_args import add_serve_args
+    add_serve_args(serve)
+
+    def _serve(args: argparse.Namespace) -> int:
+        from folio.entrypoints.openai.api_server import serve as run_server
+        return run_server(args)
+    serve.set_defaults(func=_serve)
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)")
     add_engine_args(chat)
@@ -63,13 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.bench import throughput as throughput_bench
     throughput_bench.add_cli_args(throughput)
     throughput.set_defaults(func=lambda a: (throughput_bench.run(a), 0)[1])
+    serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL")
+    from folio.bench import serve as serve_bench_module
+    serve_bench_module.add_cli_args(serve_bench)
+    serve_bench.set_defaults(func=lambda a: (serve_bench_module.run(a), 0)[1])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as exc:

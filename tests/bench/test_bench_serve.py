@@ -53,6 +53,7 @@ class FakeServer:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
 
     async def _start(self) -> None:
         app = web.Application()

@@ -1,0 +1,49 @@
+"""`folio serve` flags, kept apart from the app so `folio --help` needs no web stack."""
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from folio.engine.arg_utils import add_engine_args
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes it)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use (default: the model argument, or the default model's name)")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template: a Jinja file path, or the template text itself")
+    parser.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, "
+                             "/version (default: $FOLIO_API_KEY)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: 'auto' (the model's generation_config.json), "
+                             "'folio' (none), or a directory holding a generation_config.json")
+    parser.add_argument("--allowed-origins", nargs="*", default=[],
+                        help="CORS origins allowed (default: none, CORS off)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get HTTP 413")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no /metrics")
+    parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
+
+
+def build_engine_config(args: argparse.Namespace):
+    from folio.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from folio.engine.arg_utils import engine_kwargs_from_args
+    kw = engine_kwargs_from_args(args)
+    return EngineConfig(
+        model=ModelConfig(model=kw["model"], tokenizer=kw["tokenizer"], dtype=kw["dtype"],
+                          seed=kw["seed"], max_model_len=kw["max_model_len"],
+                          revision=kw["revision"], device=kw["device"],
+                          generation_config=args.generation_config),
+        cache=CacheConfig(block_size=kw["block_size"], enable_prefix_caching=kw["enable_prefix_caching"],
+                          kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
+                          num_gpu_blocks_override=kw["num_gpu_blocks_override"]),
+        scheduler=SchedulerConfig(max_num_seqs=kw["max_num_seqs"],
+                                  max_num_batched_tokens=kw["max_num_batched_tokens"],
+                                  enable_chunked_prefill=kw["enable_chunked_prefill"],
+                                  policy=kw["scheduling_policy"]))
