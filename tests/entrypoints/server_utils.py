@@ -46,7 +46,8 @@ class RemoteServer:
         raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path) as f:
             return f.read()[-4000:]
 

@@ -1,0 +1,215 @@
+"""POST /v1/chat/completions: messages -> chat template -> the engine."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from folio.engine.chat import apply_chat_template
+from folio.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+)
+from folio.entrypoints.openai.serving_common import (
+    SAMPLING_PARAM_NAMES,
+    SSE_DONE,
+    EngineStreams,
+    IsDisconnected,
+    OpenAIError,
+    ServingBase,
+    build_sampling_params,
+    chat_logprobs,
+    check_stream_options,
+    make_usage,
+    prompt_logprobs_json,
+    resolve_max_tokens,
+    resolve_model_name,
+    sse_error,
+    sse_event,
+    to_openai_error,
+    truncate_prompt,
+    with_prefix,
+)
+from folio.outputs import CompletionOutput, RequestOutput
+from folio.sampling_params import SamplingParams
+
+_REQUEST_FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+class OpenAIServingChat(ServingBase):
+    def __init__(self, engine: Any, served_model_names: list[str], *,
+                 chat_template: str | None = None) -> None:
+        super().__init__(engine, served_model_names)
+        # Server-wide template override (--chat-template); a request's chat_template wins.
+        self.chat_template = chat_template
+
+    # ---- checks -----------------------------------------------------------------------
+
+    @staticmethod
+    def _check_unsupported(request: ChatCompletionRequest) -> None:
+        # Never silently ignore what would change the answer's shape.
+        fmt = request.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise OpenAIError("response_format is not supported yet", param="response_format")
+        if request.tools:
+            raise OpenAIError("tools are not supported yet", param="tools")
+        if request.tool_choice is not None and request.tool_choice != "none":
+            raise OpenAIError("tools are not supported yet", param="tool_choice")
+        if request.top_logprobs and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        check_stream_options(request)
+
+    @staticmethod
+    def _error_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+        # SamplingParams says "max_tokens"/"logprobs"; the client may have sent the chat
+        # names for them.
+        aliases = {"logprobs": "top_logprobs", "prompt": "messages",
+                   "prompt_token_ids": "messages"}
+        if request.max_completion_tokens is not None:
+            aliases["max_tokens"] = "max_completion_tokens"
+        return {"known_params": _REQUEST_FIELDS | SAMPLING_PARAM_NAMES, "aliases": aliases}
+
+    # ---- request -> engine inputs -------------------------------------------------------
+
+    def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        try:
+            text = apply_chat_template(
+                self.tokenizer, request.messages,
+                chat_template=request.chat_template or self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=None, chat_template_kwargs=request.chat_template_kwargs)
+        except ValueError as exc:
+            no_template = "no chat template" in str(exc)
+            raise to_openai_error(exc, known_params=_REQUEST_FIELDS,
+                                  default_param="chat_template" if no_template
+                                  else "messages") from exc
+        # The template already spells out BOS etc.; do not add them twice.
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _build_params(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+        requested = request.max_completion_tokens
+        param = "max_completion_tokens"
+        if requested is None:
+            requested, param = request.max_tokens, "max_tokens"
+        max_tokens = resolve_max_tokens(requested, prompt_len, self.engine.max_model_len,
+                                        param=param, prompt_kind="messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return build_sampling_params(request, self.engine.default_sampling_params(),
+                                     max_tokens=max_tokens, logprobs=logprobs,
+                                     prompt_logprobs=request.prompt_logprobs,
+                                     stream=bool(request.stream),
+                                     aliases=self._error_kwargs(request)["aliases"])
+
+    # ---- handler ----------------------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, *, request_id: str,
+                                     is_disconnected: IsDisconnected | None = None
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """A ChatCompletionResponse, or (stream=true) an async iterator of SSE strings.
+        Raises OpenAIError for anything wrong before the first byte."""
+        model_name = resolve_model_name(request.model, self.served_model_names)
+        self._check_unsupported(request)
+        response_id = with_prefix("chatcmpl-", request.request_id or request_id)
+        text, token_ids = self._render(request)
+        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens,
+                                    self.engine.max_model_len)
+        if len(truncated) != len(token_ids):
+            token_ids, text = truncated, self.tokenizer.decode(truncated)
+        params = self._build_params(request, len(token_ids))
+        error_kwargs = self._error_kwargs(request)
+        created = int(time.time())
+        streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
+                                     [params], [response_id], request, is_disconnected)
+        if request.stream:
+            first = await self.first_output(streams, error_kwargs)
+            return self._stream(request, response_id, model_name, created, token_ids, params,
+                                streams, first, error_kwargs)
+        [output] = await self.collect_final(streams, 1, error_kwargs)
+        return self._response(request, response_id, model_name, created, token_ids, output)
+
+    # ---- output formatting ------------------------------------------------------------
+
+    def _logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput
+                  ) -> ChatCompletionLogProbs | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs, self.tokenizer,
+                             num_top=request.top_logprobs or 0)
+
+    def _response(self, request: ChatCompletionRequest, response_id: str, model_name: str,
+                  created: int, prompt_ids: list[int], output: RequestOutput
+                  ) -> ChatCompletionResponse:
+        choices = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatMessage(role="assistant", content=completion.text),
+                logprobs=self._logprobs(request, completion),
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if request.return_token_ids else None))
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        return ChatCompletionResponse(
+            id=response_id, created=created, model=model_name, choices=choices,
+            usage=make_usage(len(prompt_ids), completion_tokens, output.num_cached_tokens),
+            prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs)
+                             if request.prompt_logprobs is not None else None),
+            prompt_token_ids=prompt_ids if request.return_token_ids else None)
+
+    async def _stream(self, request: ChatCompletionRequest, response_id: str, model_name: str,
+                      created: int, prompt_ids: list[int], params: SamplingParams,
+                      streams: EngineStreams, first: tuple[int, RequestOutput] | None,
+                      error_kwargs: dict[str, Any]) -> AsyncIterator[str]:
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        prompt_tokens = len(prompt_ids)
+        completion_tokens = cached = 0
+
+        def chunk(choice: ChatCompletionResponseStreamChoice | None, *,
+                  prompt_token_ids: list[int] | None = None, final_usage: bool = False) -> str:
+            usage = None
+            if continuous_usage or final_usage:
+                usage = make_usage(prompt_tokens, completion_tokens, cached)
+            return sse_event(ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model_name,
+                choices=[choice] if choice is not None else [], usage=usage,
+                prompt_token_ids=prompt_token_ids))
+
+        try:
+            # The role comes first for every choice, as OpenAI sends it.
+            for index in range(params.n):
+                yield chunk(ChatCompletionResponseStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content="")),
+                    prompt_token_ids=(prompt_ids if request.return_token_ids and index == 0
+                                      else None))
+            async for _, output in self.iterate_stream(streams, first):
+                cached = output.num_cached_tokens
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    # Tokens held back (e.g. a possible stop string) still carry logprobs
+                    # or ids the client asked for.
+                    wants_tokens = bool(request.logprobs or request.return_token_ids)
+                    if completion.text or (completion.token_ids and wants_tokens):
+                        yield chunk(ChatCompletionResponseStreamChoice(
+                            index=completion.index, delta=DeltaMessage(content=completion.text),
+                            logprobs=self._logprobs(request, completion),
+                            token_ids=(list(completion.token_ids) if request.return_token_ids
+                                       else None)))
+                    if completion.finish_reason is not None:
+                        yield chunk(ChatCompletionResponseStreamChoice(
+                            index=completion.index, delta=DeltaMessage(),
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason))
+            if include_usage:
+                yield chunk(None, final_usage=True)
+        except Exception as exc:  # after the first byte errors can only travel in-stream
+            yield sse_error(to_openai_error(exc, **error_kwargs))
+        finally:
+            await streams.aclose()
+        yield SSE_DONE

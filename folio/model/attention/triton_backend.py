@@ -1,0 +1,82 @@
+"""Paged attention through the Triton kernels in `triton_kernels`.
+
+Per step, the int32 metadata the kernels read (query_start_loc, seq_lens, block_tables) is built
+once into `metadata.cache` and shared by every layer, so a layer's forward is two launches
+(cache write + attention; three for split-K decode) with no host work beyond argument packing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.model.attention.backend import AttentionBackend, AttentionMetadata
+from folio.model.attention import triton_kernels as tk
+
+_CACHE_KEY = "triton_step"
+
+
+@dataclass
+class TritonStepTensors:
+    """Kernel-ready view of one step's metadata."""
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_tables: torch.Tensor     # [B, max_blocks] int32, contiguous
+    slot_mapping: torch.Tensor     # [T] int64
+    max_query_len: int
+    max_seq_len: int
+    all_decode: bool               # every request has exactly one query token
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # only steers the split heuristic; H200 value
+
+
+class TritonPagedAttention(AttentionBackend):
+    def __init__(self, max_splits: int = 32, min_tokens_per_split: int = 256) -> None:
+        self.max_splits = max_splits
+        self.min_tokens_per_split = min_tokens_per_split
+        self._sms: int | None = None
+
+    def step_tensors(self, meta: AttentionMetadata) -> TritonStepTensors:
+        st = meta.cache.get(_CACHE_KEY)
+        if st is not None:
+            return st
+        device = meta.block_tables.device
+        qsl = meta.query_start_loc
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+        st = TritonStepTensors(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32, device=device),
+            block_tables=meta.block_tables.to(torch.int32).contiguous(),
+            slot_mapping=meta.slot_mapping.to(device=device, dtype=torch.int64),
+            max_query_len=max(q_lens, default=0),
+            max_seq_len=max(meta.seq_lens, default=0),
+            all_decode=bool(q_lens) and all(n == 1 for n in q_lens),
+        )
+        meta.cache[_CACHE_KEY] = st
+        return st
+
+    def num_splits(self, st: TritonStepTensors, kv_heads: int, device: torch.device) -> int:
+        if self._sms is None:
+            self._sms = _num_sms(device)
+        return tk.choose_num_splits(st.seq_lens.shape[0], kv_heads, st.max_seq_len,
+                                    num_sms=self._sms,
+                                    min_tokens_per_split=self.min_tokens_per_split,
+                                    max_splits=self.max_splits)
+
+    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
+        st = self.step_tensors(metadata)
+        # Write first: a request may read, in this same step, blocks another request fills.
+        tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping)
+        if st.all_decode:
+            splits = self.num_splits(st, kv_cache.shape[3], query.device)
+            return tk.paged_attention_decode(
+                query, kv_cache, st.seq_lens, st.block_tables, scale, sliding_window,
+                num_splits=splits)
+        return tk.paged_attention_varlen(
+            query, kv_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+            block_tables=st.block_tables, max_query_len=st.max_query_len,
+            max_seq_len=st.max_seq_len, scale=scale, sliding_window=sliding_window)

@@ -1,0 +1,432 @@
+"""Triton kernels for paged attention, with thin Python launchers.
+
+Three launchers:
+  * `reshape_and_cache`: scatter this step's K/V rows into the paged cache by slot.
+  * `paged_attention_varlen`: one launch for a whole mixed batch (fresh prefills, prefills over a
+    cached prefix, chunked prefills, decodes). Grid = (query tiles of all requests, KV heads).
+  * `paged_attention_decode`: one query token per request, split-K along the context
+    (flash-decoding) so that a few long sequences still fill the GPU; a second small kernel
+    merges the splits.
+
+Layouts: query/out [T, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables
+[B, max_blocks] int32; query_start_loc [B+1] int32; seq_lens [B] int32 (context after this step).
+
+GQA: the G = H // KVH query heads sharing a KV head are folded into the rows of one query tile
+(row = token * G_PAD + head), so each K/V tile is loaded once per KV head, not once per head.
+
+Softmax runs in the log2 domain (exp2 with scale * log2(e) folded into the scores) in fp32.
+
+Importing this module needs no GPU: `triton.jit` only records the function; compilation happens
+at the first launch. Autotuning is cut to one config under TRITON_INTERPRET=1 (read at import)
+so the CPU interpreter runs each kernel once.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _configs(interpret_one: dict, full: list[tuple[dict, int, int]]) -> list:
+    """Autotune configs: the single `interpret_one` under the interpreter, else `full`
+    as (kwargs, num_warps, num_stages)."""
+    if INTERPRET:
+        return [triton.Config(interpret_one, num_warps=4, num_stages=1)]
+    return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in full]
+
+
+def _prune_block_m(configs: list, named_args: dict, **kwargs) -> list:
+    """Drop varlen configs whose BLOCK_M cannot hold one token's G_PAD query heads."""
+    g_pad = {**named_args, **kwargs}["G_PAD"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]
+    return kept or [max(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # Triton's default fp32 dot is tf32 (~3e-4 relative error); keep fp32 exact so fp32 runs
+    # can serve as a tight check. 16-bit inputs ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+if HAS_TRITON:
+
+    # ------------------------------------------------------------------ reshape_and_cache
+    @triton.autotune(
+        configs=_configs({}, [({}, 1, 1), ({}, 2, 1), ({}, 4, 1)]),
+        key=["KVH_PAD", "D_PAD"],
+    )
+    @triton.jit
+    def _reshape_and_cache_kernel(
+        K, V, KV, SLOTS,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_c0, stride_cblk, stride_coff, stride_ch,
+        KVH: tl.constexpr, D: tl.constexpr, KVH_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot < 0:  # padding token: nothing to write
+            return
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, KVH_PAD)
+        d = tl.arange(0, D_PAD)
+        mask = (h[:, None] < KVH) & (d[None, :] < D)
+        t64 = t.to(tl.int64)
+        k = tl.load(K + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(V + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        dst = KV + blk * stride_cblk + off * stride_coff + h[:, None] * stride_ch + d[None, :]
+        tl.store(dst, k.to(KV.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_c0, v.to(KV.dtype.element_ty), mask=mask)
+
+    # ------------------------------------------------------------------ shared tile step
+    @triton.jit
+    def _attend_tile(
+        q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
+        stride_c0, stride_cblk, stride_coff, stride_ch,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):
+        """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
+        Keys past `kv_end`, after the query (causal) or outside the window are masked."""
+        d = tl.arange(0, D_PAD)
+        in_ctx = k_pos < kv_end
+        # Per-key page lookup: a tile may span several pages, or part of one.
+        page = tl.load(BT_row + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        row = page * stride_cblk + (k_pos % BLOCK_SIZE) * stride_coff + kvh * stride_ch
+        kv_mask = in_ctx[:, None] & (d[None, :] < D)
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0)       # [N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale            # [M, N] fp32
+        visible = in_ctx[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(KV + stride_c0 + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return acc, m_new, l_i
+
+    # ------------------------------------------------------------------ varlen (mixed batch)
+    @triton.autotune(
+        configs=_configs(
+            {"BLOCK_M": 16, "BLOCK_N": 16},
+            [({"BLOCK_M": bm, "BLOCK_N": bn}, w, s)
+             for bm, bn, w, s in [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                                  (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                                  (32, 64, 4, 2)]],
+        ),
+        key=["G", "D", "BLOCK_SIZE", "SLIDING", "q_bucket"],
+        prune_configs_by={"early_config_prune": _prune_block_m},
+    )
+    @triton.jit
+    def _varlen_kernel(
+        Q, KV, O, QSL, SEQ, BT,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
+        num_reqs, window, qk_scale, q_bucket,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        # Request b owns tiles [qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1): an upper
+        # bound on its tile count that needs no per-step host prefix sum. Binary search for the
+        # last b whose first tile is <= pid.
+        lo = tl.full((), 0, tl.int32)
+        hi = tl.full((), 0, tl.int32) + num_reqs
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            first = tl.load(QSL + mid) // BLOCK_Q + mid
+            go_right = first <= pid
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        b = lo
+        q_start = tl.load(QSL + b)
+        q_len = tl.load(QSL + b + 1) - q_start
+        tile = pid - (q_start // BLOCK_Q + b)
+        if tile * BLOCK_Q >= q_len:  # slack tile of the upper bound
+            return
+        seq_len = tl.load(SEQ + b)
+        ctx_off = seq_len - q_len  # absolute position of the request's first query token
+
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = tile * BLOCK_Q + offs_m // G_PAD
+        hd = offs_m % G_PAD
+        row_ok = (tok < q_len) & (hd < G)
+        d = tl.arange(0, D_PAD)
+        q_rows = (q_start + tok).to(tl.int64)
+        heads = kvh * G + hd
+        q_mask = row_ok[:, None] & (d[None, :] < D)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=q_mask, other=0.0)
+        q_pos = ctx_off + tok
+
+        last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = ctx_off + last_tok + 1  # causal: nothing past the tile's last query
+        kv_start = 0
+        if SLIDING:
+            kv_start = tl.maximum(ctx_off + tile * BLOCK_Q - window + 1, 0)
+            kv_start = (kv_start // BLOCK_N) * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        BT_row = BT + b.to(tl.int64) * stride_bt
+        for start in range(kv_start, kv_end, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
+                stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptr = O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_mask)
+
+    # ------------------------------------------------------------------ decode (split-K)
+    @triton.autotune(
+        configs=_configs(
+            {"BLOCK_N": 16},
+            [({"BLOCK_N": bn}, w, s)
+             for bn, w, s in [(32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
+        ),
+        key=["G", "D", "BLOCK_SIZE", "SLIDING", "USE_SPLITS"],
+    )
+    @triton.jit
+    def _decode_kernel(
+        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
+        num_splits, window, qk_scale,
+        G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+        USE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(SEQ + b)
+        # Rows = the G query heads of this KV head, padded to G_M >= 16 for tl.dot; the pad rows
+        # are masked on load and store, so they cost registers, not memory traffic.
+        hd = tl.arange(0, G_M)
+        d = tl.arange(0, D_PAD)
+        heads = kvh * G + hd
+        q_mask = (hd < G)[:, None] & (d[None, :] < D)
+        b64 = b.to(tl.int64)
+        q = tl.load(Q + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=q_mask, other=0.0)
+        q_pos = tl.zeros([G_M], tl.int32) + (seq_len - 1)
+
+        kv_lo = 0
+        if SLIDING:
+            kv_lo = (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N
+        # Each split takes a contiguous run of whole tiles of this request's (visible) context.
+        num_tiles = tl.cdiv(seq_len - kv_lo, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        start = kv_lo + split * tiles_per_split * BLOCK_N
+        end = tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
+
+        m_i = tl.full([G_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_M], tl.float32)
+        acc = tl.zeros([G_M, D_PAD], tl.float32)
+        BT_row = BT + b64 * stride_bt
+        for s0 in range(start, end, BLOCK_N):
+            k_pos = s0 + tl.arange(0, BLOCK_N)
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
+                stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
+
+        if USE_SPLITS:
+            # Partials [B, H, S] (m, l) and [B, H, S, D_PAD] (unnormalized acc); an empty split
+            # writes m = -inf, l = 0, acc = 0, which the merge weighs as 0.
+            part = (b64 * (G * tl.num_programs(1)) + heads) * num_splits + split
+            h_ok = hd < G
+            tl.store(M_PART + part, m_i, mask=h_ok)
+            tl.store(L_PART + part, l_i, mask=h_ok)
+            tl.store(ACC_PART + part[:, None] * D_PAD + d[None, :], acc, mask=h_ok[:, None])
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        O, M_PART, L_PART, ACC_PART, stride_ot, stride_oh, num_heads, num_splits,
+        D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        part = (b * num_heads + h) * num_splits + sp
+        ok = sp < num_splits
+        m = tl.load(M_PART + part, mask=ok, other=float("-inf"))
+        l = tl.load(L_PART + part, mask=ok, other=0.0)
+        acc = tl.load(ACC_PART + part[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
+        m_max = tl.max(m, 0)  # finite: split 0 always holds the last key
+        w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(O + b * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
+
+
+# ---------------------------------------------------------------------- launchers
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+
+
+def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, nb, bs, KVH, D]"
+    assert kv_cache.stride(4) == 1, "kv_cache head_dim must be contiguous"
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, KVH, D] into kv_cache at slot_mapping [T] (block * bs + offset);
+    slots < 0 are padding and skipped. Casts to the cache dtype."""
+    _require_triton()
+    T = key.shape[0]
+    if T == 0:
+        return
+    kvh, d = key.shape[1], key.shape[2]
+    assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
+    assert kv_cache.shape[3] == kvh and kv_cache.shape[4] == d
+    s0, sblk, soff, sh = _cache_strides(kv_cache)
+    _reshape_and_cache_kernel[(T,)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        s0, sblk, soff, sh,
+        KVH=kvh, D=d, KVH_PAD=_next_pow2(kvh), D_PAD=_next_pow2(d),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )
+
+
+def _check_query(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    assert query.dim() == 3 and query.stride(2) == 1, "query must be [T, H, D], D contiguous"
+    num_heads, d = query.shape[1], query.shape[2]
+    kvh = kv_cache.shape[3]
+    assert kv_cache.shape[4] == d and num_heads % kvh == 0
+    assert kv_cache.dtype == query.dtype, "cache and query dtypes must match"
+    assert _next_pow2(kv_cache.shape[2]) == kv_cache.shape[2], "block_size must be a power of 2"
+    return num_heads, kvh, d
+
+
+def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
+                           scale: float, sliding_window: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention for a mixed batch in one launch. query [T, H, D]; query i of
+    request b sits at absolute position seq_lens[b] - q_len_b + i. Returns out [T, H, D]."""
+    _require_triton()
+    num_heads, kvh, d = _check_query(query, kv_cache)
+    T = query.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    num_reqs = seq_lens.shape[0]
+    if T == 0 or num_reqs == 0:
+        return out
+    assert out.stride(2) == 1 and block_tables.stride(1) == 1
+    g = num_heads // kvh
+    g_pad = _next_pow2(g)
+    assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
+    s0, sblk, soff, sh = _cache_strides(kv_cache)
+    sliding = sliding_window is not None and sliding_window > 0
+    # Autotune per power-of-two bucket of the longest query (decode-heavy vs prefill-heavy).
+    q_bucket = min(_next_pow2(max(1, max_query_len)), 4096)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        block_q = max(1, meta["BLOCK_M"] // g_pad)
+        return (T // block_q + num_reqs, kvh)
+
+    _varlen_kernel[grid](
+        query, kv_cache, out, query_start_loc, seq_lens, block_tables,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        s0, sblk, soff, sh, block_tables.stride(0),
+        num_reqs, sliding_window if sliding else 0, scale * _LOG2E, q_bucket,
+        G=g, G_PAD=g_pad, D=d, D_PAD=max(16, _next_pow2(d)),
+        BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
+    )
+    return out
+
+
+def choose_num_splits(num_reqs: int, kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+    """Flash-decoding split count: enough (request, KV head, split) programs for ~2 waves of
+    the SMs, but no split shorter than `min_tokens_per_split` keys. A power of two, so the
+    merge kernel compiles for few values."""
+    want = math.ceil(2 * num_sms / max(1, num_reqs * kv_heads))
+    by_len = max(1, max_seq_len // min_tokens_per_split)
+    n = max(1, min(want, by_len, max_splits))
+    return 1 << (n.bit_length() - 1)  # round down to a power of two
+
+
+def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, num_splits: int = 1,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
+    With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel."""
+    _require_triton()
+    num_heads, kvh, d = _check_query(query, kv_cache)
+    B = query.shape[0]
+    assert seq_lens.shape[0] == B
+    if out is None:
+        out = torch.empty_like(query)
+    if B == 0:
+        return out
+    assert out.stride(2) == 1 and block_tables.stride(1) == 1
+    g = num_heads // kvh
+    d_pad = max(16, _next_pow2(d))
+    s0, sblk, soff, sh = _cache_strides(kv_cache)
+    sliding = sliding_window is not None and sliding_window > 0
+    num_splits = max(1, int(num_splits))
+    use_splits = num_splits > 1
+    if use_splits:
+        m_part = torch.empty((B, num_heads, num_splits), device=query.device, dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((B, num_heads, num_splits, d_pad), device=query.device,
+                               dtype=torch.float32)
+    else:  # unused by the kernel; any valid pointer will do
+        m_part = l_part = acc_part = out
+    _decode_kernel[(B, kvh, num_splits)](
+        query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        s0, sblk, soff, sh, block_tables.stride(0),
+        num_splits, sliding_window if sliding else 0, scale * _LOG2E,
+        G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
+        BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
+        USE_SPLITS=use_splits,
+    )
+    if use_splits:
+        _decode_merge_kernel[(B, num_heads)](
+            out, m_part, l_part, acc_part, out.stride(0), out.stride(1), num_heads, num_splits,
+            D=d, D_PAD=d_pad, S_PAD=_next_pow2(num_splits),
+        )
+    return out
