@@ -358,8 +358,9 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
     s0, sblk, soff, sh = _cache_strides(kv_cache)
     sliding = sliding_window is not None and sliding_window > 0
-    # Autotune per power-of-two bucket of the longest query (decode-heavy vs prefill-heavy).
-    q_bucket = min(_next_pow2(max(1, max_query_len)), 4096)
+    # Autotune per coarse bucket of the longest query (decode-heavy / short chunks / long
+    # prefills): a few buckets, so a server autotunes a few times, not at every new length.
+    q_bucket = next(b for b in (16, 256, 1 << 30) if max_query_len <= b)
 
     def grid(meta: dict) -> tuple[int, int]:
         block_q = max(1, meta["BLOCK_M"] // g_pad)

@@ -1,0 +1,116 @@
+"""Triton RMSNorm(+residual) and rotary kernels vs folio.model.layers, under the interpreter.
+
+Like test_triton_attention.py, the checks run in a child process started with
+TRITON_INTERPRET=1 (the flag must precede triton's first import and must not leak into other
+tests); it prints one JSON line per case. Fresh random inputs per case (strided views as a
+fused qkv would give), fp32 and fp16 only; every output element is compared (relative error
+against the layers' torch code) and must be finite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+CASES = [
+    dict(name="rmsnorm_fp32_d64", kind="rmsnorm", dtype="float32", D=64, rows=7, residual=False),
+    dict(name="rmsnorm_res_fp16_d96", kind="rmsnorm", dtype="float16", D=96, rows=5,
+         residual=True),
+    dict(name="rope_fp32_full_d64", kind="rope", dtype="float32", H=4, KVH=2, D=64, T=6,
+         partial=1.0),
+    dict(name="rope_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1, D=128, T=5,
+         partial=0.5),
+]
+
+
+def _rel(out: Any, ref: Any) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _run(case: dict) -> dict:
+    import types
+    import zlib
+
+    import torch
+    from folio.model.layers import RMSNorm, RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
+    dtype = getattr(torch, case["dtype"])
+    checks = {}
+    if case["kind"] == "rmsnorm":
+        from folio.model.kernels.rmsnorm import rms_norm
+        D = case["D"]
+        norm = RMSNorm(D, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(D, generator=gen))
+        # A strided view, as a slice of a wider activation would be.
+        x = torch.randn(case["rows"], 2 * D, generator=gen).to(dtype)[:, :D]
+        if case["residual"]:
+            res = torch.randn(case["rows"], D, generator=gen).to(dtype)
+            ref_out, ref_res = norm(x, res)
+            out, new_res = rms_norm(x, norm.weight.data, 1e-5, residual=res)
+            checks["residual"] = (_rel(new_res, ref_res), bool(torch.isfinite(new_res).all()))
+        else:
+            ref_out = norm(x)
+            out = rms_norm(x, norm.weight.data, 1e-5)
+        checks["out"] = (_rel(out, ref_out.detach()), bool(torch.isfinite(out).all()))
+    else:
+        from folio.model.kernels.rotary import apply_rotary
+        H, KVH, D, T = case["H"], case["KVH"], case["D"], case["T"]
+        cfg = types.SimpleNamespace(rope_theta=10000.0, partial_rotary_factor=case["partial"])
+        rope = RotaryEmbedding(D, 64, cfg)
+        qkv = torch.randn(T, (H + 2 * KVH) * D, generator=gen).to(dtype)
+        q = qkv[:, :H * D].view(T, H, D)                    # strided views of a fused qkv
+        k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+        pos = torch.randint(0, 64, (T,), generator=gen)
+        ref_q, ref_k = rope(pos, q, k)
+        out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin)
+        checks["q"] = (_rel(out_q, ref_q), bool(torch.isfinite(out_q).all()))
+        checks["k"] = (_rel(out_k, ref_k), bool(torch.isfinite(out_k).all()))
+    return {"name": case["name"], "checks": checks}
+
+
+def _child_main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for case in CASES:
+        try:
+            res = _run(case)
+        except Exception as exc:  # report, keep going
+            import traceback
+            res = {"name": case["name"], "error": f"{exc!r}\n{traceback.format_exc()}"}
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    parsed = {"_stderr": proc.stderr[-4000:]}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[len("RESULT "):])
+            parsed[res["name"]] = res
+    return parsed
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_kernel_matches_layers(results: dict, case: dict) -> None:
+    res = results.get(case["name"])
+    assert res is not None, f"no result; child stderr:\n{results['_stderr']}"
+    assert "error" not in res, res.get("error")
+    tol = 1e-5 if case["dtype"] == "float32" else 2e-3
+    for label, (err, written) in res["checks"].items():
+        assert written, f"{label}: unwritten (NaN) elements"
+        assert err < tol, f"{label}: rel err {err:.2e} >= {tol}"
+
+
+if __name__ == "__main__":
+    _child_main()
