@@ -232,8 +232,11 @@ def build_payload(request: BenchRequest, model: str, chat: bool, temperature: fl
         "stream": True,
         # The final chunk then carries the exact token counts.
         "stream_options": {"include_usage": True},
-        "ignore_eos": ignore_eos,   # vLLM's extra field: generate exactly max_tokens
     }
+    if ignore_eos:
+        # vLLM's extra field (generate exactly max_tokens); sent only when asked, since strict
+        # OpenAI-compatible servers reject unknown fields.
+        payload["ignore_eos"] = True
     if chat:
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
@@ -278,6 +281,7 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
     last: float | None = None
     usage: dict[str, Any] | None = None
     done = False
+    finished = False
     try:
         async with session.post(url, json=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -308,6 +312,8 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
                         return result
                     if chunk.get("usage"):
                         usage = chunk["usage"]
+                    if any(c.get("finish_reason") for c in chunk.get("choices") or []):
+                        finished = True
                     content = _chunk_content(chunk, chat)
                     if not content:
                         continue
@@ -327,8 +333,9 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
         return result
 
     result.generated_text = "".join(text_parts)
-    if not done:
-        result.error = "stream ended without 'data: [DONE]'"
+    if not done and not finished:
+        # A stream cut short. (Some servers omit [DONE] but send a finish_reason: accepted.)
+        result.error = "stream ended without 'data: [DONE]' or a finish_reason"
     elif content_chunks == 0:
         result.error = "stream carried no content (no TTFT)"
     else:

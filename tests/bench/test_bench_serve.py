@@ -190,7 +190,7 @@ def test_file_dataset_metrics_failures_and_json(server: FakeServer, tmp_path: An
 
     payload = server.payloads[0]
     assert payload["stream"] is True and payload["stream_options"] == {"include_usage": True}
-    assert payload["max_tokens"] == 4 and payload["ignore_eos"] is False  # off for file data
+    assert payload["max_tokens"] == 4 and "ignore_eos" not in payload  # off for file data: not sent
     assert payload["model"] == "fake-model" and payload["temperature"] == 0.0
     assert isinstance(payload["prompt"], str)
     assert set(server.auth) == {"Bearer sk-test"}
