@@ -88,7 +88,9 @@ def _write_random_model(spec: dict[str, Any], out: str) -> None:
 
     from folio.model.default_model import default_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    # FOLIO_RANDOM_TOKENIZER: any tokenizer directory (machines without the default model's
+    # package, such as a GPU box, carry one); ids only need to fit the model's vocab.
+    tokenizer = AutoTokenizer.from_pretrained(os.environ.get("FOLIO_RANDOM_TOKENIZER") or default_model_path())
     kwargs = dict(spec)
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(

@@ -87,7 +87,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported")
         self.rotary_dim = rotary_dim
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())
+        freqs = torch.outer(positions, inv_freq.float().to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import psutil
 import torch
@@ -49,3 +50,30 @@ def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: 
     reads of never-written slots hold finite values (0 * NaN would poison masked attention)."""
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def gpu_kv_cache_bytes(run_profile: Callable[[], int], device: torch.device,
+                       utilization: float) -> int:
+    """Memory the KV cache may take on a GPU: `utilization` of the card, less the peak the
+    model reaches in a forward pass at the largest batch (weights + activations, measured by
+    `run_profile`, which returns bytes of scratch it allocated that the real run will not
+    hold), less memory held outside torch's allocator (CUDA context, other processes)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = run_profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    budget = int(total * utilization) - peak - outside_torch
+    logger.info("GPU memory: %.1f GiB total, utilization %.2f, model peak %.2f GiB, outside torch "
+                "%.2f GiB -> KV cache %.2f GiB", total / 2**30, utilization, peak / 2**30,
+                outside_torch / 2**30, max(budget, 0) / 2**30)
+    if budget <= 0:
+        raise ValueError(
+            f"the model does not fit: its forward pass peaks at {peak / 2**30:.2f} GiB, leaving "
+            f"nothing for the KV cache within gpu_memory_utilization={utilization} of "
+            f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, "
+            "or use a smaller model/dtype")
+    return budget

@@ -49,15 +49,39 @@ class ModelRunner:
             num_computed.append(start)
             tables[i, :len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
+        pin = self.device.type == "cuda"
         counts = torch.tensor([s.num_new_tokens for s in scheduled])
         req_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
         slots = tables[req_index, pos // self.block_size] * self.block_size + pos % self.block_size
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        if pin:
+            # Pinned host buffers let the copies run asynchronously with the GPU's work.
+            slots, tables, ids, pos = (t.pin_memory() for t in (slots, tables, ids, pos))
+        to_device = lambda t: t.to(self.device, non_blocking=pin)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device), query_start_loc=query_start_loc,
+            slot_mapping=to_device(slots), query_start_loc=query_start_loc,
             seq_lens=seq_lens, num_computed_tokens=num_computed,
-            block_tables=tables.to(self.device), block_size=self.block_size)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        return ids, pos.to(self.device), meta
+            block_tables=to_device(tables), block_size=self.block_size)
+        return to_device(ids), to_device(pos), meta
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A dummy step at the largest size, for memory profiling: one prefill of num_tokens
+        tokens, then logits and sampling for num_seqs rows (top-p, the sort path)."""
+        from folio.sampling_params import SamplingParams
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            query_start_loc=[0, num_tokens], seq_lens=[num_tokens], num_computed_tokens=[0],
+            block_tables=torch.arange(num_blocks, device=self.device)[None, :], block_size=bs)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        rows = hidden[-1:].expand(num_seqs, -1)
+        logits = self.model.compute_logits(rows)
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+        self.sampler(logits, [SamplingState(params, [0], [], None) for _ in range(num_seqs)])
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -12,7 +12,8 @@ from folio.core.outputs import ModelRunnerOutput
 from folio.core.scheduler import SchedulerOutput
 from folio.model.families import ArchSpec
 from folio.model.loader import ModelSource, load_model, resolve_dtype
-from folio.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
+                                   gpu_kv_cache_bytes)
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,14 @@ class Worker:
                                            config.model.max_model_len)
         self.load_seconds = time.perf_counter() - start
         cache = config.cache
+        kv_bytes = cache.kv_cache_memory_bytes
+        if self.device.type == "cuda" and cache.num_gpu_blocks_override is None and kv_bytes is None:
+            kv_bytes = gpu_kv_cache_bytes(self._profile_run, self.device,
+                                          cache.gpu_memory_utilization)
         self.num_blocks = determine_num_blocks(
             self.spec, block_size=cache.block_size, dtype=self.dtype,
             max_model_len=config.model.max_model_len,
-            kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=kv_bytes,
             num_blocks_override=cache.num_gpu_blocks_override)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
                                             self.dtype, self.device)
@@ -48,6 +53,18 @@ class Worker:
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
                     self.load_seconds, self.dtype, self.device, self.num_blocks,
                     cache.block_size, self.num_blocks * cache.block_size)
+
+    def _profile_run(self) -> int:
+        """One forward pass at the largest step (max_num_batched_tokens tokens, logits for
+        max_num_seqs rows), on a scratch KV cache just big enough. Returns the scratch bytes."""
+        cache = self.config.cache
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        num_blocks = -(-num_tokens // cache.block_size)
+        scratch = allocate_kv_caches(self.spec, num_blocks, cache.block_size, self.dtype, self.device)
+        runner = ModelRunner(self.model, scratch, cache.block_size, self.device)
+        runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
+        del runner, scratch
+        return num_blocks * bytes_per_block(self.spec, cache.block_size, self.dtype)
 
     @property
     def arch_spec(self) -> ArchSpec:

@@ -47,5 +47,10 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on CUDA; the torch reference on CPU (and with FOLIO_ATTENTION=torch)."""
+    import os
+    if device.type == "cuda" and os.environ.get("FOLIO_ATTENTION", "triton") == "triton":
+        from folio.model.attention.triton_backend import TritonPagedAttention
+        return TritonPagedAttention()
     from folio.model.attention.torch_paged import TorchPagedAttention
     return TorchPagedAttention()

