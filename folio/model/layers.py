@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -9,6 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.model.attention import AttentionBackend, AttentionMetadata
+
+
+def _fused_kernels_on(x: torch.Tensor) -> bool:
+    """Triton's fused norm/rotary kernels on CUDA (one launch instead of a chain of eager ops);
+    FOLIO_KERNELS=torch keeps the eager reference."""
+    if not x.is_cuda or os.environ.get("FOLIO_KERNELS", "triton") != "triton":
+        return False
+    from folio.model.kernels._common import HAS_TRITON
+    return HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +37,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and also returns the sum (the next residual)."""
+        if _fused_kernels_on(x):
+            from folio.model.kernels.rmsnorm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -99,6 +112,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, H, D], k [T, KVH, D]."""
+        if _fused_kernels_on(q):
+            from folio.model.kernels.rotary import apply_rotary
+            return apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         r = self.rotary_dim

@@ -115,7 +115,7 @@ def test_invariants_hold_on_gpu(model_dir):
     variants = {
         "no prefix cache": _llm(model_dir, enable_prefix_caching=False),
         "chunked prefill (budget 64)": _llm(model_dir, max_num_batched_tokens=64),
-        "preemption (48 blocks)": _llm(model_dir, num_gpu_blocks_override=48),
+        "preemption (48 blocks)": _llm(model_dir, num_gpu_blocks_override=48, max_model_len=768),
     }
     for label, llm in variants.items():
         out = _run(llm, prompts)
