@@ -30,6 +30,9 @@ class ModelConfig:
     # Sampling defaults: "auto" reads the model's generation_config.json, "folio" (or "vllm")
     # ignores it, anything else is a directory holding a generation_config.json.
     generation_config: str = "auto"
+    # True = always run the model eagerly; False = replay CUDA graphs for pure-decode steps
+    # (on CUDA with the Triton attention backend only; other devices always run eagerly).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,
@@ -42,6 +45,8 @@ class ModelConfig:
                      "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "device",
                  f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager",
+                 f"must be a bool, got {self.enforce_eager!r}")
 
 
 @dataclass

@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                         help="fcfs, or priority (lower value first, then arrival)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never use CUDA graphs (by default, pure-decode steps replay them on CUDA)")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -45,4 +47,5 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        scheduling_policy=args.scheduling_policy, device=args.device)
+        scheduling_policy=args.scheduling_policy, device=args.device,
+        enforce_eager=getattr(args, "enforce_eager", False))

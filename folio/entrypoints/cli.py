@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.bench import throughput as throughput_bench
     throughput_bench.add_cli_args(throughput)
     throughput.set_defaults(func=lambda a: (throughput_bench.run(a), 0)[1])
+    latency = bench_sub.add_parser("latency", help="latency of one batch; decode ms/token vs roofline")
+    from folio.bench import latency as latency_bench
+    latency_bench.add_cli_args(latency)
+    latency.set_defaults(func=lambda a: (latency_bench.run(a), 0)[1])
     serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL")
     from folio.bench import serve as serve_bench_module
     serve_bench_module.add_cli_args(serve_bench)

@@ -23,10 +23,11 @@ class LLM:
                  block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                  num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
                  device: str = "auto", revision: str | None = None,
-                 gpu_memory_utilization: float = 0.9) -> None:
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
-                              max_model_len=max_model_len, revision=revision, device=device),
+                              max_model_len=max_model_len, revision=revision, device=device,
+                              enforce_eager=enforce_eager),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_gpu_blocks_override=num_gpu_blocks_override,

@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into one forward pass over the flat batch, then samples."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
@@ -9,11 +11,16 @@ from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
 
+if TYPE_CHECKING:
+    from folio.worker.cuda_graphs import DecodeGraphRunner
+
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, graph_runner: DecodeGraphRunner | None = None) -> None:
         self.model = model
+        # Replays captured CUDA graphs for pure-decode steps; None = always eager.
+        self.graph_runner = graph_runner
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -91,8 +98,15 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not scheduled:
             return output
-        input_ids, positions, meta = self._build_inputs(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(scheduled):
+            # Pure decode: one row per request, so request i's tokens are row i.
+            hidden = graphs.run(scheduled)
+            query_start_loc = list(range(len(scheduled) + 1))
+        else:
+            input_ids, positions, meta = self._build_inputs(scheduled)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            query_start_loc = meta.query_start_loc
 
         # Prompt logprobs: row p scores prompt token p+1, for the prompt rows in this chunk.
         for i, item in enumerate(scheduled):
@@ -103,7 +117,7 @@ class ModelRunner:
             end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            rows = hidden[meta.query_start_loc[i]:meta.query_start_loc[i] + (end - start)]
+            rows = hidden[query_start_loc[i]:query_start_loc[i] + (end - start)]
             targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
             logits = self.model.compute_logits(rows)
             # Keyed by the prompt position of the first token scored: after a preemption the
@@ -115,7 +129,7 @@ class ModelRunner:
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:
             return output
-        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling],
+        last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
                                  device=self.device)
         logits = self.model.compute_logits(hidden[last_rows])
         states = []

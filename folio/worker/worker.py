@@ -49,7 +49,9 @@ class Worker:
             num_blocks_override=cache.num_gpu_blocks_override)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
                                             self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device)
+        self.graph_runner = self._capture_decode_graphs()
+        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device,
+                                  graph_runner=self.graph_runner)
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
                     self.load_seconds, self.dtype, self.device, self.num_blocks,
                     cache.block_size, self.num_blocks * cache.block_size)
@@ -65,6 +67,23 @@ class Worker:
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
         del runner, scratch
         return num_blocks * bytes_per_block(self.spec, cache.block_size, self.dtype)
+
+    def _capture_decode_graphs(self):
+        """CUDA graphs for pure-decode steps, captured once the KV cache exists (they bake in
+        its addresses). None on CPU, with enforce_eager, or with a backend that has no static
+        path (FOLIO_ATTENTION=torch)."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return None
+        from folio.worker.cuda_graphs import DecodeGraphRunner, triton_backend_of
+        if triton_backend_of(self.model) is None:
+            logger.info("CUDA graphs off: the attention backend is not Triton")
+            return None
+        runner = DecodeGraphRunner(
+            self.model, self.kv_caches, block_size=self.config.cache.block_size,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.config.model.max_model_len, device=self.device)
+        runner.capture()
+        return runner
 
     @property
     def arch_spec(self) -> ArchSpec:

@@ -26,6 +26,9 @@ class TritonStepTensors:
     max_query_len: int
     max_seq_len: int
     all_decode: bool               # every request has exactly one query token
+    # Fixed split-K count for decode, set by the CUDA-graph runner: a captured graph must not
+    # re-derive it from the step (its launch grid is baked in). None = choose per step.
+    num_splits: int | None = None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -72,7 +75,9 @@ class TritonPagedAttention(AttentionBackend):
         # Write first: a request may read, in this same step, blocks another request fills.
         tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping)
         if st.all_decode:
-            splits = self.num_splits(st, kv_cache.shape[3], query.device)
+            splits = st.num_splits
+            if splits is None:
+                splits = self.num_splits(st, kv_cache.shape[3], query.device)
             return tk.paged_attention_decode(
                 query, kv_cache, st.seq_lens, st.block_tables, scale, sliding_window,
                 num_splits=splits)

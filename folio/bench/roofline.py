@@ -1,0 +1,171 @@
+"""Memory-bandwidth and compute roofs for decode and prefill.
+
+The accounting follows the project's reference script (shared/tools/roofline.py): every decode
+step reads *all* stored parameters once (a tied embedding/lm_head counts once, an untied pair
+counts twice; the embedding table is counted whole even though a step only gathers a few rows,
+which matches the reference and is < 1% for the vocab sizes we care about once the lm_head is
+counted), plus the K and V of every cached token of every running sequence. Bandwidth and
+FLOP/s are measured on the device at hand rather than taken from a datasheet, because the
+copy bandwidth achievable by kernels is what bounds decode, not the marketing number.
+
+Kept free of folio imports (torch only, lazily) so it can be used from any benchmark process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Mapping
+
+__all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
+           "matmul_peak_flops", "measure_copy_bandwidth", "roofline_line"]
+
+
+def load_config(model_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A plain dict of HF config fields, from a model directory, a config.json path or a dict."""
+    if isinstance(model_dir_or_config, Mapping):
+        return dict(model_dir_or_config)
+    path = os.fspath(model_dir_or_config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int:
+    # Qwen3 and Mistral set head_dim explicitly (and it may differ from hidden/heads).
+    head_dim = cfg.get("head_dim")
+    return int(head_dim) if head_dim else cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _num_kv_heads(cfg: Mapping[str, Any]) -> int:
+    return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+
+
+def count_params(cfg: Mapping[str, Any]) -> int:
+    """Stored parameters of a Llama-family decoder (llama, mistral, qwen2, qwen3) from its config.
+
+    Analytic rather than read from the checkpoint so it works on a bare config (the random
+    `--config` shapes) and gives hand-checkable numbers; the test cross-checks it against a
+    real checkpoint's tensor sizes."""
+    hidden = int(cfg["hidden_size"])
+    inter = int(cfg["intermediate_size"])
+    vocab = int(cfg["vocab_size"])
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = _num_kv_heads(cfg)
+    head_dim = _head_dim(cfg)
+    model_type = cfg.get("model_type", "llama")
+
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    if model_type == "qwen2":
+        attn += q_out + 2 * kv_out                   # q/k/v biases, no o_proj bias
+    elif cfg.get("attention_bias"):
+        attn += q_out + 2 * kv_out + hidden          # llama-style: all four projections
+    if model_type == "qwen3":
+        attn += 2 * head_dim                         # per-head q_norm and k_norm gains
+    mlp = 3 * hidden * inter
+    if cfg.get("mlp_bias"):
+        mlp += 2 * inter + hidden
+    norms = 2 * hidden                               # input and post-attention RMSNorm
+    per_layer = attn + mlp + norms
+
+    embed = vocab * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    return embed + layers * per_layer + hidden + lm_head  # + final norm
+
+
+def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:
+    """K and V of one token across all layers (the reference script's formula)."""
+    return int(cfg["num_hidden_layers"]) * _num_kv_heads(cfg) * _head_dim(cfg) * 2 * dtype_bytes
+
+
+def decode_bytes_per_step(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
+                          batch: int, context_len: int, dtype_bytes: int = 2) -> int:
+    """Bytes one decode step must read: all weights once (shared by the batch) plus the KV
+    cache of `context_len` tokens for each of `batch` sequences."""
+    cfg = load_config(model_dir_or_config)
+    return count_params(cfg) * dtype_bytes + batch * context_len * kv_bytes_per_token(cfg, dtype_bytes)
+
+
+def _device(device: Any) -> Any:
+    import torch
+    return device if isinstance(device, torch.device) else torch.device(str(device))
+
+
+def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters: int = 7) -> float:
+    """Achievable memory bandwidth in bytes/s: bytes read + written by a large copy, median
+    of `iters` timed runs after a warm-up.
+
+    CUDA: device-to-device copy timed with CUDA events (host timers would include launch
+    overhead). CPU: a tensor clone timed with perf_counter. The buffer must be far larger than
+    the last-level cache, or we would measure cache bandwidth."""
+    import torch
+    dev = _device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if dev.type == "cuda" else (256 << 20)
+    numel = nbytes // 4
+    src = torch.empty(numel, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    moved = 2 * numel * 4                            # every byte is read once and written once
+    times: list[float] = []
+    if dev.type == "cuda":
+        dst.copy_(src)                               # warm-up
+        torch.cuda.synchronize(dev)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        dst = src.clone()                            # warm-up: faults in the pages
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            dst = src.clone()
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return moved / statistics.median(times)
+
+
+def matmul_peak_flops(device: Any = "cpu", dtype: Any = None, n: int | None = None,
+                      iters: int = 5) -> float:
+    """Achieved dense-matmul FLOP/s (2·n³ per n×n×n product), median of `iters` runs.
+
+    Defaults: bf16 at n=8192 on CUDA (tensor-core peak, the roof for prefill/TTFT); fp32 at
+    n=1024 on CPU (bf16 matmul on CPU is often emulated and would understate the roof)."""
+    import torch
+    dev = _device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if n is None:
+        n = 8192 if dev.type == "cuda" else 1024
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    times: list[float] = []
+    torch.matmul(a, b)                               # warm-up: picks the kernel / thread pool
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def roofline_line(floor_s_per_token: float, bandwidth: float, achieved_s_per_token: float) -> str:
+    """The one-line verdict printed by the benchmarks."""
+    pct = 100.0 * floor_s_per_token / achieved_s_per_token if achieved_s_per_token > 0 else 0.0
+    return (f"roofline: {floor_s_per_token * 1e3:.3f} ms/token at {bandwidth / 1e9:.1f} GB/s "
+            f"measured → achieved {pct:.1f}% of roofline")
