@@ -6,7 +6,8 @@ requests of `--input-len` random prompt tokens, each generating exactly `--outpu
 and the median / p90 latency reported. On top of vLLM, the same batch is also run with
 max_tokens=1 (prefill plus the first token), so the decode time per output token is
 (latency − prefill latency) / (output_len − 1), free of TTFT; it is compared with the
-memory-bandwidth floor of `folio.bench.roofline`.
+memory-bandwidth floor of `folio.bench.roofline`. Unlike vLLM, each iteration draws fresh
+prompts (same lengths), so default-on prefix caching cannot turn prefills into cache hits.
 """
 from __future__ import annotations
 
@@ -87,14 +88,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     excluded = np.fromiter(special_token_ids(llm.get_tokenizer()), dtype=np.int64)
     allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), excluded)
     rng = np.random.default_rng(args.seed)
-    # One fixed batch for every iteration (vLLM does the same): run-to-run variation then comes
-    # from the engine, not from the prompts.
-    prompts = [{"prompt_token_ids": rng.choice(allowed, size=args.input_len).tolist()}
-               for _ in range(args.batch_size)]
+
+    def fresh_batch() -> list[dict[str, list[int]]]:
+        # New random prompts for every call: prefix caching is on by default, and re-sending
+        # one fixed batch (as vLLM does) would turn every prefill after the first into a cache
+        # hit, understating latency and the prefill time subtracted below.
+        return [{"prompt_token_ids": rng.choice(allowed, size=args.input_len).tolist()}
+                for _ in range(args.batch_size)]
 
     def timed(max_tokens: int) -> tuple[float, int]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=False)
+        prompts = fresh_batch()  # drawn before the timer starts
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start

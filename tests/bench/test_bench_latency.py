@@ -1,0 +1,109 @@
+"""`folio bench latency` on a tiny random model, and the roofline's byte accounting.
+
+No timing assertions beyond positivity: the numbers depend on the machine; only their
+bookkeeping (counts, ordering of percentiles, derived rates) is checked.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+
+import pytest
+
+from folio.bench import latency, roofline
+from folio.bench.random_model import RANDOM_CONFIGS
+
+# A config small enough to count by hand (see test_decode_bytes_by_hand).
+_HAND_CONFIG = dict(model_type="llama", hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
+                    tie_word_embeddings=False)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    latency.add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_decode_bytes_by_hand() -> None:
+    # Per layer: q 8*8=64, k and v 8*4=32 each, o 8*8=64 -> 192; MLP 3*8*16=384; 2 norms 16.
+    per_layer = 192 + 384 + 16
+    params = 2 * per_layer + 10 * 8 + 10 * 8 + 8      # layers, embed, untied lm_head, final norm
+    assert params == 1352
+    assert roofline.count_params(_HAND_CONFIG) == params
+    # KV per token: 2 layers * 1 kv head * head_dim 4 * (K and V) * 2 bytes = 32.
+    assert roofline.kv_bytes_per_token(_HAND_CONFIG, 2) == 32
+    assert roofline.decode_bytes_per_step(_HAND_CONFIG, batch=3, context_len=5,
+                                          dtype_bytes=2) == 1352 * 2 + 3 * 5 * 32
+    # A tied lm_head is the embedding: read once.
+    tied = {**_HAND_CONFIG, "tie_word_embeddings": True}
+    assert roofline.count_params(tied) == params - 80
+    assert roofline.decode_bytes_per_step(tied, batch=1, context_len=0, dtype_bytes=2) == 1272 * 2
+
+
+def test_param_counts_match_reference_script() -> None:
+    # The reference script (shared/tools/roofline.py) uses 0.596e9 and 8.03e9 parameters.
+    assert roofline.count_params(RANDOM_CONFIGS["qwen3-0.6b"]) == pytest.approx(0.596e9, rel=1e-3)
+    assert roofline.count_params(RANDOM_CONFIGS["llama3-8b"]) == pytest.approx(8.03e9, rel=1e-3)
+    # 28 layers * 8 kv heads * 128 * 2 * 2 bytes.
+    assert roofline.kv_bytes_per_token(RANDOM_CONFIGS["qwen3-0.6b"]) == 28 * 8 * 128 * 2 * 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_param_count_matches_checkpoint(tiny_model_dir, arch: str) -> None:
+    """The analytic count equals the tensors actually stored (biases, q/k norms, tying)."""
+    from safetensors import safe_open
+    model = tiny_model_dir(arch)
+    stored = 0
+    for file in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert roofline.count_params(roofline.load_config(model)) == stored
+    # A model directory works directly as the argument.
+    assert roofline.decode_bytes_per_step(model, 1, 0, 4) == stored * 4
+
+
+def test_measured_roofs_are_positive() -> None:
+    assert roofline.measure_copy_bandwidth("cpu", nbytes=16 << 20, iters=3) > 0
+    assert roofline.matmul_peak_flops("cpu", n=128, iters=2) > 0
+    line = roofline.roofline_line(0.001, 50e9, 0.004)
+    assert line == "roofline: 1.000 ms/token at 50.0 GB/s measured → achieved 25.0% of roofline"
+
+
+def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
+    out_json = tmp_path / "latency.json"
+    args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "6",
+                   "--batch-size", "3", "--num-iters-warmup", "1", "--num-iters", "3",
+                   "--num-gpu-blocks-override", "64", "--output-json", str(out_json)])
+    report = latency.run(args)
+
+    assert len(report["latencies"]) == 3 and len(report["prefill_latencies"]) == 3
+    # ignore_eos: every iteration makes batch * output_len tokens.
+    assert report["output_tokens_per_iter"] == [3 * 6] * 3
+    assert all(t > 0 for t in report["latencies"] + report["prefill_latencies"])
+    assert report["median_latency_s"] == pytest.approx(report["percentiles"]["50"])
+    assert min(report["latencies"]) <= report["median_latency_s"] <= report["p90_latency_s"] \
+        <= max(report["latencies"])
+    per_token = report["median_decode_ms_per_token"]
+    assert per_token == pytest.approx(
+        (report["median_latency_s"] - report["median_prefill_latency_s"]) / 5 * 1e3)
+    assert per_token > 0
+    assert report["decode_tokens_per_s_per_seq"] == pytest.approx(1e3 / per_token)
+
+    roof = report["roofline"]
+    assert roof is not None and roof["bandwidth_bytes_per_s"] > 0
+    assert roof["context_len"] == 8 + 6 // 2
+    assert roof["bytes_per_step"] == roofline.decode_bytes_per_step(
+        tiny_model_dir("llama"), 3, roof["context_len"], roof["dtype_bytes"])
+    assert roof["floor_ms_per_token"] > 0 and "% of roofline" in roof["line"]
+    assert json.loads(out_json.read_text())["output_len"] == 6
+
+
+def test_latency_rejects_bad_flags() -> None:
+    with pytest.raises(ValueError):
+        latency.run(_parse(["--output-len", "0"]))
+    with pytest.raises(ValueError):
+        latency.run(_parse(["--config", "qwen3-0.6b"]))
