@@ -9,7 +9,6 @@ from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
 from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
-from folio.device_utils import to_device
 from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
 
 if TYPE_CHECKING:
@@ -65,12 +64,12 @@ class ModelRunner:
         if pin:
             # Pinned host buffers let the copies run asynchronously with the GPU's work.
             slots, tables, ids, pos = (t.pin_memory() for t in (slots, tables, ids, pos))
-        copy_in = lambda t: t.to(self.device, non_blocking=pin)  # noqa: E731
+        to_device = lambda t: t.to(self.device, non_blocking=pin)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=copy_in(slots), query_start_loc=query_start_loc,
+            slot_mapping=to_device(slots), query_start_loc=query_start_loc,
             seq_lens=seq_lens, num_computed_tokens=num_computed,
-            block_tables=copy_in(tables), block_size=self.block_size)
-        return copy_in(ids), copy_in(pos), meta
+            block_tables=to_device(tables), block_size=self.block_size)
+        return to_device(ids), to_device(pos), meta
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
@@ -119,7 +118,7 @@ class ModelRunner:
             if end <= start:
                 continue
             rows = hidden[query_start_loc[i]:query_start_loc[i] + (end - start)]
-            targets = to_device(request.prompt_token_ids[start + 1:end + 1], self.device)
+            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
             logits = self.model.compute_logits(rows)
             # Keyed by the prompt position of the first token scored: after a preemption the
             # prompt is recomputed and the front end must place, not append, these.
@@ -130,7 +129,8 @@ class ModelRunner:
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:
             return output
-        last_rows = to_device([query_start_loc[i + 1] - 1 for i, _ in sampling], self.device)
+        last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
+                                 device=self.device)
         logits = self.model.compute_logits(hidden[last_rows])
         states = []
         for _, item in sampling:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from folio.core.outputs import SampledTokenLogprobs
-from folio.device_utils import to_device
 from folio.sampling_params import SamplingParams
 
 
@@ -152,8 +151,8 @@ def _index_fill(logits: torch.Tensor, rows: list[int], cols: list[int], value: f
     if rows:
         device = logits.device
         logits.index_put_(
-            (to_device(rows, device), to_device(cols, device)),
-            to_device(value, device),
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(value, device=device),
         )
 
 
@@ -183,8 +182,8 @@ def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None
     _check_cols(c, logits.shape[1], "logit_bias")
     device = logits.device
     logits.index_put_(
-        (to_device(r, device), to_device(c, device)),
-        to_device(v, device, logits.dtype),
+        (torch.tensor(r, device=device), torch.tensor(c, device=device)),
+        torch.tensor(v, dtype=logits.dtype, device=device),
         accumulate=True,
     )
 
@@ -248,7 +247,9 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
             vocab,
             device,
         ) > 0
-        penalty = to_device([params[i].repetition_penalty for i in rep_rows], device).unsqueeze(1)
+        penalty = torch.tensor(
+            [params[i].repetition_penalty for i in rep_rows], device=device
+        ).unsqueeze(1)
         sub = logits[rep_rows]
         # Dividing a positive logit / multiplying a negative one both make the
         # token less likely when penalty > 1 (more likely when < 1).
@@ -260,8 +261,8 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
     ]
     if add_rows:
         counts = _token_counts([states[i].output_token_ids for i in add_rows], vocab, device)
-        freq = to_device([params[i].frequency_penalty for i in add_rows], device)
-        pres = to_device([params[i].presence_penalty for i in add_rows], device)
+        freq = torch.tensor([params[i].frequency_penalty for i in add_rows], device=device)
+        pres = torch.tensor([params[i].presence_penalty for i in add_rows], device=device)
         logits[add_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).float()
 
 
@@ -292,7 +293,7 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     sub = logits[random_rows]
     rparams = [params[i] for i in random_rows]
 
-    temps = to_device([p.temperature for p in rparams], device)
+    temps = torch.tensor([p.temperature for p in rparams], device=device)
     sub.div_(temps.unsqueeze(1))
     apply_min_p(sub, rparams)
     apply_top_k_top_p(sub, rparams)
@@ -323,7 +324,7 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     top probability (row i uses params[i])."""
     if not any(p.min_p > 0.0 for p in params):
         return
-    min_p = to_device([p.min_p for p in params], logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1) * min_p
     logits.masked_fill_(probs < threshold.unsqueeze(1), _NEG_INF)
@@ -345,7 +346,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
         # Only top-k: a partial topk is much cheaper than a full sort.
         k_max = max(ks)
         top_vals = logits.topk(k_max, dim=-1).values  # best first
-        k_idx = to_device(ks, device).unsqueeze(1) - 1
+        k_idx = torch.tensor(ks, device=device).unsqueeze(1) - 1
         kth = top_vals.gather(1, k_idx)
         # Ties with the k-th value are kept; rows without top-k use k = vocab,
         # whose k-th value is the row minimum, so nothing is removed there.
@@ -354,10 +355,10 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
 
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if need_k:
-        k = to_device(ks, device).unsqueeze(1)
+        k = torch.tensor(ks, device=device).unsqueeze(1)
         kth = sorted_logits.gather(1, vocab - k)
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-    top_p = to_device([p.top_p for p in params], device).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
     cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     # Drop the low tail whose total mass is at most 1 - top_p; the most likely
     # token is always kept so the row can never be emptied.

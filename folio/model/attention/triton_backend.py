@@ -10,12 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.device_utils import to_device
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
 from folio.model.attention import triton_kernels as tk
 
 _CACHE_KEY = "triton_step"
-
 
 
 @dataclass
@@ -53,8 +51,8 @@ class TritonPagedAttention(AttentionBackend):
         qsl = meta.query_start_loc
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
         st = TritonStepTensors(
-            query_start_loc=to_device(qsl, device, torch.int32),
-            seq_lens=to_device(meta.seq_lens, device, torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32, device=device),
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
             slot_mapping=meta.slot_mapping.to(device=device, dtype=torch.int64),
             max_query_len=max(q_lens, default=0),
