@@ -23,25 +23,13 @@ so the CPU interpreter runs each kernel once.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - CPU-only installs without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from folio.model.kernels._common import HAS_TRITON, INTERPRET, tl, triton  # noqa: F401
+from folio.model.kernels._common import next_pow2 as _next_pow2
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _configs(interpret_one: dict, full: list[tuple[dict, int, int]]) -> list:
