@@ -41,6 +41,7 @@ class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None
+    reasoning_parser: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     max_request_body_bytes: int = _DEFAULT_MAX_BODY_BYTES
 
@@ -76,7 +77,8 @@ def _parse(model: type[pydantic.BaseModel], data: dict) -> Any:
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = None) -> FastAPI:
     completions = OpenAIServingCompletion(engine, settings.served_model_names,
                                           default_chat_template=settings.chat_template)
-    chat = OpenAIServingChat(engine, settings.served_model_names, chat_template=settings.chat_template)
+    chat = OpenAIServingChat(engine, settings.served_model_names, chat_template=settings.chat_template,
+                             reasoning_parser=settings.reasoning_parser)
     started = int(time.time())
 
     @asynccontextmanager
@@ -279,6 +281,7 @@ def serve(args: argparse.Namespace) -> int:
                        args.port, " | API key required" if args.api_key else "")
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   chat_template=chat_template, allowed_origins=args.allowed_origins,
+                                  reasoning_parser=args.reasoning_parser,
                                   max_request_body_bytes=args.max_request_body_bytes)
         app = build_app(engine, settings, metrics)
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests finish

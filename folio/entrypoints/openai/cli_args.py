@@ -23,6 +23,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: 'auto' (the model's generation_config.json), "
                              "'folio' (none), or a directory holding a generation_config.json")
+    parser.add_argument("--reasoning-parser", default=None,
+                        choices=["deepseek_r1", "qwen3", "mistral"],
+                        help="split the model's thinking (<think>…</think>, [THINK]…[/THINK]) into "
+                             "the message's reasoning / reasoning_content fields")
     parser.add_argument("--allowed-origins", nargs="*", default=[],
                         help="CORS origins allowed (default: none, CORS off)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

@@ -224,8 +224,14 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
+    # With a reasoning parser the thinking text goes in both names: clients read one or the
+    # other (vLLM's `reasoning_content`, the newer `reasoning`).
+    _omit_if_none = frozenset({"reasoning_content", "reasoning"})
+
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -256,10 +262,12 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     # A delta carries only what changed: {"role", "content": ""} first, then {"content"},
     # and {} with the finish_reason.
-    _omit_if_none = frozenset({"role", "content"})
+    _omit_if_none = frozenset({"role", "content", "reasoning_content", "reasoning"})
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -35,6 +35,7 @@ from folio.entrypoints.openai.serving_common import (
     truncate_prompt,
     with_prefix,
 )
+from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -43,10 +44,19 @@ _REQUEST_FIELDS = set(ChatCompletionRequest.model_fields)
 
 class OpenAIServingChat(ServingBase):
     def __init__(self, engine: Any, served_model_names: list[str], *,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, reasoning_parser: str | None = None) -> None:
         super().__init__(engine, served_model_names)
         # Server-wide template override (--chat-template); a request's chat_template wins.
         self.chat_template = chat_template
+        # --reasoning-parser: splits thinking text from the answer (KeyError names the choices).
+        self.reasoning_parser_cls = (get_reasoning_parser(reasoning_parser)
+                                     if reasoning_parser else None)
+
+    def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        if self.reasoning_parser_cls is None:
+            return None
+        kwargs = request.chat_template_kwargs or {}
+        return self.reasoning_parser_cls(enable_thinking=bool(kwargs.get("enable_thinking", True)))
 
     # ---- checks -----------------------------------------------------------------------
 
@@ -147,9 +157,14 @@ class OpenAIServingChat(ServingBase):
                   ) -> ChatCompletionResponse:
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
+            reasoning, content = None, completion.text
+            parser = self._reasoning_parser(request)
+            if parser is not None:
+                reasoning, content = parser.extract(completion.text)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessage(role="assistant", content=completion.text),
+                message=ChatMessage(role="assistant", content=content,
+                                    reasoning_content=reasoning, reasoning=reasoning),
                 logprobs=self._logprobs(request, completion),
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 token_ids=list(completion.token_ids) if request.return_token_ids else None))
@@ -181,6 +196,23 @@ class OpenAIServingChat(ServingBase):
                 choices=[choice] if choice is not None else [], usage=usage,
                 prompt_token_ids=prompt_token_ids))
 
+        parsers = {i: self._reasoning_parser(request) for i in range(params.n)}
+
+        def delta(index: int, text: str, *, final: bool = False) -> DeltaMessage | None:
+            """The text delta split into reasoning and content; None when nothing shows yet
+            (a parser may hold back a possible tag)."""
+            parser = parsers.get(index)
+            if parser is None:
+                return DeltaMessage(content=text) if text else None
+            reasoning, content = parser.extract_streaming(text) if text else (None, None)
+            if final:
+                tail_reasoning, tail_content = parser.finish()
+                reasoning = (reasoning or "") + (tail_reasoning or "") or None
+                content = (content or "") + (tail_content or "") or None
+            if reasoning is None and content is None:
+                return None
+            return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+
         try:
             # The role comes first for every choice, as OpenAI sends it.
             for index in range(params.n):
@@ -195,9 +227,11 @@ class OpenAIServingChat(ServingBase):
                     # Tokens held back (e.g. a possible stop string) still carry logprobs
                     # or ids the client asked for.
                     wants_tokens = bool(request.logprobs or request.return_token_ids)
-                    if completion.text or (completion.token_ids and wants_tokens):
+                    message = delta(completion.index, completion.text,
+                                    final=completion.finish_reason is not None)
+                    if message is not None or (completion.token_ids and wants_tokens):
                         yield chunk(ChatCompletionResponseStreamChoice(
-                            index=completion.index, delta=DeltaMessage(content=completion.text),
+                            index=completion.index, delta=message or DeltaMessage(content=""),
                             logprobs=self._logprobs(request, completion),
                             token_ids=(list(completion.token_ids) if request.return_token_ids
                                        else None)))
