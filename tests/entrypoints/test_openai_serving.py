@@ -372,9 +372,10 @@ def test_model_not_found(tokenizer):
     ("completion", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format",
      "response_format is not supported yet"),
+    # Without --enable-auto-tool-choice and a parser, tools cannot be honoured: refused.
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tools are not supported yet"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice", "tools are not supported yet"),
+     "--enable-auto-tool-choice"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "logprobs"),
     ("chat", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages",

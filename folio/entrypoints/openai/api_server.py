@@ -42,6 +42,8 @@ class ServerSettings:
     api_key: str | None = None
     chat_template: str | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     allowed_origins: list[str] = field(default_factory=list)
     max_request_body_bytes: int = _DEFAULT_MAX_BODY_BYTES
 
@@ -77,8 +79,21 @@ def _parse(model: type[pydantic.BaseModel], data: dict) -> Any:
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = None) -> FastAPI:
     completions = OpenAIServingCompletion(engine, settings.served_model_names,
                                           default_chat_template=settings.chat_template)
+    tool_call_parser = settings.tool_call_parser
+    if tool_call_parser == "auto":
+        from folio.entrypoints.openai.tool_parsers import detect_tool_parser
+        template = settings.chat_template or getattr(engine.tokenizer, "chat_template", None) or ""
+        tool_call_parser = detect_tool_parser(template)
+        if tool_call_parser is None:
+            raise ValueError("--tool-call-parser auto: the chat template shows no known tool-call "
+                             "format; name the parser")
+        logger.info("tool-call parser picked from the chat template: %s", tool_call_parser)
+    if settings.enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     chat = OpenAIServingChat(engine, settings.served_model_names, chat_template=settings.chat_template,
-                             reasoning_parser=settings.reasoning_parser)
+                             reasoning_parser=settings.reasoning_parser,
+                             tool_call_parser=tool_call_parser,
+                             enable_auto_tool_choice=settings.enable_auto_tool_choice)
     started = int(time.time())
 
     @asynccontextmanager
@@ -282,6 +297,8 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   chat_template=chat_template, allowed_origins=args.allowed_origins,
                                   reasoning_parser=args.reasoning_parser,
+                                  tool_call_parser=args.tool_call_parser,
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   max_request_body_bytes=args.max_request_body_bytes)
         app = build_app(engine, settings, metrics)
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests finish

@@ -27,6 +27,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         choices=["deepseek_r1", "qwen3", "mistral"],
                         help="split the model's thinking (<think>…</think>, [THINK]…[/THINK]) into "
                              "the message's reasoning / reasoning_content fields")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let tool_choice \"auto\" parse tool calls out of the model's text "
+                             "(needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        choices=["auto", "hermes", "llama3_json", "llama4_json", "pythonic",
+                                 "llama4_pythonic", "mistral", "qwen3_xml", "qwen3_coder",
+                                 "deepseek_v3", "deepseek_v31", "granite"],
+                        help="the model's tool-call format; 'auto' picks it from the chat template")
     parser.add_argument("--allowed-origins", nargs="*", default=[],
                         help="CORS origins allowed (default: none, CORS off)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

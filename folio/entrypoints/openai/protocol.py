@@ -223,15 +223,44 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallItem(OpenAIBaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    _omit_if_none = frozenset({"name", "arguments"})
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    # Streaming: id, type and name come first; then argument fragments under the same index.
+    _omit_if_none = frozenset({"id", "type", "function"})
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     # With a reasoning parser the thinking text goes in both names: clients read one or the
     # other (vLLM's `reasoning_content`, the newer `reasoning`).
-    _omit_if_none = frozenset({"reasoning_content", "reasoning"})
+    _omit_if_none = frozenset({"reasoning_content", "reasoning", "tool_calls"})
 
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -262,12 +291,13 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     # A delta carries only what changed: {"role", "content": ""} first, then {"content"},
     # and {} with the finish_reason.
-    _omit_if_none = frozenset({"role", "content", "reasoning_content", "reasoning"})
+    _omit_if_none = frozenset({"role", "content", "reasoning_content", "reasoning", "tool_calls"})
 
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

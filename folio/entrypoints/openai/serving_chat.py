@@ -13,7 +13,11 @@ from folio.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallItem,
 )
 from folio.entrypoints.openai.serving_common import (
     SAMPLING_PARAM_NAMES,
@@ -36,6 +40,7 @@ from folio.entrypoints.openai.serving_common import (
     with_prefix,
 )
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -44,13 +49,24 @@ _REQUEST_FIELDS = set(ChatCompletionRequest.model_fields)
 
 class OpenAIServingChat(ServingBase):
     def __init__(self, engine: Any, served_model_names: list[str], *,
-                 chat_template: str | None = None, reasoning_parser: str | None = None) -> None:
+                 chat_template: str | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
         super().__init__(engine, served_model_names)
+        # --enable-auto-tool-choice + --tool-call-parser: tool_choice "auto" parses the model's
+        # own tool-call syntax out of its text ("required"/named choices need constrained
+        # decoding and are refused until it is wired in).
+        self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         # Server-wide template override (--chat-template); a request's chat_template wins.
         self.chat_template = chat_template
         # --reasoning-parser: splits thinking text from the answer (KeyError names the choices).
         self.reasoning_parser_cls = (get_reasoning_parser(reasoning_parser)
                                      if reasoning_parser else None)
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        if not request.tools or request.tool_choice == "none" or self.tool_parser_cls is None:
+            return None
+        return self.tool_parser_cls(tools=request.tools)
 
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_parser_cls is None:
@@ -60,16 +76,27 @@ class OpenAIServingChat(ServingBase):
 
     # ---- checks -----------------------------------------------------------------------
 
-    @staticmethod
-    def _check_unsupported(request: ChatCompletionRequest) -> None:
+    def _check_unsupported(self, request: ChatCompletionRequest) -> None:
         # Never silently ignore what would change the answer's shape.
         fmt = request.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
             raise OpenAIError("response_format is not supported yet", param="response_format")
+        choice = request.tool_choice
+        if choice is not None and not request.tools and choice != "none":
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
         if request.tools:
-            raise OpenAIError("tools are not supported yet", param="tools")
-        if request.tool_choice is not None and request.tool_choice != "none":
-            raise OpenAIError("tools are not supported yet", param="tool_choice")
+            for i, tool in enumerate(request.tools):
+                function = tool.get("function") if isinstance(tool, dict) else None
+                if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                        or not isinstance(function.get("name"), str):
+                    raise OpenAIError("each tool must be {\"type\": \"function\", \"function\": "
+                                      "{\"name\": ..., \"parameters\": {...}}}", param=f"tools[{i}]")
+            if choice in ("required",) or isinstance(choice, dict):
+                raise OpenAIError("tool_choice \"required\" and named functions are not supported "
+                                  "yet (they need constrained decoding)", param="tool_choice")
+            if choice in (None, "auto") and not (self.enable_auto_tool_choice and self.tool_parser_cls):
+                raise OpenAIError("tool_choice \"auto\" needs the server started with "
+                                  "--enable-auto-tool-choice and --tool-call-parser", param="tools")
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         check_stream_options(request)
@@ -93,7 +120,7 @@ class OpenAIServingChat(ServingBase):
                 chat_template=request.chat_template or self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                tools=None, chat_template_kwargs=request.chat_template_kwargs)
+                tools=request.tools or None, chat_template_kwargs=request.chat_template_kwargs)
         except ValueError as exc:
             no_template = "no chat template" in str(exc)
             raise to_openai_error(exc, known_params=_REQUEST_FIELDS,
@@ -161,12 +188,23 @@ class OpenAIServingChat(ServingBase):
             parser = self._reasoning_parser(request)
             if parser is not None:
                 reasoning, content = parser.extract(completion.text)
+            tool_calls = None
+            finish_reason = completion.finish_reason
+            tool_parser = self._tool_parser(request)
+            if tool_parser is not None and content:
+                extracted = tool_parser.extract(content)
+                if extracted.tools_called:
+                    content = extracted.content
+                    tool_calls = [ToolCallItem(id=c.id, function=FunctionCall(
+                        name=c.name, arguments=c.arguments)) for c in extracted.tool_calls]
+                    if finish_reason == "stop":
+                        finish_reason = "tool_calls"
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessage(role="assistant", content=content,
+                message=ChatMessage(role="assistant", content=content, tool_calls=tool_calls,
                                     reasoning_content=reasoning, reasoning=reasoning),
                 logprobs=self._logprobs(request, completion),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                finish_reason=finish_reason, stop_reason=completion.stop_reason,
                 token_ids=list(completion.token_ids) if request.return_token_ids else None))
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(
@@ -197,21 +235,47 @@ class OpenAIServingChat(ServingBase):
                 prompt_token_ids=prompt_token_ids))
 
         parsers = {i: self._reasoning_parser(request) for i in range(params.n)}
+        tool_parsers = {i: self._tool_parser(request) for i in range(params.n)}
+        called_tools: set[int] = set()
+
+        def split_tools(index: int, content: str | None, final: bool
+                        ) -> tuple[str | None, list[DeltaToolCall] | None]:
+            tool_parser = tool_parsers.get(index)
+            if tool_parser is None:
+                return content, None
+            pieces = [tool_parser.extract_streaming(content)] if content else []
+            if final:
+                pieces.append(tool_parser.finish())
+            text, calls = "", []
+            for piece in pieces:
+                if piece is None:
+                    continue
+                text += piece.content or ""
+                calls += [DeltaToolCall(
+                    index=c.index, id=c.id, type="function" if c.id else None,
+                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                    for c in piece.tool_calls]
+            if calls:
+                called_tools.add(index)
+            return text or None, calls or None
 
         def delta(index: int, text: str, *, final: bool = False) -> DeltaMessage | None:
-            """The text delta split into reasoning and content; None when nothing shows yet
-            (a parser may hold back a possible tag)."""
+            """The text delta split into reasoning, content and tool-call deltas; None when
+            nothing shows yet (a parser may hold back a possible tag)."""
             parser = parsers.get(index)
             if parser is None:
-                return DeltaMessage(content=text) if text else None
-            reasoning, content = parser.extract_streaming(text) if text else (None, None)
-            if final:
-                tail_reasoning, tail_content = parser.finish()
-                reasoning = (reasoning or "") + (tail_reasoning or "") or None
-                content = (content or "") + (tail_content or "") or None
-            if reasoning is None and content is None:
+                reasoning, content = None, text or None
+            else:
+                reasoning, content = parser.extract_streaming(text) if text else (None, None)
+                if final:
+                    tail_reasoning, tail_content = parser.finish()
+                    reasoning = (reasoning or "") + (tail_reasoning or "") or None
+                    content = (content or "") + (tail_content or "") or None
+            content, tool_calls = split_tools(index, content, final)
+            if reasoning is None and content is None and tool_calls is None:
                 return None
-            return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+            return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                tool_calls=tool_calls)
 
         try:
             # The role comes first for every choice, as OpenAI sends it.
@@ -236,9 +300,12 @@ class OpenAIServingChat(ServingBase):
                             token_ids=(list(completion.token_ids) if request.return_token_ids
                                        else None)))
                     if completion.finish_reason is not None:
+                        finish_reason = completion.finish_reason
+                        if finish_reason == "stop" and completion.index in called_tools:
+                            finish_reason = "tool_calls"
                         yield chunk(ChatCompletionResponseStreamChoice(
                             index=completion.index, delta=DeltaMessage(),
-                            finish_reason=completion.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=completion.stop_reason))
             if include_usage:
                 yield chunk(None, final_usage=True)
