@@ -96,11 +96,34 @@ class SchedulerConfig:
                  f"must be one of {list(_VALID_POLICIES)}, got {self.policy!r}")
 
 
+_STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Constrained decoding (vLLM's `--structured-outputs-config`)."""
+
+    # "auto" picks per request: xgrammar first, guidance for what xgrammar rejects (and Lark).
+    backend: str = "auto"
+    # With a reasoning parser, a constraint applies only after the model's reasoning ends
+    # (its end tag), so the model thinks freely and the answer is constrained.
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.backend in _STRUCTURED_OUTPUT_BACKENDS, "structured_outputs_backend",
+                 f"must be one of {list(_STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}")
+        _require(self.reasoning_parser is None or self.reasoning_parser in _REASONING_PARSERS,
+                 "reasoning_parser",
+                 f"must be one of {list(_REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     disable_log_stats: bool = True
 
     def finalize(self, model_max_len: int) -> None:

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from folio.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy decoding: dividing logits by
 # such a small number would only amplify floating-point noise.
 _SAMPLING_EPS = 1e-5
@@ -138,6 +140,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar, structural tag).
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     # Filled by `update_from_tokenizer`: each bad word as token-id sequences.
@@ -198,6 +202,14 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}"
             )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            try:
+                self.structured_outputs.validate()
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         if self.top_k == -1:
             # -1 is the legacy spelling of "disabled"; keep a single spelling.
             self.top_k = 0

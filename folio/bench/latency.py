@@ -8,11 +8,17 @@ max_tokens=1 (prefill plus the first token), so the decode time per output token
 (latency − prefill latency) / (output_len − 1), free of TTFT; it is compared with the
 memory-bandwidth floor of `folio.bench.roofline`. Unlike vLLM, each iteration draws fresh
 prompts (same lengths), so default-on prefix caching cannot turn prefills into cache hits.
+
+Start-to-ready (constructing `LLM(...)` until it returns) is reported with the worker's split
+(model load, KV profiling, KV allocation, CUDA graph capture). ``--peer transformers`` replays
+exactly the calls timed above (same prompts, same order, same token counts) through
+transformers' `generate` with a static KV cache (greedy, EOS off, no torch.compile) on the same
+weights, dtype and device, in a child process, and reports the same statistics and the
+folio/peer time ratios.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -22,10 +28,14 @@ import numpy as np
 
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
-from folio.bench.peers import in_child
-from folio.bench.random_model import RANDOM_CONFIGS, build_random_model
+from folio.bench.peers import (add_peer_timeout_arg, build_random_model_in_child,
+                               describe_free_memory, format_startup, peer_timeout,
+                               release_device_memory, run_latency_peer, startup_breakdown)
+from folio.bench.random_model import RANDOM_CONFIGS
 
-__all__ = ["add_cli_args", "main", "run"]
+__all__ = ["LATENCY_PEERS", "add_cli_args", "main", "run"]
+
+LATENCY_PEERS = ("none", "transformers")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +50,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-iters", type=int, default=5, help="timed iterations")
     group.add_argument("--no-roofline", action="store_true",
                        help="skip measuring copy bandwidth and the roofline comparison")
+    peer = parser.add_argument_group("peer")
+    peer.add_argument("--peer", choices=LATENCY_PEERS, default="none",
+                      help="also time transformers' generate (static KV cache, greedy, no "
+                           "torch.compile) on the same prompts, weights, dtype and device")
+    add_peer_timeout_arg(peer)
     random_group = parser.add_argument_group("random weights")
     random_group.add_argument("--random-weights", action="store_true",
                               help="benchmark a model with random weights and the shapes of --config")
@@ -61,6 +76,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--config only applies with --random-weights")
     if args.random_weights and (getattr(args, "model_flag", None) or getattr(args, "model", None)):
         raise ValueError("--random-weights builds its own model; do not also give --model")
+    peer_timeout(args)  # raises on a bad --peer-timeout
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -74,12 +90,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     _validate(args)
     kwargs = engine_kwargs_from_args(args)
+    random_model = None
     if args.random_weights:
         # In a child process, as throughput does: the builder's peak memory stays out of ours.
-        kwargs["model"] = in_child(build_random_model, args.config, None, args.random_num_layers)
-        print(f"random-weights model ({args.config}): {kwargs['model']}", flush=True)
+        random_model = build_random_model_in_child(args.config, args.random_num_layers)
+        kwargs["model"] = random_model["path"]
 
+    start = time.perf_counter()
     llm = LLM(**kwargs)
+    startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     if args.input_len + args.output_len > engine.max_model_len:
         raise ValueError(f"input-len + output-len = {args.input_len + args.output_len} exceeds "
@@ -88,6 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     excluded = np.fromiter(special_token_ids(llm.get_tokenizer()), dtype=np.int64)
     allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), excluded)
     rng = np.random.default_rng(args.seed)
+    # Every call below, in order, with its prompts: what --peer replays.
+    schedule: list[tuple[str, int, list[list[int]]]] = []
 
     def fresh_batch() -> list[dict[str, list[int]]]:
         # New random prompts for every call: prefix caching is on by default, and re-sending
@@ -96,35 +117,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return [{"prompt_token_ids": rng.choice(allowed, size=args.input_len).tolist()}
                 for _ in range(args.batch_size)]
 
-    def timed(max_tokens: int) -> tuple[float, int]:
+    def timed(kind: str, max_tokens: int) -> tuple[float, int]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=False)
         prompts = fresh_batch()  # drawn before the timer starts
+        schedule.append((kind, max_tokens, [p["prompt_token_ids"] for p in prompts]))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
     for _ in range(args.num_iters_warmup):
-        timed(args.output_len)
+        timed("warmup", args.output_len)
     latencies, output_tokens = [], []
     for _ in range(args.num_iters):
-        elapsed, n = timed(args.output_len)
+        elapsed, n = timed("timed", args.output_len)
         latencies.append(elapsed)
         output_tokens.append(n)
     # Prefill-only runs (max_tokens=1): same count, so the medians are comparable. One warm-up
     # because a 1-token request can hit shapes (no decode) the full runs did not compile.
-    timed(1)
-    prefill = [timed(1)[0] for _ in range(args.num_iters)]
+    timed("prefill_warmup", 1)
+    prefill = [timed("prefill", 1)[0] for _ in range(args.num_iters)]
 
-    median_latency = _median(latencies)
-    median_prefill = _median(prefill)
-    per_token_s = ((median_latency - median_prefill) / (args.output_len - 1)
-                   if args.output_len > 1 else None)
-    worker = getattr(getattr(engine.engine_core, "executor", None), "worker", None)
+    stats = _latency_stats(latencies, prefill, args.output_len)
+    per_token_s = stats["per_token_s"]
+    executor = getattr(engine.engine_core, "executor", None)
+    worker = getattr(executor, "worker", None)
     device = getattr(worker, "device", None)
     dtype = getattr(worker, "dtype", None)
-    model_path = engine.model_source.path
+    dtype_name = str(dtype).replace("torch.", "") if dtype is not None else None
+    model_source = {"kind": engine.model_source.kind, "path": engine.model_source.path}
+    model_path = model_source["path"]
 
     report: dict[str, Any] = {
         # vLLM's bench latency keys.
@@ -132,34 +155,86 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latencies": latencies,
         "percentiles": {str(p): _percentile(latencies, p) for p in (10, 25, 50, 75, 90, 99)},
         # folio's additions.
-        "median_latency_s": median_latency,
-        "p90_latency_s": _percentile(latencies, 90),
+        "median_latency_s": stats["median_latency_s"],
+        "p90_latency_s": stats["p90_latency_s"],
         "prefill_latencies": prefill,
-        "median_prefill_latency_s": median_prefill,
-        "median_decode_ms_per_token": per_token_s * 1e3 if per_token_s is not None else None,
-        "decode_tokens_per_s_per_seq": (1.0 / per_token_s) if per_token_s and per_token_s > 0 else None,
+        "median_prefill_latency_s": stats["median_prefill_latency_s"],
+        "median_decode_ms_per_token": stats["median_decode_ms_per_token"],
+        "decode_tokens_per_s_per_seq": stats["decode_tokens_per_s_per_seq"],
         "output_tokens_per_iter": output_tokens,
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
-        "model": {"kind": engine.model_source.kind, "path": model_path},
-        "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+        "model": model_source,
+        "dtype": dtype_name,
         "device": str(device) if device is not None else None,
+        "startup": startup_breakdown(startup_s, getattr(executor, "timings", None)),
+        "random_model": random_model,
         "roofline": None,
+        "peer": None,
+        "folio_over_peer": None,
     }
     if per_token_s is not None and per_token_s <= 0:
         print("warning: decode time per token came out <= 0 (prefill noise dominates); "
               "raise --output-len or --num-iters", file=sys.stderr)
-    del llm, engine, worker
-    gc.collect()  # free the engine's memory before the bandwidth probe allocates its buffers
+    del llm, engine, executor, worker
+    # Free the engine's memory (on a GPU: back to the driver) before the bandwidth probe
+    # allocates its buffers and before the peer's process loads its own copy of the model.
+    release_device_memory()
 
     if not args.no_roofline and per_token_s and per_token_s > 0 and device is not None:
         report["roofline"] = _roofline(args, model_path, device, dtype, per_token_s)
+
+    if args.peer != "none":
+        free = describe_free_memory(release_device_memory())
+        if free:
+            print(free, flush=True)
+        report["peer"] = _run_peer(args, model_source, dtype_name, report["device"], schedule)
+        report["folio_over_peer"] = _ratios(report, report["peer"])
 
     _print_summary(report)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _latency_stats(latencies: list[float], prefill: list[float],
+                   output_len: int) -> dict[str, Any]:
+    """Median latency, median prefill (max_tokens=1: the TTFT of the batch) and decode time per
+    output token, (median latency - median prefill) / (output_len - 1)."""
+    median_latency = _median(latencies)
+    median_prefill = _median(prefill)
+    per_token_s = ((median_latency - median_prefill) / (output_len - 1)
+                   if output_len > 1 else None)
+    return {"median_latency_s": median_latency, "p90_latency_s": _percentile(latencies, 90),
+            "median_prefill_latency_s": median_prefill, "per_token_s": per_token_s,
+            "median_decode_ms_per_token": per_token_s * 1e3 if per_token_s is not None else None,
+            "decode_tokens_per_s_per_seq": (1.0 / per_token_s) if per_token_s and per_token_s > 0
+            else None}
+
+
+def _run_peer(args: argparse.Namespace, model_source: dict[str, str], dtype: str | None,
+              device: str | None, schedule: list[tuple[str, int, list[list[int]]]]
+              ) -> dict[str, Any]:
+    peer = run_latency_peer(model_source, dtype, device, schedule, peer_timeout(args))
+    if peer.get("error") is None:
+        stats = _latency_stats(peer["latencies"], peer["prefill_latencies"], args.output_len)
+        stats.pop("per_token_s")
+        peer.update(stats)
+    return peer
+
+
+def _ratios(report: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None] | None:
+    """folio's time over the peer's (below 1: folio is faster)."""
+    if peer.get("error") is not None:
+        return None
+
+    def ratio(key: str) -> float | None:
+        mine, theirs = report.get(key), peer.get(key)
+        return mine / theirs if mine and theirs and mine > 0 and theirs > 0 else None
+
+    return {"decode_ms_per_token": ratio("median_decode_ms_per_token"),
+            "ttft": ratio("median_prefill_latency_s"), "latency": ratio("median_latency_s")}
 
 
 def _median(values: list[float]) -> float:
@@ -183,12 +258,18 @@ def _roofline(args: argparse.Namespace, model_path: str, device: Any, dtype: Any
 
 def _print_summary(report: dict[str, Any]) -> None:
     print()
+    random_model = report.get("random_model")
+    if random_model:
+        how = (f"built in {random_model['build_s']:.1f} s on {random_model['generator']}"
+               if random_model["built"] else "cached")
+        print(f"random-weights model: {how} (not part of start-to-ready)")
+    print(format_startup(report["startup"]))
     print(f"model: {report['model']['path']} ({report['dtype']}, {report['device']}); "
           f"batch {report['batch_size']}, input {report['input_len']}, "
           f"output {report['output_len']}, {report['num_iters']} iterations")
     print(f"latency: median {report['median_latency_s'] * 1e3:.2f} ms, "
           f"p90 {report['p90_latency_s'] * 1e3:.2f} ms, avg {report['avg_latency'] * 1e3:.2f} ms")
-    print(f"prefill (max_tokens=1): median {report['median_prefill_latency_s'] * 1e3:.2f} ms")
+    print(f"prefill (max_tokens=1, TTFT): median {report['median_prefill_latency_s'] * 1e3:.2f} ms")
     if report["median_decode_ms_per_token"] is not None:
         rate = report["decode_tokens_per_s_per_seq"]
         print(f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token, "
@@ -196,6 +277,28 @@ def _print_summary(report: dict[str, Any]) -> None:
               f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token")
     if report["roofline"]:
         print(report["roofline"]["line"])
+    peer = report.get("peer")
+    if peer:
+        _print_peer(peer, report.get("folio_over_peer"))
+
+
+def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) -> None:
+    name = f"peer {peer['engine']} (static KV cache, no torch.compile)"
+    if peer.get("error") is not None:
+        print(f"{name}: {peer['error']}")
+        return
+    print(f"{name}: {peer.get('attn_implementation')}, {peer.get('device')}, "
+          f"{peer.get('dtype')}; load {peer['load_s']:.1f} s")
+    print(f"  latency: median {peer['median_latency_s'] * 1e3:.2f} ms; prefill (TTFT): median "
+          f"{peer['median_prefill_latency_s'] * 1e3:.2f} ms")
+    if peer.get("median_decode_ms_per_token") is not None:
+        print(f"  decode: median {peer['median_decode_ms_per_token']:.3f} ms/token")
+    if ratios:
+        parts = [f"{label} {ratios[key]:.2f}x" for key, label in (
+            ("decode_ms_per_token", "decode ms/token"), ("ttft", "TTFT"), ("latency", "latency"))
+            if ratios.get(key)]
+        if parts:
+            print(f"folio/peer time ratio (below 1: folio faster): {', '.join(parts)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,25 @@
 
 ``--random-weights --config NAME`` builds (once, cached) a model directory with a real model's
 shapes and random bf16 weights, for benchmarking big shapes without downloading checkpoints.
+
+Every tensor has its own generator, seeded from a stable hash of (seed, tensor name)
+(`tensor_seed`), so a tensor's values depend on neither the order nor the sharding of the others.
+With CUDA the samples are drawn on the GPU (8B normal samples take a minute or more on a CPU and
+well under a second there) and copied to the CPU for saving; without it, on the CPU. The two
+devices' generators give different values for the same seed, so the marker stamp records which
+one built the directory (``"generator": "cuda" | "cpu"``); a cached build from the other device,
+or from before per-tensor seeding, is rebuilt in place.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 from typing import Any
 
 # Shapes of the models `--random-weights --config NAME` can build (from their published
@@ -33,6 +44,7 @@ RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
 _RANDOM_WEIGHTS_SEED = 0          # fixed: the same NAME always gives the same weights
 _RANDOM_MARKER = "folio_random.json"
 _SHARD_BYTES = 2 << 30            # keeps the builder's peak memory near one shard
+_STAMP_KEYS = ("name", "seed", "config")  # what makes it a different *model* (vs. a stale build)
 
 
 def random_model_dir(name: str, num_layers: int | None = None) -> str:
@@ -41,12 +53,33 @@ def random_model_dir(name: str, num_layers: int | None = None) -> str:
     return os.path.join(folio_cache_dir(), "random", f"{name}{suffix}")
 
 
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of tensor `name`: a stable hash of (seed, name), below 2**63."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def generator_device() -> str:
+    """Where the random weights are drawn: "cuda" when CUDA is available, else "cpu"."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def build_random_model(name: str, out_dir: str | None = None,
                        num_layers: int | None = None) -> str:
     """An HF directory with the shapes of RANDOM_CONFIGS[name] and random bf16 weights (fixed
     seed), plus the default model's tokenizer (vocab 49152: random prompts only need ids below
     the *model's* vocab). Built once, into a temp dir renamed into place, so a crash never
     leaves a half-written model; later calls return the cached directory."""
+    return build_random_model_info(name, out_dir, num_layers)["path"]
+
+
+def build_random_model_info(name: str, out_dir: str | None = None,
+                            num_layers: int | None = None,
+                            device: str | None = None) -> dict[str, Any]:
+    """`build_random_model`, reporting what it did: {"path", "built" (False: the cached
+    directory was reused), "build_s" (seconds spent building; 0.0 when cached), "generator"}.
+    `device` ("cuda" | "cpu") overrides where the weights are drawn (default: `generator_device`)."""
     if name not in RANDOM_CONFIGS:
         raise ValueError(f"unknown --config {name!r}; known: {sorted(RANDOM_CONFIGS)}")
     spec = dict(RANDOM_CONFIGS[name])
@@ -54,34 +87,68 @@ def build_random_model(name: str, out_dir: str | None = None,
         if num_layers < 1:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
         spec["num_hidden_layers"] = num_layers
+    device = device or generator_device()
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     final = out_dir or random_model_dir(name, num_layers)
     marker = os.path.join(final, _RANDOM_MARKER)
-    stamp = {"name": name, "seed": _RANDOM_WEIGHTS_SEED, "config": spec}
+    stamp = {"name": name, "seed": _RANDOM_WEIGHTS_SEED, "config": spec, "generator": device}
+    stamp = json.loads(json.dumps(stamp))  # as it reads back from the marker
+    stale = False
     if os.path.isfile(marker):
         with open(marker, encoding="utf-8") as f:
-            if json.load(f) == json.loads(json.dumps(stamp)):
-                return final
-        raise ValueError(f"{final} holds a different random model; remove it to rebuild")
+            found = json.load(f)
+        if found == stamp:
+            return {"path": final, "built": False, "build_s": 0.0, "generator": device}
+        if any(found.get(key) != stamp[key] for key in _STAMP_KEYS):
+            raise ValueError(f"{final} holds a different random model; remove it to rebuild")
+        # The same model drawn by the other device's generator (or by the old single-generator
+        # scheme, with no "generator" key): ours to replace.
+        stale = True
+        print(f"random weights: {final} was drawn with generator "
+              f"{found.get('generator', 'cpu (single stream)')!r}, not {device!r}; rebuilding",
+              file=sys.stderr, flush=True)
 
     parent = os.path.dirname(os.path.abspath(final))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
+    start = time.perf_counter()
     try:
-        _write_random_model(spec, tmp)
+        _write_random_model(spec, tmp, device, label=name)
         with open(os.path.join(tmp, _RANDOM_MARKER), "w", encoding="utf-8") as f:
             json.dump(stamp, f, indent=2)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(marker):  # not a concurrent builder that got there first
-                raise
+        if stale:
+            _replace_dir(tmp, final)
+        else:
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not os.path.isfile(marker):  # not a concurrent builder that got there first
+                    raise
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    build_s = time.perf_counter() - start
+    print(f"random weights: built {final} in {build_s:.1f} s (generator: {device})", flush=True)
+    return {"path": final, "built": True, "build_s": build_s, "generator": device}
 
 
-def _write_random_model(spec: dict[str, Any], out: str) -> None:
+def _replace_dir(new: str, final: str) -> None:
+    """Put directory `new` at `final`, whose current content (a stale build) is deleted."""
+    trash = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-",
+                             dir=os.path.dirname(os.path.abspath(final)))
+    os.rmdir(trash)
+    os.rename(final, trash)
+    try:
+        os.rename(new, final)
+    except OSError:
+        os.rename(trash, final)  # put the old one back rather than leave nothing
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
+                        label: str = "") -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -116,29 +183,43 @@ def _write_random_model(spec: dict[str, Any], out: str) -> None:
         shards[-1].append((name, shape))
         shard_bytes += size
 
-    generator = torch.Generator().manual_seed(_RANDOM_WEIGHTS_SEED)
+    total_bytes = sum(math.prod(shape) * 2 for _, shape in shapes)
     weight_map: dict[str, str] = {}
     total = 0
+    start = time.perf_counter()
+    print(f"random weights{' (' + label + ')' if label else ''}: {len(shapes)} tensors, "
+          f"{total_bytes / 1e9:.2f} GB in {len(shards)} shard(s), drawn on {device}",
+          flush=True)
     for index, shard in enumerate(shards):
         file = ("model.safetensors" if len(shards) == 1
                 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for name, shape in shard:
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(shape, dtype=torch.bfloat16)   # RMSNorm gains
-            elif name.endswith(".bias"):
-                tensor = torch.zeros(shape, dtype=torch.bfloat16)
-            else:
-                tensor = torch.empty(shape, dtype=torch.float32).normal_(
-                    0.0, config.initializer_range, generator=generator).to(torch.bfloat16)
+            tensor = _random_tensor(name, shape, config.initializer_range, device)
             tensors[name] = tensor
             weight_map[name] = file
             total += tensor.numel() * 2
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
         del tensors
+        print(f"random weights: shard {index + 1}/{len(shards)} written "
+              f"({total / 1e9:.2f}/{total_bytes / 1e9:.2f} GB, "
+              f"{time.perf_counter() - start:.1f} s)", flush=True)
     if len(shards) > 1:
         with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
+
+def _random_tensor(name: str, shape: tuple[int, ...], std: float, device: str) -> "torch.Tensor":
+    """Tensor `name` as saved (bf16, on the CPU): RMSNorm gains are ones, biases zeros, every
+    other tensor N(0, std) drawn by its own generator on `device`, seeded by `tensor_seed`."""
+    import torch
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)   # RMSNorm gains
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(tensor_seed(_RANDOM_WEIGHTS_SEED, name))
+    sample = torch.empty(shape, dtype=torch.float32, device=device).normal_(
+        0.0, std, generator=generator)
+    return sample.to(torch.bfloat16).cpu()

@@ -4,7 +4,8 @@ vLLM's `bench throughput` semantics: every request is submitted at once to `LLM.
 throughput is measured around that call only (engine start-up is reported separately). The
 default workload is nano-vllm's published one: 256 requests, prompt and output lengths uniform
 in [100, 1024], random prompt tokens, temperature 1.0 and ignore_eos so every request generates
-exactly the number of tokens it asked for.
+exactly the number of tokens it asked for. Start-to-ready (constructing `LLM(...)` until it
+returns) is reported split into the worker's stages; a random-weights build is timed apart.
 
 This module holds the CLI, the folio run and the report. The peers (``--peer transformers``,
 ``--peer transformers-cb``), which run the same requests on the same weights in their own
@@ -22,7 +23,9 @@ import time
 from typing import Any
 
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
-from folio.bench.peers import PEERS, in_child, run_peer
+from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
+                               build_random_model_in_child, describe_free_memory, format_startup,
+                               peer_timeout, release_device_memory, run_peer, startup_breakdown)
 from folio.bench.random_model import RANDOM_CONFIGS, build_random_model, random_model_dir
 from folio.bench.results import EngineResult, current_rss_bytes, peak_rss_bytes
 
@@ -55,6 +58,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "(e.g. --peer transformers transformers-cb)")
     peer.add_argument("--peer-batch-size", type=int, default=16,
                       help="static batch size of the transformers peer")
+    peer.add_argument("--peer-cb-max-batch-tokens", type=int, default=DEFAULT_CB_MAX_BATCH_TOKENS,
+                      help="max_batch_tokens (tokens per step) of the transformers-cb peer; its KV "
+                           "cache is sized to hold the whole workload at once")
+    add_peer_timeout_arg(peer)
     random_group = parser.add_argument_group("random weights")
     random_group.add_argument("--random-weights", action="store_true",
                               help="benchmark a model with random weights and the shapes of --config")
@@ -75,6 +82,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be positive, got {args.num_prompts}")
     if args.peer_batch_size < 1:
         raise ValueError(f"--peer-batch-size must be positive, got {args.peer_batch_size}")
+    if args.peer_cb_max_batch_tokens < 1:
+        raise ValueError("--peer-cb-max-batch-tokens must be positive, got "
+                         f"{args.peer_cb_max_batch_tokens}")
+    peer_timeout(args)  # raises on a bad --peer-timeout
     if args.random_weights and args.config is None:
         raise ValueError("--random-weights needs --config NAME "
                          f"(one of {sorted(RANDOM_CONFIGS)})")
@@ -94,19 +105,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by `args`, print a table and return the results."""
     _validate(args)
     kwargs = _engine_kwargs(args)
+    random_model = None
     if args.random_weights:
-        t0 = time.perf_counter()
-        kwargs["model"] = in_child(build_random_model, args.config, None, args.random_num_layers)
-        print(f"random-weights model ({args.config}): {kwargs['model']} "
-              f"[{time.perf_counter() - t0:.1f}s]", flush=True)
+        random_model = build_random_model_in_child(args.config, args.random_num_layers)
+        kwargs["model"] = random_model["path"]
 
     folio_result, info = _run_folio(args, kwargs)
+    info["random_model"] = random_model
     requests: list[SampleRequest] = info.pop("requests")
     results = [folio_result]
     peers = [p for p in args.peer if p != "none"]
     if peers:
-        # The peer gets the machine to itself: folio's engine was released in _run_folio.
-        gc.collect()
+        # The peer gets the machine to itself: folio's engine was released in _run_folio, and
+        # its GPU memory is handed back to the driver here.
+        free = describe_free_memory(release_device_memory())
+        if free:
+            print(free, flush=True)
         for peer in peers:
             results.append(run_peer(peer, info, requests, args))
 
@@ -125,7 +139,7 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
     result.baseline_rss_bytes = current_rss_bytes()
     start = time.perf_counter()
     llm = LLM(**kwargs)
-    result.load_s = time.perf_counter() - start
+    result.load_s = time.perf_counter() - start  # start-to-ready
 
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
@@ -162,21 +176,24 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
     result.prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     result.output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result.generated_tokens = result.output_tokens
-    worker = getattr(getattr(engine.engine_core, "executor", None), "worker", None)
+    executor = getattr(engine.engine_core, "executor", None)
+    worker = getattr(executor, "worker", None)
     dtype = getattr(worker, "dtype", None)
     result.extra = {"num_kv_blocks": getattr(engine.engine_core, "num_blocks", None),
                     "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
                     "device": str(getattr(worker, "device", "")) or None,
+                    "startup": startup_breakdown(result.load_s, getattr(executor, "timings", None)),
                     "detokenize": detokenize, "notes": notes}
     info = {
         "requests": requests,
         "model_source": {"kind": engine.model_source.kind, "path": engine.model_source.path},
         "dtype": result.extra["dtype"],
+        "device": result.extra["device"],
         "vocab_size": vocab_size,
         "max_model_len": engine.max_model_len,
     }
     # Release the engine (model weights, KV cache) before any peer runs.
-    del outputs, llm, engine, worker
+    del outputs, llm, engine, executor, worker
     gc.collect()
     return result, info
 
@@ -200,11 +217,16 @@ def _report(args: argparse.Namespace, results: list[EngineResult], info: dict) -
             "num_prompts": args.num_prompts, "input_len_range": list(args.input_len_range),
             "output_len_range": list(args.output_len_range), "seed": args.seed,
             "temperature": args.temperature, "peer": list(args.peer),
-            "peer_batch_size": args.peer_batch_size, "random_weights": args.random_weights,
+            "peer_batch_size": args.peer_batch_size,
+            "peer_cb_max_batch_tokens": args.peer_cb_max_batch_tokens,
+            "peer_timeout": peer_timeout(args), "random_weights": args.random_weights,
             "config": args.config, "engine": _engine_kwargs(args),
         },
-        "model": info["model_source"], "dtype": info["dtype"],
+        "model": info["model_source"], "dtype": info["dtype"], "device": info["device"],
         "max_model_len": info["max_model_len"],
+        # folio's start-to-ready (= engines[0].load_s), split; the random-weights build apart.
+        "startup": folio.extra.get("startup"),
+        "random_model": info.get("random_model"),
         "engines": [r.to_dict() for r in results],
     }
     folio_rate = folio.rates().get("output_tokens_per_s")
@@ -221,7 +243,15 @@ def _gib(n: int) -> str:
 def _print_table(results: list[EngineResult], info: dict) -> None:
     folio = results[0]
     print()
-    print(f"model: {info['model_source']['path']} ({info['dtype']}); {folio.num_requests} "
+    random_model = info.get("random_model")
+    if random_model:
+        how = (f"built in {random_model['build_s']:.1f} s on {random_model['generator']}"
+               if random_model["built"] else "cached")
+        print(f"random-weights model: {how} (not part of start-to-ready)")
+    if folio.extra.get("startup"):
+        print("folio " + format_startup(folio.extra["startup"]))
+    print(f"model: {info['model_source']['path']} ({info['dtype']}, {info.get('device')}); "
+          f"{folio.num_requests} "
           f"requests, {folio.prompt_tokens} prompt + {folio.output_tokens} output tokens")
     header = ["engine", "elapsed s", "req/s", "out tok/s", "total tok/s", "folio/peer",
               "peak RSS", "load s"]
@@ -245,9 +275,22 @@ def _print_table(results: list[EngineResult], info: dict) -> None:
     for r in results:
         if r.error:
             print(f"{r.engine}: {r.error}")
+            partial = r.extra.get("partial")
+            if partial:
+                print(f"{r.engine}: by then {partial['finished_requests']}/"
+                      f"{partial['total_requests']} requests had finished, "
+                      f"{partial['output_tokens']} output tokens in {partial['elapsed_s']:.1f} s of "
+                      f"generation: >= {partial['output_tokens_per_s_lower_bound']:.1f} out tok/s")
+            elif r.extra.get("timed_out"):
+                print(f"{r.engine}: killed while {r.extra.get('phase')}")
         elif r.generated_tokens != r.output_tokens:
             print(f"{r.engine}: computed {r.generated_tokens} tokens for {r.output_tokens} "
                   f"useful ({r.generated_tokens - r.output_tokens} padding waste)")
+        if r is not folio and r.extra.get("attn_implementation"):
+            settings = r.extra.get("resolved") or {}
+            print(f"{r.engine}: attn_implementation={r.extra['attn_implementation']}, "
+                  f"device={r.extra.get('device')}"
+                  + "".join(f", {k}={v}" for k, v in settings.items() if v is not None))
         for note in r.extra.get("notes", []):
             print(f"{r.engine}: {note}")
     print("peak RSS: each engine's own process (folio: this process; peers: a spawned child); "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
 from folio.sampling_params import SamplingParams
@@ -25,13 +25,15 @@ class EngineCoreRequest:
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    # Waiting for its grammar to compile (off the busy loop); others are scheduled meanwhile.
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -48,6 +50,19 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+class GrammarState(Protocol):
+    """A constrained request's grammar as the core sees it (the engine layer implements it:
+    compiling, matching and masks need libraries the torch-free core must not import)."""
+
+    # Set by the engine layer once the grammar has compiled (or failed to) — never by a
+    # background thread — so one scheduling pass sees one consistent answer.
+    ready: bool
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance by sampled tokens; False if the grammar rejected one."""
+        ...
 
 
 class Request:
@@ -91,6 +106,8 @@ class Request:
             sampling_params.max_tokens, room)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
+        # Constrained decoding state; None = unconstrained.
+        self.structured_output: GrammarState | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, *, block_size: int,

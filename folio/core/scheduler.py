@@ -194,10 +194,17 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Then waiting requests, unless this step had to preempt (no room to grow).
+        # Then waiting requests, unless this step had to preempt (no room to grow). Requests
+        # whose grammar is still compiling step aside; they keep their place in the queue.
+        not_ready: list[Request] = []
         while (not preempted and len(self.waiting) > 0 and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not (request.structured_output is not None and request.structured_output.ready):
+                    not_ready.append(self.waiting.pop())
+                    continue
+                request.status = RequestStatus.WAITING
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -218,6 +225,9 @@ class Scheduler:
             self._first_scheduled.setdefault(request.request_id, time.monotonic())
             scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, [])
             budget -= num_new
+
+        for request in reversed(not_ready):
+            self.waiting.add_preempted(request)  # back at the front, in their old order
 
         for item in scheduled.values():
             item.block_ids = self.kv.get_block_ids(item.request_id)
@@ -263,6 +273,10 @@ class Scheduler:
                                                     num_cached_tokens=max(request.num_cached_tokens, 0)))
                 continue
             request.append_output_token(token_id)
+            if request.structured_output is not None:
+                # The mask allowed only grammar tokens, so a rejection means a bug upstream;
+                # the token stands (it was sampled) and the matcher keeps its state.
+                request.structured_output.accept_tokens([token_id])
             self._check_stop(request, token_id)
             logprobs = runner_output.logprobs.get(request.request_id)
             outputs.append(EngineCoreOutput(

@@ -43,7 +43,7 @@ class AsyncLLM:
                  ready_timeout_s: float = 900.0) -> None:
         self.config = config
         self.model_info: ModelInfo = load_model_info(config)
-        self.preparer = RequestPreparer(self.model_info)
+        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.metrics = metrics
         self.stats = SchedulerStats()

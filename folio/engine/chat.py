@@ -1,6 +1,7 @@
 """Chat conversations to prompt text, through the model's (or a given) chat template."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -25,6 +26,28 @@ def _normalise_content(content: Any, index: int) -> Any:
     raise ValueError(f"messages[{index}].content must be a string or a list of parts")
 
 
+def _normalise_tool_calls(tool_calls: Any, index: int) -> list[dict]:
+    """OpenAI sends a call's arguments as JSON text; templates render them with tojson, so
+    they get the parsed object (text that is not a JSON object is passed through as is)."""
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(tool_calls):
+        if not isinstance(call, dict):
+            raise ValueError(f"messages[{index}].tool_calls[{j}] must be an object")
+        call = dict(call)
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                parsed = json.loads(function["arguments"])
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call["function"] = dict(function, arguments=parsed)
+        out.append(call)
+    return out
+
+
 def normalise_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -37,6 +60,12 @@ def normalise_messages(messages: Any) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
         item = dict(message)
         item["content"] = _normalise_content(message.get("content"), i)
+        if item["content"] is None:
+            # OpenAI clients send back an assistant tool-call turn with content null;
+            # templates do string operations on content, so give them "".
+            item["content"] = ""
+        if message.get("tool_calls") is not None:
+            item["tool_calls"] = _normalise_tool_calls(message["tool_calls"], i)
         if role == "developer":
             item["role"] = "system"  # templates know "system"; OpenAI's developer is the same
         out.append(item)

@@ -9,12 +9,14 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import Scheduler
+from folio.engine.structured_outputs import StructuredOutputManager
 from folio.executor.uniproc import UniProcExecutor
 from folio.model.loader import ModelSource
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
+                 tokenizer: Any = None) -> None:
         self.config = config
         self.executor = UniProcExecutor(config, source, hf_config)
         self.num_blocks = self.executor.num_blocks
@@ -26,12 +28,18 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy)
+        # The tokenizer is only needed for grammars; without one it is loaded on first use.
+        self.structured_output = StructuredOutputManager(
+            config.structured_outputs,
+            (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
+            vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs)
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         if isinstance(request, EngineCoreRequest):
             request = Request.from_engine_core_request(
                 request, block_size=self.config.cache.block_size,
                 max_model_len=self.config.model.max_model_len)
+        self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -42,13 +50,32 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._settle_grammars()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             # Still let the worker drop state of requests that finished meanwhile.
             self.executor.execute_model(scheduler_output)
+            if self.structured_output.has_pending() and not failed:
+                # Nothing runnable but a grammar compiling: wait for it briefly, not spin.
+                self.structured_output.wait_for_pending(timeout=0.01)
+            return failed
+        fill = None
+        if any(item.request.structured_output is not None for item in scheduler_output.scheduled):
+            fill = self.structured_output.fill_bitmask
+        runner_output = self.executor.execute_model(scheduler_output, fill)
+        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _settle_grammars(self) -> list[EngineCoreOutput]:
+        """Finished compiles become ready; a grammar that failed to compile finishes its
+        request with an error (the front end validates first, so this is rare)."""
+        if not self.structured_output.has_pending():
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = []
+        for request, error in self.structured_output.update():
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                            stop_reason=error))
+        return outputs
 
     def has_pending_notifications(self) -> bool:
         """Requests finished outside a step (aborts) whose worker state is still to drop."""
@@ -60,5 +87,13 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        self.structured_output.shutdown()
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+
+def _load_tokenizer(config: EngineConfig, source: ModelSource) -> Any:
+    from folio.engine.tokenizer import load_tokenizer
+    return load_tokenizer(source, config.model.tokenizer, config.model.revision)

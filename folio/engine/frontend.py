@@ -90,8 +90,9 @@ class PreparedRequest:
 
 
 class RequestPreparer:
-    def __init__(self, info: ModelInfo) -> None:
+    def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto") -> None:
         self.info = info
+        self.structured_outputs_backend = structured_outputs_backend
         self.input_processor = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len)
 
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -105,6 +106,14 @@ class RequestPreparer:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         params = params.clone()
+        if params.structured_outputs is not None:
+            # A bad schema/regex/grammar is the caller's error (a 400), found here in well
+            # under a millisecond, not a failed request later in the engine core.
+            from folio.structured_output.validation import validate_constraint
+            try:
+                validate_constraint(params.structured_outputs, self.structured_outputs_backend)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         processed = self.input_processor.process(prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:

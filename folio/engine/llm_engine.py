@@ -19,8 +19,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_info = load_model_info(config)
-        self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config)
-        self.preparer = RequestPreparer(self.model_info)
+        self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config,
+                                      self.model_info.tokenizer)
+        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

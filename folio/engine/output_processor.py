@@ -140,6 +140,10 @@ class OutputProcessor:
                 parent.metrics.first_scheduled_time = out.first_scheduled_time
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if not out.new_token_ids:
+                if out.finish_reason is not None:
+                    # Finished without a token (a grammar that failed to compile in the core).
+                    child.updated = True
+                    child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
                 continue
             child.updated = True
             if parent.metrics.first_token_time is None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from folio.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from folio.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                          StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.outputs import RequestOutput
@@ -23,7 +24,10 @@ class LLM:
                  block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                  num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
                  device: str = "auto", revision: str | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 structured_outputs_config: StructuredOutputsConfig | dict | None = None) -> None:
+        if isinstance(structured_outputs_config, dict):
+            structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,
@@ -36,6 +40,7 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       policy=scheduling_policy),
+            structured_outputs=structured_outputs_config or StructuredOutputsConfig(),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

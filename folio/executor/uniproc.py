@@ -8,6 +8,7 @@ from folio.config import EngineConfig
 from folio.core.outputs import ModelRunnerOutput
 from folio.core.scheduler import SchedulerOutput
 from folio.model.loader import ModelSource
+from folio.worker.model_runner import GrammarBitmaskFn
 from folio.worker.worker import Worker
 
 
@@ -19,5 +20,16 @@ class UniProcExecutor:
     def num_blocks(self) -> int:
         return self.worker.num_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds of each worker start-up stage: load_s, profile_s, kv_alloc_s, graph_capture_s."""
+        return dict(self.worker.timings)
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (may exceed the tokenizer's vocabulary)."""
+        return self.worker.arch_spec.vocab_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output, grammar_bitmask)

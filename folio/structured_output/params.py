@@ -6,14 +6,86 @@ core, whose scheduler must stay importable without torch.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StructuredOutputsParams", "StructuredOutputKind"]
+__all__ = [
+    "StructuredOutputsParams",
+    "StructuredOutputKind",
+    "disallow_additional_properties",
+    "is_lark_grammar",
+]
 
 # Field names double as the "kind" in cache keys, so backends can dispatch on them.
 StructuredOutputKind = str
 _KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+# Request options that change what gets compiled (and so belong in the cache key),
+# with their defaults. Order is fixed: it is the order they appear in key().
+_OPTION_DEFAULTS: tuple[tuple[str, Any], ...] = (
+    ("disable_any_whitespace", False),
+    ("disable_fallback", False),
+    ("disable_additional_properties", False),
+    ("whitespace_pattern", None),
+)
+
+# A Lark rule or terminal definition: `name: ...`, `?name: ...`, `NAME.2: ...`, `name{x}: ...`
+# (but not EBNF's `name ::= ...`), or a Lark/llguidance directive.
+_LARK_RULE = re.compile(
+    r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(\{[^}\n]*\})?(\.-?\d+)?[ \t]*:(?!:)", re.M
+)
+_LARK_DIRECTIVE = re.compile(r"^[ \t]*%(llguidance|ignore|import|declare|override|extend)\b", re.M)
+_EBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][A-Za-z0-9_.-]*[ \t]*::=", re.M)
+
+
+def is_lark_grammar(text: str) -> bool:
+    """True for a Lark grammar (llguidance's native syntax: `start: ...`, `name: ...`),
+    False for EBNF/GBNF (`root ::= ...`, what xgrammar takes)."""
+    if _LARK_DIRECTIVE.search(text):
+        return True
+    if _EBNF_RULE.search(text):
+        return False
+    return _LARK_RULE.search(text) is not None
+
+
+# Keywords whose value is one subschema / a list of subschemas / a map name -> subschema.
+_SUBSCHEMA_ONE = (
+    "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+    "items", "contains", "propertyNames", "not", "if", "then", "else",
+)
+_SUBSCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _is_object_schema(schema: dict) -> bool:
+    t = schema.get("type")
+    if t == "object" or (isinstance(t, list) and "object" in t):
+        return True
+    return t is None and ("properties" in schema or "required" in schema)
+
+
+def disallow_additional_properties(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema without an explicit
+    `additionalProperties` gets `additionalProperties: false` (vLLM's
+    disable_additional_properties). Only schema positions are rewritten: a property
+    that happens to be named "properties" or "type" is left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if _is_object_schema(out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for name in _SUBSCHEMA_ONE:
+        if isinstance(out.get(name), dict):
+            out[name] = disallow_additional_properties(out[name])
+    for name in _SUBSCHEMA_LIST:
+        if isinstance(out.get(name), list):
+            out[name] = [disallow_additional_properties(s) for s in out[name]]
+    for name in _SUBSCHEMA_MAP:
+        if isinstance(out.get(name), dict):
+            out[name] = {k: disallow_additional_properties(v) for k, v in out[name].items()}
+    return out
 
 
 def _canonical_json(value: Any) -> str:
@@ -32,6 +104,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF/GBNF (xgrammar's EBNF dialect)
     structural_tag: str | None = None  # JSON text of an xgrammar structural tag spec
+    # Options (vLLM's names). They change the compiled grammar, so they are part of key().
+    # Compact JSON: no free whitespace between JSON tokens (small models loop on whitespace).
+    disable_any_whitespace: bool = False
+    # With the "auto" backend: fail instead of falling back to guidance when xgrammar rejects.
+    disable_fallback: bool = False
+    # JSON schemas: objects without an explicit additionalProperties get additionalProperties:
+    # false. (xgrammar, like in vLLM, already rejects undeclared properties; guidance follows
+    # JSON Schema and allows them unless this is set.)
+    disable_additional_properties: bool = False
+    # Regex for the whitespace allowed between JSON tokens; guidance only (xgrammar raises).
+    whitespace_pattern: str | None = None
 
     def _set_fields(self) -> list[str]:
         # json_object counts as set for any non-False value so a wrong type
@@ -55,6 +138,22 @@ class StructuredOutputsParams:
             )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {type(self.json_object).__name__}")
+        for name in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str):
+                raise ValueError(
+                    "whitespace_pattern must be a str (a regex) or None, "
+                    f"got {type(self.whitespace_pattern).__name__}"
+                )
+            if not self.whitespace_pattern:
+                raise ValueError("whitespace_pattern must be a non-empty regex (or None)")
+            if self.disable_any_whitespace:
+                raise ValueError(
+                    "whitespace_pattern and disable_any_whitespace are mutually exclusive"
+                )
         kind = set_fields[0]
         value = getattr(self, kind)
         if kind == "json":
@@ -96,15 +195,28 @@ class StructuredOutputsParams:
             )
         return value
 
-    def key(self) -> tuple[str, str]:
-        """Cache key (kind, canonical text); equal constraints give equal keys."""
-        kind = self.kind()
+    def options(self) -> tuple[tuple[str, Any], ...]:
+        """The options that differ from their defaults, as (name, value) pairs."""
+        return tuple(
+            (name, getattr(self, name))
+            for name, default in _OPTION_DEFAULTS
+            if getattr(self, name) != default
+        )
+
+    def key(self) -> tuple:
+        """Cache key: (kind, canonical text), plus a tuple of (option, value) pairs when any
+        option differs from its default. Equal constraints give equal keys; the same
+        constraint with different options gives different keys. Hashable."""
+        kind = self.kind()  # validates
         if kind == "json":
-            return (kind, _canonical_json(self._json_schema_dict()))
-        if kind == "json_object":
-            return (kind, "")
-        if kind == "choice":
-            return (kind, _canonical_json(list(self.choice or [])))
-        if kind == "structural_tag":
-            return (kind, _canonical_json(json.loads(self.structural_tag or "")))
-        return (kind, getattr(self, kind))
+            base = (kind, _canonical_json(self._json_schema_dict()))
+        elif kind == "json_object":
+            base = (kind, "")
+        elif kind == "choice":
+            base = (kind, _canonical_json(list(self.choice or [])))
+        elif kind == "structural_tag":
+            base = (kind, _canonical_json(json.loads(self.structural_tag or "")))
+        else:
+            base = (kind, getattr(self, kind))
+        options = self.options()
+        return base + (options,) if options else base

@@ -25,6 +25,7 @@ from folio.structured_output.backend import (
     StructuredOutputsParams,
     bitmask_width,
 )
+from folio.structured_output.params import disallow_additional_properties, is_lark_grammar
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "apply_bitmask"]
 
@@ -53,7 +54,7 @@ def choice_to_ebnf(choices: list[str]) -> str:
 class CompiledGrammar:
     """A compiled constraint plus what was compiled (for logs and debugging)."""
 
-    key: tuple[str, str]
+    key: tuple  # StructuredOutputsParams.key()
     handle: xgr.CompiledGrammar = field(repr=False)
     vocab_size: int
     compile_time_s: float
@@ -80,13 +81,14 @@ class GrammarCompiler(BaseGrammarCompiler):
         # (padded embeddings); xgrammar masks the padding ids out.
         self.vocab_size = vocab_size
         # any_whitespace=True matches vLLM's default; False forces compact JSON,
-        # which stops small models from looping on whitespace.
+        # which stops small models from looping on whitespace. A request's
+        # disable_any_whitespace=True forces compact JSON whatever this default is.
         self.any_whitespace = any_whitespace
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
         self.cache_hits = 0
@@ -94,6 +96,11 @@ class GrammarCompiler(BaseGrammarCompiler):
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         key = params.key()  # validates; raises ValueError naming the field
+        if params.whitespace_pattern is not None:
+            raise ValueError(
+                "whitespace_pattern is not supported by the xgrammar backend "
+                "(use the guidance or auto backend)"
+            )
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -107,7 +114,12 @@ class GrammarCompiler(BaseGrammarCompiler):
         except ValueError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/pydantic/TypeError
-            raise ValueError(f"invalid {key[0]} for structured output: {_clean_error(e)}") from e
+            hint = ""
+            if key[0] == "grammar" and is_lark_grammar(params.grammar or ""):
+                hint = " (this looks like a Lark grammar: use the guidance or auto backend)"
+            raise ValueError(
+                f"invalid {key[0]} for structured output: {_clean_error(e)}{hint}"
+            ) from e
         compiled = CompiledGrammar(key, handle, self.vocab_size, time.perf_counter() - start)
         with self._lock:
             # A concurrent compile of the same key may have won; keep the first.
@@ -119,12 +131,17 @@ class GrammarCompiler(BaseGrammarCompiler):
 
     def _compile_uncached(self, kind: str, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._compiler
+        any_whitespace = self.any_whitespace and not params.disable_any_whitespace
         if kind == "json":
             schema = params._json_schema_dict()
-            return c.compile_json_schema(json.dumps(schema), any_whitespace=self.any_whitespace)
+            if params.disable_additional_properties:
+                # xgrammar's strict mode (on, as in vLLM) already treats a missing
+                # additionalProperties as false; made explicit so both backends agree.
+                schema = disallow_additional_properties(schema)
+            return c.compile_json_schema(json.dumps(schema), any_whitespace=any_whitespace)
         if kind == "json_object":
             # Like vLLM: "any JSON object" rather than xgrammar's any-JSON-value builtin.
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
             return c.compile_regex(params.regex or "")
         if kind == "choice":

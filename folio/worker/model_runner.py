@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into one forward pass over the flat batch, then samples."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -12,7 +12,12 @@ from folio.model.decoder import DecoderLM
 from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
 
 if TYPE_CHECKING:
+    from folio.core.request import Request
     from folio.worker.cuda_graphs import DecodeGraphRunner
+
+# Given the sampling rows' requests in order: (int32 bitmask [rows, ceil(V/32)], the rows it
+# constrains), or None when none is constrained. Filled on the CPU during the forward pass.
+GrammarBitmaskFn = Callable[[list["Request"]], "tuple[torch.Tensor, list[int]] | None"]
 
 
 class ModelRunner:
@@ -91,7 +96,8 @@ class ModelRunner:
         self.sampler(logits, [SamplingState(params, [0], [], None) for _ in range(num_seqs)])
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
         for rid in scheduler_output.finished_req_ids:
             self.generators.pop(rid, None)
         scheduled = scheduler_output.scheduled
@@ -129,9 +135,16 @@ class ModelRunner:
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:
             return output
+        # The forward pass is queued on the GPU; the grammar masks are filled on the CPU now,
+        # while it runs.
+        mask = grammar_bitmask([item.request for _, item in sampling]) if grammar_bitmask else None
         last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
                                  device=self.device)
         logits = self.model.compute_logits(hidden[last_rows])
+        if mask is not None:
+            from folio.structured_output.masking import apply_token_bitmask
+            bitmask, rows = mask
+            apply_token_bitmask(logits, bitmask, rows)
         states = []
         for _, item in sampling:
             request = item.request

@@ -101,6 +101,62 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
     assert roof["floor_ms_per_token"] > 0 and "% of roofline" in roof["line"]
     assert json.loads(out_json.read_text())["output_len"] == 6
 
+    # Start-to-ready, split by the worker's stages; on the CPU there is no profiling or capture.
+    startup = report["startup"]
+    assert set(startup) == {"total_s", "load_s", "profile_s", "kv_alloc_s", "graph_capture_s",
+                            "other_s"}
+    assert startup["total_s"] > 0 and startup["load_s"] > 0 and startup["kv_alloc_s"] >= 0
+    assert startup["profile_s"] == 0.0 and startup["graph_capture_s"] == 0.0
+    assert startup["other_s"] >= 0
+    assert startup["load_s"] + startup["kv_alloc_s"] + startup["other_s"] == \
+        pytest.approx(startup["total_s"])
+    assert report["random_model"] is None
+    assert report["peer"] is None and report["folio_over_peer"] is None
+
+
+def test_latency_peer_transformers(tiny_model_dir, capsys) -> None:
+    """The peer replays folio's calls (same prompts and lengths) through static-cache generate
+    and reports the same statistics; no --num-iters-warmup still gets the peer one warm-up."""
+    args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "5",
+                   "--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "3",
+                   "--num-gpu-blocks-override", "64", "--no-roofline", "--peer", "transformers"])
+    report = latency.run(args)
+    peer = report["peer"]
+    assert peer["error"] is None, peer["error"]
+    assert peer["engine"] == "transformers" and peer["cache_implementation"] == "static"
+    assert peer["torch_compile"] is False and peer["attn_implementation"] == "sdpa"
+    assert peer["device"] == report["device"] == "cpu" and peer["dtype"] == report["dtype"]
+    # The same calls as folio: 3 timed, 1 prefill warm-up, 3 prefill; plus its own warm-up.
+    assert len(peer["latencies"]) == 3 and len(peer["prefill_latencies"]) == 3
+    assert len(peer["prefill_warmup_latencies"]) == 1 and len(peer["warmup_latencies"]) == 1
+    assert all(t > 0 for t in peer["latencies"] + peer["prefill_latencies"])
+    assert peer["load_s"] > 0 and peer["peak_rss_bytes"] > 0
+    assert peer["median_decode_ms_per_token"] == pytest.approx(
+        (peer["median_latency_s"] - peer["median_prefill_latency_s"]) / 4 * 1e3)
+    ratios = report["folio_over_peer"]
+    assert ratios["ttft"] == pytest.approx(
+        report["median_prefill_latency_s"] / peer["median_prefill_latency_s"])
+    assert ratios["latency"] == pytest.approx(
+        report["median_latency_s"] / peer["median_latency_s"])
+    out = capsys.readouterr().out
+    assert "folio/peer time ratio" in out and "start-to-ready:" in out
+
+
+def test_latency_peer_timeout(tiny_model_dir, tmp_path) -> None:
+    """A peer past --peer-timeout is killed and reported as an error; the bench still finishes."""
+    out_json = tmp_path / "latency.json"
+    args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "4", "--output-len", "3",
+                   "--num-iters-warmup", "0", "--num-iters", "1",
+                   "--num-gpu-blocks-override", "64", "--no-roofline", "--peer", "transformers",
+                   "--peer-timeout", "0.001", "--output-json", str(out_json)])
+    report = latency.run(args)
+    assert report["peer"]["error"] == "did not finish in 0.001 s (killed)"
+    assert report["peer"]["timed_out"] is True and report["folio_over_peer"] is None
+    assert report["median_latency_s"] > 0
+    assert json.loads(out_json.read_text())["peer"]["timed_out"] is True
+    with pytest.raises(ValueError, match="--peer-timeout"):
+        latency.run(_parse(["--peer-timeout", "-1"]))
+
 
 def test_latency_rejects_bad_flags() -> None:
     with pytest.raises(ValueError):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import pytest
 
-from folio.bench import throughput
+from folio.bench import peers, random_model, throughput
 from folio.bench.datasets import sample_random_requests
 
 
@@ -68,6 +69,82 @@ def test_throughput_counts_add_up(tiny_model_dir, tmp_path) -> None:
 
     assert json.loads(out_json.read_text())["total_num_tokens"] == wanted_prompt + wanted_out
 
+    # folio's start-to-ready is its load_s, split by the worker's stages (none on a GPU here).
+    startup = report["startup"]
+    assert startup == folio["extra"]["startup"]
+    assert startup["total_s"] == pytest.approx(folio["load_s"]) and startup["total_s"] > 0
+    assert startup["load_s"] > 0 and startup["other_s"] >= 0
+    assert startup["profile_s"] == 0.0 and startup["graph_capture_s"] == 0.0
+    assert report["random_model"] is None and report["device"] == "cpu"
+    assert peer["extra"]["device"] == "cpu"
+
+
+def test_cb_peer_runs_the_workload(tiny_model_dir) -> None:
+    """transformers-cb: paged sdpa (spelled "sdpa" by transformers >= 5.2x), a KV cache sized for
+    the whole workload, every request its own length."""
+    args = _parse(["--model", tiny_model_dir("llama"), "--num-prompts", "4",
+                   "--input-len-range", "4", "10", "--output-len-range", "2", "5", "--seed", "5",
+                   "--no-tqdm", "--num-gpu-blocks-override", "64", "--peer", "transformers-cb",
+                   "--peer-cb-max-batch-tokens", "4096"])
+    report = throughput.run(args)
+    folio, peer = report["engines"]
+    assert peer["error"] is None, peer["error"]
+    assert (peer["num_requests"], peer["prompt_tokens"], peer["output_tokens"]) == \
+        (folio["num_requests"], folio["prompt_tokens"], folio["output_tokens"])
+    assert peer["extra"]["attn_implementation"] in ("sdpa", "paged|sdpa")
+    requests = sample_random_requests(4, [4, 10], [2, 5], 49152, seed=5)
+    payload = [(r.prompt_token_ids, r.expected_output_len) for r in requests]
+    wanted = peers.cb_sizes(payload, 256, 4096)
+    # Capped by the workload: every prompt plus one token per request.
+    assert wanted["max_batch_tokens"] == folio["prompt_tokens"] + 4
+    requested = peer["extra"]["requested"]
+    assert requested["num_blocks"] == wanted["num_blocks"] == 4 * 2 + 8
+    assert requested["max_batch_tokens"] == wanted["max_batch_tokens"]
+    assert requested["auto_switch_to_flash"] is False
+    assert report["settings"]["peer_timeout"] == peers.DEFAULT_PEER_TIMEOUT_S
+
+
+def test_peer_timeout_is_reported_and_the_bench_finishes(tiny_model_dir, tmp_path) -> None:
+    out_json = tmp_path / "result.json"
+    args = _parse(["--model", tiny_model_dir("llama"), "--num-prompts", "3",
+                   "--input-len-range", "4", "6", "--output-len-range", "2", "3", "--no-tqdm",
+                   "--num-gpu-blocks-override", "64", "--peer", "transformers-cb",
+                   "--peer-timeout", "0.001", "--output-json", str(out_json)])
+    report = throughput.run(args)
+    folio, peer = report["engines"]
+    assert folio["error"] is None and folio["output_tokens_per_s"] > 0
+    assert peer["error"] == "did not finish in 0.001 s (killed)"
+    assert peer["extra"]["timed_out"] is True and peer["extra"]["timeout_s"] == 0.001
+    assert peer["folio_over_this"] is None
+    assert json.loads(out_json.read_text())["engines"][1]["error"] == peer["error"]
+
+
+def test_in_child_returns_raises_and_kills() -> None:
+    assert peers.in_child(divmod, 7, 2) == (3, 1)
+    with pytest.raises(ValueError, match="invalid literal"):
+        peers.in_child(int, "x")
+    start = time.perf_counter()
+    with pytest.raises(peers.ChildTimeout, match="did not finish in 0.5 s"):
+        peers.in_child(time.sleep, 60, timeout=0.5)
+    assert time.perf_counter() - start < 30  # killed, not waited for
+
+
+def test_timed_out_result_reports_what_finished(tmp_path) -> None:
+    path = str(tmp_path / "progress.json")
+    progress = peers._Progress(path)
+    progress.update(force=True, phase="generating", load_s=2.5, elapsed_s=0.0,
+                    finished_requests=0, output_tokens=0, total_requests=10)
+    progress.update(force=True, elapsed_s=4.0, finished_requests=3, output_tokens=120)
+    result = peers.timed_out_result("transformers-cb", 5.0, peers.read_progress(path))
+    assert result.error == "did not finish in 5 s (killed)" and not result.ok
+    assert result.load_s == 2.5 and result.rates() == {}
+    assert result.extra["partial"] == {"finished_requests": 3, "total_requests": 10,
+                                       "output_tokens": 120, "elapsed_s": 4.0,
+                                       "output_tokens_per_s_lower_bound": 30.0}
+    # Killed before generating: no partial numbers.
+    early = peers.timed_out_result("transformers", 1.0, {"phase": "loading"})
+    assert early.extra["partial"] is None and early.extra["phase"] == "loading"
+
 
 def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="--config"):
@@ -88,3 +165,78 @@ def test_random_weights_model_has_the_real_shapes(smollm2_tokenizer, tmp_path) -
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     # Built once: a second call reuses the directory.
     assert throughput.build_random_model("qwen3-0.6b", path, num_layers=1) == path
+
+
+def test_tensor_seed_is_stable_and_per_tensor() -> None:
+    seed = random_model.tensor_seed
+    # sha256("0:model.embed_tokens.weight"), first 8 bytes little-endian, top bit cleared:
+    # a fixed function of (seed, name), the same in every process and on every machine.
+    assert seed(0, "model.embed_tokens.weight") == seed(0, "model.embed_tokens.weight")
+    assert 0 <= seed(0, "model.embed_tokens.weight") < 2**63
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"]
+    assert len({seed(0, n) for n in names}) == len(names)
+    assert seed(0, names[0]) != seed(1, names[0])
+
+
+def test_random_weights_are_seeded_per_tensor(smollm2_tokenizer, tmp_path) -> None:
+    """Each tensor comes from its own generator: the same values whatever the number of layers
+    (so whatever the shard layout), and exactly N(0, 0.02) from tensor_seed on the CPU."""
+    import torch
+    from safetensors.torch import load_file
+    one = random_model.build_random_model_info("qwen3-0.6b", str(tmp_path / "l1"), num_layers=1,
+                                               device="cpu")
+    two = random_model.build_random_model_info("qwen3-0.6b", str(tmp_path / "l2"), num_layers=2,
+                                               device="cpu")
+    assert one["built"] and two["built"] and one["build_s"] > 0 and one["generator"] == "cpu"
+    a = load_file(os.path.join(one["path"], "model.safetensors"))
+    b = load_file(os.path.join(two["path"], "model.safetensors"))
+    assert set(a) < set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    name = "model.layers.0.mlp.down_proj.weight"
+    expected = torch.empty(a[name].shape, dtype=torch.float32).normal_(
+        0.0, 0.02, generator=torch.Generator().manual_seed(random_model.tensor_seed(0, name)))
+    assert torch.equal(a[name], expected.to(torch.bfloat16))
+    assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
+
+    # The stamp records the generator; a second call reuses the build.
+    with open(os.path.join(one["path"], "folio_random.json"), encoding="utf-8") as f:
+        stamp = json.load(f)
+    assert stamp["generator"] == "cpu" and stamp["name"] == "qwen3-0.6b" and stamp["seed"] == 0
+    again = random_model.build_random_model_info("qwen3-0.6b", one["path"], num_layers=1,
+                                                 device="cpu")
+    assert again == {"path": one["path"], "built": False, "build_s": 0.0, "generator": "cpu"}
+
+    # A build from another generator (or the old single-stream scheme, no "generator" key) is
+    # the same model drawn differently: rebuilt in place.
+    del stamp["generator"]
+    with open(os.path.join(one["path"], "folio_random.json"), "w", encoding="utf-8") as f:
+        json.dump(stamp, f)
+    rebuilt = random_model.build_random_model_info("qwen3-0.6b", one["path"], num_layers=1,
+                                                   device="cpu")
+    assert rebuilt["built"] and rebuilt["path"] == one["path"]
+    assert torch.equal(load_file(os.path.join(one["path"], "model.safetensors"))[name],
+                       a[name])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp dirs left
+    # A different model in the directory is not ours to replace.
+    with pytest.raises(ValueError, match="different random model"):
+        random_model.build_random_model_info("qwen3-0.6b", one["path"], num_layers=2,
+                                             device="cpu")
+
+
+def test_random_model_in_child_reports_build_time(tiny_model_dir, tmp_path,
+                                                  monkeypatch, capsys) -> None:
+    # A private cache; the tokenizer from a directory (the default model's lives in the cache).
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FOLIO_RANDOM_TOKENIZER", tiny_model_dir("llama"))
+    first = peers.build_random_model_in_child("qwen3-0.6b", 1)
+    assert first["path"] == random_model.random_model_dir("qwen3-0.6b", 1)
+    assert first["path"].startswith(str(tmp_path))
+    assert first["built"] and first["generator"] == "cpu"
+    assert 0 < first["build_s"] <= first["wall_s"]
+    second = peers.build_random_model_in_child("qwen3-0.6b", 1)
+    assert not second["built"] and second["build_s"] == 0.0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("random-weights model (qwen3-0.6b)")]
+    assert len(lines) == 2 and "[built in" in lines[0] and "[cached;" in lines[1]

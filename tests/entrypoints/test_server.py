@@ -220,7 +220,7 @@ def _post(server, path: str, body, headers=None, raw: bytes | None = None):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION,
-                              "response_format": {"type": "json_object"}}, 400, None),
+                              "response_format": {"type": "xml"}}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "top_logprobs": 3}, 400, None),

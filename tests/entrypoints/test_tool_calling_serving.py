@@ -1,6 +1,7 @@
 """tool_choice "auto" with --enable-auto-tool-choice --tool-call-parser: the model's tool-call
 syntax becomes OpenAI `tool_calls`, streaming (id and name first, then argument fragments) and
-not; malformed calls fall back to content; modes that need constrained decoding are refused."""
+not; malformed calls fall back to content; "required" and named functions are forced by a
+grammar and parsed from its fixed shape."""
 from __future__ import annotations
 
 import json
@@ -73,9 +74,12 @@ def test_tool_choice_none_keeps_text(tokenizer):
 
 
 @pytest.mark.parametrize("fields, parser, auto, param", [
-    (dict(tools=TOOLS, tool_choice="required"), "hermes", True, "tool_choice"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "hermes", True, "tool_choice"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "no_such_tool"}}),
      "hermes", True, "tool_choice"),
+    (dict(tools=TOOLS, tool_choice={"type": "function"}), None, False, "tool_choice"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+     None, False, "tool_choice"),
     (dict(tools=TOOLS), None, False, "tools"),
     (dict(tools=TOOLS), "hermes", False, "tools"),
     (dict(tools=[{"type": "function"}]), "hermes", True, "tools[0]"),
@@ -86,3 +90,109 @@ def test_refused_modes_are_400(tokenizer, fields, parser, auto, param):
     with pytest.raises(OpenAIError) as info:
         _chat(engine, parser=parser, auto=auto, **fields)
     assert info.value.status_code == 400 and info.value.param == param
+
+
+# ---- forced calls (tool_choice "required" / a named function): a grammar shapes the output ----
+
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+REQUIRED_OUT = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                '{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+
+
+def _constraint_schema(engine: FakeEngine) -> dict:
+    constraint = engine.calls[0]["params"].structured_outputs
+    assert constraint is not None and constraint.json is not None
+    return constraint.json
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_sends_an_array_schema_and_parses_calls(tokenizer, parallel):
+    engine = FakeEngine(tokenizer, texts=(REQUIRED_OUT,))
+    # No --tool-call-parser needed: the grammar fixes the format.
+    out = _chat(engine, parser=None, auto=False, tools=TWO_TOOLS, tool_choice="required",
+                parallel_tool_calls=parallel).model_dump()["choices"][0]
+    schema = _constraint_schema(engine)
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema.get("maxItems") == (1 if parallel is False else None)
+    names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == \
+        TWO_TOOLS[1]["function"]["parameters"]
+    calls = out["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
+                                                                       {"zone": "UTC"}]
+    assert out["message"]["content"] is None and out["finish_reason"] == "tool_calls"
+
+
+def test_required_streams_name_then_argument_fragments(tokenizer):
+    engine = FakeEngine(tokenizer, texts=(REQUIRED_OUT,))
+    chunks = [e for e in events(_chat(engine, parser=None, auto=False, tools=TWO_TOOLS,
+                                      tool_choice="required", stream=True)) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    heads = [tc for tc in calls if tc.get("id")]
+    assert [h["function"]["name"] for h in heads] == ["get_weather", "get_time"]
+    for index, expected in ((0, {"city": "Paris"}), (1, {"zone": "UTC"})):
+        args = "".join(tc["function"].get("arguments") or "" for tc in calls
+                       if tc["index"] == index)
+        assert json.loads(args) == expected
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_named_function_constrains_to_its_parameters(tokenizer):
+    engine = FakeEngine(tokenizer, texts=('{"zone": "CET"}',))
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    out = _chat(engine, parser=None, auto=False, tools=TWO_TOOLS,
+                tool_choice=choice).model_dump()["choices"][0]
+    assert _constraint_schema(engine) == TWO_TOOLS[1]["function"]["parameters"]
+    [call] = out["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {"zone": "CET"}
+    assert out["finish_reason"] == "stop"  # OpenAI's finish_reason for a forced function
+
+    engine = FakeEngine(tokenizer, texts=('{"zone": "CET"}',))
+    chunks = [e for e in events(_chat(engine, parser=None, auto=False, tools=TWO_TOOLS,
+                                      tool_choice=choice, stream=True)) if e != "[DONE]"]
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_time" and calls[0]["id"].startswith("call_")
+    assert json.loads("".join(tc["function"].get("arguments") or "" for tc in calls)) == \
+        {"zone": "CET"}
+
+
+def test_cut_off_forced_call_is_content_with_length(tokenizer):
+    engine = FakeEngine(tokenizer, texts=('[{"name": "get_weather", "parameters": {"ci',))
+    out = _chat(engine, parser=None, auto=False, tools=TOOLS,
+                tool_choice="required").model_dump()["choices"][0]
+    assert "tool_calls" not in out["message"]
+    assert out["message"]["content"].startswith('[{"name"')
+
+
+def test_strict_functions_under_auto_use_a_structural_tag(tokenizer):
+    strict = [{"type": "function", "function": dict(TOOLS[0]["function"], strict=True)}]
+    engine = FakeEngine(tokenizer, texts=(CALL,))
+    _chat(engine, tools=strict, tool_choice="auto")
+    constraint = engine.calls[0]["params"].structured_outputs
+    tag = json.loads(constraint.structural_tag)
+    assert tag["triggers"] == ["<tool_call>"]
+    [structure] = tag["structures"]
+    assert structure["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert structure["schema"] == TOOLS[0]["function"]["parameters"]
+    # Without strict, auto leaves the output free.
+    engine = FakeEngine(tokenizer, texts=(CALL,))
+    _chat(engine, tools=TOOLS, tool_choice="auto")
+    assert engine.calls[0]["params"].structured_outputs is None
+
+
+def test_response_format_reaches_sampling_params(tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    engine = FakeEngine(tokenizer, texts=('{"a": 1}',))
+    _chat(engine, parser=None, auto=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert engine.calls[0]["params"].structured_outputs.json == schema
+    engine = FakeEngine(tokenizer, texts=('{"a": 1}',))
+    _chat(engine, parser=None, auto=False, response_format={"type": "json_object"})
+    assert engine.calls[0]["params"].structured_outputs.json_object is True

@@ -44,7 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine_config(args: argparse.Namespace):
-    from folio.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from folio.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                              StructuredOutputsConfig)
     from folio.engine.arg_utils import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
@@ -58,4 +59,5 @@ def build_engine_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=kw["max_num_seqs"],
                                   max_num_batched_tokens=kw["max_num_batched_tokens"],
                                   enable_chunked_prefill=kw["enable_chunked_prefill"],
-                                  policy=kw["scheduling_policy"]))
+                                  policy=kw["scheduling_policy"]),
+        structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]))

@@ -109,6 +109,10 @@ class _SamplingFields(OpenAIBaseModel):
     priority: int = 0
     return_token_ids: bool | None = False
     request_id: str | None = None
+    # Constrained output: vLLM's extra (json / json_object / regex / choice / grammar /
+    # structural_tag + options) and OpenAI's response_format.
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -198,7 +202,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -40,9 +40,14 @@ from folio.entrypoints.openai.serving_common import (
     with_prefix,
 )
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from folio.entrypoints.openai.structured import (forced_tool_constraint, named_function,
+                                                 request_constraint, strict_tools_constraint)
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
+                                                          RequiredToolCallParser)
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 _REQUEST_FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -64,9 +69,32 @@ class OpenAIServingChat(ServingBase):
                                      if reasoning_parser else None)
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
-        if not request.tools or request.tool_choice == "none" or self.tool_parser_cls is None:
+        choice = request.tool_choice
+        if not request.tools or choice == "none":
+            return None
+        # Forced calls are shaped by a grammar, so they parse the same on every model.
+        if choice == "required":
+            return RequiredToolCallParser(tools=request.tools)
+        if isinstance(choice, dict):
+            name = named_function(request.tools, choice)["name"]
+            return NamedToolCallParser(tools=request.tools, function_name=name)
+        if self.tool_parser_cls is None:
             return None
         return self.tool_parser_cls(tools=request.tools)
+
+    def _constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
+        choice = request.tool_choice
+        if request.tools and (choice == "required" or isinstance(choice, dict)):
+            if request.response_format is not None or request.structured_outputs is not None:
+                raise OpenAIError("a forced tool_choice already fixes the output's shape; "
+                                  "drop response_format / structured_outputs",
+                                  param="tool_choice")
+            return forced_tool_constraint(request.tools, choice, request.parallel_tool_calls)
+        constraint = request_constraint(request)
+        if constraint is None and request.tools and choice in (None, "auto") \
+                and self.tool_parser_cls is not None:
+            constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name)
+        return constraint
 
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_parser_cls is None:
@@ -78,9 +106,6 @@ class OpenAIServingChat(ServingBase):
 
     def _check_unsupported(self, request: ChatCompletionRequest) -> None:
         # Never silently ignore what would change the answer's shape.
-        fmt = request.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise OpenAIError("response_format is not supported yet", param="response_format")
         choice = request.tool_choice
         if choice is not None and not request.tools and choice != "none":
             raise OpenAIError("tool_choice needs tools", param="tool_choice")
@@ -91,9 +116,12 @@ class OpenAIServingChat(ServingBase):
                         or not isinstance(function.get("name"), str):
                     raise OpenAIError("each tool must be {\"type\": \"function\", \"function\": "
                                       "{\"name\": ..., \"parameters\": {...}}}", param=f"tools[{i}]")
-            if choice in ("required",) or isinstance(choice, dict):
-                raise OpenAIError("tool_choice \"required\" and named functions are not supported "
-                                  "yet (they need constrained decoding)", param="tool_choice")
+            if isinstance(choice, dict):
+                named_function(request.tools, choice)  # 400 unless it names one of the tools
+            elif choice not in (None, "auto", "none", "required"):
+                raise OpenAIError("tool_choice must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                  param="tool_choice")
             if choice in (None, "auto") and not (self.enable_auto_tool_choice and self.tool_parser_cls):
                 raise OpenAIError("tool_choice \"auto\" needs the server started with "
                                   "--enable-auto-tool-choice and --tool-call-parser", param="tools")
@@ -141,7 +169,8 @@ class OpenAIServingChat(ServingBase):
                                      max_tokens=max_tokens, logprobs=logprobs,
                                      prompt_logprobs=request.prompt_logprobs,
                                      stream=bool(request.stream),
-                                     aliases=self._error_kwargs(request)["aliases"])
+                                     aliases=self._error_kwargs(request)["aliases"],
+                                     structured_outputs=self._constraint(request))
 
     # ---- handler ----------------------------------------------------------------------
 
@@ -197,7 +226,8 @@ class OpenAIServingChat(ServingBase):
                     content = extracted.content
                     tool_calls = [ToolCallItem(id=c.id, function=FunctionCall(
                         name=c.name, arguments=c.arguments)) for c in extracted.tool_calls]
-                    if finish_reason == "stop":
+                    if finish_reason == "stop" and not isinstance(request.tool_choice, dict):
+                        # OpenAI: a named (forced) function ends with "stop".
                         finish_reason = "tool_calls"
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
@@ -301,7 +331,8 @@ class OpenAIServingChat(ServingBase):
                                        else None)))
                     if completion.finish_reason is not None:
                         finish_reason = completion.finish_reason
-                        if finish_reason == "stop" and completion.index in called_tools:
+                        if finish_reason == "stop" and completion.index in called_tools \
+                                and not isinstance(request.tool_choice, dict):
                             finish_reason = "tool_calls"
                         yield chunk(ChatCompletionResponseStreamChoice(
                             index=completion.index, delta=DeltaMessage(),

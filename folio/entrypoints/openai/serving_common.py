@@ -202,7 +202,8 @@ SAMPLING_PARAM_NAMES = {f.name for f in dataclass_fields(SamplingParams) if f.in
 
 def build_sampling_params(request: Any, defaults: SamplingParams, *, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None, stream: bool,
-                          aliases: Mapping[str, str] | None = None) -> SamplingParams:
+                          aliases: Mapping[str, str] | None = None,
+                          structured_outputs: Any = None) -> SamplingParams:
     """Request -> SamplingParams. Fields the client omitted keep the model's defaults
     (generation_config); SamplingParams' ValueError becomes a 400 naming the field."""
     kwargs: dict[str, Any] = {name: getattr(defaults, name) for name in SAMPLING_PARAM_NAMES}
@@ -214,6 +215,7 @@ def build_sampling_params(request: Any, defaults: SamplingParams, *, max_tokens:
     kwargs["logprobs"] = logprobs
     kwargs["prompt_logprobs"] = prompt_logprobs
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    kwargs["structured_outputs"] = structured_outputs
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

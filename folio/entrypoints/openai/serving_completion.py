@@ -13,6 +13,7 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
+from folio.entrypoints.openai.structured import request_constraint
 from folio.entrypoints.openai.serving_common import (
     SAMPLING_PARAM_NAMES,
     SSE_DONE,
@@ -110,7 +111,8 @@ class OpenAIServingCompletion(ServingBase):
         return build_sampling_params(request, self.engine.default_sampling_params(),
                                      max_tokens=max_tokens, logprobs=request.logprobs,
                                      prompt_logprobs=prompt_logprobs,
-                                     stream=bool(request.stream))
+                                     stream=bool(request.stream),
+                                     structured_outputs=request_constraint(request))
 
     # ---- handler ----------------------------------------------------------------------
 

@@ -1,0 +1,211 @@
+"""Constrained decoding in the engine core: grammars compiled off the busy loop, one matcher per
+constrained request, and the token bitmask of each step.
+
+The flow of one constrained request:
+1. `add_request` submits its grammar to a compile thread and parks it in WAITING_FOR_GRAMMAR;
+   the scheduler steps around it, so other requests go on.
+2. `update` (at the start of every step, on the busy loop) turns finished compiles into
+   matchers (`ready`) or failures; only here does `ready` change, so a scheduling pass sees
+   one consistent answer.
+3. For each step, `fill_bitmask` writes the allowed next tokens of the sampling rows; the model
+   runner calls it after launching the forward pass, so the CPU fills masks while the GPU works.
+4. The scheduler feeds each sampled token back through `GrammarState.accept_tokens`.
+
+With a reasoning parser configured the constraint starts only after the reasoning's end tag
+(in the prompt, when the chat template closed the reasoning, or in the output).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+from folio.config import StructuredOutputsConfig
+from folio.core.request import Request, RequestStatus
+from folio.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _last_index_of(seq: list[int], sub: list[int]) -> int:
+    """Start index of the last occurrence of sub in seq, or -1."""
+    n = len(sub)
+    if n == 0:
+        return -1
+    for start in range(len(seq) - n, -1, -1):
+        if seq[start:start + n] == sub:
+            return start
+    return -1
+
+
+class ReasoningGate:
+    """Tracks whether a request is still reasoning: the constraint waits for the end tag."""
+
+    def __init__(self, start_ids: list[int], end_ids: list[int], prompt_ids: list[int]) -> None:
+        self.end_ids = end_ids
+        # Ended in the prompt: the template already closed a reasoning block it opened last
+        # (e.g. Qwen3 with enable_thinking=False writes an empty <think></think>).
+        last_end = _last_index_of(prompt_ids, end_ids)
+        self.ended = last_end >= 0 and last_end > _last_index_of(prompt_ids, start_ids)
+        self._tail: list[int] = []
+
+    def feed(self, token_ids: list[int]) -> list[int]:
+        """Consume output tokens; returns those that come after the reasoning ended."""
+        if self.ended:
+            return token_ids
+        for i, token in enumerate(token_ids):
+            self._tail = (self._tail + [token])[-len(self.end_ids):]
+            if self._tail == self.end_ids:
+                self.ended = True
+                return token_ids[i + 1:]
+        return []
+
+
+class RequestGrammar:
+    """The GrammarState of one constrained request (see folio.core.request.GrammarState)."""
+
+    def __init__(self, request_id: str, future: Future, gate: ReasoningGate | None) -> None:
+        self.request_id = request_id
+        self.future = future
+        self.gate = gate
+        self.ready = False
+        self.error: str | None = None
+        self.matcher: Any = None
+        self.num_rejected = 0
+
+    @property
+    def active(self) -> bool:
+        """The mask applies to this request's next token."""
+        return self.matcher is not None and (self.gate is None or self.gate.ended)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        if self.matcher is None:
+            return True
+        if self.gate is not None:
+            token_ids = self.gate.feed(token_ids)
+        for token in token_ids:
+            if not self.matcher.accept_token(token):
+                self.num_rejected += 1
+                logger.warning("request %s: grammar rejected sampled token %d",
+                               self.request_id, token)
+                return False
+        return True
+
+
+class StructuredOutputManager:
+    def __init__(self, config: StructuredOutputsConfig, tokenizer_factory: Callable[[], Any],
+                 vocab_size: int, max_num_seqs: int) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self._tokenizer_factory = tokenizer_factory
+        self._tokenizer: Any = None
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self._reasoning_tags: tuple[list[int], list[int]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Request] = []
+        self._bitmask: torch.Tensor | None = None
+
+    # ---- compile, off the busy loop ------------------------------------------------------
+
+    def _get_compiler(self, eos_token_ids: tuple[int, ...]) -> Any:
+        # Built on first use (in the compile thread): a server that never sees a constrained
+        # request never loads grammar libraries or a second tokenizer copy.
+        with self._compiler_lock:
+            if self._compiler is None:
+                from folio.structured_output.compilers import StructuredOutputCompiler
+                self._compiler = StructuredOutputCompiler(
+                    self._get_tokenizer(), self.vocab_size, self.config.backend,
+                    stop_token_ids=list(eos_token_ids) or None)
+            return self._compiler
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_factory()
+        return self._tokenizer
+
+    def _compile(self, params: StructuredOutputsParams, eos_token_ids: tuple[int, ...]) -> Any:
+        compiler = self._get_compiler(eos_token_ids)
+        return compiler.new_matcher(compiler.compile(params))
+
+    def _reasoning_gate(self, request: Request) -> ReasoningGate | None:
+        if self.config.reasoning_parser is None:
+            return None
+        if self._reasoning_tags is None:
+            from folio.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+            parser = get_reasoning_parser(self.config.reasoning_parser)
+            tokenizer = self._get_tokenizer()
+            self._reasoning_tags = (
+                list(tokenizer.encode(parser.start_tag, add_special_tokens=False)),
+                list(tokenizer.encode(parser.end_tag, add_special_tokens=False)))
+        start_ids, end_ids = self._reasoning_tags
+        return ReasoningGate(start_ids, end_ids, request.prompt_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-grammar")
+        future = self._pool.submit(self._compile, params, request.eos_token_ids)
+        request.structured_output = RequestGrammar(request.request_id, future,
+                                                   self._reasoning_gate(request))
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._pending.append(request)
+
+    def update(self) -> list[tuple[Request, str]]:
+        """Settle finished compiles. Returns (request, error) for grammars that failed."""
+        failed: list[tuple[Request, str]] = []
+        still: list[Request] = []
+        for request in self._pending:
+            grammar: RequestGrammar = request.structured_output  # type: ignore[assignment]
+            if request.is_finished:
+                continue  # aborted while compiling
+            if not grammar.future.done():
+                still.append(request)
+                continue
+            try:
+                grammar.matcher = grammar.future.result()
+            except Exception as exc:  # ValueError for a bad grammar; anything else is a bug
+                grammar.error = str(exc) if isinstance(exc, ValueError) else \
+                    f"{type(exc).__name__}: {exc}"
+                failed.append((request, grammar.error))
+            grammar.ready = True
+        self._pending = still
+        return failed
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def wait_for_pending(self, timeout: float) -> None:
+        """Block until some compile finishes (or timeout): for an engine with nothing else to do."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        futures = [r.structured_output.future for r in self._pending]  # type: ignore[union-attr]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ---- the mask of one step ------------------------------------------------------------
+
+    def fill_bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask rows for requests (in sampling-row order), and the rows that are
+        constrained; None when no row is."""
+        rows = [i for i, r in enumerate(requests)
+                if r.structured_output is not None and r.structured_output.active]  # type: ignore[union-attr]
+        if not rows:
+            return None
+        from folio.structured_output.backend import allocate_bitmask
+        if self._bitmask is None or self._bitmask.shape[0] < len(requests):
+            self._bitmask = allocate_bitmask(max(self.max_num_seqs, len(requests)), self.vocab_size)
+        bitmask = self._bitmask[:len(requests)]
+        for i in rows:
+            requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+        return bitmask, rows
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

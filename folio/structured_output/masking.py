@@ -1,0 +1,40 @@
+"""Applying a token bitmask to logits, the same for every grammar backend.
+
+Bit b of int32 word w in a row allows token id 32*w + b (the layout xgrammar and llguidance
+both fill). Plain torch ops, so one code path serves CPU and GPU; the cost is a few
+element-wise passes over the constrained rows only.
+"""
+from __future__ import annotations
+
+import torch
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] -> bool [rows, vocab_size], True = allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _shifts(bitmask.device)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: in the given rows of logits [batch, vocab], disallowed tokens get -inf.
+    bitmask is [batch, words] (rows of unconstrained requests are ignored); it may live on
+    the CPU and is copied over for the constrained rows only."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"bitmask width {bitmask.shape[1]} too small for vocab {vocab}")
+    index = torch.tensor(rows, dtype=torch.long)
+    selected = bitmask.index_select(0, index).to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(selected, vocab)
+    index = index.to(logits.device, non_blocking=True)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
