@@ -110,11 +110,20 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+        """q [T, H, D], k [T, KVH, D]. With q_norm/k_norm (Qwen3), each head is normalized
+        before rotation (one fused launch on CUDA)."""
         if _fused_kernels_on(q):
             from folio.model.kernels.rotary import apply_rotary
+            if q_norm is not None and q_norm.weight.dtype == q.dtype:
+                return apply_rotary(positions, q, k, self.cos, self.sin, q_norm.weight,
+                                    k_norm.weight, q_norm.eps)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
             return apply_rotary(positions, q, k, self.cos, self.sin)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         r = self.rotary_dim
@@ -172,9 +181,7 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
                                    sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, q_size))
@@ -188,6 +195,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size,
                                                        "up": intermediate_size}, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.fused_silu = act in ("silu", "swish")
         if act in ("silu", "swish"):
             self.act = F.silu
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -198,5 +206,9 @@ class GatedMLP(nn.Module):
             raise ValueError(f"activation {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu and _fused_kernels_on(gate_up):
+            from folio.model.kernels.activation import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -170,9 +170,9 @@ def _decode_rate(llm, prompts, params) -> tuple[float, float, int]:
     step_times: list[float] = []
     inner = worker.execute_model
 
-    def timed(scheduler_output):
+    def timed(scheduler_output, *rest):
         start = time.perf_counter()
-        out = inner(scheduler_output)
+        out = inner(scheduler_output, *rest)
         scheduled = scheduler_output.scheduled
         if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
             step_times.append(time.perf_counter() - start)

@@ -1,4 +1,5 @@
-"""Triton RMSNorm(+residual) and rotary kernels vs folio.model.layers, under the interpreter.
+"""Triton RMSNorm(+residual), rotary and SiLU-and-mul kernels vs folio.model.layers, under the
+interpreter.
 
 Like test_triton_attention.py, the checks run in a child process started with
 TRITON_INTERPRET=1 (the flag must precede triton's first import and must not leak into other
@@ -24,6 +25,12 @@ CASES = [
          partial=1.0),
     dict(name="rope_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1, D=128, T=5,
          partial=0.5),
+    dict(name="rope_qknorm_fp32_d64", kind="rope", dtype="float32", H=4, KVH=2, D=64, T=5,
+         partial=1.0, norm=True),
+    dict(name="rope_qknorm_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1, D=128,
+         T=3, partial=0.5, norm=True),
+    dict(name="silu_mul_fp32_i96", kind="silu_mul", dtype="float32", I=96, rows=3),
+    dict(name="silu_mul_fp16_i1500", kind="silu_mul", dtype="float16", I=1500, rows=4),
 ]
 
 
@@ -58,6 +65,16 @@ def _run(case: dict) -> dict:
             ref_out = norm(x)
             out = rms_norm(x, norm.weight.data, 1e-5)
         checks["out"] = (_rel(out, ref_out.detach()), bool(torch.isfinite(out).all()))
+    elif case["kind"] == "silu_mul":
+        from folio.model.kernels.activation import silu_and_mul
+        from folio.model.layers import GatedMLP
+        I, rows = case["I"], case["rows"]
+        gate_up = torch.randn(rows, 2 * I, generator=gen).to(dtype) * 4
+        mlp = GatedMLP(8, I, bias=False, act="silu")
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = mlp.act(gate) * up  # the eager path GatedMLP.forward takes off CUDA
+        out = silu_and_mul(gate_up)
+        checks["out"] = (_rel(out, ref), bool(torch.isfinite(out).all()))
     else:
         from folio.model.kernels.rotary import apply_rotary
         H, KVH, D, T = case["H"], case["KVH"], case["D"], case["T"]
@@ -67,8 +84,17 @@ def _run(case: dict) -> dict:
         q = qkv[:, :H * D].view(T, H, D)                    # strided views of a fused qkv
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         pos = torch.randint(0, 64, (T,), generator=gen)
-        ref_q, ref_k = rope(pos, q, k)
-        out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin)
+        if case.get("norm"):  # Qwen3's per-head q/k RMSNorm, fused into the rotary launch
+            q_norm, k_norm = RMSNorm(D, eps=1e-6).to(dtype), RMSNorm(D, eps=1e-6).to(dtype)
+            with torch.no_grad():
+                q_norm.weight.copy_(torch.randn(D, generator=gen))
+                k_norm.weight.copy_(torch.randn(D, generator=gen))
+            ref_q, ref_k = rope(pos, q_norm(q), k_norm(k))
+            out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin, q_norm.weight.data,
+                                        k_norm.weight.data, 1e-6)
+        else:
+            ref_q, ref_k = rope(pos, q, k)
+            out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin)
         checks["q"] = (_rel(out_q, ref_q), bool(torch.isfinite(out_q).all()))
         checks["k"] = (_rel(out_k, ref_k), bool(torch.isfinite(out_k).all()))
     return {"name": case["name"], "checks": checks}

@@ -4,6 +4,9 @@ k in one launch: program (token, head) over the H query heads and KVH key heads.
 Matches `folio.model.layers.RotaryEmbedding.forward` given its cos/sin tables [P, R] (the two
 halves of each row are equal; the first half is read). Dims past R pass through unchanged.
 Rotation math runs in fp32 on the input-dtype cos/sin, rounded once (torch rounds each product).
+
+With per-head RMSNorm weights (Qwen3's q_norm/k_norm) the head is normalized first, in the same
+launch, rounding as `folio.model.layers.RMSNorm` does; that saves two launches per layer.
 """
 from __future__ import annotations
 
@@ -16,19 +19,21 @@ if HAS_TRITON:
 
     @triton.autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D"])
     @triton.jit
-    def _rotary_kernel(POS, Q, K, QO, KO, COS, SIN,
+    def _rotary_kernel(POS, Q, K, QO, KO, COS, SIN, QW, KW, eps,
                        stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
                        H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr):
+                       HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         if h < H:
             src = Q + t * stride_qt + h * stride_qh
             dst = QO + t * stride_qot + h * stride_qoh
+            w_ptr = QW
         else:
             src = K + t * stride_kt + (h - H) * stride_kh
             dst = KO + t * stride_kot + (h - H) * stride_koh
+            w_ptr = KW
         pos = tl.load(POS + t).to(tl.int64)
         i = tl.arange(0, HALF_PAD)
         m = i < HALF
@@ -37,18 +42,37 @@ if HAS_TRITON:
         s = tl.load(SIN + pos * stride_cos + i, mask=m, other=0.0).to(dt).to(tl.float32)
         x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst + i, (x1 * c - x2 * s).to(dt), mask=m)
-        tl.store(dst + HALF + i, (x2 * c + x1 * s).to(dt), mask=m)
-        if REST_PAD > 0:  # partial rotary: copy the untouched tail
+        if REST_PAD > 0:
             j = 2 * HALF + tl.arange(0, REST_PAD)
             mj = j < D
-            tl.store(dst + j, tl.load(src + j, mask=mj), mask=mj)
+            x3 = tl.load(src + j, mask=mj, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # RMSNorm over the whole head: fp32 statistics, rounded to the dtype, times the
+            # weight, rounded again (as layers.RMSNorm).
+            sq = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+            if REST_PAD > 0:
+                sq += tl.sum(x3 * x3, 0)
+            rstd = tl.math.rsqrt(sq / D + eps)
+            w1 = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
+            x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+            x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+            if REST_PAD > 0:
+                w3 = tl.load(w_ptr + j, mask=mj, other=0.0).to(tl.float32)
+                x3 = ((x3 * rstd).to(dt).to(tl.float32) * w3).to(dt).to(tl.float32)
+        tl.store(dst + i, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(dst + HALF + i, (x2 * c + x1 * s).to(dt), mask=m)
+        if REST_PAD > 0:  # partial rotary: the tail is not rotated
+            tl.store(dst + j, x3.to(dt), mask=mj)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 cos: torch.Tensor, sin: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+                 k_norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int, q [T, H, D], k [T, KVH, D], cos/sin [P, R] (R even, <= D).
-    Returns new (q, k); inputs may be strided views (e.g. slices of a fused qkv)."""
+    Returns new (q, k); inputs may be strided views (e.g. slices of a fused qkv). With
+    q_norm_weight and k_norm_weight ([D] each), each head is RMS-normalized first."""
     require_triton()
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -61,9 +85,16 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return q_out, k_out
     half = R // 2
     rest = D - R
+    has_norm = q_norm_weight is not None
+    if has_norm and (k_norm_weight is None or q_norm_weight.dtype != q.dtype
+                     or k_norm_weight.dtype != q.dtype):
+        raise ValueError("fused qk-norm needs both weights, in the activations' dtype")
+    qw = q_norm_weight if has_norm else cos
+    kw = k_norm_weight if has_norm else cos
     _rotary_kernel[(T, H + KVH)](
-        positions, q, k, q_out, k_out, cos, sin,
+        positions, q, k, q_out, k_out, cos, sin, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-        H=H, D=D, HALF=half, HALF_PAD=next_pow2(half), REST_PAD=next_pow2(rest) if rest else 0)
+        H=H, D=D, HALF=half, HALF_PAD=next_pow2(half), REST_PAD=next_pow2(rest) if rest else 0,
+        HAS_NORM=has_norm)
     return q_out, k_out
