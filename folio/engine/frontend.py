@@ -114,6 +114,9 @@ class RequestPreparer:
                 validate_constraint(params.structured_outputs, self.structured_outputs_backend)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs: {exc}") from None
+            # The text must be what the grammar matched: no spaces inserted around added
+            # tokens (e.g. Qwen's <tool_call>), which would break patterns and lengths.
+            params.spaces_between_special_tokens = False
         processed = self.input_processor.process(prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:

@@ -1,8 +1,10 @@
-"""JSON-schema features that xgrammar accepts but does not enforce.
+"""JSON-schema features that xgrammar (0.2.9) accepts but does not enforce correctly.
 
-xgrammar compiles these with only a log warning and drops the constraint, so its output may
-not validate. The `auto` backend sends such schemas to guidance (llguidance) instead, which
-enforces them.
+xgrammar compiles these with at most a log warning: it drops length bounds next to a pattern
+or format, and all but one allOf entry; and a length-bounded string compiles to a character
+class that lets raw control characters (a tab, a newline) into the string — invalid JSON. Its
+output may then not parse or validate, so the `auto` backend sends such schemas to guidance
+(llguidance), which enforces them.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def xgrammar_unenforced_feature(schema: Any) -> str | None:
             return "pattern combined with minLength/maxLength"
         if has_length and "format" in node:
             return "format combined with minLength/maxLength"
+        if has_length:
+            return "length-bounded strings (raw control characters slip in)"
         all_of = node.get("allOf")
         if isinstance(all_of, list) and len(all_of) > 1:
             return "allOf with several subschemas"

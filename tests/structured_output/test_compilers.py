@@ -38,9 +38,12 @@ XGR_REJECTS_REGEX = r"(?i)ok-\p{L}{2,4}"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 10},
+        # Bounded by patterns, not maxLength: `auto` sends length-bounded strings to guidance
+        # (json_features.py), and these tests want a schema xgrammar takes first.
+        "name": {"type": "string", "pattern": "^[a-z]{1,10}$"},
         "n": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                 "maxItems": 2},
     },
     "required": ["name", "n", "tags"],
     "additionalProperties": False,
@@ -156,6 +159,17 @@ def test_auto_fallback_for_schema_xgrammar_rejects(auto, tokenizer):
     assert compiled.backend == "guidance" and "minProperties" in compiled.fallback_reason
     assert accepts(auto.new_matcher(compiled), tokenizer, '{"a":1,"b":[true]}')
     assert not accepts(auto.new_matcher(compiled), tokenizer, '{"a":1}')
+
+
+def test_auto_routes_length_bounded_strings_to_guidance(auto, tokenizer):
+    # xgrammar 0.2.9 lets raw control characters into maxLength strings (invalid JSON).
+    bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
+               "required": ["s"]}
+    compiled = auto.compile(StructuredOutputsParams(json=bounded))
+    assert compiled.backend == "guidance" and "length-bounded" in compiled.fallback_reason
+    assert accepts(auto.new_matcher(compiled), tokenizer, '{"s": "ab"}')
+    assert not accepts(auto.new_matcher(compiled), tokenizer, '{"s": "a\tb"}')
+    assert not accepts(auto.new_matcher(compiled), tokenizer, '{"s": "abcdef"}')
 
 
 def test_auto_fallback_simulated(tokenizer, vocab_size, monkeypatch):

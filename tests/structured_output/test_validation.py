@@ -58,5 +58,7 @@ def test_unenforced_xgrammar_features_route_to_guidance():
     assert choose_backend(SO(json=length_and_pattern), "auto")[0] == "guidance"
     all_of = {"allOf": [{"type": "object"}, {"required": ["a"]}]}
     assert choose_backend(SO(json=all_of), "auto")[0] == "guidance"
-    assert choose_backend(SO(json={"type": "string", "maxLength": 3}), "auto")[0] == "xgrammar"
+    bounded = {"type": "string", "maxLength": 3}
+    assert choose_backend(SO(json=bounded), "auto")[0] == "guidance"
+    assert choose_backend(SO(json={"type": "string", "enum": ["a"]}), "auto")[0] == "xgrammar"
     assert choose_backend(SO(json=length_and_pattern), "xgrammar")[0] == "xgrammar"

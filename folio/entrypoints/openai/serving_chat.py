@@ -41,7 +41,8 @@ from folio.entrypoints.openai.serving_common import (
 )
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from folio.entrypoints.openai.structured import (forced_tool_constraint, named_function,
-                                                 request_constraint, strict_tools_constraint)
+                                                 request_constraint, strict_tools_constraint,
+                                                 structured_outputs_backend)
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
                                                           RequiredToolCallParser)
@@ -89,11 +90,13 @@ class OpenAIServingChat(ServingBase):
                 raise OpenAIError("a forced tool_choice already fixes the output's shape; "
                                   "drop response_format / structured_outputs",
                                   param="tool_choice")
-            return forced_tool_constraint(request.tools, choice, request.parallel_tool_calls)
-        constraint = request_constraint(request)
+            return forced_tool_constraint(request.tools, choice, request.parallel_tool_calls,
+                                          structured_outputs_backend(self.engine))
+        backend = structured_outputs_backend(self.engine)
+        constraint = request_constraint(request, backend)
         if constraint is None and request.tools and choice in (None, "auto") \
                 and self.tool_parser_cls is not None:
-            constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name)
+            constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name, backend)
         return constraint
 
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:

@@ -13,7 +13,7 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from folio.entrypoints.openai.structured import request_constraint
+from folio.entrypoints.openai.structured import request_constraint, structured_outputs_backend
 from folio.entrypoints.openai.serving_common import (
     SAMPLING_PARAM_NAMES,
     SSE_DONE,
@@ -112,7 +112,8 @@ class OpenAIServingCompletion(ServingBase):
                                      max_tokens=max_tokens, logprobs=request.logprobs,
                                      prompt_logprobs=prompt_logprobs,
                                      stream=bool(request.stream),
-                                     structured_outputs=request_constraint(request))
+                                     structured_outputs=request_constraint(
+                                         request, structured_outputs_backend(self.engine)))
 
     # ---- handler ----------------------------------------------------------------------
 

@@ -23,16 +23,26 @@ from folio.structured_output.params import StructuredOutputsParams
 _SO_FIELDS = {f.name for f in dataclass_fields(StructuredOutputsParams) if f.init}
 
 
-def _make(param: str, **kwargs: Any) -> StructuredOutputsParams:
+def structured_outputs_backend(engine: Any) -> str:
+    """The engine's grammar backend (validation must pick the backend the engine will)."""
+    config = getattr(getattr(engine, "config", None), "structured_outputs", None)
+    return getattr(config, "backend", "auto")
+
+
+def _make(param: str, backend: str, **kwargs: Any) -> StructuredOutputsParams:
+    """Build and check (a tokenizer-free parse, as the engine's backend would compile it), so
+    a bad schema is a 400 naming the request field it came from."""
+    from folio.structured_output.validation import validate_constraint
     try:
         params = StructuredOutputsParams(**kwargs)
-        params.validate()
+        validate_constraint(params, backend)
     except (TypeError, ValueError) as exc:
         raise OpenAIError(str(exc), param=param) from exc
     return params
 
 
-def from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+def from_response_format(fmt: dict[str, Any] | None, backend: str = "auto"
+                         ) -> StructuredOutputsParams | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -41,7 +51,7 @@ def from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams 
     if kind == "text":
         return None
     if kind == "json_object":
-        return _make("response_format", json_object=True)
+        return _make("response_format", backend, json_object=True)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -50,13 +60,14 @@ def from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams 
         schema = spec.get("schema", spec.get("json_schema"))
         if schema is None:
             # OpenAI allows omitting the schema; any JSON object then satisfies it.
-            return _make("response_format.json_schema", json_object=True)
-        return _make("response_format.json_schema.schema", json=schema)
+            return _make("response_format.json_schema", backend, json_object=True)
+        return _make("response_format.json_schema.schema", backend, json=schema)
     raise OpenAIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                       f"got {kind!r}", param="response_format.type")
 
 
-def from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
+def from_structured_outputs(value: dict[str, Any] | None, backend: str = "auto"
+                            ) -> StructuredOutputsParams | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -68,13 +79,13 @@ def from_structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsPa
     kwargs = dict(value)
     if isinstance(kwargs.get("structural_tag"), dict):
         kwargs["structural_tag"] = json.dumps(kwargs["structural_tag"])
-    return _make("structured_outputs", **kwargs)
+    return _make("structured_outputs", backend, **kwargs)
 
 
-def request_constraint(request: Any) -> StructuredOutputsParams | None:
+def request_constraint(request: Any, backend: str = "auto") -> StructuredOutputsParams | None:
     """The constraint a completions or chat request asks for (at most one source)."""
-    from_format = from_response_format(getattr(request, "response_format", None))
-    from_extra = from_structured_outputs(getattr(request, "structured_outputs", None))
+    from_format = from_response_format(getattr(request, "response_format", None), backend)
+    from_extra = from_structured_outputs(getattr(request, "structured_outputs", None), backend)
     if from_format is not None and from_extra is not None:
         raise OpenAIError("give either response_format or structured_outputs, not both",
                           param="structured_outputs")
@@ -107,12 +118,13 @@ def named_function(tools: list[dict[str, Any]], tool_choice: dict[str, Any]) -> 
 
 
 def forced_tool_constraint(tools: list[dict[str, Any]], tool_choice: Any,
-                           parallel_tool_calls: bool | None) -> StructuredOutputsParams:
+                           parallel_tool_calls: bool | None,
+                           backend: str = "auto") -> StructuredOutputsParams:
     """The grammar for tool_choice "required" (a JSON array of {"name", "parameters"} calls,
     one or more; at most one when parallel_tool_calls is false) or a named function (its
     arguments object)."""
     if isinstance(tool_choice, dict):
-        return _make("tools", json=_parameters(named_function(tools, tool_choice)))
+        return _make("tools", backend, json=_parameters(named_function(tools, tool_choice)))
     variants = []
     for tool in tools:
         function = _function(tool)
@@ -125,7 +137,7 @@ def forced_tool_constraint(tools: list[dict[str, Any]], tool_choice: Any,
                               "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    return _make("tools", json=schema)
+    return _make("tools", backend, json=schema)
 
 
 # How a call begins and ends in each parser's format, for strict functions under "auto".
@@ -137,8 +149,8 @@ _CALL_FORMATS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def strict_tools_constraint(tools: list[dict[str, Any]], parser_name: str | None
-                            ) -> StructuredOutputsParams | None:
+def strict_tools_constraint(tools: list[dict[str, Any]], parser_name: str | None,
+                            backend: str = "auto") -> StructuredOutputsParams | None:
     """tool_choice "auto" with `strict: true` functions: a structural tag that leaves free
     text free and constrains each call of a strict function (from its opening marker) to the
     parser's format with arguments matching the schema. None when no function is strict or
@@ -150,5 +162,5 @@ def strict_tools_constraint(tools: list[dict[str, Any]], parser_name: str | None
     structures = [{"begin": begin.format(name=json.dumps(f["name"])), "schema": _parameters(f),
                    "end": end}
                   for f in strict]
-    return _make("tools", structural_tag=json.dumps({"structures": structures,
+    return _make("tools", backend, structural_tag=json.dumps({"structures": structures,
                                                       "triggers": [trigger]}))
