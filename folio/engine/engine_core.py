@@ -32,7 +32,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             config.structured_outputs,
             (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
-            vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs)
+            vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs,
+            pin_memory=self.executor.worker.device.type == "cuda")
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         if isinstance(request, EngineCoreRequest):

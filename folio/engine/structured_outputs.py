@@ -98,8 +98,9 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, config: StructuredOutputsConfig, tokenizer_factory: Callable[[], Any],
-                 vocab_size: int, max_num_seqs: int) -> None:
+                 vocab_size: int, max_num_seqs: int, pin_memory: bool = False) -> None:
         self.config = config
+        self.pin_memory = pin_memory
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self._tokenizer_factory = tokenizer_factory
@@ -201,9 +202,16 @@ class StructuredOutputManager:
         from folio.structured_output.backend import allocate_bitmask
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             self._bitmask = allocate_bitmask(max(self.max_num_seqs, len(requests)), self.vocab_size)
+            if self.pin_memory:
+                # Pinned: the copy to the GPU is asynchronous.
+                self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:len(requests)]
-        for i in rows:
-            requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+        constrained = set(rows)
+        for i in range(len(requests)):
+            if i in constrained:
+                requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+            else:
+                bitmask[i].fill_(-1)  # all allowed: the GPU path masks every row at once
         return bitmask, rows
 
     def shutdown(self) -> None:

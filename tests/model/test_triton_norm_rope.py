@@ -1,5 +1,5 @@
-"""Triton RMSNorm(+residual), rotary and SiLU-and-mul kernels vs folio.model.layers, under the
-interpreter.
+"""Triton RMSNorm(+residual), rotary, SiLU-and-mul and grammar-bitmask kernels vs their torch
+references, under the interpreter.
 
 Like test_triton_attention.py, the checks run in a child process started with
 TRITON_INTERPRET=1 (the flag must precede triton's first import and must not leak into other
@@ -29,6 +29,8 @@ CASES = [
          partial=1.0, norm=True),
     dict(name="rope_qknorm_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1, D=128,
          T=3, partial=0.5, norm=True),
+    dict(name="bitmask_fp32_v1000", kind="bitmask", dtype="float32", V=1000, rows=3),
+    dict(name="bitmask_fp16_v2085", kind="bitmask", dtype="float16", V=2085, rows=2),
     dict(name="silu_mul_fp32_i96", kind="silu_mul", dtype="float32", I=96, rows=3),
     dict(name="silu_mul_fp16_i1500", kind="silu_mul", dtype="float16", I=1500, rows=4),
 ]
@@ -65,6 +67,21 @@ def _run(case: dict) -> dict:
             ref_out = norm(x)
             out = rms_norm(x, norm.weight.data, 1e-5)
         checks["out"] = (_rel(out, ref_out.detach()), bool(torch.isfinite(out).all()))
+    elif case["kind"] == "bitmask":
+        from folio.model.kernels.bitmask import apply_bitmask_inplace
+        from folio.structured_output.masking import unpack_bitmask
+        V, rows = case["V"], case["rows"]
+        words = (V + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=gen,
+                                dtype=torch.int64).to(torch.int32)
+        bitmask[-1] = -1  # an unconstrained row: must come out unchanged
+        logits = torch.randn(rows, V, generator=gen).to(dtype)
+        ref = logits.masked_fill(~unpack_bitmask(bitmask, V), float("-inf"))
+        out = logits.clone()
+        apply_bitmask_inplace(out, bitmask)
+        same_inf = bool(torch.equal(torch.isinf(out), torch.isinf(ref)))
+        finite = ~torch.isinf(ref)
+        checks["out"] = (_rel(out[finite], ref[finite]), same_inf)
     elif case["kind"] == "silu_mul":
         from folio.model.kernels.activation import silu_and_mul
         from folio.model.layers import GatedMLP
