@@ -61,7 +61,8 @@ class GrammarState(Protocol):
     ready: bool
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        """Advance by sampled tokens; False if the grammar rejected one."""
+        """Hand over sampled tokens (the engine layer may advance its matcher later, off the
+        critical path); False if the grammar rejected one."""
         ...
 
 

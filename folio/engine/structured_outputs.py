@@ -9,7 +9,8 @@ The flow of one constrained request:
    one consistent answer.
 3. For each step, `fill_bitmask` writes the allowed next tokens of the sampling rows; the model
    runner calls it after launching the forward pass, so the CPU fills masks while the GPU works.
-4. The scheduler feeds each sampled token back through `GrammarState.accept_tokens`.
+4. The scheduler hands each sampled token to `GrammarState.accept_tokens`, which queues it;
+   the matcher advances at the next mask fill, again while the GPU works.
 
 With a reasoning parser configured the constraint starts only after the reasoning's end tag
 (in the prompt, when the chat template closed the reasoning, or in the output).
@@ -76,15 +77,28 @@ class RequestGrammar:
         self.error: str | None = None
         self.matcher: Any = None
         self.num_rejected = 0
+        self._pending: list[int] = []
 
     @property
     def active(self) -> bool:
         """The mask applies to this request's next token."""
+        self.flush()
         return self.matcher is not None and (self.gate is None or self.gate.ended)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        if self.matcher is None:
+        """Queue sampled tokens; the matcher advances in `flush`, which the next step's mask
+        fill calls while the GPU runs that step's forward pass — so a batch's matcher updates
+        (tens of µs per row) stay off the critical path. Always True: a rejection (a bug,
+        since the mask allowed only grammar tokens) is logged when flushed."""
+        if self.matcher is not None:
+            self._pending.extend(token_ids)
+        return True
+
+    def flush(self) -> bool:
+        """Advance the matcher by the queued tokens; False if the grammar rejected one."""
+        if not self._pending:
             return True
+        token_ids, self._pending = self._pending, []
         if self.gate is not None:
             token_ids = self.gate.feed(token_ids)
         for token in token_ids:
