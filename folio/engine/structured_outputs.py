@@ -18,6 +18,7 @@ With a reasoning parser configured the constraint starts only after the reasonin
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
@@ -134,9 +135,13 @@ class StructuredOutputManager:
         with self._compiler_lock:
             if self._compiler is None:
                 from folio.structured_output.compilers import StructuredOutputCompiler
+                # xgrammar compiles a grammar's token tables on several threads: half the
+                # cores (up to 8) shortens a first request's wait without starving the busy
+                # loop; on a 2-core machine that is one thread.
+                threads = max(1, min(8, (os.cpu_count() or 2) // 2))
                 self._compiler = StructuredOutputCompiler(
                     self._get_tokenizer(), self.vocab_size, self.config.backend,
-                    stop_token_ids=list(eos_token_ids) or None)
+                    stop_token_ids=list(eos_token_ids) or None, max_threads=threads)
             return self._compiler
 
     def _get_tokenizer(self) -> Any:
