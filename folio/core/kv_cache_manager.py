@@ -28,6 +28,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks' ids, kept in step with req_to_blocks: the model runner reads them
+        # every step, and rebuilding the list per request per step was a hot spot.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -66,8 +69,19 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
         after `new_computed_blocks`, prefix-cache hits being attached now). Returns the newly
         allocated blocks, or None when the pool cannot supply them (nothing is changed then)."""
+        if not new_computed_blocks:
+            # Fast path (every decode step of every running request): room in the last block.
+            blocks = self.req_to_blocks.get(request.request_id)
+            if blocks is not None:
+                total_tokens = request.num_computed_tokens + num_new_tokens
+                if total_tokens <= len(blocks) * self.block_size:
+                    if self.enable_caching and total_tokens // self.block_size > \
+                            self.num_cached_blocks.get(request.request_id, 0):
+                        self._cache_full_blocks(request, blocks, total_tokens)
+                    return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -76,11 +90,14 @@ class KVCacheManager:
         if max(num_needed, 0) > self.block_pool.num_free_blocks - num_hits_on_free:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
+                del self.req_to_block_ids[request.request_id]
             return None
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
+        block_ids.extend(b.block_id for b in new_computed_blocks)
+        block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
@@ -105,11 +122,14 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block ids: the live list (grows as blocks are added; a freed
+        request's list is dropped, never reused) — read it, do not change it."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

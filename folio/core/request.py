@@ -144,7 +144,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self._update_block_hashes()
+        # Per token per step: only call into the hashing when a block just filled up.
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Hash every block that became full. Hashes chain, so block i's hash names the whole

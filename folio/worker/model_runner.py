@@ -33,6 +33,9 @@ class ModelRunner:
         # Per-request sampling generators, kept across steps (and preemptions) so a seeded
         # request draws the same stream whatever else runs beside it.
         self.generators: dict[str, torch.Generator] = {}
+        # One SamplingState per running request, built once: it holds the request's live
+        # token lists, so rebuilding it for every request every step was pure overhead.
+        self.sampling_states: dict[str, SamplingState] = {}
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -100,6 +103,7 @@ class ModelRunner:
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
         for rid in scheduler_output.finished_req_ids:
             self.generators.pop(rid, None)
+            self.sampling_states.pop(rid, None)
         scheduled = scheduler_output.scheduled
         output = ModelRunnerOutput()
         if not scheduled:
@@ -146,14 +150,18 @@ class ModelRunner:
             bitmask, rows = mask
             apply_token_bitmask(logits, bitmask, rows)
         states = []
+        cached_states = self.sampling_states
         for _, item in sampling:
-            request = item.request
-            params = request.sampling_params
-            states.append(SamplingState(
-                params=params, prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                generator=self._generator_for(request.request_id, params.seed),
-                eos_token_ids=request.eos_token_ids))
+            state = cached_states.get(item.request.request_id)
+            if state is None:
+                request = item.request
+                params = request.sampling_params
+                state = cached_states[request.request_id] = SamplingState(
+                    params=params, prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    generator=self._generator_for(request.request_id, params.seed),
+                    eos_token_ids=request.eos_token_ids)
+            states.append(state)
         result = self.sampler(logits, states)
         for (_, item), token_id, logprobs in zip(sampling, result.sampled_token_ids, result.logprobs):
             output.sampled_token_ids[item.request_id] = token_id

@@ -290,11 +290,15 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     sampled = logits.argmax(dim=-1) if any(greedy) else None
 
     random_rows = [i for i, g in enumerate(greedy) if not g]
-    sub = logits[random_rows]
-    rparams = [params[i] for i in random_rows]
+    all_random = sampled is None
+    # Every row random (the common batch): work on the logits themselves, no gather.
+    sub = logits if all_random else logits[random_rows]
+    rparams = params if all_random else [params[i] for i in random_rows]
 
-    temps = torch.tensor([p.temperature for p in rparams], device=device)
-    sub.div_(temps.unsqueeze(1))
+    temperatures = [p.temperature for p in rparams]
+    if any(t != 1.0 for t in temperatures):
+        temps = torch.tensor(temperatures, device=device)
+        sub.div_(temps.unsqueeze(1))
     apply_min_p(sub, rparams)
     apply_top_k_top_p(sub, rparams)
     probs = torch.softmax(sub, dim=-1)
@@ -303,12 +307,15 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     # probability p_i, and lets each row draw its noise from its own generator.
     noise = torch.empty_like(probs)
     unseeded = [j for j, i in enumerate(random_rows) if states[i].generator is None]
-    if unseeded:
+    if len(unseeded) == len(random_rows):
+        noise.exponential_()
+    elif unseeded:
         noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-    for j, i in enumerate(random_rows):
-        gen = states[i].generator
-        if gen is not None:
-            noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+    if len(unseeded) != len(random_rows):
+        for j, i in enumerate(random_rows):
+            gen = states[i].generator
+            if gen is not None:
+                noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
     # exponential_ can in principle return 0; keep the division finite.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     random_tokens = (probs / noise).argmax(dim=-1)
