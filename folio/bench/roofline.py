@@ -19,7 +19,7 @@ import time
 from typing import Any, Mapping
 
 __all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
-           "matmul_peak_flops", "measure_copy_bandwidth", "roofline_line"]
+           "matmul_peak_flops", "measure_copy_bandwidth", "prefill_flops", "roofline_line"]
 
 
 def load_config(model_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -75,6 +75,24 @@ def count_params(cfg: Mapping[str, Any]) -> int:
     embed = vocab * hidden
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
     return embed + layers * per_layer + hidden + lm_head  # + final norm
+
+
+def prefill_flops(model_dir_or_config: str | os.PathLike | Mapping[str, Any], batch: int,
+                  prompt_len: int) -> int:
+    """FLOPs of prefilling `batch` prompts of `prompt_len` tokens and taking one token's
+    logits per prompt (the TTFT step): 2 per weight per token through the layers, causal
+    attention (QKᵀ and PV over the lower triangle: 2·heads·head_dim·n² per layer), and the
+    LM head for the last token only."""
+    cfg = load_config(model_dir_or_config)
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    head_dim, kv_heads = _head_dim(cfg), _num_kv_heads(cfg)
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    weights_per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
+    linear = 2 * weights_per_layer * layers * prompt_len
+    attention = 2 * heads * head_dim * prompt_len * prompt_len * layers
+    lm_head = 2 * hidden * int(cfg["vocab_size"])
+    return batch * (linear + attention + lm_head)
 
 
 def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:

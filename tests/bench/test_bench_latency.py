@@ -42,6 +42,12 @@ def test_decode_bytes_by_hand() -> None:
     tied = {**_HAND_CONFIG, "tie_word_embeddings": True}
     assert roofline.count_params(tied) == params - 80
     assert roofline.decode_bytes_per_step(tied, batch=1, context_len=0, dtype_bytes=2) == 1272 * 2
+    # Prefill of 2 prompts of 5 tokens: 2 FLOPs per layer weight per token (576 weights in a
+    # layer's matmuls), causal attention 2*heads*head_dim*n^2 per layer, one LM-head row.
+    linear = 2 * 576 * 2 * 5
+    attention = 2 * 2 * 4 * 5 * 5 * 2
+    assert roofline.prefill_flops(_HAND_CONFIG, batch=2, prompt_len=5) == \
+        2 * (linear + attention + 2 * 8 * 10)
 
 
 def test_param_counts_match_reference_script() -> None:
@@ -100,6 +106,11 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
         tiny_model_dir("llama"), 3, roof["context_len"], roof["dtype_bytes"])
     assert roof["floor_ms_per_token"] > 0 and "% of roofline" in roof["line"]
     assert json.loads(out_json.read_text())["output_len"] == 6
+    prefill = report["prefill_roofline"]
+    assert prefill["flops"] == roofline.prefill_flops(tiny_model_dir("llama"), 3, 8)
+    assert prefill["matmul_peak_flops_per_s"] > 0 and prefill["fraction_of_peak"] > 0
+    assert prefill["achieved_flops_per_s"] == pytest.approx(
+        prefill["flops"] / report["median_prefill_latency_s"])
 
     # Start-to-ready, split by the worker's stages; on the CPU there is no profiling or capture.
     startup = report["startup"]
