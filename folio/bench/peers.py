@@ -323,7 +323,6 @@ def _peer_generation_config(model: Any, temperature: float, max_new_tokens: int)
     """The folio requests' sampling (temperature, top_p=1, no top-k), built from scratch so a
     generation_config.json in the directory cannot add processors folio does not run."""
     from transformers import GenerationConfig
-    pad = model.config.pad_token_id
     eos = model.config.eos_token_id
     sample = temperature > 0
     return GenerationConfig(

@@ -8,6 +8,8 @@ scheduler/sampler wiring can stay backend-agnostic.
 from __future__ import annotations
 
 import abc
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -19,9 +21,50 @@ __all__ = [
     "StructuredOutputKind",
     "BaseGrammarCompiler",
     "BaseGrammarMatcher",
+    "GrammarCache",
     "allocate_bitmask",
     "bitmask_width",
 ]
+
+class GrammarCache:
+    """A thread-safe LRU of compiled grammars by cache key, counting hits and misses; each
+    backend's compiler keeps one (compiling happens outside the lock)."""
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> Any | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return hit
+
+    def put(self, key: tuple, value: Any) -> Any:
+        """Store and return the cached value; a concurrent compile of the same key that got
+        there first wins, so every caller shares one compiled grammar."""
+        with self._lock:
+            value = self._items.setdefault(key, value)
+            self._items.move_to_end(key)
+            while len(self._items) > self._entries:
+                self._items.popitem(last=False)
+            return value
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per row: one bit per token id."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +45,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from folio.structured_output.backend import (
     BaseGrammarCompiler,
     BaseGrammarMatcher,
+    GrammarCache,
     StructuredOutputsParams,
     bitmask_width,
 )
@@ -414,21 +414,13 @@ class GuidanceCompiler(BaseGrammarCompiler):
             )
         except Exception as e:  # slow (non-"fast") tokenizers, vocab_size too small, ...
             raise ValueError(f"guidance backend cannot use this tokenizer: {e}") from e
-        self._cache: OrderedDict[tuple, GuidanceCompiledGrammar] = OrderedDict()
-        self._cache_entries = cache_entries
-        self._lock = threading.Lock()
-        self.cache_hits = 0
-        self.cache_misses = 0
+        self._cache = GrammarCache(cache_entries)
 
     def compile(self, params: StructuredOutputsParams) -> GuidanceCompiledGrammar:
         key = params.key()  # validates; raises ValueError naming the field
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                self.cache_hits += 1
-                return hit
-            self.cache_misses += 1
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
         kind = key[0]
         start = time.perf_counter()
         try:
@@ -454,20 +446,21 @@ class GuidanceCompiler(BaseGrammarCompiler):
             key, grammar, self.vocab_size, time.perf_counter() - start,
             self.stop_token_ids, template,
         )
-        with self._lock:
-            compiled = self._cache.setdefault(key, compiled)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_entries:
-                self._cache.popitem(last=False)
-        return compiled
+        return self._cache.put(key, compiled)
+
+    @property
+    def cache_hits(self) -> int:
+        return self._cache.hits
+
+    @property
+    def cache_misses(self) -> int:
+        return self._cache.misses
 
     def cache_size(self) -> int:
-        with self._lock:
-            return len(self._cache)
+        return len(self._cache)
 
     def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
+        self._cache.clear()
 
 
 # ---- matcher ----------------------------------------------------------------------------

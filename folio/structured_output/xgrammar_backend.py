@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +20,7 @@ import xgrammar as xgr
 from folio.structured_output.backend import (
     BaseGrammarCompiler,
     BaseGrammarMatcher,
+    GrammarCache,
     StructuredOutputsParams,
     bitmask_width,
 )
@@ -88,11 +87,7 @@ class GrammarCompiler(BaseGrammarCompiler):
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
-        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
-        self._cache_entries = cache_entries
-        self._lock = threading.Lock()
-        self.cache_hits = 0
-        self.cache_misses = 0
+        self._cache = GrammarCache(cache_entries)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         key = params.key()  # validates; raises ValueError naming the field
@@ -101,13 +96,9 @@ class GrammarCompiler(BaseGrammarCompiler):
                 "whitespace_pattern is not supported by the xgrammar backend "
                 "(use the guidance or auto backend)"
             )
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                self.cache_hits += 1
-                return hit
-            self.cache_misses += 1
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
         start = time.perf_counter()
         try:
             handle = self._compile_uncached(params.kind(), params)
@@ -121,13 +112,7 @@ class GrammarCompiler(BaseGrammarCompiler):
                 f"invalid {key[0]} for structured output: {_clean_error(e)}{hint}"
             ) from e
         compiled = CompiledGrammar(key, handle, self.vocab_size, time.perf_counter() - start)
-        with self._lock:
-            # A concurrent compile of the same key may have won; keep the first.
-            compiled = self._cache.setdefault(key, compiled)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_entries:
-                self._cache.popitem(last=False)
-        return compiled
+        return self._cache.put(key, compiled)
 
     def _compile_uncached(self, kind: str, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._compiler
@@ -164,13 +149,19 @@ class GrammarCompiler(BaseGrammarCompiler):
                 return self._compiler.compile_structural_tag(tags, list(spec.get("triggers", [])))
         return self._compiler.compile_structural_tag(json.dumps(spec))
 
+    @property
+    def cache_hits(self) -> int:
+        return self._cache.hits
+
+    @property
+    def cache_misses(self) -> int:
+        return self._cache.misses
+
     def cache_size(self) -> int:
-        with self._lock:
-            return len(self._cache)
+        return len(self._cache)
 
     def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
+        self._cache.clear()
         self._compiler.clear_cache()
 
 

@@ -4,7 +4,6 @@ caching, and the request options (whitespace, additional properties, fallback)."
 from __future__ import annotations
 
 import json
-import random
 import re
 import subprocess
 import sys
@@ -14,10 +13,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
-import transformers
 
-from folio.model.default_model import default_model_path
+from grammar_walk import random_generate
 from folio.structured_output import (
     BACKENDS,
     CompiledConstraint,
@@ -25,7 +22,6 @@ from folio.structured_output import (
     GuidanceMatcher,
     StructuredOutputCompiler,
     StructuredOutputsParams,
-    allocate_bitmask,
     disallow_additional_properties,
     is_lark_grammar,
 )
@@ -51,17 +47,6 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def vocab_size() -> int:
-    config = json.loads((Path(default_model_path()) / "config.json").read_text())
-    return int(config["vocab_size"])
-
-
-@pytest.fixture(scope="module")
 def auto(tokenizer, vocab_size) -> StructuredOutputCompiler:
     return StructuredOutputCompiler(tokenizer, vocab_size)
 
@@ -72,19 +57,8 @@ def accepts(matcher, tokenizer, text: str) -> bool:
 
 
 def random_text(matcher, tokenizer, vocab_size: int, seed: int, max_steps: int = 300) -> str:
-    """Sample uniformly among the allowed tokens until the stop token."""
-    rng = random.Random(seed)
-    bitmask = allocate_bitmask(1, vocab_size)
-    tokens = []
-    while not matcher.is_terminated():
-        assert len(tokens) < max_steps, "no termination"
-        matcher.fill_bitmask(bitmask, 0)
-        bits = (bitmask[0].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
-        allowed = torch.nonzero(bits.flatten()).flatten().tolist()
-        token = rng.choice([t for t in allowed if t < vocab_size])
-        assert matcher.accept_token(token)
-        tokens.append(token)
-    return tokenizer.decode(tokens[:-1])
+    """Sample uniformly among the allowed tokens until the stop token; the text before it."""
+    return tokenizer.decode(random_generate(matcher, vocab_size, seed, max_steps)[:-1])
 
 
 def counting(monkeypatch, compiler: StructuredOutputCompiler, name: str, fail: str | None = None):

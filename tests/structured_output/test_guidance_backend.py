@@ -15,9 +15,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-import transformers
 
-from folio.model.default_model import default_model_path
+from grammar_walk import allowed_ids, random_generate
 from folio.structured_output import (
     GrammarCompiler,
     GrammarMatcher,
@@ -58,45 +57,9 @@ LARK_RE = re.compile(r"\[([a-z]{1,5}|[0-9]{1,3})(,([a-z]{1,5}|[0-9]{1,3})){0,3}\
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def vocab_size() -> int:
-    config = json.loads((Path(default_model_path()) / "config.json").read_text())
-    return int(config["vocab_size"])
-
-
-@pytest.fixture(scope="module")
 def compiler(tokenizer, vocab_size) -> GuidanceCompiler:
     # Compact JSON: with random tokens, free whitespace would loop.
     return GuidanceCompiler(tokenizer, vocab_size, any_whitespace=False)
-
-
-def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
-    words = bitmask[row].to(torch.int64)
-    bits = (words.unsqueeze(1) >> torch.arange(32)) & 1
-    ids = torch.nonzero(bits.flatten()).flatten()
-    return ids[ids < vocab_size].tolist()
-
-
-def random_generate(matcher, vocab_size: int, seed: int, max_steps: int = MAX_STEPS) -> list[int]:
-    """Fake model: sample uniformly among the allowed tokens until the stop token."""
-    rng = random.Random(seed)
-    bitmask = allocate_bitmask(1, vocab_size)
-    tokens: list[int] = []
-    for _ in range(max_steps):
-        if matcher.is_terminated():
-            break
-        matcher.fill_bitmask(bitmask, 0)
-        allowed = allowed_ids(bitmask, 0, vocab_size)
-        assert allowed, f"empty mask after {len(tokens)} tokens"
-        token = rng.choice(allowed)
-        assert matcher.accept_token(token), f"allowed token {token} was rejected"
-        tokens.append(token)
-    assert matcher.is_terminated(), f"no termination within {max_steps} tokens"
-    return tokens
 
 
 def generate_text(compiler, tokenizer, vocab_size, params, seed) -> str:

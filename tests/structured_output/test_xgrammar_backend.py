@@ -10,9 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-import transformers
 
-from folio.model.default_model import default_model_path
 from folio.structured_output import (
     GrammarCompiler,
     GrammarMatcher,
@@ -40,17 +38,6 @@ CHOICES = ["red", "green", "blue", 'say "hi"\n']
 # Parenthesised sums of digits: "(1+2+3)".
 EBNF = 'root ::= "(" expr ")"\nexpr ::= [0-9] | [0-9] "+" expr'
 EBNF_RE = r"\(\d(\+\d)*\)"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def vocab_size() -> int:
-    config = json.loads((Path(default_model_path()) / "config.json").read_text())
-    return int(config["vocab_size"])
 
 
 @pytest.fixture(scope="module")
