@@ -131,7 +131,11 @@ class OutputProcessor:
             if child is None:
                 continue  # aborted meanwhile
             parent = child.parent
-            touched[parent.request_id] = parent
+            # A final-only request has nothing to hand out until a child finishes: skip the
+            # per-step output building for it (at batch 256 that was most of this loop).
+            if parent.params.output_kind is not RequestOutputKind.FINAL_ONLY or \
+                    out.finish_reason is not None:
+                touched[parent.request_id] = parent
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 chunk = out.new_prompt_logprobs
                 for offset, entry in enumerate(chunk.entries):
@@ -162,6 +166,7 @@ class OutputProcessor:
                 if matched is not None and finish_reason is None:
                     finish_reason, stop_reason = "stop", matched
                     stopped_by_text.append(child.request_id)
+                    touched[parent.request_id] = parent
             if finish_reason is not None:
                 child.finish_reason, child.stop_reason = finish_reason, stop_reason
         outputs = []

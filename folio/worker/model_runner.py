@@ -142,9 +142,14 @@ class ModelRunner:
         # The forward pass is queued on the GPU; the grammar masks are filled on the CPU now,
         # while it runs.
         mask = grammar_bitmask([item.request for _, item in sampling]) if grammar_bitmask else None
-        last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
-                                 device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows])
+        if len(sampling) == len(scheduled) == hidden.shape[0]:
+            # Every request decodes one token and samples: its row is its hidden state, so no
+            # index tensor (a host-to-device copy) and no gather.
+            logits = self.model.compute_logits(hidden)
+        else:
+            last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
+                                     device=self.device)
+            logits = self.model.compute_logits(hidden[last_rows])
         if mask is not None:
             from folio.structured_output.masking import apply_token_bitmask
             bitmask, rows = mask
