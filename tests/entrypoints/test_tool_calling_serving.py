@@ -121,9 +121,12 @@ def test_required_sends_an_array_schema_and_parses_calls(tokenizer, parallel):
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == \
         TWO_TOOLS[1]["function"]["parameters"]
     calls = out["message"]["tool_calls"]
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
-                                                                       {"zone": "UTC"}]
+    # The grammar allows one call without parallel calls; this fake engine ignores grammars,
+    # and the handler still passes on only the first.
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    expected = expected[:1] if parallel is False else expected
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == expected
     assert out["message"]["content"] is None and out["finish_reason"] == "tool_calls"
 
 
@@ -196,3 +199,24 @@ def test_response_format_reaches_sampling_params(tokenizer):
     engine = FakeEngine(tokenizer, texts=('{"a": 1}',))
     _chat(engine, parser=None, auto=False, response_format={"type": "json_object"})
     assert engine.calls[0]["params"].structured_outputs.json_object is True
+
+
+TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(tokenizer, parallel):
+    engine = FakeEngine(tokenizer, texts=(TWO_CALLS,))
+    calls = _chat(engine, tools=TOOLS, parallel_tool_calls=parallel).model_dump()[
+        "choices"][0]["message"]["tool_calls"]
+    cities = [json.loads(c["function"]["arguments"])["city"] for c in calls]
+    assert cities == (["Paris"] if parallel is False else ["Paris", "Rome"])
+
+    engine = FakeEngine(tokenizer, texts=(TWO_CALLS,))
+    chunks = [e for e in events(_chat(engine, tools=TOOLS, parallel_tool_calls=parallel,
+                                      stream=True)) if e != "[DONE]"]
+    streamed = [tc for c in chunks if c["choices"]
+                for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert {tc["index"] for tc in streamed} == ({0} if parallel is False else {0, 1})
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -227,8 +227,11 @@ class OpenAIServingChat(ServingBase):
                 extracted = tool_parser.extract(content)
                 if extracted.tools_called:
                     content = extracted.content
+                    calls = extracted.tool_calls
+                    if request.parallel_tool_calls is False:
+                        calls = calls[:1]  # the client asked for one call at most
                     tool_calls = [ToolCallItem(id=c.id, function=FunctionCall(
-                        name=c.name, arguments=c.arguments)) for c in extracted.tool_calls]
+                        name=c.name, arguments=c.arguments)) for c in calls]
                     if finish_reason == "stop" and not isinstance(request.tool_choice, dict):
                         # OpenAI: a named (forced) function ends with "stop".
                         finish_reason = "tool_calls"
@@ -287,7 +290,9 @@ class OpenAIServingChat(ServingBase):
                 calls += [DeltaToolCall(
                     index=c.index, id=c.id, type="function" if c.id else None,
                     function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                    for c in piece.tool_calls]
+                    for c in piece.tool_calls
+                    # parallel_tool_calls=false: only the first call is passed on.
+                    if c.index == 0 or request.parallel_tool_calls is not False]
             if calls:
                 called_tools.add(index)
             return text or None, calls or None
