@@ -337,6 +337,31 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits.masked_fill_(probs < threshold.unsqueeze(1), _NEG_INF)
 
 
+# Largest top_k for which top-p runs on the top-k candidates instead of a full sort.
+_SUBSET_TOP_P_MAX_K = 4096
+
+
+def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: list[int], top_ps: list[float],
+                               k_max: int) -> None:
+    """In place, every row with a top-k: the same set as the full-sort path — the top k_i
+    logits (ties with the k-th kept), then the smallest high-probability set of those whose
+    mass reaches top_p — found among the row's top k_max values. The result is applied as a
+    threshold on the whole row (tokens below the lowest kept value are dropped)."""
+    device = logits.device
+    values = logits.topk(k_max, dim=-1).values  # descending
+    k = torch.tensor(ks, device=device).unsqueeze(1)
+    kth = values.gather(1, k - 1)
+    ascending = values.flip(-1)
+    ascending = ascending.masked_fill(ascending < kth, _NEG_INF)  # top-k, ties kept
+    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    drop = cum <= 1.0 - top_p
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, _NEG_INF)
+    lowest_kept = torch.where(torch.isinf(ascending), torch.inf, ascending).amin(-1, keepdim=True)
+    logits.masked_fill_(logits < lowest_kept, _NEG_INF)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """In place: keep each row's top_k logits (ties kept), then the smallest
     high-probability set whose mass reaches top_p (row i uses params[i])."""
@@ -358,6 +383,13 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
         # Ties with the k-th value are kept; rows without top-k use k = vocab,
         # whose k-th value is the row minimum, so nothing is removed there.
         logits.masked_fill_(logits < kth, _NEG_INF)
+        return
+
+    k_max = max(ks)
+    if need_k and k_max < vocab and k_max <= _SUBSET_TOP_P_MAX_K:
+        # Every row has a top-k (Qwen3's and many models' defaults: top_k 20, top_p 0.95):
+        # top-p only ever looks at those k candidates, so sort k_max values, not the vocabulary.
+        _top_k_top_p_on_candidates(logits, ks, [p.top_p for p in params], k_max)
         return
 
     sorted_logits, order = logits.sort(dim=-1)  # ascending

@@ -246,6 +246,21 @@ def test_filters_match_reference(only_top_k):
         torch.testing.assert_close(x[i][list(kept)], logits[i][list(kept)] / p.temperature)
 
 
+def test_top_p_on_top_k_candidates_matches_reference():
+    """A batch where every row has a top-k takes the candidates path (no full sort)."""
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8),
+              SamplingParams(top_k=20, top_p=0.95), SamplingParams(top_k=3, top_p=0.01),
+              SamplingParams(top_k=40, top_p=1.0), SamplingParams(top_k=7, top_p=0.5, min_p=0.05)]
+    logits = rand_logits(len(params), V, seed=7)
+    x = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    apply_min_p(x, params)
+    apply_top_k_top_p(x, params)
+    for i, p in enumerate(params):
+        kept = set(torch.isfinite(x[i]).nonzero().flatten().tolist())
+        assert kept == ref_allowed_after_filters(logits[i], p), f"row {i}: {p}"
+        torch.testing.assert_close(x[i][list(kept)], logits[i][list(kept)] / p.temperature)
+
+
 def test_filtered_sampling_never_leaves_allowed_set():
     torch.manual_seed(0)
     draws = 2000
