@@ -35,6 +35,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
+    core = None
     try:
         from folio.engine.engine_core import EngineCore
         from folio.engine.frontend import load_model_info
@@ -51,6 +52,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         except zmq.ZMQError:
             pass
     finally:
+        if core is not None:
+            core.shutdown()  # drop queued grammar compiles rather than wait for them
         inbox.close(linger=0)
         outbox.close(linger=1000)
         context.term()

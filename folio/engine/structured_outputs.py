@@ -82,8 +82,7 @@ class RequestGrammar:
 
     @property
     def active(self) -> bool:
-        """The mask applies to this request's next token."""
-        self.flush()
+        """The mask applies to this request's next token (after `flush`)."""
         return self.matcher is not None and (self.gate is None or self.gate.ended)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
@@ -214,8 +213,13 @@ class StructuredOutputManager:
     def fill_bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The bitmask rows for requests (in sampling-row order), and the rows that are
         constrained; None when no row is."""
-        rows = [i for i, r in enumerate(requests)
-                if r.structured_output is not None and r.structured_output.active]  # type: ignore[union-attr]
+        rows = []
+        for i, request in enumerate(requests):
+            grammar = request.structured_output
+            if grammar is not None:
+                grammar.flush()  # the previous step's tokens, while the GPU runs this one
+                if grammar.active:
+                    rows.append(i)
         if not rows:
             return None
         from folio.structured_output.backend import allocate_bitmask
@@ -225,12 +229,10 @@ class StructuredOutputManager:
                 # Pinned: the copy to the GPU is asynchronous.
                 self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:len(requests)]
-        constrained = set(rows)
-        for i in range(len(requests)):
-            if i in constrained:
-                requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
-            else:
-                bitmask[i].fill_(-1)  # all allowed: the GPU path masks every row at once
+        if len(rows) < len(requests):
+            bitmask.fill_(-1)  # unconstrained rows allow everything: the GPU masks all at once
+        for i in rows:
+            requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
         return bitmask, rows
 
     def shutdown(self) -> None:

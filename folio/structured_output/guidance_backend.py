@@ -1,7 +1,7 @@
 """llguidance-backed grammar compilation and matching (vLLM's "guidance" backend).
 
 Same interface and bitmask format as `xgrammar_backend` (bit i of int32 word w allows token
-32*w+i), so `xgrammar_backend.apply_bitmask` masks logits for either backend.
+32*w+i), so `masking.apply_token_bitmask` masks logits for either backend.
 
 llguidance speaks Lark natively (with `%json {...}` for inline JSON schemas); everything else
 is turned into an llguidance grammar here:

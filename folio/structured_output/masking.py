@@ -1,8 +1,8 @@
 """Applying a token bitmask to logits, the same for every grammar backend.
 
 Bit b of int32 word w in a row allows token id 32*w + b (the layout xgrammar and llguidance
-both fill). Plain torch ops, so one code path serves CPU and GPU; the cost is a few
-element-wise passes over the constrained rows only.
+both fill). On CUDA one Triton launch masks the whole batch (folio.model.kernels.bitmask); on
+the CPU a few torch ops mask the constrained rows only.
 """
 from __future__ import annotations
 

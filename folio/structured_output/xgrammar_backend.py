@@ -24,6 +24,7 @@ from folio.structured_output.backend import (
     StructuredOutputsParams,
     bitmask_width,
 )
+from folio.structured_output.masking import apply_token_bitmask
 from folio.structured_output.params import disallow_additional_properties, is_lark_grammar
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "apply_bitmask"]
@@ -33,7 +34,6 @@ __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "apply_bitmas
 _LOG_PREFIX = re.compile(r"^\s*\[\d{2}:\d{2}:\d{2}\]\s+\S+:\d+:\s*")
 _CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
 _DEFAULT_CACHE_ENTRIES = 256
-_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _clean_error(exc: BaseException) -> str:
@@ -229,7 +229,8 @@ def apply_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
 ) -> None:
     """In place: logits of disallowed tokens -> -inf. rows limits which rows are masked
-    (requests without constraints in a mixed batch are skipped)."""
+    (requests without constraints in a mixed batch are skipped). A checked front to
+    `masking.apply_token_bitmask`, the one implementation the engine uses for every backend."""
     if logits.dim() != 2 or bitmask.dim() != 2:
         raise ValueError("logits and bitmask must be 2-D [batch, ...]")
     if bitmask.dtype != torch.int32:
@@ -238,15 +239,15 @@ def apply_bitmask(
         raise ValueError(
             f"bitmask width {bitmask.shape[1]} too small for vocab {logits.shape[1]}"
         )
-    if rows is not None and not rows:
+    batch = logits.shape[0]
+    if rows is None:
+        rows = list(range(batch))
+    if not rows:
         return
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    # xgrammar's CPU kernel handles fp32/bf16/fp16 only; other dtypes go through
-    # its pure-torch path. vocab_size covers the whole row (no unmasked tail).
-    backend = "auto"
-    if logits.device.type == "cpu" and logits.dtype not in _CPU_KERNEL_DTYPES:
-        backend = "torch_native"
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask, vocab_size=logits.shape[1], indices=rows, backend=backend
-    )
+    bitmask = bitmask[:batch]
+    listed = set(rows)
+    if len(listed) < batch:
+        # apply_token_bitmask may mask every row at once: unlisted rows must allow everything.
+        bitmask = bitmask.clone()
+        bitmask[[i for i in range(batch) if i not in listed]] = -1
+    apply_token_bitmask(logits, bitmask, rows)

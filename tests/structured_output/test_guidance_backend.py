@@ -10,13 +10,13 @@ import json
 import random
 import re
 import time
-from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
 from grammar_walk import allowed_ids, random_generate
+from grammar_cases import BENCH, CHOICES, EBNF, EBNF_RE, PERSON_SCHEMA, REGEX
 from folio.structured_output import (
     GrammarCompiler,
     GrammarMatcher,
@@ -27,24 +27,6 @@ from folio.structured_output import (
     apply_bitmask,
 )
 
-BENCH = Path("/work/shared/testdata/jsonschemabench_sample.jsonl")
-MAX_STEPS = 200
-
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "ok": {"type": "boolean"},
-        "tag": {"enum": ["a", "b", "c"]},
-    },
-    "required": ["name", "age", "ok", "tag"],
-    "additionalProperties": False,
-}
-REGEX = r"\d{3}-[a-z]{2,4}(\.[A-Z])?"
-CHOICES = ["red", "green", "blue", 'say "hi"\n']
-EBNF = 'root ::= "(" expr ")"\nexpr ::= [0-9] | [0-9] "+" expr'
-EBNF_RE = r"\(\d(\+\d)*\)"
 # Lark (llguidance's own syntax): a bounded list of words or numbers, then an inline JSON schema
 # (compact via x-guidance: whitespace options don't reach %json inside a user's Lark grammar).
 LARK = r"""

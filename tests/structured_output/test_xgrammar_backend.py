@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
+from grammar_cases import BENCH, CHOICES, EBNF, EBNF_RE, MAX_STEPS, PERSON_SCHEMA, REGEX
 from folio.structured_output import (
     GrammarCompiler,
     GrammarMatcher,
@@ -18,26 +18,6 @@ from folio.structured_output import (
     allocate_bitmask,
     apply_bitmask,
 )
-
-BENCH = Path("/work/shared/testdata/jsonschemabench_sample.jsonl")
-MAX_STEPS = 200
-
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "ok": {"type": "boolean"},
-        "tag": {"enum": ["a", "b", "c"]},
-    },
-    "required": ["name", "age", "ok", "tag"],
-    "additionalProperties": False,
-}
-REGEX = r"\d{3}-[a-z]{2,4}(\.[A-Z])?"
-CHOICES = ["red", "green", "blue", 'say "hi"\n']
-# Parenthesised sums of digits: "(1+2+3)".
-EBNF = 'root ::= "(" expr ")"\nexpr ::= [0-9] | [0-9] "+" expr'
-EBNF_RE = r"\(\d(\+\d)*\)"
 
 
 @pytest.fixture(scope="module")
