@@ -84,8 +84,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None = a default chosen in EngineConfig
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Schedule step N+1 while step N runs on the device (its sampled ids feed N+1 on the
+    # device). None = on with CUDA, off on CPU (where the host runs the kernels itself, so
+    # there is nothing to overlap).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        _require(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+                 "async_scheduling", f"must be a bool or None, got {self.async_scheduling!r}")
         _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
         if self.max_num_batched_tokens is not None:

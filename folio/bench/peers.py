@@ -148,7 +148,8 @@ def describe_free_memory(free_total: tuple[int, int] | None) -> str | None:
 # ------------------------------------------------------------------------------------------
 
 _STAGE_NAMES = (("load_s", "model load"), ("profile_s", "KV profiling"),
-                ("kv_alloc_s", "KV allocation"), ("graph_capture_s", "CUDA graph capture"))
+                ("kv_alloc_s", "KV allocation"), ("warm_up_s", "kernel warm-up"),
+                ("graph_capture_s", "CUDA graph capture"))
 
 
 def build_random_model_in_child(name: str, num_layers: int | None) -> dict[str, Any]:

@@ -98,6 +98,13 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Output tokens being sampled by a step still in flight (async scheduling): scheduled
+        # as the next step's input before their values are known; their ids reach the model
+        # on the device. 0 or 1.
+        self.num_pending_tokens = 0
+        # Needs its own latest token on the host before its next step can be built (penalties,
+        # bad words, min_tokens, a grammar): the engine then waits for the step in flight.
+        self.needs_host_history = _needs_host_history(sampling_params)
         # Prompt tokens served from the prefix cache when first scheduled (-1 = not yet scheduled).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -124,6 +131,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -160,3 +171,9 @@ class Request:
                 extra = (self.cache_salt,) + tuple(self.extra_hash_keys)
             tokens = self.all_token_ids[index * bs:(index + 1) * bs]
             self.block_hashes.append(hash_block_tokens(parent, tokens, extra))
+
+
+def _needs_host_history(params: SamplingParams) -> bool:
+    return bool(params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0 or params.bad_words_token_ids
+                or params.min_tokens > 0)

@@ -23,6 +23,10 @@ class ScheduledRequest:
     num_computed_tokens: int      # tokens already in the KV cache before this step
     num_new_tokens: int           # tokens computed this step
     block_ids: list[int]
+    # The step reaches the end of the request's tokens, so a new one is sampled. Set when
+    # scheduled (the request's token count moves on before the runner reads it under async
+    # scheduling).
+    samples: bool = False
 
     @property
     def request_id(self) -> str:
@@ -30,13 +34,15 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
+        """The step's input ids known on the host. Shorter than num_new_tokens by one when
+        the last input is a token still being sampled by the step in flight (async
+        scheduling): the runner takes that one from the previous step's device output."""
         start = self.num_computed_tokens
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
     @property
-    def samples(self) -> bool:
-        """The step reaches the end of the request's known tokens, so a new one is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    def has_pending_input(self) -> bool:
+        return self.num_computed_tokens + self.num_new_tokens > len(self.request.all_token_ids)
 
 
 @dataclass
@@ -104,8 +110,12 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 async_scheduling: bool = False) -> None:
         self.kv = kv_cache_manager
+        # Schedule the next step before the step in flight has returned its tokens: running
+        # requests then also decode the token still being sampled (see Request.num_pending_tokens).
+        self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -169,7 +179,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_pending_tokens if self.async_scheduling else 0
+            num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens,
+                          budget)
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or len(request.all_token_ids) + pending >= self.max_model_len):
+                num_new = 0  # the token in flight is its last: it finishes on that update
             if num_new <= 0:
                 index += 1
                 continue
@@ -205,6 +220,9 @@ class Scheduler:
         while (not preempted and len(self.waiting) > 0 and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
+            if self.async_scheduling and request.num_pending_tokens:
+                # Preempted with a token in flight: it resumes once that token is known.
+                break
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 if not (request.structured_output is not None and request.structured_output.ready):
                     not_ready.append(self.waiting.pop())
@@ -235,8 +253,13 @@ class Scheduler:
             self.waiting.add_preempted(request)  # back at the front, in their old order
 
         for item in scheduled.values():
+            request = item.request
             item.block_ids = self.kv.get_block_ids(item.request_id)
-            item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            end = item.num_computed_tokens + item.num_new_tokens
+            request.num_computed_tokens = end
+            if end >= len(request.all_token_ids) + request.num_pending_tokens:
+                item.samples = True
+                request.num_pending_tokens += 1
 
         output = SchedulerOutput(
             scheduled=list(scheduled.values()),
@@ -274,8 +297,10 @@ class Scheduler:
         finished: list[Request] = []
         for item in scheduler_output.scheduled:
             request = item.request
+            if item.samples:
+                request.num_pending_tokens -= 1
             if request.status >= _FIRST_FINISHED:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or finished by the step before
             request_id = request.request_id
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             token_id = sampled.get(request_id)
@@ -304,6 +329,10 @@ class Scheduler:
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r not in done]
+            # Under async scheduling a request can be preempted while its last token is in
+            # flight: it finishes from the waiting queue.
+            if any(r.num_preemptions for r in finished):
+                self.waiting.remove(done)
             for request in finished:
                 self._free(request)
         return outputs

@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never use CUDA graphs (by default, pure-decode steps replay them on CUDA)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule the next step while the current one runs on the GPU "
+                             "(default: on with CUDA, off on CPU)")
     parser.add_argument("--structured-outputs-config.backend", dest="structured_outputs_backend",
                         default="auto", choices=["auto", "xgrammar", "guidance"],
                         help="grammar backend for constrained decoding ('auto': xgrammar, falling "
@@ -53,6 +56,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),
+        async_scheduling=getattr(args, "async_scheduling", None),
         structured_outputs_config={
             "backend": getattr(args, "structured_outputs_backend", "auto"),
             "reasoning_parser": getattr(args, "reasoning_parser", None)})

@@ -8,10 +8,11 @@ from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.outputs import EngineCoreOutput, SchedulerStats
-from folio.core.scheduler import Scheduler
+from folio.core.scheduler import Scheduler, SchedulerOutput
 from folio.engine.structured_outputs import StructuredOutputManager
 from folio.executor.uniproc import UniProcExecutor
 from folio.model.loader import ModelSource
+from folio.worker.model_runner import PendingRunnerOutput
 
 
 class EngineCore:
@@ -23,11 +24,16 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         sched = config.scheduler
+        self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
+                                 else self.executor.worker.device.type == "cuda")
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
-            enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy)
+            enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
+            async_scheduling=self.async_scheduling)
+        # Async scheduling: the step queued on the device whose sampled ids are not yet read.
+        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.
         self.structured_output = StructuredOutputManager(
             config.structured_outputs,
@@ -51,20 +57,39 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
-        failed = self._settle_grammars()
+        """Schedule and queue one step. With async scheduling the step's sampled tokens are
+        returned by the next call (the previous step's are returned by this one), so the host
+        schedules step N+1 while the device runs step N."""
+        outputs = self._settle_grammars()
+        if self._in_flight is not None and _needs_tokens_first(self._in_flight[0]):
+            # A request in flight needs its new token on the host before its next step can be
+            # built (penalties, a grammar's mask, ...): finish that step first.
+            outputs += self._finish_in_flight()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if self._in_flight is not None:
+                return outputs + self._finish_in_flight()
             # Still let the worker drop state of requests that finished meanwhile.
             self.executor.execute_model(scheduler_output)
-            if self.structured_output.has_pending() and not failed:
+            if self.structured_output.has_pending() and not outputs:
                 # Nothing runnable but a grammar compiling: wait for it briefly, not spin.
                 self.structured_output.wait_for_pending(timeout=0.01)
-            return failed
+            return outputs
         fill = None
         if any(item.request.structured_output is not None for item in scheduler_output.scheduled):
             fill = self.structured_output.fill_bitmask
-        runner_output = self.executor.execute_model(scheduler_output, fill)
-        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+        pending = self.executor.execute_model_async(scheduler_output, fill)
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+        self._in_flight = (scheduler_output, pending)
+        if not self.async_scheduling:
+            outputs += self._finish_in_flight()
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        scheduler_output, pending = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, pending.get())
 
     def _settle_grammars(self) -> list[EngineCoreOutput]:
         """Finished compiles become ready; a grammar that failed to compile finishes its
@@ -83,16 +108,25 @@ class EngineCore:
         return self.scheduler.has_finished_since_last_step()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._in_flight = None
         self.structured_output.shutdown()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+
+def _needs_tokens_first(scheduler_output: SchedulerOutput) -> bool:
+    for item in scheduler_output.scheduled:
+        request = item.request
+        if item.samples and (request.needs_host_history or request.structured_output is not None):
+            return True
+    return False
 
 
 def _load_tokenizer(config: EngineConfig, source: ModelSource) -> Any:

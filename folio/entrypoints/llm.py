@@ -25,6 +25,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
                  device: str = "auto", revision: str | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 async_scheduling: bool | None = None,
                  structured_outputs_config: StructuredOutputsConfig | dict | None = None) -> None:
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
@@ -39,7 +40,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      policy=scheduling_policy),
+                                      policy=scheduling_policy,
+                                      async_scheduling=async_scheduling),
             structured_outputs=structured_outputs_config or StructuredOutputsConfig(),
         )
         self.llm_engine = LLMEngine(config)

@@ -1,5 +1,5 @@
 """Runs one worker in the engine-core process. Multi-process (tensor parallel) executors
-implement the same three members."""
+implement the same members."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,7 @@ from folio.config import EngineConfig
 from folio.core.outputs import ModelRunnerOutput
 from folio.core.scheduler import SchedulerOutput
 from folio.model.loader import ModelSource
-from folio.worker.model_runner import GrammarBitmaskFn
+from folio.worker.model_runner import GrammarBitmaskFn, PendingRunnerOutput
 from folio.worker.worker import Worker
 
 
@@ -22,7 +22,8 @@ class UniProcExecutor:
 
     @property
     def timings(self) -> dict[str, float]:
-        """Seconds of each worker start-up stage: load_s, profile_s, kv_alloc_s, graph_capture_s."""
+        """Seconds of each worker start-up stage: load_s, profile_s, kv_alloc_s, warm_up_s,
+        graph_capture_s."""
         return dict(self.worker.timings)
 
     @property
@@ -33,3 +34,8 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output, grammar_bitmask)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
+        """Queue the step; its output's get() waits for the sampled ids."""
+        return self.worker.execute_model_async(scheduler_output, grammar_bitmask)

@@ -134,7 +134,40 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
 
 
-class MergedLinear(nn.Linear):
+def _skinny_input(x: torch.Tensor, linear: nn.Linear,
+                  fused: bool = False) -> torch.Tensor | None:
+    """x as [rows, in_features] when the skinny Triton matmul should serve `linear` (CUDA,
+    fp16/bf16, 1..8 rows: decode; for a plain projection, only shapes where it beats cuBLAS
+    (`skinny_preferred`); the fused gate_up+SiLU always), else None. Opt-in: FOLIO_GEMV=1
+    (or all); FOLIO_KERNELS=torch keeps cuBLAS."""
+    if not x.is_cuda or x.dim() == 0 or x.shape[-1] != linear.in_features:
+        return None
+    from folio.model.kernels import gemv
+    # Cheap refusals first: this runs for every projection of every eager (prefill) step.
+    if x.numel() > gemv.MAX_M * x.shape[-1] or not gemv.gemv_enabled():
+        return None
+    if linear.bias is not None and linear.bias.dtype != x.dtype:
+        return None
+    from folio.model.kernels.gemv import skinny_preferred, skinny_supported
+    x2 = x.reshape(-1, x.shape[-1])
+    if not skinny_supported(x2, linear.weight):
+        return None
+    return x2 if fused or skinny_preferred(*x2.shape[:1], *linear.weight.shape) else None
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-sized calls run `folio.model.kernels.gemv.skinny_matmul`, which
+    streams the weight faster than cuBLAS's GEMV at a few rows; F.linear otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _skinny_input(x, self)
+        if x2 is not None:
+            from folio.model.kernels.gemv import skinny_matmul
+            return skinny_matmul(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections that read the same input (q/k/v, gate/up). Loads
     each checkpoint shard into its slice of the output rows."""
 
@@ -165,7 +198,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
                                                    "k": num_kv_heads * head_dim,
                                                    "v": num_kv_heads * head_dim}, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -194,7 +227,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size,
                                                        "up": intermediate_size}, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.fused_silu = act in ("silu", "swish")
         if act in ("silu", "swish"):
             self.act = F.silu
@@ -206,6 +239,12 @@ class GatedMLP(nn.Module):
             raise ValueError(f"activation {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu:
+            x2 = _skinny_input(x, self.gate_up_proj, fused=True)
+            if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
+                from folio.model.kernels.gemv import skinny_gate_up_silu
+                act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias)
+                return self.down_proj(act.view(*x.shape[:-1], -1))
         gate_up = self.gate_up_proj(x)
         if self.fused_silu and _fused_kernels_on(gate_up):
             from folio.model.kernels.activation import silu_and_mul

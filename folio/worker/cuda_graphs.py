@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -159,9 +160,12 @@ class DecodeGraphRunner:
                 and all(s.num_new_tokens == 1 and len(s.block_ids) <= self.max_blocks
                         for s in scheduled))
 
-    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def run(self, scheduled: list[ScheduledRequest],
+            fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Replay the graph for this step; returns the final hidden states [B, hidden], a view
-        of the static output buffer (valid until the next replay)."""
+        of the static output buffer (valid until the next replay). `fill_pending` writes the
+        inputs still being sampled by the previous step into the static input ids, on the
+        device, before the replay."""
         B = len(scheduled)
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
         if self._copied_pending:
@@ -171,7 +175,8 @@ class DecodeGraphRunner:
         for i, item in enumerate(scheduled):
             p = item.num_computed_tokens
             blocks = item.block_ids
-            ids[i] = item.request.all_token_ids[p]
+            known = item.request.all_token_ids
+            ids[i] = known[p] if p < len(known) else 0  # else: filled on the device below
             pos[i] = p
             slots[i] = blocks[p // block] * block + p % block
             seq[i] = p + 1
@@ -189,6 +194,8 @@ class DecodeGraphRunner:
             dst[:bs].copy_(src[:bs], non_blocking=True)
         self._copied.record()
         self._copied_pending = True
+        if fill_pending is not None:
+            fill_pending(self.input_ids)
         self.graphs[bs].replay()
         self.num_replays += 1
         self.replayed_sizes.add(bs)

@@ -9,6 +9,7 @@ from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
 from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
+from folio.model.host_copy import device_tensor
 from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ class ModelRunner:
         # One SamplingState per running request, built once: it holds the request's live
         # token lists, so rebuilding it for every request every step was pure overhead.
         self.sampling_states: dict[str, SamplingState] = {}
+        # The last launched step's sampled ids (on the device) and each sampling request's row
+        # in them: the next step, scheduled before those ids reach the host, reads its
+        # pending inputs from here.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -55,9 +61,16 @@ class ModelRunner:
         num_computed: list[int] = []
         max_blocks = max(len(s.block_ids) for s in scheduled)
         tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int64)
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
         for i, item in enumerate(scheduled):
             start, n = item.num_computed_tokens, item.num_new_tokens
             token_ids.extend(item.token_ids)
+            if len(token_ids) < query_start_loc[-1] + n:
+                # The last input is the token the step in flight is sampling.
+                pending_dst.append(len(token_ids))
+                pending_src.append(self._prev_rows[item.request_id])
+                token_ids.append(0)
             positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
@@ -77,7 +90,52 @@ class ModelRunner:
             slot_mapping=to_device(slots), query_start_loc=query_start_loc,
             seq_lens=seq_lens, num_computed_tokens=num_computed,
             block_tables=to_device(tables), block_size=self.block_size)
-        return to_device(ids), to_device(pos), meta
+        ids = to_device(ids)
+        if pending_dst:
+            self._fill_pending_inputs(ids, pending_dst, pending_src)
+        return ids, to_device(pos), meta
+
+    def _fill_pending_inputs(self, input_ids: torch.Tensor, dst: list[int],
+                             src: list[int]) -> None:
+        """input_ids[dst[j]] = the previous step's sampled token src[j], device to device
+        (queued after that step on the same stream, so no host wait)."""
+        prev = self._prev_sampled
+        assert prev is not None, "a pending input without a step before it"
+        k = len(dst)
+        if dst == src and dst[-1] == k - 1:
+            # Steady decode: the batch keeps its order, rows 0..k-1 feed rows 0..k-1.
+            input_ids[:k].copy_(prev[:k])
+            return
+        index = torch.tensor([dst, src], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], prev.index_select(0, index[1]))
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int) -> None:
+        """Eager forward passes over dummy prefills of each shape bucket the attention kernel
+        tunes for (short, medium and long queries; one and several requests), so that Triton
+        compiles and autotunes at start-up rather than under the first requests. Writes
+        nothing to the KV cache (every slot is padding)."""
+        bs = self.block_size
+        batches = [[5], [3, 9], [200], [120, 60], [max_num_tokens], [max_num_tokens // 2] * 2]
+        for lens in batches:
+            if sum(lens) > max_num_tokens or min(lens) < 1:
+                continue
+            total = sum(lens)
+            width = -(-max(lens) // bs)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=self.device),
+                query_start_loc=[sum(lens[:i]) for i in range(len(lens) + 1)], seq_lens=lens,
+                num_computed_tokens=[0] * len(lens),
+                block_tables=torch.zeros((len(lens), width), dtype=torch.int64, device=self.device),
+                block_size=bs)
+            ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
@@ -98,20 +156,32 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_p=0.9)
         self.sampler(logits, [SamplingState(params, [0], [], None) for _ in range(num_seqs)])
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output, grammar_bitmask).get()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
+        """Queue the step's forward pass and sampling; the sampled ids come to the host when
+        the returned handle's get() is called, so the caller can schedule the next step
+        meanwhile."""
         for rid in scheduler_output.finished_req_ids:
             self.generators.pop(rid, None)
             self.sampling_states.pop(rid, None)
         scheduled = scheduler_output.scheduled
         output = ModelRunnerOutput()
         if not scheduled:
-            return output
+            return PendingRunnerOutput(output)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(scheduled):
             # Pure decode: one row per request, so request i's tokens are row i.
-            hidden = graphs.run(scheduled)
+            dst = [i for i, item in enumerate(scheduled) if item.has_pending_input]
+            fill = None
+            if dst:
+                src = [self._prev_rows[scheduled[i].request_id] for i in dst]
+                fill = lambda ids: self._fill_pending_inputs(ids, dst, src)  # noqa: E731
+            hidden = graphs.run(scheduled, fill)
             query_start_loc = list(range(len(scheduled) + 1))
         else:
             input_ids, positions, meta = self._build_inputs(scheduled)
@@ -138,7 +208,8 @@ class ModelRunner:
 
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:
-            return output
+            self._prev_sampled, self._prev_rows = None, {}
+            return PendingRunnerOutput(output)
         # The forward pass is queued on the GPU; the grammar masks are filled on the CPU now,
         # while it runs.
         mask = grammar_bitmask([item.request for _, item in sampling]) if grammar_bitmask else None
@@ -147,8 +218,8 @@ class ModelRunner:
             # index tensor (a host-to-device copy) and no gather.
             logits = self.model.compute_logits(hidden)
         else:
-            last_rows = torch.tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
-                                     device=self.device)
+            last_rows = device_tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
+                                      self.device, torch.int64)
             logits = self.model.compute_logits(hidden[last_rows])
         if mask is not None:
             from folio.structured_output.masking import apply_token_bitmask
@@ -167,9 +238,38 @@ class ModelRunner:
                     generator=self._generator_for(request.request_id, params.seed),
                     eos_token_ids=request.eos_token_ids)
             states.append(state)
-        result = self.sampler(logits, states)
-        for (_, item), token_id, logprobs in zip(sampling, result.sampled_token_ids, result.logprobs):
-            output.sampled_token_ids[item.request_id] = token_id
+        sampled, all_logprobs = self.sampler.sample(logits, states)
+        request_ids = [item.request_id for _, item in sampling]
+        self._prev_sampled = sampled
+        self._prev_rows = {rid: j for j, rid in enumerate(request_ids)}
+        for rid, logprobs in zip(request_ids, all_logprobs):
             if logprobs is not None:
-                output.logprobs[item.request_id] = logprobs
-        return output
+                output.logprobs[rid] = logprobs
+        return PendingRunnerOutput(output, request_ids, sampled)
+
+
+class PendingRunnerOutput:
+    """A step's output whose sampled ids may still be on their way from the device: the copy
+    is queued behind the step's kernels into pinned memory, and get() waits only for it."""
+
+    def __init__(self, output: ModelRunnerOutput, request_ids: list[str] | None = None,
+                 sampled: torch.Tensor | None = None) -> None:
+        self._output = output
+        self._request_ids = request_ids or []
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        if sampled is not None and sampled.is_cuda:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = sampled
+
+    def get(self) -> ModelRunnerOutput:
+        if self._host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._output.sampled_token_ids = dict(zip(self._request_ids, self._host.tolist()))
+            self._host = self._event = None
+        return self._output

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from folio.core.outputs import SampledTokenLogprobs
+from folio.model.host_copy import device_tensor
 from folio.sampling_params import SamplingParams
 
 
@@ -46,6 +47,13 @@ _NEG_INF = float("-inf")
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        sampled, logprobs = self.sample(logits, states)
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]
+               ) -> tuple[torch.Tensor, list[SampledTokenLogprobs | None]]:
+        """The sampled ids as a device tensor (no host wait unless logprobs are asked for),
+        and each row's logprobs (None where not asked for)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
@@ -72,7 +80,7 @@ class Sampler:
             )
             for i, row in zip(logprob_rows, rows):
                 out_logprobs[i] = row
-        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
+        return sampled, out_logprobs
 
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The logits after every request-level processor (allowed ids, bias,
@@ -291,13 +299,14 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 
     random_rows = [i for i, g in enumerate(greedy) if not g]
     all_random = sampled is None
+    random_index = None if all_random else device_tensor(random_rows, device, torch.int64)
     # Every row random (the common batch): work on the logits themselves, no gather.
-    sub = logits if all_random else logits[random_rows]
+    sub = logits if all_random else logits.index_select(0, random_index)
     rparams = params if all_random else [params[i] for i in random_rows]
 
     temperatures = [p.temperature for p in rparams]
     if any(t != 1.0 for t in temperatures):
-        temps = torch.tensor(temperatures, device=device)
+        temps = device_tensor(temperatures, device, torch.float32)
         sub.div_(temps.unsqueeze(1))
     apply_min_p(sub, rparams)
     apply_top_k_top_p(sub, rparams)
@@ -322,7 +331,7 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
 
     if sampled is None:
         return random_tokens
-    sampled[random_rows] = random_tokens
+    sampled.index_copy_(0, random_index, random_tokens)
     return sampled
 
 
@@ -331,7 +340,7 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     top probability (row i uses params[i])."""
     if not any(p.min_p > 0.0 for p in params):
         return
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    min_p = device_tensor([p.min_p for p in params], logits.device, torch.float32)
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1) * min_p
     logits.masked_fill_(probs < threshold.unsqueeze(1), _NEG_INF)
@@ -349,11 +358,11 @@ def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: list[int], top_ps: list
     threshold on the whole row (tokens below the lowest kept value are dropped)."""
     device = logits.device
     values = logits.topk(k_max, dim=-1).values  # descending
-    k = torch.tensor(ks, device=device).unsqueeze(1)
+    k = device_tensor(ks, device, torch.int64).unsqueeze(1)
     kth = values.gather(1, k - 1)
     ascending = values.flip(-1)
     ascending = ascending.masked_fill(ascending < kth, _NEG_INF)  # top-k, ties kept
-    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    top_p = device_tensor(top_ps, device, torch.float32).unsqueeze(1)
     cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
     drop = cum <= 1.0 - top_p
     drop[:, -1] = False
@@ -378,7 +387,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
         # Only top-k: a partial topk is much cheaper than a full sort.
         k_max = max(ks)
         top_vals = logits.topk(k_max, dim=-1).values  # best first
-        k_idx = torch.tensor(ks, device=device).unsqueeze(1) - 1
+        k_idx = device_tensor(ks, device, torch.int64).unsqueeze(1) - 1
         kth = top_vals.gather(1, k_idx)
         # Ties with the k-th value are kept; rows without top-k use k = vocab,
         # whose k-th value is the row minimum, so nothing is removed there.
@@ -394,10 +403,10 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
 
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if need_k:
-        k = torch.tensor(ks, device=device).unsqueeze(1)
+        k = device_tensor(ks, device, torch.int64).unsqueeze(1)
         kth = sorted_logits.gather(1, vocab - k)
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    top_p = device_tensor([p.top_p for p in params], device, torch.float32).unsqueeze(1)
     cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     # Drop the low tail whose total mass is at most 1 - top_p; the most likely
     # token is always kept so the row can never be emptied.

@@ -14,7 +14,7 @@ from folio.model.families import ArchSpec
 from folio.model.loader import ModelSource, load_model, resolve_dtype
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes)
-from folio.worker.model_runner import GrammarBitmaskFn, ModelRunner
+from folio.worker.model_runner import GrammarBitmaskFn, ModelRunner, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Worker:
         # did not run (profiling without CUDA or with a fixed KV size, graph capture on the CPU
         # or with enforce_eager) counts 0.0.
         self.timings: dict[str, float] = {"load_s": 0.0, "profile_s": 0.0, "kv_alloc_s": 0.0,
-                                          "graph_capture_s": 0.0}
+                                          "warm_up_s": 0.0, "graph_capture_s": 0.0}
         start = time.perf_counter()
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len)
@@ -63,12 +63,17 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the allocation's memset, not the next stage's
         self.timings["kv_alloc_s"] = time.perf_counter() - start
+        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device)
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self.runner.warm_up(min(config.scheduler.max_num_batched_tokens,
+                                    config.model.max_model_len))
+            self.timings["warm_up_s"] = time.perf_counter() - start
         start = time.perf_counter()
         self.graph_runner = self._capture_decode_graphs()
         if self.graph_runner is not None:
             self.timings["graph_capture_s"] = time.perf_counter() - start
-        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device,
-                                  graph_runner=self.graph_runner)
+        self.runner.graph_runner = self.graph_runner
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
                     self.load_seconds, self.dtype, self.device, self.num_blocks,
                     cache.block_size, self.num_blocks * cache.block_size)
@@ -109,3 +114,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, grammar_bitmask)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
+        return self.runner.execute_model_async(scheduler_output, grammar_bitmask)

@@ -114,10 +114,11 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
 
     # Start-to-ready, split by the worker's stages; on the CPU there is no profiling or capture.
     startup = report["startup"]
-    assert set(startup) == {"total_s", "load_s", "profile_s", "kv_alloc_s", "graph_capture_s",
-                            "other_s"}
+    assert set(startup) == {"total_s", "load_s", "profile_s", "kv_alloc_s", "warm_up_s",
+                            "graph_capture_s", "other_s"}
     assert startup["total_s"] > 0 and startup["load_s"] > 0 and startup["kv_alloc_s"] >= 0
     assert startup["profile_s"] == 0.0 and startup["graph_capture_s"] == 0.0
+    assert startup["warm_up_s"] == 0.0
     assert startup["other_s"] >= 0
     assert startup["load_s"] + startup["kv_alloc_s"] + startup["other_s"] == \
         pytest.approx(startup["total_s"])

@@ -168,23 +168,24 @@ def _decode_rate(llm, prompts, params) -> tuple[float, float, int]:
     so it includes the GPU work."""
     worker = _worker(llm)
     step_times: list[float] = []
-    inner = worker.execute_model
+    inner = worker.execute_model_async
 
     def timed(scheduler_output, *rest):
         start = time.perf_counter()
         out = inner(scheduler_output, *rest)
+        out.get()  # wait for the step here (this also makes the engine synchronous)
         scheduled = scheduler_output.scheduled
         if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
             step_times.append(time.perf_counter() - start)
         return out
 
-    worker.execute_model = timed
+    worker.execute_model_async = timed
     try:
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - start
     finally:
-        del worker.execute_model  # back to the class method
+        del worker.execute_model_async  # back to the class method
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return len(step_times) / sum(step_times), tokens / wall, len(step_times)
 

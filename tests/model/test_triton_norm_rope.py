@@ -9,13 +9,8 @@ against the layers' torch code) and must be finite.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from typing import Any
-
 import pytest
+from interpreter_harness import child_main, interpreter_results, rel_err
 
 CASES = [
     dict(name="rmsnorm_fp32_d64", kind="rmsnorm", dtype="float32", D=64, rows=7, residual=False),
@@ -34,10 +29,6 @@ CASES = [
     dict(name="silu_mul_fp32_i96", kind="silu_mul", dtype="float32", I=96, rows=3),
     dict(name="silu_mul_fp16_i1500", kind="silu_mul", dtype="float16", I=1500, rows=4),
 ]
-
-
-def _rel(out: Any, ref: Any) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def _run(case: dict) -> dict:
@@ -62,11 +53,11 @@ def _run(case: dict) -> dict:
             res = torch.randn(case["rows"], D, generator=gen).to(dtype)
             ref_out, ref_res = norm(x, res)
             out, new_res = rms_norm(x, norm.weight.data, 1e-5, residual=res)
-            checks["residual"] = (_rel(new_res, ref_res), bool(torch.isfinite(new_res).all()))
+            checks["residual"] = (rel_err(new_res, ref_res), bool(torch.isfinite(new_res).all()))
         else:
             ref_out = norm(x)
             out = rms_norm(x, norm.weight.data, 1e-5)
-        checks["out"] = (_rel(out, ref_out.detach()), bool(torch.isfinite(out).all()))
+        checks["out"] = (rel_err(out, ref_out.detach()), bool(torch.isfinite(out).all()))
     elif case["kind"] == "bitmask":
         from folio.model.kernels.bitmask import apply_bitmask_inplace
         from folio.structured_output.masking import unpack_bitmask
@@ -81,7 +72,7 @@ def _run(case: dict) -> dict:
         apply_bitmask_inplace(out, bitmask)
         same_inf = bool(torch.equal(torch.isinf(out), torch.isinf(ref)))
         finite = ~torch.isinf(ref)
-        checks["out"] = (_rel(out[finite], ref[finite]), same_inf)
+        checks["out"] = (rel_err(out[finite], ref[finite]), same_inf)
     elif case["kind"] == "silu_mul":
         from folio.model.kernels.activation import silu_and_mul
         from folio.model.layers import GatedMLP
@@ -91,7 +82,7 @@ def _run(case: dict) -> dict:
         gate, up = gate_up.chunk(2, dim=-1)
         ref = mlp.act(gate) * up  # the eager path GatedMLP.forward takes off CUDA
         out = silu_and_mul(gate_up)
-        checks["out"] = (_rel(out, ref), bool(torch.isfinite(out).all()))
+        checks["out"] = (rel_err(out, ref), bool(torch.isfinite(out).all()))
     else:
         from folio.model.kernels.rotary import apply_rotary
         H, KVH, D, T = case["H"], case["KVH"], case["D"], case["T"]
@@ -112,36 +103,14 @@ def _run(case: dict) -> dict:
         else:
             ref_q, ref_k = rope(pos, q, k)
             out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin)
-        checks["q"] = (_rel(out_q, ref_q), bool(torch.isfinite(out_q).all()))
-        checks["k"] = (_rel(out_k, ref_k), bool(torch.isfinite(out_k).all()))
+        checks["q"] = (rel_err(out_q, ref_q), bool(torch.isfinite(out_q).all()))
+        checks["k"] = (rel_err(out_k, ref_k), bool(torch.isfinite(out_k).all()))
     return {"name": case["name"], "checks": checks}
-
-
-def _child_main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    for case in CASES:
-        try:
-            res = _run(case)
-        except Exception as exc:  # report, keep going
-            import traceback
-            res = {"name": case["name"], "error": f"{exc!r}\n{traceback.format_exc()}"}
-        print("RESULT " + json.dumps(res), flush=True)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    parsed = {"_stderr": proc.stderr[-4000:]}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[len("RESULT "):])
-            parsed[res["name"]] = res
-    return parsed
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -156,4 +125,4 @@ def test_kernel_matches_layers(results: dict, case: dict) -> None:
 
 
 if __name__ == "__main__":
-    _child_main()
+    child_main(CASES, _run)

@@ -59,5 +59,6 @@ def build_engine_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=kw["max_num_seqs"],
                                   max_num_batched_tokens=kw["max_num_batched_tokens"],
                                   enable_chunked_prefill=kw["enable_chunked_prefill"],
-                                  policy=kw["scheduling_policy"]),
+                                  policy=kw["scheduling_policy"],
+                                  async_scheduling=kw["async_scheduling"]),
         structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]))

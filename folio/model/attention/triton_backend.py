@@ -12,6 +12,7 @@ import torch
 
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
 from folio.model.attention import triton_kernels as tk
+from folio.model.host_copy import device_tensor
 
 _CACHE_KEY = "triton_step"
 
@@ -50,9 +51,11 @@ class TritonPagedAttention(AttentionBackend):
         device = meta.block_tables.device
         qsl = meta.query_start_loc
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+        # Pinned, non-blocking copies: a pageable one here would make the host wait for the
+        # step in flight before launching the rest of this one (async scheduling).
         st = TritonStepTensors(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(meta.seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=device_tensor(qsl, device, torch.int32),
+            seq_lens=device_tensor(meta.seq_lens, device, torch.int32),
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
             slot_mapping=meta.slot_mapping.to(device=device, dtype=torch.int64),
             max_query_len=max(q_lens, default=0),

@@ -128,7 +128,9 @@ if HAS_TRITON:
         key=["G", "D", "BLOCK_SIZE", "SLIDING", "q_bucket"],
         prune_configs_by={"early_config_prune": _prune_block_m},
     )
-    @triton.jit
+    # Per-step integers are not specialized on (== 1, % 16): each distinct pattern would be
+    # another compile, paid in the middle of serving.
+    @triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window", "q_bucket"])
     def _varlen_kernel(
         Q, KV, O, QSL, SEQ, BT,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -204,7 +206,7 @@ if HAS_TRITON:
         ),
         key=["G", "D", "BLOCK_SIZE", "SLIDING", "USE_SPLITS"],
     )
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
     def _decode_kernel(
         Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -262,7 +264,7 @@ if HAS_TRITON:
             tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      out.to(O.dtype.element_ty), mask=q_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
         O, M_PART, L_PART, ACC_PART, stride_ot, stride_oh, num_heads, num_splits,
         D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,

@@ -1,0 +1,395 @@
+"""Skinny matmul for decode: y = x @ W^T (+ b) with few rows of x (M <= MAX_M) and an
+nn.Linear-layout weight W [N, K].
+
+At batch 1-8 a projection is a pass over its weight and little else, and cuBLAS reaches only
+0.3-0.9 TB/s on the narrow matrices of a small model (Qwen3-0.6B's o_proj 2048->1024, down_proj
+3072->1024). Here each program owns BLOCK_N rows of W (output columns) and streams them in
+[BLOCK_N, BLOCK_K] tiles against the matching slice of x, accumulating in fp32, in one of two
+ways the autotuner picks between per (N, K, M_PAD):
+- DOT=0, M_PAD <= 2: broadcast multiply + sum on the CUDA cores (at one row, elementwise
+  partial sums reduced once after the loop);
+- DOT=1, M_PAD >= 2: tl.dot on x padded to 16 rows (tl.dot's minimum). At 4-8 rows the
+  CUDA-core FMAs cost more than streaming the weight (measured on an H200); the tensor cores
+  do not, and the pipelined loads tl.dot gets keep more of the weight in flight.
+M_PAD, the next power of two of M, is the only compiled dimension of x (3 and 4 rows share a
+variant); M itself is not specialized on. Rows of x past M and of W past N are clamped reads,
+never stored, so only a ragged K edge needs masking.
+
+When N / BLOCK_N gives too few programs to cover the SMs (N = 1024 above), configs may split K
+over SPLIT_K programs per column block. Each writes its fp32 partial to a workspace; a ticket
+counter per column block tells the last to finish, which sums the SPLIT_K partials in split
+order (deterministic whatever order the programs ran in: the atomic only counts, it adds no
+data), applies the epilogue and resets the counter. The workspace is one per device, so these
+kernels must not run concurrently on two streams.
+
+`skinny_gate_up_silu` fuses a merged gate|up projection (MergedLinear: gate rows first) with
+SiLU-and-mul: gate and up are rounded to the activations' dtype as F.linear would round them,
+then silu(gate) is rounded and the product once more, as `activation.silu_and_mul` does.
+
+`skinny_supported` says whether the kernel can serve a call; `skinny_preferred` whether it
+beat cuBLAS there (tools/gpu_check_gemv.py measures both).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from folio.model.kernels._common import HAS_TRITON, INTERPRET, next_pow2, require_triton, tl, triton
+
+MAX_M = 8
+_MAX_SPLIT = 4
+_SPLIT_MAX_N = 4096       # split-K only for narrow outputs (it pays only when programs are few)
+_MIN_BLOCK_N = 4
+
+_FMA_MAX_M_PAD = 2          # past this, CUDA-core FMAs cost more than the weight stream
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, DOT, num_warps, num_stages). Each won at least one of the
+# Qwen3-0.6B / Llama-3-8B projections at 1-8 rows on an H200 (tools/gpu_check_gemv.py).
+_FULL_CONFIGS = [
+    # broadcast multiply + sum (M_PAD <= _FMA_MAX_M_PAD)
+    (4, 1024, 1, 0, 4, 2),
+    (8, 1024, 1, 0, 4, 2),
+    (8, 512, 1, 0, 4, 2),
+    (4, 512, 4, 0, 2, 2),
+    # tl.dot on x padded to 16 rows (M_PAD >= 2)
+    (32, 128, 1, 1, 4, 4),
+    (32, 256, 1, 1, 4, 3),
+    (64, 128, 1, 1, 4, 4),
+    (64, 128, 1, 1, 4, 5),
+    (64, 256, 1, 1, 4, 3),
+    (128, 128, 1, 1, 4, 4),
+    (16, 256, 4, 1, 4, 3),
+    (32, 256, 2, 1, 4, 3),
+    (32, 128, 4, 1, 4, 4),
+]
+# Small tiles keep the interpreter quick and make the test shapes ragged in N and K.
+_INTERPRET_CONFIG = (8, 32, 1, 0, 4, 1)
+
+
+def _configs() -> list:
+    chosen = [_INTERPRET_CONFIG] if INTERPRET else _FULL_CONFIGS
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "DOT": dot},
+                          num_warps=w, num_stages=s) for bn, bk, sk, dot, w, s in chosen]
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """Drop configs that cannot pay off for this shape: K splits smaller than one tile, splits
+    of wide outputs (enough programs already; the workspace is sized for narrow ones), tiles
+    much wider than K, CUDA-core configs at the larger M buckets and tl.dot ones at M = 1."""
+    args = {**named_args, **kwargs}
+    N, K, m_pad = args["N"], args["K"], args["M_PAD"]
+
+    def fits(c, k_rule: bool) -> bool:
+        bn, bk, sk, dot = (c.kwargs[k] for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT"))
+        if sk > 1 and (N > _SPLIT_MAX_N or triton.cdiv(K, sk) < bk):
+            return False
+        if k_rule and bk > max(128, next_pow2(K)):
+            return False
+        return (m_pad >= 2) if dot else (m_pad <= _FMA_MAX_M_PAD)
+
+    for k_rule in (True, False):  # tiny K (test models): every tile is wider than K
+        kept = [c for c in configs if fits(c, k_rule)]
+        if kept:
+            return kept
+    return [min((c for c in configs if c.kwargs["SPLIT_K"] == 1),
+                key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"])]
+
+
+_workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 split-K partials [_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N] and int32 ticket counters
+    (zero between launches: the last program of each column block resets its own)."""
+    key = (device.type, device.index)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = (torch.empty(_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N, dtype=torch.float32,
+                          device=device),
+              torch.zeros(triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N), dtype=torch.int32,
+                          device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _acc_init(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT: tl.constexpr):
+        if DOT:  # tl.dot wants >= 16 rows: x is padded to 16
+            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        elif M_PAD == 1:  # one row: elementwise partial sums, reduced once after the loop
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _mac(acc, x, w, M_PAD: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """acc += x [rows, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T, in the shape _acc_init gave."""
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        elif M_PAD == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _acc_finish(acc, M_PAD: tl.constexpr, DOT: tl.constexpr):
+        """-> [rows, BLOCK_N] fp32."""
+        if not DOT and M_PAD == 1:
+            acc = tl.sum(acc, axis=1)[None, :]
+        return acc
+
+    @triton.jit
+    def _load_k(rows, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """rows [R, 1] pointers -> [R, BLOCK_K] tile; only the tile at K can be ragged."""
+        if K % BLOCK_K == 0:
+            tile = tl.load(rows + offs_k[None, :])
+        else:
+            tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        return tile
+
+    @triton.jit
+    def _k_range(pid_k, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        if SPLIT_K == 1:
+            k_lo = 0
+            k_hi = K
+        else:
+            # Split boundaries fall on whole tiles.
+            K_SPLIT: tl.constexpr = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K \
+                * BLOCK_K
+            k_lo = pid_k * K_SPLIT
+            k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        return k_lo, k_hi
+
+    @triton.jit
+    def _row_offsets(M_PAD: tl.constexpr, DOT: tl.constexpr):
+        if DOT:
+            offs_m = tl.arange(0, 16)
+        else:
+            offs_m = tl.arange(0, M_PAD)
+        return offs_m
+
+    @triton.jit
+    def _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N_P: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
+        """Store this program's partial; the last of the SPLIT_K programs of this column
+        block gets the sum over splits in split order. Returns (is_last, total)."""
+        p_off = offs_m[:, None] * N_P + cols[None, :]
+        p_mask = offs_m[:, None] < M
+        tl.store(P + pid_k * (M * N_P) + p_off, acc, mask=p_mask)
+        # Every thread's partial is written before the (single-thread) release of the ticket.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(C + pid_n, 1, sem="acq_rel")
+        is_last = ticket == SPLIT_K - 1
+        total = tl.zeros_like(acc)
+        if is_last:
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read from L2, never a stale L1 line from an earlier launch.
+                total += tl.load(P + s * (M * N_P) + p_off, mask=p_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(C + pid_n, 0)
+        return is_last, total
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
+                     prune_configs_by={"early_config_prune": _prune})
+    @triton.jit(do_not_specialize=["M"])
+    def _skinny_kernel(X, W, B, OUT, P, C, M, stride_xm, stride_om,
+                       N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = _row_offsets(M_PAD, DOT)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Padding rows of x and columns past N read valid memory (clamped) and are never
+        # stored, so the weight and x loads need no row masks.
+        x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
+        w_rows = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+        k_lo, k_hi = _k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        acc = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = _load_k(w_rows, offs_k, K, BLOCK_K)
+            x = _load_k(x_rows, offs_k, K, BLOCK_K)
+            acc = _mac(acc, x, w, M_PAD, DOT, PRECISION)
+        acc = _acc_finish(acc, M_PAD, DOT)
+        is_last = True
+        if SPLIT_K > 1:
+            is_last, acc = _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N, SPLIT_K)
+        if is_last:
+            if HAS_BIAS:
+                acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            o_mask = (offs_m[:, None] < M) & (cols[None, :] < N)
+            tl.store(OUT + offs_m[:, None] * stride_om + cols[None, :],
+                     acc.to(OUT.dtype.element_ty), mask=o_mask)
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
+                     prune_configs_by={"early_config_prune": _prune})
+    @triton.jit(do_not_specialize=["M"])
+    def _skinny_gate_up_kernel(X, W, B, OUT, P, C, M, stride_xm, stride_om,
+                               N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SPLIT_K: tl.constexpr, DOT: tl.constexpr):
+        # N is the intermediate size I: gate rows [0, I) of W, up rows [I, 2I).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = _row_offsets(M_PAD, DOT)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
+        g_rows = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+        u_rows = g_rows + N * K
+        k_lo, k_hi = _k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        acc_g = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
+        acc_u = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            wg = _load_k(g_rows, offs_k, K, BLOCK_K)
+            wu = _load_k(u_rows, offs_k, K, BLOCK_K)
+            x = _load_k(x_rows, offs_k, K, BLOCK_K)
+            acc_g = _mac(acc_g, x, wg, M_PAD, DOT, PRECISION)
+            acc_u = _mac(acc_u, x, wu, M_PAD, DOT, PRECISION)
+        acc_g = _acc_finish(acc_g, M_PAD, DOT)
+        acc_u = _acc_finish(acc_u, M_PAD, DOT)
+        is_last = True
+        if SPLIT_K > 1:
+            # Partials laid out [SPLIT_K, M, 2I] like the merged output: gate | up. The up
+            # half is stored first; the gate's ticket then orders both.
+            tl.store(P + pid_k * (M * 2 * N) + offs_m[:, None] * (2 * N) + N + cols[None, :],
+                     acc_u, mask=offs_m[:, None] < M)
+            is_last, acc_g = _split_reduce(acc_g, P, C, pid_n, pid_k, offs_m, cols, M, 2 * N,
+                                           SPLIT_K)
+            if is_last:
+                p_off = offs_m[:, None] * (2 * N) + N + cols[None, :]
+                p_mask = offs_m[:, None] < M
+                acc_u = tl.zeros_like(acc_u)
+                for s in tl.static_range(SPLIT_K):
+                    acc_u += tl.load(P + s * (M * 2 * N) + p_off, mask=p_mask, other=0.0,
+                                     cache_modifier=".cg")
+        if is_last:
+            if HAS_BIAS:
+                c_mask = cols < N
+                acc_g += tl.load(B + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+                acc_u += tl.load(B + N + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+            dt = OUT.dtype.element_ty
+            gate = acc_g.to(dt).to(tl.float32)
+            up = acc_u.to(dt).to(tl.float32)
+            act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+            o_mask = (offs_m[:, None] < M) & (cols[None, :] < N)
+            tl.store(OUT + offs_m[:, None] * stride_om + cols[None, :], (act * up).to(dt),
+                     mask=o_mask)
+
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gemv_enabled() -> bool:
+    # Opt-in (FOLIO_GEMV=1 or all) until it is measured end to end: its autotuning adds tens
+    # of seconds to a cold start, and at 2-8 rows it only wins on narrow outputs.
+    return (os.environ.get("FOLIO_KERNELS", "triton") == "triton"
+            and os.environ.get("FOLIO_GEMV", "0") in ("1", "all"))
+
+
+def skinny_preferred(m: int, n: int, k: int) -> bool:
+    """Whether the skinny kernel should replace cuBLAS for an [m, k] x [n, k]^T product it
+    supports. On an H200 (tools/gpu_check_gemv.py) it beat cuBLAS at one row for every shape
+    tried, and at 2-8 rows where the output is narrow (n <= 2048: cuBLAS runs too few blocks
+    there); at 2-8 rows and wide outputs it was 0-15% slower. FOLIO_GEMV=all uses it
+    wherever supported."""
+    return m == 1 or n <= 2048 or os.environ.get("FOLIO_GEMV") == "all"
+
+
+def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_matmul(x.reshape(-1, K), weight)` should serve this call: CUDA, triton,
+    fp16/bf16 of one dtype, 1..MAX_M rows, a contiguous 2-D weight, no autograd.
+    Off unless FOLIO_GEMV=1 (or all); FOLIO_KERNELS=torch keeps cuBLAS."""
+    if not (HAS_TRITON and x.is_cuda) or x.dtype not in _DTYPES:
+        return False
+    if not gemv_enabled():
+        return False
+    if weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous() \
+            or weight.device != x.device or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_M
+
+
+def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    require_triton()
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny matmul needs x [M, K] and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    M = x.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"skinny matmul serves 1..{MAX_M} rows, got {M}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        raise ValueError("skinny matmul needs a contiguous weight")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return x, M, next_pow2(M)
+
+
+def _launch(kernel, x, weight, bias, out, N: int, M: int, m_pad: int, config: dict | None):
+    partials, counters = _workspace(x.device)
+    args = (x, weight, bias if bias is not None else weight, out, partials, counters, M,
+            x.stride(0), out.stride(0))
+    meta = dict(N=N, K=x.shape[1], M_PAD=m_pad, HAS_BIAS=bias is not None,
+                # fp32 stays exact in tl.dot (its default there is tf32)
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if config is None:
+        kernel[lambda c: (triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
+    else:  # a fixed config, bypassing the autotuner (tests)
+        config = dict(config)
+        warps = config.pop("num_warps", 4)
+        stages = config.pop("num_stages", 1)
+        kernel.fn[(triton.cdiv(N, config["BLOCK_N"]), config["SPLIT_K"])](
+            *args, **meta, **config, num_warps=warps, num_stages=stages)
+
+
+def _check_split(n: int, partial_cols: int, config: dict | None) -> None:
+    """A forced split-K config (tests) must fit the workspace the autotuned ones fit."""
+    if config is not None and config["SPLIT_K"] > 1:
+        if config["SPLIT_K"] > _MAX_SPLIT or n > _SPLIT_MAX_N \
+                or triton.cdiv(n, config["BLOCK_N"]) > triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N) \
+                or partial_cols > 2 * _SPLIT_MAX_N:
+            raise ValueError(f"split-K config {config} exceeds the workspace")
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, *, _config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_M, rows may be strided) @ weight [N, K]^T (+ bias [N]) ->
+    [M, N] in x.dtype, accumulated in fp32. `out`, if given, is an [M, N] tensor whose rows
+    are contiguous."""
+    x, M, m_pad = _prepare(x, weight, bias)
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{M}, {N}] with contiguous rows, got {tuple(out.shape)}")
+    _check_split(N, N, _config)
+    _launch(_skinny_kernel, x, weight, bias, out, N, M, m_pad, _config)
+    return out
+
+
+def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        *, _config: dict | None = None) -> torch.Tensor:
+    """x [M, K] with a merged gate|up weight [2I, K] (gate rows first) -> silu(gate) * up,
+    [M, I] in x.dtype; gate and up are rounded to x.dtype first, as the unfused
+    F.linear + silu_and_mul path rounds them."""
+    x, M, m_pad = _prepare(x, weight, bias)
+    two_i = weight.shape[0]
+    if two_i % 2:
+        raise ValueError(f"a merged gate|up weight needs an even row count, got {two_i}")
+    inner = two_i // 2
+    out = torch.empty((M, inner), dtype=x.dtype, device=x.device)
+    _check_split(inner, two_i, _config)
+    _launch(_skinny_gate_up_kernel, x, weight, bias, out, inner, M, m_pad, _config)
+    return out
