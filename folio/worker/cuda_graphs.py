@@ -26,6 +26,7 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from folio.core.scheduler import ScheduledRequest
@@ -93,8 +94,9 @@ class DecodeGraphRunner:
         self._h_slots = torch.zeros(n, dtype=torch.int64, **pin)
         self._h_seq = torch.zeros(n, dtype=torch.int32, **pin)
         self._h_bt = torch.zeros((n, w), dtype=torch.int32, **pin)
-        self._np = [t.numpy() for t in (self._h_ids, self._h_pos, self._h_slots, self._h_seq,
-                                        self._h_bt)]
+        self._stager = DecodeInputStager(self._h_ids.numpy(), self._h_pos.numpy(),
+                                         self._h_slots.numpy(), self._h_seq.numpy(),
+                                         self._h_bt.numpy(), block_size)
         # Recorded after each step's copies: the host buffers are not rewritten until the
         # previous copies out of them have finished.
         self._copied = torch.cuda.Event()
@@ -170,24 +172,7 @@ class DecodeGraphRunner:
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
         if self._copied_pending:
             self._copied.synchronize()
-        ids, pos, slots, seq, bt = self._np
-        block = self.block_size
-        for i, item in enumerate(scheduled):
-            p = item.num_computed_tokens
-            blocks = item.block_ids
-            known = item.request.all_token_ids
-            ids[i] = known[p] if p < len(known) else 0  # else: filled on the device below
-            pos[i] = p
-            slots[i] = blocks[p // block] * block + p % block
-            seq[i] = p + 1
-            # Columns past this request's blocks keep stale (valid) ids; the kernel never
-            # reads past ceil(seq_len / block_size).
-            bt[i, :len(blocks)] = blocks
-        ids[B:bs] = 0
-        pos[B:bs] = 0
-        slots[B:bs] = -1
-        seq[B:bs] = 1
-        bt[B:bs, 0] = 0
+        self._stager.fill(scheduled, bs)
         for dst, src in ((self.input_ids, self._h_ids), (self.positions, self._h_pos),
                          (self.slot_mapping, self._h_slots), (self.seq_lens, self._h_seq),
                          (self.block_tables, self._h_bt)):
@@ -200,3 +185,55 @@ class DecodeGraphRunner:
         self.num_replays += 1
         self.replayed_sizes.add(bs)
         return self.hidden[:B]
+
+
+class DecodeInputStager:
+    """Writes a decode step's inputs into the host mirrors of the graph's static buffers:
+    row i = scheduled request i, rows past the batch up to the padded size are padding.
+
+    Block-table rows are the costly part (a Python list into a numpy row, per request per
+    step: about a millisecond at 256 requests on a small host), and they barely change
+    between steps: a row is rewritten only when another request's block list lands on it, and
+    only the new tail when the same list grew. The buffers keep their values between steps
+    (the caller waits for the previous step's copies before calling `fill`), so a row whose
+    list and length are unchanged is already right. A row is matched to a list by identity:
+    the KV cache manager hands out a live list per request and drops it on free, and the stager
+    holds a reference, so an identity cannot be reused by another list while it is cached."""
+
+    def __init__(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, seq: np.ndarray,
+                 block_tables: np.ndarray, block_size: int) -> None:
+        self.ids, self.pos, self.slots, self.seq, self.bt = ids, pos, slots, seq, block_tables
+        self.block_size = block_size
+        # Per row: [the block-id list written there, how many of its entries are written].
+        self._rows: list[list | None] = [None] * len(ids)
+
+    def fill(self, scheduled: list[ScheduledRequest], padded: int) -> None:
+        ids, pos, slots, seq, bt = self.ids, self.pos, self.slots, self.seq, self.bt
+        block = self.block_size
+        rows = self._rows
+        for i, item in enumerate(scheduled):
+            p = item.num_computed_tokens
+            blocks = item.block_ids
+            known = item.request.all_token_ids
+            ids[i] = known[p] if p < len(known) else 0  # else: filled on the device
+            pos[i] = p
+            slots[i] = blocks[p // block] * block + p % block
+            seq[i] = p + 1
+            # Columns past this request's blocks keep stale (valid) ids; the kernel never
+            # reads past ceil(seq_len / block_size).
+            n = len(blocks)
+            row = rows[i]
+            if row is None or row[0] is not blocks:
+                bt[i, :n] = blocks
+                rows[i] = [blocks, n]
+            elif row[1] != n:
+                bt[i, row[1]:n] = blocks[row[1]:]
+                row[1] = n
+        B = len(scheduled)
+        ids[B:padded] = 0
+        pos[B:padded] = 0
+        slots[B:padded] = -1
+        seq[B:padded] = 1
+        bt[B:padded, 0] = 0
+        for j in range(B, padded):
+            rows[j] = None

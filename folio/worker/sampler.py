@@ -35,6 +35,16 @@ class SamplingState:
     # Masked (together with params.stop_token_ids) until min_tokens is reached.
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Which logit processors this row can need, found once: each processor walks the
+        # whole batch in Python, so a batch that uses none skips them all (at 256 rows the
+        # walks cost more than the sampling itself).
+        p = self.params
+        self.needs_processors = bool(
+            p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
+            or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0)
+
 
 @dataclass
 class SamplerOutput:
@@ -92,6 +102,8 @@ class Sampler:
 
     @staticmethod
     def _apply_processors(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        if not any(s.needs_processors for s in states):
+            return
         _apply_allowed_token_ids(logits, states)
         _apply_logit_bias(logits, states)
         _apply_bad_words(logits, states)
