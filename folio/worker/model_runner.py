@@ -11,7 +11,7 @@ from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor
-from folio.worker.sampler import Sampler, SamplingState, compute_token_logprobs
+from folio.worker.sampler import LogprobsTensors, Sampler, SamplingState, token_logprobs_tensors
 
 if TYPE_CHECKING:
     from folio.core.request import Request
@@ -199,6 +199,9 @@ class ModelRunner:
             query_start_loc = meta.query_start_loc
 
         # Prompt logprobs: row p scores prompt token p+1, for the prompt rows in this chunk.
+        # Keyed by the prompt position of the first token scored: after a preemption the
+        # prompt is recomputed and the front end must place, not append, these.
+        prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] = {}
         for i, item in enumerate(scheduled):
             request = item.request
             if not request.needs_prompt_logprobs:
@@ -208,18 +211,16 @@ class ModelRunner:
             if end <= start:
                 continue
             rows = hidden[query_start_loc[i]:query_start_loc[i] + (end - start)]
-            targets = torch.tensor(request.prompt_token_ids[start + 1:end + 1], device=self.device)
+            targets = device_tensor(request.prompt_token_ids[start + 1:end + 1], self.device,
+                                    torch.int64)
             logits = self.model.compute_logits(rows)
-            # Keyed by the prompt position of the first token scored: after a preemption the
-            # prompt is recomputed and the front end must place, not append, these.
-            output.prompt_logprobs[request.request_id] = PromptLogprobsChunk(
-                start + 1, compute_token_logprobs(logits, targets,
-                                                  request.sampling_params.prompt_logprobs))
+            prompt_logprobs[request.request_id] = (start + 1, token_logprobs_tensors(
+                logits, targets, request.sampling_params.prompt_logprobs))
 
         sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingRunnerOutput(output)
+            return PendingRunnerOutput(output, prompt_logprobs=prompt_logprobs)
         # The forward pass is queued on the GPU; the grammar masks are filled on the CPU now,
         # while it runs.
         mask = grammar_bitmask([item.request for _, item in sampling]) if grammar_bitmask else None
@@ -248,38 +249,63 @@ class ModelRunner:
                     generator=self._generator_for(request.request_id, params.seed),
                     eos_token_ids=request.eos_token_ids)
             states.append(state)
-        sampled, all_logprobs = self.sampler.sample(logits, states)
+        sampled, logprobs = self.sampler.sample(logits, states)
         request_ids = [item.request_id for _, item in sampling]
         self._prev_sampled = sampled
         self._prev_rows = {rid: j for j, rid in enumerate(request_ids)}
-        for rid, logprobs in zip(request_ids, all_logprobs):
-            if logprobs is not None:
-                output.logprobs[rid] = logprobs
-        return PendingRunnerOutput(output, request_ids, sampled)
+        if logprobs is not None:
+            rows, tensors = logprobs
+            logprobs = ([request_ids[i] for i in rows], tensors)
+        return PendingRunnerOutput(output, request_ids, sampled, logprobs, prompt_logprobs)
 
 
 class PendingRunnerOutput:
-    """A step's output whose sampled ids may still be on their way from the device: the copy
-    is queued behind the step's kernels into pinned memory, and get() waits only for it."""
+    """A step's output whose tensors may still be on their way from the device: sampled ids
+    and any logprobs are copied behind the step's kernels into pinned memory, and get() waits
+    only for those copies (one event), then builds the host-side output."""
 
     def __init__(self, output: ModelRunnerOutput, request_ids: list[str] | None = None,
-                 sampled: torch.Tensor | None = None) -> None:
+                 sampled: torch.Tensor | None = None,
+                 logprobs: tuple[list[str], LogprobsTensors] | None = None,
+                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None) -> None:
         self._output = output
         self._request_ids = request_ids or []
-        self._host: torch.Tensor | None = None
+        self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
-        if sampled is not None and sampled.is_cuda:
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+        self._host = sampled
+        self._done = False
+        on_cuda = sampled.is_cuda if sampled is not None else any(
+            t.tensors[0].is_cuda for _, t in self._prompt_logprobs.values())
+        if on_cuda:
+            if sampled is not None:
+                self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                self._host.copy_(sampled, non_blocking=True)
+            for tensors in self._all_logprobs_tensors():
+                tensors.to_host()
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = sampled
+
+    def _all_logprobs_tensors(self) -> list[LogprobsTensors]:
+        found = [t for _, t in self._prompt_logprobs.values()]
+        if self._logprobs is not None:
+            found.append(self._logprobs[1])
+        return found
 
     def get(self) -> ModelRunnerOutput:
+        if self._done:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        output = self._output
         if self._host is not None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._output.sampled_token_ids = dict(zip(self._request_ids, self._host.tolist()))
-            self._host = self._event = None
-        return self._output
+            output.sampled_token_ids = dict(zip(self._request_ids, self._host.tolist()))
+        if self._logprobs is not None:
+            rids, tensors = self._logprobs
+            output.logprobs = dict(zip(rids, tensors.entries()))
+        for rid, (start, tensors) in self._prompt_logprobs.items():
+            output.prompt_logprobs[rid] = PromptLogprobsChunk(start, tensors.entries())
+        self._host = self._event = self._logprobs = None
+        self._prompt_logprobs = {}
+        self._done = True
+        return output

@@ -58,12 +58,17 @@ _NEG_INF = float("-inf")
 class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         sampled, logprobs = self.sample(logits, states)
-        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+        out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
+        if logprobs is not None:
+            rows, tensors = logprobs
+            for i, row in zip(rows, tensors.entries()):
+                out_logprobs[i] = row
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]
-               ) -> tuple[torch.Tensor, list[SampledTokenLogprobs | None]]:
-        """The sampled ids as a device tensor (no host wait unless logprobs are asked for),
-        and each row's logprobs (None where not asked for)."""
+               ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
+        """The sampled ids as a device tensor and, when some rows asked for logprobs, those
+        rows with their logprobs as tensors — nothing here waits for the device."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
@@ -76,21 +81,19 @@ class Sampler:
 
         # Logprobs report the raw model distribution, so take them first.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        raw_logprobs = index = None
+        if logprob_rows:
+            index = device_tensor(logprob_rows, logits.device, torch.int64)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
 
         self._apply_processors(logits, states)
         sampled = _sample(logits, states)
 
-        out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
-        if raw_logprobs is not None:
-            rows = _gather_logprobs(
-                raw_logprobs,
-                sampled[logprob_rows],
-                [params[i].logprobs for i in logprob_rows],
-            )
-            for i, row in zip(logprob_rows, rows):
-                out_logprobs[i] = row
-        return sampled, out_logprobs
+        if raw_logprobs is None:
+            return sampled, None
+        tensors = _logprobs_tensors(raw_logprobs, sampled.index_select(0, index),
+                                    [params[i].logprobs for i in logprob_rows])
+        return sampled, (logprob_rows, tensors)
 
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The logits after every request-level processor (allowed ids, bias,
@@ -122,43 +125,84 @@ def compute_token_logprobs(
     """Logprob and rank of token_ids[i] under row i of logits, plus the top
     `num_top` alternatives (-1 = whole vocabulary). Also used for prompt
     logprobs, where row i scores prompt token i + 1."""
+    return token_logprobs_tensors(logits, token_ids, num_top).entries()
+
+
+def token_logprobs_tensors(logits: torch.Tensor, token_ids: torch.Tensor,
+                           num_top: int) -> LogprobsTensors:
+    """`compute_token_logprobs`, left as tensors (see LogprobsTensors)."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    return _gather_logprobs(logprobs, token_ids.to(logits.device), [num_top] * logits.shape[0])
+    return _logprobs_tensors(logprobs, token_ids.to(logits.device), [num_top] * logits.shape[0])
+
+
+class LogprobsTensors:
+    """Logprobs of some rows, still as tensors: the chosen tokens' logprobs and ranks and the
+    top-k alternatives. `to_host()` queues their copies to pinned memory (no host wait), and
+    `entries()` builds the per-row results once the copies are done — so a step that reports
+    logprobs does not stop the host until its output is read."""
+
+    def __init__(self, token_ids: torch.Tensor, token_logprobs: torch.Tensor,
+                 ranks: torch.Tensor, top_logprobs: torch.Tensor | None,
+                 top_ids: torch.Tensor | None, num_tops: list[int]) -> None:
+        self.tensors = [token_ids, token_logprobs, ranks, top_logprobs, top_ids]
+        self.num_tops = num_tops
+
+    def to_host(self) -> None:
+        """Queue device-to-host copies into pinned memory (CUDA); the caller records an
+        event after them and waits for it before `entries()`."""
+        moved = []
+        for t in self.tensors:
+            if t is not None and t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t = host
+            moved.append(t)
+        self.tensors = moved
+
+    def entries(self) -> list[SampledTokenLogprobs]:
+        token_ids, token_lp, ranks, top_lp, top_ids = self.tensors
+        # One conversion per tensor instead of one per element.
+        token_list = token_ids.view(-1).tolist()
+        token_lp_list = token_lp.view(-1).tolist()
+        rank_list = ranks.tolist()
+        rows = len(token_list)
+        if top_lp is not None:
+            top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
+        else:
+            top_lp_list = top_ids_list = [[] for _ in range(rows)]
+        ks = self.num_tops
+        return [
+            SampledTokenLogprobs(
+                token_id=token_list[i],
+                logprob=token_lp_list[i],
+                rank=rank_list[i],
+                top_token_ids=top_ids_list[i][: ks[i]],
+                top_logprobs=top_lp_list[i][: ks[i]],
+            )
+            for i in range(rows)
+        ]
 
 
 def _gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
 ) -> list[SampledTokenLogprobs]:
+    return _logprobs_tensors(logprobs, token_ids, num_tops).entries()
+
+
+def _logprobs_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
+) -> LogprobsTensors:
     num_rows, vocab = logprobs.shape
-    if num_rows == 0:
-        return []
     token_ids = token_ids.long().view(-1, 1)
     token_lp = logprobs.gather(1, token_ids)
     # Rank = 1 + number of tokens strictly more likely (ties share the rank).
     ranks = (logprobs > token_lp).sum(dim=-1) + 1
-
     ks = [vocab if k == -1 else min(k, vocab) for k in num_tops]
-    k_max = max(ks)
+    k_max = max(ks, default=0)
+    top_lp = top_ids = None
     if k_max > 0:
         top_lp, top_ids = logprobs.topk(k_max, dim=-1)  # sorted, best first
-        top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
-    else:
-        top_lp_list = top_ids_list = [[] for _ in range(num_rows)]
-
-    # One device->host transfer per tensor instead of one per element.
-    token_list = token_ids.view(-1).tolist()
-    token_lp_list = token_lp.view(-1).tolist()
-    rank_list = ranks.tolist()
-    return [
-        SampledTokenLogprobs(
-            token_id=token_list[i],
-            logprob=token_lp_list[i],
-            rank=rank_list[i],
-            top_token_ids=top_ids_list[i][: ks[i]],
-            top_logprobs=top_lp_list[i][: ks[i]],
-        )
-        for i in range(num_rows)
-    ]
+    return LogprobsTensors(token_ids, token_lp, ranks, top_lp, top_ids, ks)
 
 
 # ---------------------------------------------------------------------------
@@ -171,8 +215,8 @@ def _index_fill(logits: torch.Tensor, rows: list[int], cols: list[int], value: f
     if rows:
         device = logits.device
         logits.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-            torch.tensor(value, device=device),
+            (device_tensor(rows, device, torch.int64), device_tensor(cols, device, torch.int64)),
+            torch.full((), value, dtype=logits.dtype, device=device),
         )
 
 
@@ -202,8 +246,8 @@ def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None
     _check_cols(c, logits.shape[1], "logit_bias")
     device = logits.device
     logits.index_put_(
-        (torch.tensor(r, device=device), torch.tensor(c, device=device)),
-        torch.tensor(v, dtype=logits.dtype, device=device),
+        (device_tensor(r, device, torch.int64), device_tensor(c, device, torch.int64)),
+        device_tensor(v, device, logits.dtype),
         accumulate=True,
     )
 
@@ -250,7 +294,8 @@ def _token_counts(
     for i, toks in enumerate(token_lists):
         if toks:
             padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
-    padded = padded.to(device)
+    if device.type == "cuda":
+        padded = padded.pin_memory().to(device, non_blocking=True)
     counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
@@ -281,8 +326,10 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
     ]
     if add_rows:
         counts = _token_counts([states[i].output_token_ids for i in add_rows], vocab, device)
-        freq = torch.tensor([params[i].frequency_penalty for i in add_rows], device=device)
-        pres = torch.tensor([params[i].presence_penalty for i in add_rows], device=device)
+        freq = device_tensor([params[i].frequency_penalty for i in add_rows], device,
+                             torch.float32)
+        pres = device_tensor([params[i].presence_penalty for i in add_rows], device,
+                             torch.float32)
         logits[add_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).float()
 
 
