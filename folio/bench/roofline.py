@@ -19,7 +19,8 @@ import time
 from typing import Any, Mapping
 
 __all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
-           "matmul_peak_flops", "measure_copy_bandwidth", "prefill_flops", "roofline_line"]
+           "matmul_peak_flops", "measure_copy_bandwidth", "offline_floor", "prefill_flops",
+           "roofline_line"]
 
 
 def load_config(model_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -106,6 +107,36 @@ def decode_bytes_per_step(model_dir_or_config: str | os.PathLike | Mapping[str, 
     cache of `context_len` tokens for each of `batch` sequences."""
     cfg = load_config(model_dir_or_config)
     return count_params(cfg) * dtype_bytes + batch * context_len * kv_bytes_per_token(cfg, dtype_bytes)
+
+
+def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
+                  prompt_lens: list[int], output_lens: list[int], bandwidth: float,
+                  flops: float, dtype_bytes: int = 2) -> dict[str, float]:
+    """The floor of an offline batch, by the reference script's model: every request runs from
+    the start (a lower bound when fewer fit at once); decode step s reads all weights once plus
+    the KV of each request still generating (its prompt + s tokens) and costs
+    max(bytes / bandwidth, 2·params·running / flops); the prompts' prefill adds 2·params per
+    prompt token at `flops`. Returns the floor in seconds and its parts."""
+    cfg = load_config(model_dir_or_config)
+    params = count_params(cfg)
+    weight_bytes = params * dtype_bytes
+    kv_token = kv_bytes_per_token(cfg, dtype_bytes)
+    # Requests leave in order of output length; keep the running count and prompt-token sum.
+    by_output = sorted(zip(output_lens, prompt_lens))
+    running, prompt_sum = len(by_output), sum(prompt_lens)
+    nxt = 0
+    decode_s = memory_s = 0.0
+    for step in range(max(output_lens, default=0)):
+        while nxt < len(by_output) and by_output[nxt][0] <= step:
+            running -= 1
+            prompt_sum -= by_output[nxt][1]
+            nxt += 1
+        mem = (weight_bytes + (prompt_sum + step * running) * kv_token) / bandwidth
+        memory_s += mem
+        decode_s += max(mem, 2 * params * running / flops)
+    prefill_s = 2 * params * sum(prompt_lens) / flops
+    return {"floor_s": decode_s + prefill_s, "decode_s": decode_s, "memory_s": memory_s,
+            "prefill_s": prefill_s, "output_tokens": float(sum(output_lens))}
 
 
 def _device(device: Any) -> Any:

@@ -69,6 +69,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                               help="the shapes for --random-weights")
     # Test-only: a shallower model with otherwise real shapes, so creation can be smoke-tested.
     random_group.add_argument("--random-num-layers", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip measuring copy bandwidth and matmul peak and the roofline "
+                             "comparison")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
 
 
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folio_result, info = _run_folio(args, kwargs)
     info["random_model"] = random_model
     requests: list[SampleRequest] = info.pop("requests")
+    info["roofline"] = None if args.no_roofline else _roofline(info, requests, folio_result)
     results = [folio_result]
     peers = [p for p in args.peer if p != "none"]
     if peers:
@@ -199,6 +203,29 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
 
 
 
+def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult) -> dict | None:
+    """The workload's floor (folio.bench.roofline.offline_floor) at the copy bandwidth and
+    matmul peak measured now on folio's device, and folio's share of it."""
+    from folio.bench import roofline
+    if not info.get("device") or not folio.elapsed_s:
+        return None
+    release_device_memory()  # the engine is gone; the probes need room on the device
+    dtype_bytes = 4 if info.get("dtype") == "float32" else 2
+    bandwidth = roofline.measure_copy_bandwidth(info["device"])
+    flops = roofline.matmul_peak_flops(info["device"])
+    floor = roofline.offline_floor(info["model_source"]["path"],
+                                   [r.prompt_len for r in requests],
+                                   [r.expected_output_len for r in requests],
+                                   bandwidth, flops, dtype_bytes)
+    fraction = floor["floor_s"] / folio.elapsed_s
+    line = (f"roofline: floor {floor['floor_s']:.2f} s for this workload at "
+            f"{bandwidth / 1e9:.1f} GB/s and {flops / 1e12:.1f} TFLOP/s measured "
+            f"(ceiling {floor['output_tokens'] / floor['floor_s']:,.0f} out tok/s) → folio "
+            f"achieved {100 * fraction:.1f}% of roofline")
+    return {**floor, "bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": flops,
+            "fraction_of_roofline": fraction, "line": line}
+
+
 # ------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------
@@ -226,6 +253,7 @@ def _report(args: argparse.Namespace, results: list[EngineResult], info: dict) -
         "max_model_len": info["max_model_len"],
         # folio's start-to-ready (= engines[0].load_s), split; the random-weights build apart.
         "startup": folio.extra.get("startup"),
+        "roofline": info.get("roofline"),
         "random_model": info.get("random_model"),
         "engines": [r.to_dict() for r in results],
     }
@@ -293,6 +321,8 @@ def _print_table(results: list[EngineResult], info: dict) -> None:
                   + "".join(f", {k}={v}" for k, v in settings.items() if v is not None))
         for note in r.extra.get("notes", []):
             print(f"{r.engine}: {note}")
+    if info.get("roofline"):
+        print(info["roofline"]["line"])
     print("peak RSS: each engine's own process (folio: this process; peers: a spawned child); "
           "baseline RSS before load: " + ", ".join(
               f"{r.engine} {_gib(r.baseline_rss_bytes)}" for r in results if r.baseline_rss_bytes))

@@ -78,6 +78,46 @@ def test_throughput_counts_add_up(tiny_model_dir, tmp_path) -> None:
     assert report["random_model"] is None and report["device"] == "cpu"
     assert peer["extra"]["device"] == "cpu"
 
+    # The workload's floor at the bandwidth and matmul peak measured now, and folio's share.
+    roof = report["roofline"]
+    assert roof["bandwidth_bytes_per_s"] > 0 and roof["matmul_peak_flops_per_s"] > 0
+    assert roof["output_tokens"] == wanted_out
+    assert roof["floor_s"] == pytest.approx(roof["decode_s"] + roof["prefill_s"])
+    assert roof["fraction_of_roofline"] == pytest.approx(roof["floor_s"] / folio["elapsed_s"])
+    assert "% of roofline" in roof["line"]
+
+
+def test_offline_floor_matches_the_reference_script() -> None:
+    """The shared reference (shared/tools/roofline.py) gives 4.10 s / 35,176 tok/s for
+    Qwen3-0.6B and 10.94 s / 13,182 tok/s for Llama-3-8B on the issue's workload at 4.23 TB/s
+    and 790 TFLOP/s; the same lengths (its seed-0 draw) must give the same floors."""
+    import random
+    from folio.bench import roofline
+    from folio.bench.random_model import RANDOM_CONFIGS
+    rng = random.Random(0)
+    prompts = [rng.randint(100, 1024) for _ in range(256)]
+    outputs = [rng.randint(100, 1024) for _ in range(256)]
+    for name, floor_s, ceiling in (("qwen3-0.6b", 4.10, 35_176), ("llama3-8b", 10.94, 13_182)):
+        got = roofline.offline_floor(RANDOM_CONFIGS[name], prompts, outputs, 4.23e12, 790e12)
+        assert got["floor_s"] == pytest.approx(floor_s, abs=0.005)
+        assert got["output_tokens"] / got["floor_s"] == pytest.approx(ceiling, rel=1e-3)
+
+
+def test_offline_floor_by_hand() -> None:
+    """Two requests, tiny config: every step's bytes written out."""
+    from folio.bench import roofline
+    cfg = {"hidden_size": 4, "intermediate_size": 8, "vocab_size": 10, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}
+    params = roofline.count_params(cfg)
+    kv = roofline.kv_bytes_per_token(cfg)
+    # Request A: prompt 3, 2 outputs; B: prompt 5, 1 output. Step 0 reads both (3 + 5 tokens),
+    # step 1 only A (3 + 1). Huge FLOP/s: memory-bound.
+    got = roofline.offline_floor(cfg, [3, 5], [2, 1], bandwidth=100.0, flops=1e30)
+    expected = (2 * params + 8 * kv) / 100.0 + (2 * params + 4 * kv) / 100.0
+    assert got["decode_s"] == pytest.approx(expected)
+    assert got["memory_s"] == pytest.approx(expected)
+    assert got["output_tokens"] == 3
+
 
 def test_cb_peer_runs_the_workload(tiny_model_dir) -> None:
     """transformers-cb: paged sdpa (spelled "sdpa" by transformers >= 5.2x), a KV cache sized for
