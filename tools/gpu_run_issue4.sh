@@ -21,4 +21,6 @@ tail -n 4 "$out/latency_qwen3.txt" "$out/latency_qwen3_gemv.txt"
 FOLIO_GEMV=1 timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest \
     tests/gpu/test_gpu_engine.py tests/gpu/test_cuda_graphs.py > "$out/gpu_tests_gemv.txt" 2>&1
 tail -n 3 "$out/gpu_tests_gemv.txt"
-timeout 90 python3 tools/gpu_profile_batch_kernels.py > "$out/batch_kernels.txt" 2>&1
+# Prefill-heavy (mixed eager steps dominate) and decode-heavy (graph replays dominate).
+timeout 90 python3 tools/gpu_profile_batch_kernels.py 256 600 48 > "$out/batch_kernels_prefill.txt" 2>&1
+timeout 120 python3 tools/gpu_profile_batch_kernels.py 256 300 600 > "$out/batch_kernels_decode.txt" 2>&1
