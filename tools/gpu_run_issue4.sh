@@ -13,6 +13,11 @@ timeout 150 $bench.throughput $qwen --num-prompts 256 --input-len-range 100 1024
     --output-len-range 100 1024 --no-tqdm --peer transformers-cb --peer-timeout 60 \
     > "$out/throughput.txt" 2>&1
 tail -n 8 "$out/throughput.txt"
+# A/B: vLLM's offline default budget on large GPUs (fewer, larger mixed steps).
+timeout 90 $bench.throughput $qwen --num-prompts 256 --input-len-range 100 1024 \
+    --output-len-range 100 1024 --no-tqdm --max-num-batched-tokens 8192 \
+    > "$out/throughput_8192.txt" 2>&1
+tail -n 5 "$out/throughput_8192.txt"
 timeout 100 $bench.latency $qwen --input-len 32 --output-len 128 --num-iters-warmup 2 \
     --num-iters 5 > "$out/latency_qwen3.txt" 2>&1
 FOLIO_GEMV=1 timeout 130 $bench.latency $qwen --input-len 32 --output-len 128 \
