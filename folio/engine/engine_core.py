@@ -67,10 +67,10 @@ class EngineCore:
             outputs += self._finish_in_flight()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self._in_flight is not None:
-                return outputs + self._finish_in_flight()
             # Still let the worker drop state of requests that finished meanwhile.
             self.executor.execute_model(scheduler_output)
+            if self._in_flight is not None:
+                return outputs + self._finish_in_flight()
             if self.structured_output.has_pending() and not outputs:
                 # Nothing runnable but a grammar compiling: wait for it briefly, not spin.
                 self.structured_output.wait_for_pending(timeout=0.01)

@@ -170,3 +170,16 @@ def test_abort_while_in_flight(async_llm, prompts):
     assert outputs["keep"].outputs[0].token_ids == alone.outputs[0].token_ids
     pool = async_llm.llm_engine.engine_core.kv_cache_manager.block_pool
     pool.check_invariants()
+
+
+def test_worker_state_of_finished_requests_is_dropped(async_llm, prompts):
+    """Per-request runner state (sampling states, seeded generators) goes when the request
+    does, also when its finish is noticed in a step that schedules nothing new."""
+    params = [SamplingParams(temperature=1.0, max_tokens=3 + i, seed=i) for i in range(6)]
+    async_llm.generate(prompts[:6], params, use_tqdm=False)
+    engine = async_llm.llm_engine
+    while engine.has_unfinished_requests() or engine.engine_core.has_pending_notifications():
+        engine.step()
+    engine.engine_core.step()  # an idle step hands the last finishes to the worker
+    runner = engine.engine_core.executor.worker.runner
+    assert runner.sampling_states == {} and runner.generators == {}
