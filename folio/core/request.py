@@ -102,8 +102,9 @@ class Request:
         # as the next step's input before their values are known; their ids reach the model
         # on the device. 0 or 1.
         self.num_pending_tokens = 0
-        # Needs its own latest token on the host before its next step can be built (penalties,
-        # bad words, min_tokens, a grammar): the engine then waits for the step in flight.
+        # Needs its own latest token on the host before its next step can be built (bad
+        # words; grammars are checked apart): the engine then waits for the step in flight.
+        # Penalties and min_tokens do not: the sampler counts a token still on the device.
         self.needs_host_history = _needs_host_history(sampling_params)
         # Prompt tokens served from the prefix cache when first scheduled (-1 = not yet scheduled).
         self.num_cached_tokens = -1
@@ -174,6 +175,4 @@ class Request:
 
 
 def _needs_host_history(params: SamplingParams) -> bool:
-    return bool(params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                or params.presence_penalty != 0.0 or params.bad_words_token_ids
-                or params.min_tokens > 0)
+    return bool(params.bad_words_token_ids)

@@ -248,8 +248,12 @@ class ModelRunner:
                     output_token_ids=request.output_token_ids,
                     generator=self._generator_for(request.request_id, params.seed),
                     eos_token_ids=request.eos_token_ids)
+            # Under async scheduling the latest token may still be on the device: penalties
+            # and min_tokens find it in the previous step's sampled ids.
+            state.pending_row = (self._prev_rows.get(item.request_id)
+                                 if item.has_pending_input else None)
             states.append(state)
-        sampled, logprobs = self.sampler.sample(logits, states)
+        sampled, logprobs = self.sampler.sample(logits, states, self._prev_sampled)
         request_ids = [item.request_id for _, item in sampling]
         self._prev_sampled = sampled
         self._prev_rows = {rid: j for j, rid in enumerate(request_ids)}

@@ -34,6 +34,10 @@ class SamplingState:
     generator: torch.Generator | None
     # Masked (together with params.stop_token_ids) until min_tokens is reached.
     eos_token_ids: tuple[int, ...] = ()
+    # Async scheduling: the request's latest token is still on the device, not yet in
+    # output_token_ids — its row in the previous step's sampled ids (set by the runner each
+    # step; None when the host lists are complete).
+    pending_row: int | None = None
 
     def __post_init__(self) -> None:
         # Which logit processors this row can need, found once: each processor walks the
@@ -65,10 +69,13 @@ class Sampler:
                 out_logprobs[i] = row
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]
+    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+               prev_sampled: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
         """The sampled ids as a device tensor and, when some rows asked for logprobs, those
-        rows with their logprobs as tensors — nothing here waits for the device."""
+        rows with their logprobs as tensors — nothing here waits for the device.
+        `prev_sampled`: the previous step's sampled ids, where rows with a `pending_row` find
+        their latest token (penalties and min_tokens count it)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
@@ -86,7 +93,7 @@ class Sampler:
             index = device_tensor(logprob_rows, logits.device, torch.int64)
             raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
 
-        self._apply_processors(logits, states)
+        self._apply_processors(logits, states, _PendingTokens.of(states, prev_sampled))
         sampled = _sample(logits, states)
 
         if raw_logprobs is None:
@@ -95,23 +102,57 @@ class Sampler:
                                     [params[i].logprobs for i in logprob_rows])
         return sampled, (logprob_rows, tensors)
 
-    def process_logits(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, states: list[SamplingState],
+                       prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """The logits after every request-level processor (allowed ids, bias,
         bad words, min_tokens, penalties) but before temperature/filters, as a
         new float32 tensor. Exposed for tests and for debugging."""
         logits = logits.to(torch.float32, copy=True)
-        self._apply_processors(logits, states)
+        self._apply_processors(logits, states, _PendingTokens.of(states, prev_sampled))
         return logits
 
     @staticmethod
-    def _apply_processors(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    def _apply_processors(logits: torch.Tensor, states: list[SamplingState],
+                          pending: _PendingTokens | None = None) -> None:
         if not any(s.needs_processors for s in states):
             return
         _apply_allowed_token_ids(logits, states)
         _apply_logit_bias(logits, states)
         _apply_bad_words(logits, states)
-        _apply_min_tokens(logits, states)
-        _apply_penalties(logits, states)
+        _apply_min_tokens(logits, states, pending)
+        _apply_penalties(logits, states, pending)
+
+
+class _PendingTokens:
+    """The latest tokens of the rows whose host lists lack them (async scheduling), on the
+    device: `tokens[position[i]]` is row i's."""
+
+    def __init__(self, position: dict[int, int], tokens: torch.Tensor) -> None:
+        self.position = position
+        self.tokens = tokens
+
+    @classmethod
+    def of(cls, states: list[SamplingState], prev_sampled: torch.Tensor | None
+           ) -> "_PendingTokens | None":
+        if prev_sampled is None:
+            return None
+        rows = [i for i, s in enumerate(states) if s.pending_row is not None]
+        if not rows or not any(states[i].needs_processors for i in rows):
+            return None
+        src = device_tensor([states[i].pending_row for i in rows], prev_sampled.device,
+                            torch.int64)
+        return cls({i: j for j, i in enumerate(rows)}, prev_sampled.index_select(0, src))
+
+    def add_to(self, counts: torch.Tensor, rows: list[int]) -> None:
+        """counts[k, latest token of rows[k]] += 1 for the listed rows that have one pending."""
+        ks = [k for k, i in enumerate(rows) if i in self.position]
+        if not ks:
+            return
+        device = counts.device
+        which = device_tensor([self.position[rows[k]] for k in ks], device, torch.int64)
+        counts.index_put_((device_tensor(ks, device, torch.int64),
+                           self.tokens.index_select(0, which)),
+                          torch.ones(len(ks), dtype=counts.dtype, device=device), accumulate=True)
 
 
 # ---------------------------------------------------------------------------
@@ -269,11 +310,13 @@ def _apply_bad_words(logits: torch.Tensor, states: list[SamplingState]) -> None:
     _index_fill(logits, r, c, _NEG_INF)
 
 
-def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState],
+                      pending: _PendingTokens | None = None) -> None:
     vocab = logits.shape[1]
     r, c = [], []
     for i, s in enumerate(states):
-        if len(s.output_token_ids) < s.params.min_tokens:
+        num_output = len(s.output_token_ids) + (1 if pending and i in pending.position else 0)
+        if num_output < s.params.min_tokens:
             for tok in {*s.eos_token_ids, *(s.params.stop_token_ids or ())}:
                 if 0 <= tok < vocab:  # eos ids of padded vocabs may be out of range
                     r.append(i)
@@ -301,17 +344,21 @@ def _token_counts(
     return counts[:, :vocab]
 
 
-def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
+def _apply_penalties(logits: torch.Tensor, states: list[SamplingState],
+                     pending: _PendingTokens | None = None) -> None:
     vocab, device = logits.shape[1], logits.device
     params = [s.params for s in states]
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        seen = _token_counts(
+        seen_counts = _token_counts(
             [states[i].prompt_token_ids + states[i].output_token_ids for i in rep_rows],
             vocab,
             device,
-        ) > 0
+        )
+        if pending is not None:
+            pending.add_to(seen_counts, rep_rows)
+        seen = seen_counts > 0
         penalty = torch.tensor(
             [params[i].repetition_penalty for i in rep_rows], device=device
         ).unsqueeze(1)
@@ -326,6 +373,8 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
     ]
     if add_rows:
         counts = _token_counts([states[i].output_token_ids for i in add_rows], vocab, device)
+        if pending is not None:
+            pending.add_to(counts, add_rows)
         freq = device_tensor([params[i].frequency_penalty for i in add_rows], device,
                              torch.float32)
         pres = device_tensor([params[i].presence_penalty for i in add_rows], device,

@@ -2,8 +2,9 @@
 host (the pending token feeds N+1 on the device). On the CPU there is nothing to overlap, but
 the bookkeeping is the same, so it is forced on here and every output must equal the
 synchronous engine's: greedy and seeded tokens, stops, preemption (incl. a request preempted
-with its token in flight), chunked prefill, logprobs, and the requests that fall back to
-waiting for their token (penalties, min_tokens, grammars). The CUDA-graph path is covered by
+with its token in flight), chunked prefill, logprobs, penalties and min_tokens (which count
+the token still on the device), and the requests that wait for their token (bad words,
+grammars). The CUDA-graph path is covered by
 tests/gpu/test_gpu_engine.py."""
 from __future__ import annotations
 
@@ -124,19 +125,49 @@ def test_logprobs_same_as_sync(sync_llm, async_llm, prompts):
         assert len(x.prompt_logprobs) == len(y.prompt_logprobs)
 
 
-def test_history_dependent_requests_wait_for_their_token(sync_llm, async_llm, prompts):
-    """Penalties, bad words and min_tokens read the latest token on the host: the engine
-    finishes the step in flight before scheduling theirs, and the tokens match."""
+def test_penalties_and_min_tokens_count_the_token_in_flight(sync_llm, async_llm, prompts):
+    """Penalties and min_tokens run ahead: the sampler adds the latest token, still on the
+    device, to the counts it builds from the host lists. Bad words need the token's value on
+    the host, so the engine finishes the step in flight first. Tokens match the sync engine."""
     params = [SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=10, frequency_penalty=0.8,
                              presence_penalty=0.4),
               SamplingParams(temperature=0, max_tokens=10, min_tokens=8),
+              SamplingParams(temperature=0, max_tokens=10, bad_words=["the", "The"]),
+              SamplingParams(temperature=0.9, max_tokens=10, seed=3, repetition_penalty=1.2,
+                             frequency_penalty=0.5),
               SamplingParams(temperature=0, max_tokens=10)]
-    expected = _run(sync_llm, prompts[:4], params)
-    assert _run(async_llm, prompts[:4], params) == expected
-    # Penalties change greedy output here, so the check can fail when they are dropped.
+    expected = _run(sync_llm, prompts[:6], params)
+    assert _run(async_llm, prompts[:6], params) == expected
+    # Penalties change greedy output here, so the check can fail when they are dropped (or
+    # when the token in flight is not counted: the sync engine counts it).
     plain = _run(sync_llm, prompts[:2], [SamplingParams(temperature=0, max_tokens=10)] * 2)
     assert plain != expected[:2]
+
+    # Whether a step was launched with its input still on the device, seen at launch time.
+    engine = async_llm.llm_engine
+    executor = engine.engine_core.executor
+    launched: list[bool] = []
+    inner = executor.execute_model_async
+
+    def record(scheduler_output, *rest):
+        launched.append(any(s.has_pending_input for s in scheduler_output.scheduled))
+        return inner(scheduler_output, *rest)
+
+    executor.execute_model_async = record
+    try:
+        for rid, p in (("penalised", params[0]), ("min-tokens", params[2]),
+                       ("bad-words", params[3])):
+            launched.clear()
+            engine.add_request(rid, prompts[0], SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=p.repetition_penalty,
+                min_tokens=p.min_tokens, bad_words=p.bad_words))
+            while engine.has_unfinished_requests():
+                engine.step()
+            # Seven decode steps after the prefill: all ahead, or (bad words) none.
+            assert launched == [False] + [rid != "bad-words"] * 7, (rid, launched)
+    finally:
+        del executor.execute_model_async
 
 
 def test_grammar_requests_same_as_sync(sync_llm, async_llm, prompts):
