@@ -1,4 +1,4 @@
-"""Small host lists to the device without stalling the host.
+"""Copies between host and device that do not stall the host.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory, and such a copy waits for
 every kernel queued before it: one in the middle of a step's launches makes the host wait for
@@ -18,3 +18,14 @@ def device_tensor(values: Sequence, device: torch.device,
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_async(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor, queued behind the work already on the stream (the
+    caller records an event and waits for it before reading); CPU tensors come back as they
+    are."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

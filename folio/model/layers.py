@@ -148,11 +148,10 @@ def _skinny_input(x: torch.Tensor, linear: nn.Linear,
         return None
     if linear.bias is not None and linear.bias.dtype != x.dtype:
         return None
-    from folio.model.kernels.gemv import skinny_preferred, skinny_supported
     x2 = x.reshape(-1, x.shape[-1])
-    if not skinny_supported(x2, linear.weight):
+    if not gemv.skinny_supported(x2, linear.weight):
         return None
-    return x2 if fused or skinny_preferred(*x2.shape[:1], *linear.weight.shape) else None
+    return x2 if fused or gemv.skinny_preferred(x2.shape[0], *linear.weight.shape) else None
 
 
 class Linear(nn.Linear):

@@ -95,7 +95,23 @@ class BaseGrammarMatcher(abc.ABC):
 
 
 class BaseGrammarCompiler(abc.ABC):
-    """One per tokenizer: turns params into a reusable compiled grammar."""
+    """One per tokenizer: turns params into a reusable compiled grammar, kept in `_cache`."""
+
+    _cache: GrammarCache
 
     @abc.abstractmethod
     def compile(self, params: StructuredOutputsParams) -> Any: ...
+
+    @property
+    def cache_hits(self) -> int:
+        return self._cache.hits
+
+    @property
+    def cache_misses(self) -> int:
+        return self._cache.misses
+
+    def cache_size(self) -> int:
+        return len(self._cache)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()

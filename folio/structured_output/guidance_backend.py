@@ -372,7 +372,6 @@ def grammar_text(kind: str, params: StructuredOutputsParams, any_whitespace: boo
     raise ValueError(f"unsupported structured output kind: {kind}")
 
 
-
 class GuidanceCompiler(BaseGrammarCompiler):
     """One per tokenizer. Thread-safe; compiles outside the cache lock.
 
@@ -447,20 +446,6 @@ class GuidanceCompiler(BaseGrammarCompiler):
             self.stop_token_ids, template,
         )
         return self._cache.put(key, compiled)
-
-    @property
-    def cache_hits(self) -> int:
-        return self._cache.hits
-
-    @property
-    def cache_misses(self) -> int:
-        return self._cache.misses
-
-    def cache_size(self) -> int:
-        return len(self._cache)
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
 
 
 # ---- matcher ----------------------------------------------------------------------------

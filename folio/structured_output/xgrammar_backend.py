@@ -149,19 +149,8 @@ class GrammarCompiler(BaseGrammarCompiler):
                 return self._compiler.compile_structural_tag(tags, list(spec.get("triggers", [])))
         return self._compiler.compile_structural_tag(json.dumps(spec))
 
-    @property
-    def cache_hits(self) -> int:
-        return self._cache.hits
-
-    @property
-    def cache_misses(self) -> int:
-        return self._cache.misses
-
-    def cache_size(self) -> int:
-        return len(self._cache)
-
     def clear_cache(self) -> None:
-        self._cache.clear()
+        super().clear_cache()
         self._compiler.clear_cache()
 
 

@@ -10,7 +10,7 @@ from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
 from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
-from folio.model.host_copy import device_tensor
+from folio.model.host_copy import device_tensor, to_host_async
 from folio.worker.sampler import LogprobsTensors, Sampler, SamplingState, token_logprobs_tensors
 
 if TYPE_CHECKING:
@@ -283,8 +283,7 @@ class PendingRunnerOutput:
             t.tensors[0].is_cuda for _, t in self._prompt_logprobs.values())
         if on_cuda:
             if sampled is not None:
-                self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-                self._host.copy_(sampled, non_blocking=True)
+                self._host = to_host_async(sampled)
             for tensors in self._all_logprobs_tensors():
                 tensors.to_host()
             self._event = torch.cuda.Event()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from folio.core.outputs import SampledTokenLogprobs
-from folio.model.host_copy import device_tensor
+from folio.model.host_copy import device_tensor, to_host_async
 from folio.sampling_params import SamplingParams
 
 
@@ -191,14 +191,7 @@ class LogprobsTensors:
     def to_host(self) -> None:
         """Queue device-to-host copies into pinned memory (CUDA); the caller records an
         event after them and waits for it before `entries()`."""
-        moved = []
-        for t in self.tensors:
-            if t is not None and t.is_cuda:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t = host
-            moved.append(t)
-        self.tensors = moved
+        self.tensors = [None if t is None else to_host_async(t) for t in self.tensors]
 
     def entries(self) -> list[SampledTokenLogprobs]:
         token_ids, token_lp, ranks, top_lp, top_ids = self.tensors
