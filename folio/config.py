@@ -8,6 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _VALID_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+_CUDAGRAPH_MODES = ("full", "full_decode_only")
+DEFAULT_MAX_NUM_SEQS_CUDA = 256
+DEFAULT_MAX_NUM_SEQS_CPU = 128
+
+
+def _uses_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return device == "cuda"
 _VALID_POLICIES = ("fcfs", "priority")
 
 
@@ -30,9 +40,13 @@ class ModelConfig:
     # Sampling defaults: "auto" reads the model's generation_config.json, "folio" (or "vllm")
     # ignores it, anything else is a directory holding a generation_config.json.
     generation_config: str = "auto"
-    # True = always run the model eagerly; False = replay CUDA graphs for pure-decode steps
-    # (on CUDA with the Triton attention backend only; other devices always run eagerly).
+    # True = always run the model eagerly; False = replay CUDA graphs (on CUDA with the Triton
+    # attention backend only; other devices always run eagerly).
     enforce_eager: bool = False
+    # Which steps replay CUDA graphs (vLLM's cudagraph_mode names): "full" = pure-decode steps
+    # and mixed steps (prefill chunks) at padded token counts; "full_decode_only" = pure-decode
+    # steps only, mixed steps run eagerly.
+    cudagraph_mode: str = "full"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,
@@ -47,6 +61,10 @@ class ModelConfig:
                  f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         _require(isinstance(self.enforce_eager, bool), "enforce_eager",
                  f"must be a bool, got {self.enforce_eager!r}")
+        _require(isinstance(self.cudagraph_mode, str)
+                 and self.cudagraph_mode.lower() in _CUDAGRAPH_MODES, "cudagraph_mode",
+                 f"must be one of {list(_CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
+        self.cudagraph_mode = self.cudagraph_mode.lower()
 
 
 @dataclass
@@ -80,7 +98,9 @@ class CacheConfig:
 class SchedulerConfig:
     """How each step's token budget is shared out."""
 
-    max_num_seqs: int = 128
+    # None = a default chosen in EngineConfig by device: 256 on CUDA (vLLM's long-standing
+    # default; fewer leaves an H200 idle on batch workloads), 128 on CPU.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # None = a default chosen in EngineConfig
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
@@ -92,8 +112,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                  "async_scheduling", f"must be a bool or None, got {self.async_scheduling!r}")
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
-                 "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
+        if self.max_num_seqs is not None:
+            _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                     "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
         if self.max_num_batched_tokens is not None:
             _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
                      "max_num_batched_tokens",
@@ -137,6 +158,9 @@ class EngineConfig:
         if self.model.max_model_len is None:
             self.model.max_model_len = model_max_len
         sched = self.scheduler
+        if sched.max_num_seqs is None:
+            sched.max_num_seqs = (DEFAULT_MAX_NUM_SEQS_CUDA if _uses_cuda(self.model.device)
+                                  else DEFAULT_MAX_NUM_SEQS_CPU)
         if sched.max_num_batched_tokens is None:
             # With chunked prefill a modest budget keeps decode latency low; without it, a
             # whole prompt must fit in one step.

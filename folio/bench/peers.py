@@ -123,6 +123,7 @@ def release_device_memory() -> tuple[int, int] | None:
     """Collect garbage, then give the CUDA caching allocator's free blocks back to the driver, so
     a peer's child process can use the memory folio's released engine held. Returns (free,
     total) GPU bytes, or None where this process never used CUDA."""
+    gc.unfreeze()  # the engine froze its objects; cycles among them must be collectable
     gc.collect()
     try:
         import torch

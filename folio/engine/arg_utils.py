@@ -18,7 +18,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (prompt + output); default: the model's maximum")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most requests in one step (default 256 on CUDA, 128 on CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step (default 2048 with chunked prefill)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -34,7 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="fcfs, or priority (lower value first, then arrival)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="never use CUDA graphs (by default, pure-decode steps replay them on CUDA)")
+                        help="never use CUDA graphs (by default, every step replays them on CUDA)")
+    parser.add_argument("--cudagraph-mode", default="full", type=str.lower,
+                        choices=["full", "full_decode_only"],
+                        help="which steps replay CUDA graphs: full = pure-decode and mixed "
+                             "(prefill) steps, full_decode_only = pure-decode steps only")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule the next step while the current one runs on the GPU "
                              "(default: on with CUDA, off on CPU)")
@@ -56,6 +61,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),
+        cudagraph_mode=getattr(args, "cudagraph_mode", "full"),
         async_scheduling=getattr(args, "async_scheduling", None),
         structured_outputs_config={
             "backend": getattr(args, "structured_outputs_backend", "auto"),

@@ -2,6 +2,7 @@
 text is the front end's business."""
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from folio.config import EngineConfig
@@ -19,6 +20,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
                  tokenizer: Any = None) -> None:
         self.config = config
+        # Objects an earlier engine of this process froze (below) become collectable again,
+        # and a dropped engine caught in a reference cycle is reclaimed before this one sizes
+        # its KV cache from the free memory.
+        gc.unfreeze()
+        gc.collect()
         self.executor = UniProcExecutor(config, source, hf_config)
         self.num_blocks = self.executor.num_blocks
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
@@ -40,6 +46,13 @@ class EngineCore:
             (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
             vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs,
             pin_memory=self.executor.worker.device.type == "cuda")
+        # Everything built so far (torch, transformers, the model's modules) lives as long as
+        # the engine: move it out of the garbage collector's sight (as vLLM's engine core
+        # does). Otherwise a full collection walks it all in the middle of serving (measured:
+        # a 0.4 s stall in one step of the H200 throughput run). Frozen objects are still freed
+        # by reference counting; `gc.unfreeze()` before `gc.collect()` reclaims cycles.
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         if isinstance(request, EngineCoreRequest):

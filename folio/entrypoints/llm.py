@@ -19,12 +19,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  block_size: int = 16, kv_cache_memory_bytes: int | None = None,
                  num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
                  device: str = "auto", revision: str | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 cudagraph_mode: str = "full",
                  async_scheduling: bool | None = None,
                  structured_outputs_config: StructuredOutputsConfig | dict | None = None) -> None:
         if isinstance(structured_outputs_config, dict):
@@ -32,7 +33,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,
-                              enforce_eager=enforce_eager),
+                              enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_gpu_blocks_override=num_gpu_blocks_override,

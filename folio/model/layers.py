@@ -138,8 +138,8 @@ def _skinny_input(x: torch.Tensor, linear: nn.Linear,
                   fused: bool = False) -> torch.Tensor | None:
     """x as [rows, in_features] when the skinny Triton matmul should serve `linear` (CUDA,
     fp16/bf16, 1..8 rows: decode; for a plain projection, only shapes where it beats cuBLAS
-    (`skinny_preferred`); the fused gate_up+SiLU always), else None. Opt-in: FOLIO_GEMV=1
-    (or all); FOLIO_KERNELS=torch keeps cuBLAS."""
+    (`skinny_preferred`, by default one row only; the fused gate_up+SiLU at any row count the
+    mode allows), else None. FOLIO_GEMV=0 or FOLIO_KERNELS=torch keeps cuBLAS."""
     if not x.is_cuda or x.dim() == 0 or x.shape[-1] != linear.in_features:
         return None
     from folio.model.kernels import gemv
@@ -151,7 +151,10 @@ def _skinny_input(x: torch.Tensor, linear: nn.Linear,
     x2 = x.reshape(-1, x.shape[-1])
     if not gemv.skinny_supported(x2, linear.weight):
         return None
-    return x2 if fused or gemv.skinny_preferred(x2.shape[0], *linear.weight.shape) else None
+    rows = x2.shape[0]
+    if fused:
+        return x2 if rows == 1 or gemv.gemv_mode() != "1" else None
+    return x2 if gemv.skinny_preferred(rows, *linear.weight.shape) else None
 
 
 class Linear(nn.Linear):

@@ -187,30 +187,56 @@ class DecodeGraphRunner:
         return self.hidden[:B]
 
 
+class BlockTableRows:
+    """Keeps a host block-table buffer's rows between steps and rewrites only what changed.
+
+    Rows are the costly part of staging a step (a Python list into a numpy row, per request per
+    step: about a millisecond at 256 requests on a small host), and they barely change between
+    steps: a row is rewritten only when another request's block list lands on it, and only the
+    new tail when the same list grew. A row is matched to a list by identity: the KV cache
+    manager hands out a live list per request and drops it on free, and this class holds a
+    reference, so an identity cannot be reused by another list while it is cached. The buffer
+    must keep its values between steps (the caller waits for the previous step's copies out of
+    it before writing)."""
+
+    def __init__(self, block_tables: np.ndarray) -> None:
+        self.bt = block_tables
+        # Per row: [the block-id list written there, how many of its entries are written].
+        self._rows: list[list | None] = [None] * block_tables.shape[0]
+
+    def write(self, i: int, blocks: list[int]) -> None:
+        """Row i holds `blocks` from column 0; columns past them keep stale (valid) ids, which
+        the kernels never read (they stop at ceil(seq_len / block_size))."""
+        n = len(blocks)
+        row = self._rows[i]
+        if row is None or row[0] is not blocks:
+            self.bt[i, :n] = blocks
+            self._rows[i] = [blocks, n]
+        elif row[1] != n:
+            self.bt[i, row[1]:n] = blocks[row[1]:]
+            row[1] = n
+
+    def forget(self, start: int, stop: int) -> None:
+        """Rows [start, stop) were overwritten by something else (padding)."""
+        for j in range(start, stop):
+            self._rows[j] = None
+
+
 class DecodeInputStager:
     """Writes a decode step's inputs into the host mirrors of the graph's static buffers:
     row i = scheduled request i, rows past the batch up to the padded size are padding.
-
-    Block-table rows are the costly part (a Python list into a numpy row, per request per
-    step: about a millisecond at 256 requests on a small host), and they barely change
-    between steps: a row is rewritten only when another request's block list lands on it, and
-    only the new tail when the same list grew. The buffers keep their values between steps
-    (the caller waits for the previous step's copies before calling `fill`), so a row whose
-    list and length are unchanged is already right. A row is matched to a list by identity:
-    the KV cache manager hands out a live list per request and drops it on free, and the stager
-    holds a reference, so an identity cannot be reused by another list while it is cached."""
+    Block-table rows are kept between steps (`BlockTableRows`)."""
 
     def __init__(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, seq: np.ndarray,
                  block_tables: np.ndarray, block_size: int) -> None:
         self.ids, self.pos, self.slots, self.seq, self.bt = ids, pos, slots, seq, block_tables
         self.block_size = block_size
-        # Per row: [the block-id list written there, how many of its entries are written].
-        self._rows: list[list | None] = [None] * len(ids)
+        self._tables = BlockTableRows(block_tables)
 
     def fill(self, scheduled: list[ScheduledRequest], padded: int) -> None:
         ids, pos, slots, seq, bt = self.ids, self.pos, self.slots, self.seq, self.bt
         block = self.block_size
-        rows = self._rows
+        write_row = self._tables.write
         for i, item in enumerate(scheduled):
             p = item.num_computed_tokens
             blocks = item.block_ids
@@ -219,21 +245,11 @@ class DecodeInputStager:
             pos[i] = p
             slots[i] = blocks[p // block] * block + p % block
             seq[i] = p + 1
-            # Columns past this request's blocks keep stale (valid) ids; the kernel never
-            # reads past ceil(seq_len / block_size).
-            n = len(blocks)
-            row = rows[i]
-            if row is None or row[0] is not blocks:
-                bt[i, :n] = blocks
-                rows[i] = [blocks, n]
-            elif row[1] != n:
-                bt[i, row[1]:n] = blocks[row[1]:]
-                row[1] = n
+            write_row(i, blocks)
         B = len(scheduled)
         ids[B:padded] = 0
         pos[B:padded] = 0
         slots[B:padded] = -1
         seq[B:padded] = 1
         bt[B:padded, 0] = 0
-        for j in range(B, padded):
-            rows[j] = None
+        self._tables.forget(B, padded)

@@ -16,6 +16,7 @@ from folio.worker.sampler import LogprobsTensors, Sampler, SamplingState, token_
 if TYPE_CHECKING:
     from folio.core.request import Request
     from folio.worker.cuda_graphs import DecodeGraphRunner
+    from folio.worker.mixed_graphs import MixedGraphRunner
 
 # Given the sampling rows' requests in order: (int32 bitmask [rows, ceil(V/32)], the rows it
 # constrains), or None when none is constrained. Filled on the CPU during the forward pass.
@@ -28,6 +29,8 @@ class ModelRunner:
         self.model = model
         # Replays captured CUDA graphs for pure-decode steps; None = always eager.
         self.graph_runner = graph_runner
+        # Replays captured CUDA graphs for the other steps that fit its buffers; None = eager.
+        self.mixed_graph_runner: MixedGraphRunner | None = None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -129,6 +132,7 @@ class ModelRunner:
         nothing to the KV cache (every slot is padding)."""
         bs = self.block_size
         batches = [[5], [3, 9], [200], [120, 60], [max_num_tokens], [max_num_tokens // 2] * 2]
+        logits = None
         for lens in batches:
             if sum(lens) > max_num_tokens or min(lens) < 1:
                 continue
@@ -143,7 +147,28 @@ class ModelRunner:
             ids = torch.zeros(total, dtype=torch.int64, device=self.device)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[-1:])
+            logits = self.model.compute_logits(hidden[-1:])
+        if self.device.type == "cuda":
+            from folio.model.kernels import sampling
+            if sampling.HAS_TRITON and logits is not None:
+                sampling.warm_up(logits)  # the sampler's fused kernels
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warm_up_sampling(self, num_seqs: int) -> None:
+        """Logits and sampling at the largest batch, each way the sampler can go (greedy,
+        temperature only, filters), after the KV cache is allocated: the device and pinned
+        host allocators keep the blocks, so the first busy steps do not stop to grow them (a
+        cudaMalloc or a pinned allocation waits for the device)."""
+        from folio.sampling_params import SamplingParams
+        hidden = torch.zeros((num_seqs, self.model.spec.hidden_size), device=self.device,
+                             dtype=next(self.model.parameters()).dtype)
+        rows = device_tensor(list(range(num_seqs)), self.device, torch.int64)
+        logits = self.model.compute_logits(hidden[rows])
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                       SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)):
+            self.sampler.sample(logits, [SamplingState(params, [0], [], None)
+                                         for _ in range(num_seqs)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -193,6 +218,11 @@ class ModelRunner:
                 fill = lambda ids: self._fill_pending_inputs(ids, dst, src)  # noqa: E731
             hidden = graphs.run(scheduled, fill)
             query_start_loc = list(range(len(scheduled) + 1))
+        elif self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(scheduled):
+            def fill_mixed(ids: torch.Tensor, dst: list[int], req: list[int]) -> None:
+                src = [self._prev_rows[scheduled[i].request_id] for i in req]
+                self._fill_pending_inputs(ids, dst, src)
+            hidden, query_start_loc = self.mixed_graph_runner.run(scheduled, fill_mixed)
         else:
             input_ids, positions, meta = self._build_inputs(scheduled)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -60,6 +60,12 @@ _NEG_INF = float("-inf")
 
 
 class Sampler:
+    def __init__(self) -> None:
+        # Key of the fused kernel's random stream (drawn from torch's generator, which the
+        # worker seeds with the engine seed), and a per-call counter that moves it on.
+        self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        self._calls = 0
+
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         sampled, logprobs = self.sample(logits, states)
         out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
@@ -81,10 +87,13 @@ class Sampler:
                 f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
                 f"for {len(states)} states"
             )
+        params = [s.params for s in states]
+        fast = _fast_path(logits, states)
+        if fast is not None:
+            return self._sample_plain(logits, params, fast)
         # Always work on a float32 copy: we modify in place and must not touch
         # the caller's tensor (it may be reused, e.g. for prompt logprobs).
         logits = logits.to(torch.float32, copy=True)
-        params = [s.params for s in states]
 
         # Logprobs report the raw model distribution, so take them first.
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -99,6 +108,26 @@ class Sampler:
         if raw_logprobs is None:
             return sampled, None
         tensors = _logprobs_tensors(raw_logprobs, sampled.index_select(0, index),
+                                    [params[i].logprobs for i in logprob_rows])
+        return sampled, (logprob_rows, tensors)
+
+    def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams], how: str
+                      ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
+        """Rows that need nothing but a temperature: the argmax, or Gumbel-max in two kernel
+        launches, read straight from the model's logits (no float32 copy)."""
+        if how == "argmax":
+            sampled = logits.argmax(dim=-1)
+        else:
+            from folio.model.kernels.sampling import gumbel_sample
+            self._calls += 1
+            sampled = gumbel_sample(logits, [p.temperature for p in params],
+                                    self._seed + self._calls * 0x9E3779B1)
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not logprob_rows:
+            return sampled, None
+        index = device_tensor(logprob_rows, logits.device, torch.int64)
+        raw = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
+        tensors = _logprobs_tensors(raw, sampled.index_select(0, index),
                                     [params[i].logprobs for i in logprob_rows])
         return sampled, (logprob_rows, tensors)
 
@@ -386,6 +415,35 @@ def _check_cols(cols: list[int], vocab: int, name: str) -> None:
 # ---------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------
+
+
+def _fast_path(logits: torch.Tensor, states: list[SamplingState]) -> str | None:
+    """"argmax" when every row is greedy, "gumbel" when every row only needs a temperature
+    (on CUDA, with Triton), None when some row needs the general path: a logit processor, a
+    top-k/top-p/min-p filter, or its own seeded generator (whose stream must not depend on
+    the batch)."""
+    plain = True
+    greedy = True
+    for s in states:
+        p = s.params
+        if s.needs_processors:
+            return None
+        if not p.is_greedy:
+            greedy = False
+            if (s.generator is not None or p.top_k not in (0, -1) or p.top_p < 1.0
+                    or p.min_p > 0.0):
+                plain = False
+    if greedy:
+        return "argmax"
+    if plain and logits.is_cuda and _has_triton():
+        return "gumbel"
+    return None
+
+
+def _has_triton() -> bool:
+    from folio.model.kernels._common import HAS_TRITON
+    return HAS_TRITON
+
 
 
 def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -18,6 +18,10 @@ from folio.worker.model_runner import GrammarBitmaskFn, ModelRunner, PendingRunn
 
 logger = logging.getLogger(__name__)
 
+# Mixed steps above this many tokens run eagerly: their GPU work hides the launch overhead
+# (with async scheduling), and a graph's activation pool grows with its token count.
+MAX_MIXED_GRAPH_TOKENS = 8192
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -71,9 +75,13 @@ class Worker:
             self.timings["warm_up_s"] = time.perf_counter() - start
         start = time.perf_counter()
         self.graph_runner = self._capture_decode_graphs()
+        self.mixed_graph_runner = self._capture_mixed_graphs()
         if self.graph_runner is not None:
             self.timings["graph_capture_s"] = time.perf_counter() - start
         self.runner.graph_runner = self.graph_runner
+        self.runner.mixed_graph_runner = self.mixed_graph_runner
+        if self.device.type == "cuda":
+            self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
                     self.load_seconds, self.dtype, self.device, self.num_blocks,
                     cache.block_size, self.num_blocks * cache.block_size)
@@ -104,6 +112,21 @@ class Worker:
             self.model, self.kv_caches, block_size=self.config.cache.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             max_model_len=self.config.model.max_model_len, device=self.device)
+        runner.capture()
+        return runner
+
+    def _capture_mixed_graphs(self):
+        """CUDA graphs for mixed steps (prefill chunks, with decodes beside them), at padded
+        token counts up to the step budget; only with decode graphs and cudagraph_mode "full"."""
+        if self.graph_runner is None or self.config.model.cudagraph_mode != "full":
+            return None
+        from folio.worker.mixed_graphs import MixedGraphRunner
+        sched = self.config.scheduler
+        runner = MixedGraphRunner(
+            self.model, self.kv_caches, block_size=self.config.cache.block_size,
+            max_num_seqs=sched.max_num_seqs, max_model_len=self.config.model.max_model_len,
+            max_num_tokens=min(sched.max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS),
+            device=self.device)
         runner.capture()
         return runner
 

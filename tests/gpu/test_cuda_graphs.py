@@ -66,6 +66,7 @@ def _worker(llm):
 
 def _free() -> None:
     """Return a deleted engine's KV cache and graph pool to the device before the next one."""
+    gc.unfreeze()  # engines freeze their objects at start-up
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -129,6 +130,63 @@ def test_greedy_graphs_match_eager(model_dir):
     # max_model_len and its matmuls run on the padded batch, so bf16 may round differently at
     # a near-tie; the top-5 rule above is the criterion.
     print(f"{exact} of {len(prompts)} greedy outputs identical with and without graphs")
+
+
+def test_mixed_step_graphs_match_eager_mixed_steps(model_dir):
+    """Mixed steps (prefill chunks beside decodes, shared prefixes, prompt logprobs, pending
+    inputs under async scheduling) replayed from graphs at padded token counts give what the
+    same steps give eagerly (cudagraph_mode="full_decode_only"), by the top-5 rule."""
+    from folio import SamplingParams
+    rng = random.Random(7)
+    shared = [rng.randrange(3, VOCAB) for _ in range(150)]
+    prompts = _prompts(24, seed=3, max_len=400)
+    prompts += [shared + p[:rng.randint(1, 60)] for p in _prompts(8, seed=4)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + (5 * i) % 29, ignore_eos=True,
+                             logprobs=5, prompt_logprobs=2 if i % 9 == 0 else None)
+              for i in range(len(prompts))]
+    # A small budget: most steps carry a chunk, of many different sizes.
+    budget = dict(max_num_batched_tokens=192)
+    # Then prompts one at a time, so that steps of several sizes under the budget run too.
+    singles = _prompts(4, seed=5, max_len=180)
+
+    def run(llm):
+        return _generate(llm, prompts, params) + [
+            _generate(llm, [p], [params[0]])[0] for p in singles]
+
+    llm = _llm(model_dir, **budget)
+    mixed = _worker(llm).mixed_graph_runner
+    assert mixed is not None and mixed.graphs, "mixed-step graphs were not captured"
+    with_graphs = run(llm)
+    assert mixed.num_replays > 10 and len(mixed.replayed_sizes) >= 3, sorted(mixed.replayed_sizes)
+    print(f"mixed: replayed sizes {sorted(mixed.replayed_sizes)}, {mixed.num_replays} replays, "
+          f"capture {mixed.capture_seconds:.2f} s")
+    del llm, mixed
+    _free()
+
+    ref_llm = _llm(model_dir, cudagraph_mode="full_decode_only", **budget)
+    assert _worker(ref_llm).mixed_graph_runner is None
+    ref = run(ref_llm)
+    del ref_llm
+    _free()
+    exact = sum(_close(a, b, f"prompt {i}") for i, (a, b) in enumerate(zip(with_graphs, ref)))
+    print(f"{exact} of {len(ref)} greedy outputs identical with and without mixed graphs")
+
+
+def test_batch1_gemv_matches_cublas(model_dir, monkeypatch):
+    """Batch-1 decode runs the skinny Triton GEMV by default (FOLIO_GEMV=1, captured into the
+    size-1 graph); the same requests with cuBLAS (FOLIO_GEMV=0) agree by the top-5 rule."""
+    from folio import SamplingParams
+    prompts = _prompts(3, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
+    outs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FOLIO_GEMV", mode)
+        llm = _llm(model_dir)
+        outs[mode] = [_generate(llm, [p], [params])[0] for p in prompts]  # one at a time
+        del llm
+        _free()
+    exact = sum(_close(a, b, f"prompt {i}") for i, (a, b) in enumerate(zip(outs["1"], outs["0"])))
+    print(f"{exact} of {len(prompts)} batch-1 greedy outputs identical with GEMV and cuBLAS")
 
 
 def test_seeded_sampling_graphs_match_eager(model_dir):

@@ -135,6 +135,7 @@ def test_invariants_hold_on_gpu(model_dir):
 
 def test_gpu_memory_sizing(model_dir):
     import gc
+    gc.unfreeze()  # engines freeze their objects at start-up
     gc.collect()
     torch.cuda.empty_cache()
     llm = _llm(model_dir, gpu_memory_utilization=0.5, kv_cache_memory_bytes=None)

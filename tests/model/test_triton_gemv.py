@@ -114,15 +114,19 @@ def test_skinny_supported_gates(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gemv.skinny_supported(x, w)  # CPU tensors
     monkeypatch.delenv("FOLIO_GEMV", raising=False)
     monkeypatch.delenv("FOLIO_KERNELS", raising=False)
-    assert not gemv.gemv_enabled()  # opt-in
-    monkeypatch.setenv("FOLIO_GEMV", "1")
-    assert gemv.gemv_enabled()
+    assert gemv.gemv_enabled() and gemv.gemv_mode() == "1"  # on by default
     monkeypatch.setenv("FOLIO_GEMV", "0")
     assert not gemv.gemv_enabled()
     assert not gemv.skinny_supported(x, w)
+    monkeypatch.setenv("FOLIO_GEMV", "narrow")
+    assert gemv.gemv_enabled()
     monkeypatch.setenv("FOLIO_GEMV", "1")
     monkeypatch.setenv("FOLIO_KERNELS", "torch")
     assert not gemv.gemv_enabled()
+    monkeypatch.delenv("FOLIO_KERNELS")
+    monkeypatch.setenv("FOLIO_GEMV", "yes")
+    with pytest.raises(ValueError, match="FOLIO_GEMV"):
+        gemv.gemv_enabled()
 
 
 def test_skinny_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,6 +134,8 @@ def test_skinny_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
     from folio.model.kernels import gemv
     monkeypatch.delenv("FOLIO_GEMV", raising=False)
     assert gemv.skinny_preferred(1, 28672, 4096)      # one row: always
+    assert not gemv.skinny_preferred(8, 1024, 3072)   # default: one row only
+    monkeypatch.setenv("FOLIO_GEMV", "narrow")
     assert gemv.skinny_preferred(8, 1024, 3072)       # narrow output
     assert not gemv.skinny_preferred(4, 6144, 4096)   # wide output at 4 rows: cuBLAS
     monkeypatch.setenv("FOLIO_GEMV", "all")

@@ -24,6 +24,11 @@ CASES = [
          partial=1.0, norm=True),
     dict(name="rope_qknorm_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1, D=128,
          T=3, partial=0.5, norm=True),
+    # More heads than one program's block (8): two query blocks, the second half masked.
+    dict(name="rope_qknorm_fp32_h12_kvh4_d64", kind="rope", dtype="float32", H=12, KVH=4, D=64,
+         T=4, partial=1.0, norm=True),
+    dict(name="rope_fp16_h16_kvh8_partial_d64", kind="rope", dtype="float16", H=16, KVH=8, D=64,
+         T=3, partial=0.5),
     dict(name="bitmask_fp32_v1000", kind="bitmask", dtype="float32", V=1000, rows=3),
     dict(name="bitmask_fp16_v2085", kind="bitmask", dtype="float16", V=2085, rows=2),
     dict(name="silu_mul_fp32_i96", kind="silu_mul", dtype="float32", I=96, rows=3),

@@ -425,3 +425,49 @@ def test_compute_token_logprobs_for_prompt():
         assert r.top_token_ids == ref[i].topk(2).indices.tolist()
     assert [r.rank for r in compute_token_logprobs(logits, logits.argmax(-1), 0)] == [1] * 5
     assert all(len(r.top_token_ids) == 12 for r in compute_token_logprobs(logits, targets, -1))
+
+
+# --------------------------------------------------------------------------
+# The plain fast paths (no logit processor, no filter, no seeded generator)
+# --------------------------------------------------------------------------
+
+
+def test_fast_path_choice():
+    from folio.worker.sampler import _fast_path
+    cpu = rand_logits(2, 10)
+    greedy = SamplingParams(temperature=0.0)
+    plain = SamplingParams(temperature=0.8)
+    assert _fast_path(cpu, [state(greedy), state(greedy)]) == "argmax"
+    # A processor on any row sends the whole batch down the general path.
+    assert _fast_path(cpu, [state(greedy), state(SamplingParams(temperature=0.0,
+                                                                 min_tokens=2))]) is None
+    # Random rows: the fused kernel is CUDA-only; on the CPU the general path samples.
+    assert _fast_path(cpu, [state(greedy), state(plain)]) is None
+    # On CUDA (only `is_cuda` is read to choose): plain temperature rows take the kernel.
+    from types import SimpleNamespace
+    from folio.model.kernels._common import HAS_TRITON
+    on_cuda = SimpleNamespace(is_cuda=True)
+    assert _fast_path(on_cuda, [state(greedy), state(plain)]) == ("gumbel" if HAS_TRITON else None)
+    for blocked in (SamplingParams(temperature=0.8, top_k=5),
+                    SamplingParams(temperature=0.8, top_p=0.9),
+                    SamplingParams(temperature=0.8, min_p=0.1),
+                    SamplingParams(temperature=0.8, repetition_penalty=1.1)):
+        assert _fast_path(on_cuda, [state(plain), state(blocked)]) is None, blocked
+    assert _fast_path(on_cuda, [state(plain), state(plain, seed_gen=3)]) is None
+
+
+def test_greedy_fast_path_matches_general_path_and_keeps_logits():
+    logits = rand_logits(5, 64, seed=3).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 40] = 50.0  # a tie: the lowest id wins, as torch.argmax
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logprobs=2 if i % 2 else None) for i in range(5)]
+    sampled, logprobs = Sampler().sample(logits, [state(p) for p in params])
+    assert torch.equal(logits, before)
+    assert sampled.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert sampled[2].item() == 7
+    rows, tensors = logprobs
+    assert rows == [1, 3]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for row, entry in zip(rows, tensors.entries()):
+        assert entry.token_id == sampled[row].item() and entry.rank == 1
+        assert math.isclose(entry.logprob, ref[row, sampled[row]].item(), rel_tol=1e-5)

@@ -52,7 +52,7 @@ def build_engine_config(args: argparse.Namespace):
         model=ModelConfig(model=kw["model"], tokenizer=kw["tokenizer"], dtype=kw["dtype"],
                           seed=kw["seed"], max_model_len=kw["max_model_len"],
                           revision=kw["revision"], device=kw["device"], enforce_eager=kw["enforce_eager"],
-                          generation_config=args.generation_config),
+                          cudagraph_mode=kw["cudagraph_mode"], generation_config=args.generation_config),
         cache=CacheConfig(block_size=kw["block_size"], enable_prefix_caching=kw["enable_prefix_caching"],
                           kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
                           num_gpu_blocks_override=kw["num_gpu_blocks_override"]),

@@ -288,26 +288,39 @@ if HAS_TRITON:
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
+# FOLIO_GEMV: "1" (default) = single-row products only (batch-1 decode, where it pays most and
+# autotunes for one row bucket, a few seconds at start-up); "narrow" = also 2-8 rows where the
+# output is narrow; "all" = wherever supported; "0" = never (cuBLAS throughout).
+_GEMV_MODES = ("0", "1", "narrow", "all")
+
+
+def gemv_mode() -> str:
+    mode = os.environ.get("FOLIO_GEMV", "1")
+    if mode not in _GEMV_MODES:
+        raise ValueError(f"FOLIO_GEMV must be one of {list(_GEMV_MODES)}, got {mode!r}")
+    return mode
+
+
 def gemv_enabled() -> bool:
-    # Opt-in (FOLIO_GEMV=1 or all) until it is measured end to end: its autotuning adds tens
-    # of seconds to a cold start, and at 2-8 rows it only wins on narrow outputs.
-    return (os.environ.get("FOLIO_KERNELS", "triton") == "triton"
-            and os.environ.get("FOLIO_GEMV", "0") in ("1", "all"))
+    return os.environ.get("FOLIO_KERNELS", "triton") == "triton" and gemv_mode() != "0"
 
 
 def skinny_preferred(m: int, n: int, k: int) -> bool:
     """Whether the skinny kernel should replace cuBLAS for an [m, k] x [n, k]^T product it
     supports. On an H200 (tools/gpu_check_gemv.py) it beat cuBLAS at one row for every shape
     tried, and at 2-8 rows where the output is narrow (n <= 2048: cuBLAS runs too few blocks
-    there); at 2-8 rows and wide outputs it was 0-15% slower. FOLIO_GEMV=all uses it
-    wherever supported."""
-    return m == 1 or n <= 2048 or os.environ.get("FOLIO_GEMV") == "all"
+    there); at 2-8 rows and wide outputs it was 0-15% slower. By default only one row takes
+    it (each further row bucket is another autotuning pass at start-up, for a few percent)."""
+    mode = gemv_mode()
+    if m == 1 or mode == "all":
+        return True
+    return mode == "narrow" and n <= 2048
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_matmul(x.reshape(-1, K), weight)` should serve this call: CUDA, triton,
     fp16/bf16 of one dtype, 1..MAX_M rows, a contiguous 2-D weight, no autograd.
-    Off unless FOLIO_GEMV=1 (or all); FOLIO_KERNELS=torch keeps cuBLAS."""
+    Off with FOLIO_GEMV=0 or FOLIO_KERNELS=torch (cuBLAS)."""
     if not (HAS_TRITON and x.is_cuda) or x.dtype not in _DTYPES:
         return False
     if not gemv_enabled():

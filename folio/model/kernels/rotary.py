@@ -1,5 +1,6 @@
 """Rotary embedding (neox layout: the two halves of the rotary dims rotate together) for q and
-k in one launch: program (token, head) over the H query heads and KVH key heads.
+k in one launch: program (token, block of up to 8 heads) over the H query heads, then the KVH
+key heads.
 
 Matches `folio.model.layers.RotaryEmbedding.forward` given its cos/sin tables [P, R] (the two
 halves of each row are equal; the first half is read). Dims past R pass through unchanged.
@@ -15,55 +16,68 @@ import torch
 from folio.model.kernels._common import (
     HAS_TRITON, next_pow2, require_triton, tl, triton, warps_configs)
 
+_HEADS_PER_PROGRAM = 8
+
 if HAS_TRITON:
 
-    @triton.autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D"])
+    @triton.autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D", "HB"])
     @triton.jit
     def _rotary_kernel(POS, Q, K, QO, KO, COS, SIN, QW, KW, eps,
                        stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
-                       H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+                       H: tl.constexpr, KVH: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+                       HAS_NORM: tl.constexpr):
+        # Program (token, block of HB heads): the first ceil(H / HB) blocks are query heads,
+        # the rest key heads. A block of heads rather than one head per program: at decode
+        # sizes a program per head was too little work for its launch slot.
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        if h < H:
-            src = Q + t * stride_qt + h * stride_qh
-            dst = QO + t * stride_qot + h * stride_qoh
+        blk = tl.program_id(1)
+        NQB: tl.constexpr = (H + HB - 1) // HB
+        hb = tl.arange(0, HB)
+        if blk < NQB:
+            heads = blk * HB + hb
+            h_ok = heads < H
+            src = Q + t * stride_qt + heads * stride_qh
+            dst = QO + t * stride_qot + heads * stride_qoh
             w_ptr = QW
         else:
-            src = K + t * stride_kt + (h - H) * stride_kh
-            dst = KO + t * stride_kot + (h - H) * stride_koh
+            heads = (blk - NQB) * HB + hb
+            h_ok = heads < KVH
+            src = K + t * stride_kt + heads * stride_kh
+            dst = KO + t * stride_kot + heads * stride_koh
             w_ptr = KW
         pos = tl.load(POS + t).to(tl.int64)
         i = tl.arange(0, HALF_PAD)
         m = i < HALF
+        mm = h_ok[:, None] & m[None, :]
         dt = Q.dtype.element_ty
-        c = tl.load(COS + pos * stride_cos + i, mask=m, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(SIN + pos * stride_cos + i, mask=m, other=0.0).to(dt).to(tl.float32)
-        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        c = tl.load(COS + pos * stride_cos + i, mask=m, other=0.0).to(dt).to(tl.float32)[None, :]
+        s = tl.load(SIN + pos * stride_cos + i, mask=m, other=0.0).to(dt).to(tl.float32)[None, :]
+        x1 = tl.load(src[:, None] + i[None, :], mask=mm, other=0.0).to(tl.float32)
+        x2 = tl.load(src[:, None] + HALF + i[None, :], mask=mm, other=0.0).to(tl.float32)
         if REST_PAD > 0:
             j = 2 * HALF + tl.arange(0, REST_PAD)
-            mj = j < D
-            x3 = tl.load(src + j, mask=mj, other=0.0).to(tl.float32)
+            mj = h_ok[:, None] & (j < D)[None, :]
+            x3 = tl.load(src[:, None] + j[None, :], mask=mj, other=0.0).to(tl.float32)
         if HAS_NORM:
-            # RMSNorm over the whole head: fp32 statistics, rounded to the dtype, times the
+            # RMSNorm over each whole head: fp32 statistics, rounded to the dtype, times the
             # weight, rounded again (as layers.RMSNorm).
-            sq = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+            sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
             if REST_PAD > 0:
-                sq += tl.sum(x3 * x3, 0)
-            rstd = tl.math.rsqrt(sq / D + eps)
-            w1 = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
+                sq += tl.sum(x3 * x3, 1)
+            rstd = tl.math.rsqrt(sq / D + eps)[:, None]
+            w1 = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)[None, :]
             x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
             x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
             if REST_PAD > 0:
-                w3 = tl.load(w_ptr + j, mask=mj, other=0.0).to(tl.float32)
+                w3 = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)[None, :]
                 x3 = ((x3 * rstd).to(dt).to(tl.float32) * w3).to(dt).to(tl.float32)
-        tl.store(dst + i, (x1 * c - x2 * s).to(dt), mask=m)
-        tl.store(dst + HALF + i, (x2 * c + x1 * s).to(dt), mask=m)
+        tl.store(dst[:, None] + i[None, :], (x1 * c - x2 * s).to(dt), mask=mm)
+        tl.store(dst[:, None] + HALF + i[None, :], (x2 * c + x1 * s).to(dt), mask=mm)
         if REST_PAD > 0:  # partial rotary: the tail is not rotated
-            tl.store(dst + j, x3.to(dt), mask=mj)
+            tl.store(dst[:, None] + j[None, :], x3.to(dt), mask=mj)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -91,10 +105,11 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError("fused qk-norm needs both weights, in the activations' dtype")
     qw = q_norm_weight if has_norm else cos
     kw = k_norm_weight if has_norm else cos
-    _rotary_kernel[(T, H + KVH)](
+    hb = min(_HEADS_PER_PROGRAM, next_pow2(max(H, KVH)))
+    _rotary_kernel[(T, triton.cdiv(H, hb) + triton.cdiv(KVH, hb))](
         positions, q, k, q_out, k_out, cos, sin, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-        H=H, D=D, HALF=half, HALF_PAD=next_pow2(half), REST_PAD=next_pow2(rest) if rest else 0,
-        HAS_NORM=has_norm)
+        H=H, KVH=KVH, HB=hb, D=D, HALF=half, HALF_PAD=next_pow2(half),
+        REST_PAD=next_pow2(rest) if rest else 0, HAS_NORM=has_norm)
     return q_out, k_out
