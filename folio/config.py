@@ -13,7 +13,8 @@ DEFAULT_MAX_NUM_SEQS_CUDA = 256
 DEFAULT_MAX_NUM_SEQS_CPU = 128
 
 
-def _uses_cuda(device: str) -> bool:
+def uses_cuda(device: str) -> bool:
+    """Whether the engine will run on CUDA ("auto" picks it when present)."""
     if device == "auto":
         import torch
         return torch.cuda.is_available()
@@ -159,7 +160,7 @@ class EngineConfig:
             self.model.max_model_len = model_max_len
         sched = self.scheduler
         if sched.max_num_seqs is None:
-            sched.max_num_seqs = (DEFAULT_MAX_NUM_SEQS_CUDA if _uses_cuda(self.model.device)
+            sched.max_num_seqs = (DEFAULT_MAX_NUM_SEQS_CUDA if uses_cuda(self.model.device)
                                   else DEFAULT_MAX_NUM_SEQS_CPU)
         if sched.max_num_batched_tokens is None:
             # With chunked prefill a modest budget keeps decode latency low; without it, a
