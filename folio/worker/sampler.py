@@ -435,7 +435,8 @@ def _fast_path(logits: torch.Tensor, states: list[SamplingState]) -> str | None:
                 plain = False
     if greedy:
         return "argmax"
-    if plain and logits.is_cuda and _has_triton():
+    # The kernel numbers its random draws row * vocab + token in 32 bits.
+    if plain and logits.is_cuda and _has_triton() and logits.shape[0] * logits.shape[1] < 2**31:
         return "gumbel"
     return None
 

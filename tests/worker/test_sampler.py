@@ -446,8 +446,11 @@ def test_fast_path_choice():
     # On CUDA (only `is_cuda` is read to choose): plain temperature rows take the kernel.
     from types import SimpleNamespace
     from folio.model.kernels._common import HAS_TRITON
-    on_cuda = SimpleNamespace(is_cuda=True)
+    on_cuda = SimpleNamespace(is_cuda=True, shape=(2, 10))
     assert _fast_path(on_cuda, [state(greedy), state(plain)]) == ("gumbel" if HAS_TRITON else None)
+    # Past 2**31 draws the kernel's 32-bit draw counter would repeat: the general path.
+    huge = SimpleNamespace(is_cuda=True, shape=(20_000, 151_936))
+    assert _fast_path(huge, [state(plain)] * 2) is None
     for blocked in (SamplingParams(temperature=0.8, top_k=5),
                     SamplingParams(temperature=0.8, top_p=0.9),
                     SamplingParams(temperature=0.8, min_p=0.1),

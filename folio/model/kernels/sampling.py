@@ -95,6 +95,8 @@ def gumbel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) ->
         raise ValueError(f"{len(temperatures)} temperatures for {rows} rows")
     if logits.stride(1) != 1:
         raise ValueError("logits rows must be contiguous")
+    if rows * vocab >= 2**31:
+        raise ValueError("more than 2**31 logits: the draw counter is 32-bit")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
