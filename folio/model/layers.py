@@ -151,10 +151,7 @@ def _skinny_input(x: torch.Tensor, linear: nn.Linear,
     x2 = x.reshape(-1, x.shape[-1])
     if not gemv.skinny_supported(x2, linear.weight):
         return None
-    rows = x2.shape[0]
-    if fused:
-        return x2 if rows == 1 or gemv.gemv_mode() != "1" else None
-    return x2 if gemv.skinny_preferred(rows, *linear.weight.shape) else None
+    return x2 if gemv.skinny_preferred(x2.shape[0], *linear.weight.shape, fused=fused) else None
 
 
 class Linear(nn.Linear):

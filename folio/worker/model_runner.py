@@ -132,7 +132,6 @@ class ModelRunner:
         nothing to the KV cache (every slot is padding)."""
         bs = self.block_size
         batches = [[5], [3, 9], [200], [120, 60], [max_num_tokens], [max_num_tokens // 2] * 2]
-        logits = None
         for lens in batches:
             if sum(lens) > max_num_tokens or min(lens) < 1:
                 continue
@@ -147,17 +146,15 @@ class ModelRunner:
             ids = torch.zeros(total, dtype=torch.int64, device=self.device)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[-1:])
+            self.model.compute_logits(hidden[-1:])
         if self.device.type == "cuda":
-            from folio.model.kernels import sampling
-            if sampling.HAS_TRITON and logits is not None:
-                sampling.warm_up(logits)  # the sampler's fused kernels
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def warm_up_sampling(self, num_seqs: int) -> None:
         """Logits and sampling at the largest batch, each way the sampler can go (greedy,
-        temperature only, filters), after the KV cache is allocated: the device and pinned
+        one temperature, a temperature per row, filters), after the KV cache is allocated:
+        Triton compiles the fused sampling kernel's variants here, and the device and pinned
         host allocators keep the blocks, so the first busy steps do not stop to grow them (a
         cudaMalloc or a pinned allocation waits for the device)."""
         from folio.sampling_params import SamplingParams
@@ -165,10 +162,11 @@ class ModelRunner:
                              dtype=next(self.model.parameters()).dtype)
         rows = device_tensor(list(range(num_seqs)), self.device, torch.int64)
         logits = self.model.compute_logits(hidden[rows])
-        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                       SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)):
-            self.sampler.sample(logits, [SamplingState(params, [0], [], None)
-                                         for _ in range(num_seqs)])
+        greedy, plain = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+        per_row = [plain if i % 2 else greedy for i in range(num_seqs)]
+        for params in ([greedy] * num_seqs, [plain] * num_seqs, per_row,
+                       [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)] * num_seqs):
+            self.sampler.sample(logits, [SamplingState(p, [0], [], None) for p in params])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

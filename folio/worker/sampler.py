@@ -96,20 +96,10 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
 
         # Logprobs report the raw model distribution, so take them first.
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = index = None
-        if logprob_rows:
-            index = device_tensor(logprob_rows, logits.device, torch.int64)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)
-
+        raw = _raw_logprobs(logits, params)
         self._apply_processors(logits, states, _PendingTokens.of(states, prev_sampled))
         sampled = _sample(logits, states)
-
-        if raw_logprobs is None:
-            return sampled, None
-        tensors = _logprobs_tensors(raw_logprobs, sampled.index_select(0, index),
-                                    [params[i].logprobs for i in logprob_rows])
-        return sampled, (logprob_rows, tensors)
+        return sampled, _with_sampled(raw, sampled, params)
 
     def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams], how: str
                       ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
@@ -122,14 +112,7 @@ class Sampler:
             self._calls += 1
             sampled = gumbel_sample(logits, [p.temperature for p in params],
                                     self._seed + self._calls * 0x9E3779B1)
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not logprob_rows:
-            return sampled, None
-        index = device_tensor(logprob_rows, logits.device, torch.int64)
-        raw = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
-        tensors = _logprobs_tensors(raw, sampled.index_select(0, index),
-                                    [params[i].logprobs for i in logprob_rows])
-        return sampled, (logprob_rows, tensors)
+        return sampled, _with_sampled(_raw_logprobs(logits, params), sampled, params)
 
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState],
                        prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +133,30 @@ class Sampler:
         _apply_bad_words(logits, states)
         _apply_min_tokens(logits, states, pending)
         _apply_penalties(logits, states, pending)
+
+
+# The rows that asked for logprobs, their index on the device, and their raw logprobs.
+_RawLogprobs = tuple[list[int], torch.Tensor, torch.Tensor]
+
+
+def _raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> _RawLogprobs | None:
+    """Float32 log-softmax of the rows whose request asked for logprobs (None if none did)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    index = device_tensor(rows, logits.device, torch.int64)
+    return rows, index, torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
+
+
+def _with_sampled(raw: _RawLogprobs | None, sampled: torch.Tensor, params: list[SamplingParams]
+                  ) -> tuple[list[int], LogprobsTensors] | None:
+    """Those rows' logprobs of the sampled tokens and their top alternatives, as tensors."""
+    if raw is None:
+        return None
+    rows, index, logprobs = raw
+    tensors = _logprobs_tensors(logprobs, sampled.index_select(0, index),
+                                [params[i].logprobs for i in rows])
+    return rows, tensors
 
 
 class _PendingTokens:
@@ -244,12 +251,6 @@ class LogprobsTensors:
             )
             for i in range(rows)
         ]
-
-
-def _gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
-) -> list[SampledTokenLogprobs]:
-    return _logprobs_tensors(logprobs, token_ids, num_tops).entries()
 
 
 def _logprobs_tensors(

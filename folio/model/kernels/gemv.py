@@ -305,16 +305,17 @@ def gemv_enabled() -> bool:
     return os.environ.get("FOLIO_KERNELS", "triton") == "triton" and gemv_mode() != "0"
 
 
-def skinny_preferred(m: int, n: int, k: int) -> bool:
+def skinny_preferred(m: int, n: int, k: int, fused: bool = False) -> bool:
     """Whether the skinny kernel should replace cuBLAS for an [m, k] x [n, k]^T product it
-    supports. On an H200 (tools/gpu_check_gemv.py) it beat cuBLAS at one row for every shape
-    tried, and at 2-8 rows where the output is narrow (n <= 2048: cuBLAS runs too few blocks
-    there); at 2-8 rows and wide outputs it was 0-15% slower. By default only one row takes
-    it (each further row bucket is another autotuning pass at start-up, for a few percent)."""
+    supports (`fused`: the gate_up + SiLU-and-mul kernel, which also saves a launch and a pass).
+    On an H200 (tools/gpu_check_gemv.py) it beat cuBLAS at one row for every shape tried, and
+    at 2-8 rows where the output is narrow (n <= 2048: cuBLAS runs too few blocks there); at
+    2-8 rows and wide outputs it was 0-15% slower. By default only one row takes it (each
+    further row bucket is another autotuning pass at start-up, for a few percent)."""
     mode = gemv_mode()
     if m == 1 or mode == "all":
         return True
-    return mode == "narrow" and n <= 2048
+    return mode == "narrow" and (fused or n <= 2048)
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -122,11 +122,3 @@ def gumbel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) ->
                                    num_warps=1)
     return out
 
-
-def warm_up(logits_row: torch.Tensor) -> None:
-    """Compile both variants (one temperature for the batch, or one per row) for the model's
-    logits (dtype and vocabulary, given one row [1, vocab]) at start-up rather than under the
-    first requests."""
-    logits = logits_row.expand(2, -1).contiguous()
-    gumbel_sample(logits, [1.0, 1.0], seed=0)
-    gumbel_sample(logits, [0.0, 0.7], seed=0)
