@@ -147,11 +147,39 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class RequestLimitsConfig:
+    """Upper bounds on every request field that sizes work, checked in the front end (the API
+    process, or LLM offline) before anything is allocated. vLLM's names where it has them
+    (`max_logprobs`); the defaults follow OpenAI's (n <= 128, 20 logprobs)."""
+
+    max_n: int = 128                  # n and best_of
+    max_logprobs: int = 20            # logprobs, top_logprobs, prompt_logprobs (-1: no limit)
+    max_prompts: int = 256            # prompts in one batched completions request
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 512
+    max_logit_bias_entries: int = 1024
+    max_token_id_list: int = 4096     # allowed_token_ids, stop_token_ids
+    max_bad_words: int = 256
+    max_bad_word_chars: int = 512
+    max_schema_bytes: int = 1 << 20   # a structured-output schema / grammar, serialized
+    max_schema_depth: int = 64        # JSON nesting of a schema (vLLM refuses deeper than 64)
+    max_tools: int = 128              # OpenAI's limit on tools in one chat request
+    max_json_depth: int = 128         # nesting of a request body on the server
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            _require(isinstance(value, int) and not isinstance(value, bool)
+                     and (value >= 1 or (name == "max_logprobs" and value == -1)),
+                     name, f"must be a positive int, got {value!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     disable_log_stats: bool = True
 
     def finalize(self, model_max_len: int) -> None:

@@ -21,9 +21,12 @@ from folio.structured_output.params import StructuredOutputsParams
 # such a small number would only amplify floating-point noise.
 _SAMPLING_EPS = 1e-5
 
-# OpenAI clamps logit_bias values to this range; larger magnitudes would not
-# change the outcome anyway (they already force or forbid a token).
+# OpenAI's range for logit_bias values; larger magnitudes would not change the
+# outcome anyway (they already force or forbid a token), so they are refused.
 _MAX_LOGIT_BIAS = 100.0
+
+# Seeds feed torch.Generator.manual_seed and msgspec's int64 on the wire.
+_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class RequestOutputKind(enum.Enum):
@@ -171,6 +174,9 @@ class SamplingParams:
         self.top_k = _check_int("top_k", self.top_k)
         self.min_p = _check_float("min_p", self.min_p)
         self.seed = _check_int("seed", self.seed, optional=True)
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit signed integer "
+                             f"[-2**63, 2**63 - 1], got {self.seed}")
         self.max_tokens = _check_int("max_tokens", self.max_tokens, optional=True)
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         self.logprobs = _check_int("logprobs", self.logprobs, optional=True)
@@ -233,7 +239,10 @@ class SamplingParams:
             if token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}")
             value = _check_float("logit_bias", value)
-            out[token_id] = min(max(value, -_MAX_LOGIT_BIAS), _MAX_LOGIT_BIAS)
+            if not -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} "
+                                 f"for token {token_id}")
+            out[token_id] = value
         return out
 
     def _verify_ranges(self) -> None:

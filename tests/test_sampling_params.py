@@ -46,10 +46,25 @@ def test_top_k_minus_one_means_disabled():
     assert SamplingParams(top_k=5).top_k == 5
 
 
-def test_logit_bias_string_keys_and_clamping():
-    p = SamplingParams(logit_bias={"12": 5, 7: 250.0, " 3": -1000})
+def test_logit_bias_string_keys_and_range():
+    p = SamplingParams(logit_bias={"12": 5, 7: 100.0, " 3": -100})
     assert p.logit_bias == {12: 5.0, 7: 100.0, 3: -100.0}
     assert all(isinstance(k, int) for k in p.logit_bias)
+    # OpenAI's range: outside it is an error naming the field, not a silent clamp.
+    for value in (100.5, -250.0):
+        with pytest.raises(ValueError, match=r"^logit_bias"):
+            SamplingParams(logit_bias={7: value})
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+def test_seed_outside_int64_is_refused(seed):
+    with pytest.raises(ValueError, match=r"^seed"):
+        SamplingParams(seed=seed, temperature=1.0)
+
+
+def test_seed_int64_bounds_accepted():
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_int_accepted_for_float_fields():

@@ -35,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="fcfs, or priority (lower value first, then arrival)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="never use CUDA graphs (by default, every step replays them on CUDA)")
+                        help="never use CUDA graphs (otherwise every step replays them on CUDA)")
     parser.add_argument("--cudagraph-mode", default="full", type=str.lower,
                         choices=["full", "full_decode_only"],
                         help="which steps replay CUDA graphs: full = pure-decode and mixed "
@@ -47,6 +47,29 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         default="auto", choices=["auto", "xgrammar", "guidance"],
                         help="grammar backend for constrained decoding ('auto': xgrammar, falling "
                              "back to guidance for what xgrammar rejects)")
+    _add_limit_args(parser)
+
+
+# Request limits that apply offline too (the server adds its own: body depth, prompts, tools).
+_LIMIT_FLAGS = {
+    "max_n": "most samples per request (n, best_of)",
+    "max_logprobs": "most logprobs / top_logprobs / prompt_logprobs per token (-1: no limit)",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_string_chars": "longest stop string",
+    "max_logit_bias_entries": "most logit_bias entries",
+    "max_token_id_list": "longest allowed_token_ids / stop_token_ids list",
+    "max_bad_words": "most bad_words",
+    "max_bad_word_chars": "longest bad word",
+    "max_schema_bytes": "largest structured-output schema, regex or grammar, in bytes",
+    "max_schema_depth": "deepest JSON nesting of a structured-output schema",
+}
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from folio.config import RequestLimitsConfig
+    for name, text in _LIMIT_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(RequestLimitsConfig, name), help=text)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,4 +88,6 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=getattr(args, "async_scheduling", None),
         structured_outputs_config={
             "backend": getattr(args, "structured_outputs_backend", "auto"),
-            "reasoning_parser": getattr(args, "reasoning_parser", None)})
+            "reasoning_parser": getattr(args, "reasoning_parser", None)},
+        request_limits={name: getattr(args, name) for name in _LIMIT_FLAGS
+                        if hasattr(args, name)})

@@ -9,6 +9,7 @@ blocks the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -17,7 +18,8 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import zmq
 
@@ -28,25 +30,40 @@ from folio.engine.core_proc import run_engine_core
 from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_params, load_model_info
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
+from folio.metrics.stats_logger import StatsLogger
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+# How often the stats line is logged while the engine is busy (vLLM's interval).
+STATS_LOG_INTERVAL_S = 10.0
+
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; requests cannot be served."""
+    """The engine-core process is gone (or shutting down); requests cannot be served."""
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, metrics: Any | None = None,
-                 ready_timeout_s: float = 900.0) -> None:
+                 ready_timeout_s: float = 900.0, log_stats: bool = False,
+                 log_level: int | None = None) -> None:
         self.config = config
         self.model_info: ModelInfo = load_model_info(config)
-        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend)
+        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
+                                        config.limits)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.metrics = metrics
         self.stats = SchedulerStats()
+        self.stats_logger = StatsLogger() if log_stats else None
+        self._stats_task: asyncio.Task | None = None
+        # Tokenizing, chat templates, constraint checks and building large responses run here,
+        # off the event loop, so /health and other streams never wait behind one request.
+        # One thread: tokenizers and templates are then never used concurrently.
+        self.preprocess_pool = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="folio-preprocess")
         self.errored: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
@@ -54,6 +71,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._draining: str | None = None  # set by begin_shutdown
 
         self._ipc_dir = tempfile.mkdtemp(prefix="folio-ipc-")
         input_address = f"ipc://{self._ipc_dir}/input"
@@ -64,8 +82,11 @@ class AsyncLLM:
         self._recv_socket = self._context.socket(zmq.PULL)
         self._recv_socket.bind(output_address)
         ctx = multiprocessing.get_context("spawn")
+        if log_level is None:
+            log_level = logging.getLogger("folio").getEffectiveLevel()
         self.process = ctx.Process(target=run_engine_core, name="folio-engine-core",
-                                   args=(config, input_address, output_address, os.getpid()),
+                                   args=(config, input_address, output_address, os.getpid(),
+                                         log_level),
                                    daemon=True)
         self.process.start()
         try:
@@ -73,6 +94,7 @@ class AsyncLLM:
         except Exception:
             self.shutdown()
             raise
+        self.preparer.kv_capacity_tokens = self.ready.num_blocks * self.ready.block_size
         self._receiver = threading.Thread(target=self._receive_loop, name="folio-output-receiver",
                                           daemon=True)
 
@@ -96,12 +118,45 @@ class AsyncLLM:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._receiver.start()
+            if self.stats_logger is not None:
+                self._stats_task = self._loop.create_task(self._log_stats_forever())
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine core (graceful, then forced) and release sockets. Idempotent."""
+    async def _log_stats_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(STATS_LOG_INTERVAL_S)
+            self.stats_logger.maybe_log(time.monotonic(), self.stats)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run per-request work that can take long (tokenizing, templates, parsing
+        constraints, building big responses) on the preprocessing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, fn, *args)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    def abort_all(self, reason: str) -> None:
+        """Fail every open request with EngineDeadError(reason) and abort it in the engine
+        core (server shutdown: streams end with a clean error instead of being cut)."""
+        for request_id in list(self._queues):
+            self._abort_locally(request_id)
+        self._fail_all(EngineDeadError(reason))
+
+    def begin_shutdown(self, reason: str) -> None:
+        """From a signal handler: refuse new requests (health goes 503) and fail the open
+        ones on the event loop."""
+        self._draining = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abort_all, reason)
+
+    def shutdown(self, timeout_s: float = 4.0) -> None:
+        """Stop the engine core (graceful, then forced) and release sockets. Idempotent.
+        Bounded: at most timeout_s + 2 s, so a server stops within its 10 s promise."""
         if self._closed:
             return
         self._closed = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         try:
             if self.process.is_alive():
                 self._send_socket.send_multipart(msg.encode(msg.SHUTDOWN, None), flags=zmq.NOBLOCK)
@@ -110,14 +165,15 @@ class AsyncLLM:
         self.process.join(timeout_s)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(5)
+            self.process.join(1)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(5)
+            self.process.join(1)
         self._send_socket.close(linger=0)
         self._recv_socket.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.preprocess_pool.shutdown(wait=False, cancel_futures=True)
         self._fail_all(EngineDeadError("the engine is shut down"))
 
     # ---- model facts the server needs ----------------------------------------------------
@@ -135,13 +191,26 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self.errored is None and not self._closed and self.process.is_alive()
+        return (self.errored is None and self._draining is None and not self._closed
+                and self.process.is_alive())
 
     # ---- requests ------------------------------------------------------------------------
 
+    @property
+    def unavailable_reason(self) -> str:
+        return self.errored or self._draining or "the engine core is not running"
+
+    def _unavailable(self) -> EngineDeadError:
+        return EngineDeadError(self.unavailable_reason)
+
+    @property
+    def _core_reachable(self) -> bool:
+        """The engine core can still take messages (also while draining for shutdown)."""
+        return self.errored is None and not self._closed and self.process.is_alive()
+
     def _send(self, kind: bytes, payload: Any) -> None:
         if not self.is_healthy:
-            raise EngineDeadError(self.errored or "the engine core is not running")
+            raise self._unavailable()
         self._send_socket.send_multipart(msg.encode(kind, payload))
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
@@ -152,12 +221,17 @@ class AsyncLLM:
         dies. Closing the stream early (client gone) aborts the request."""
         self._ensure_started()
         if not self.is_healthy:
-            raise EngineDeadError(self.errored or "the engine core is not running")
+            raise self._unavailable()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prepared = self.preparer.prepare(request_id, prompt, params, priority=priority,
-                                         cache_salt=cache_salt)
+        prepared = await self.run_blocking(functools.partial(
+            self.preparer.prepare, request_id, prompt, params, priority=priority,
+            cache_salt=cache_salt))
+        if request_id in self._queues:  # taken while this one was being prepared
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not self.is_healthy:
+            raise self._unavailable()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = prepared.core_requests[0].arrival_time
@@ -191,7 +265,7 @@ class AsyncLLM:
 
     def _abort_locally(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
-        if child_ids and self.is_healthy:
+        if child_ids and self._core_reachable:
             self._send_socket.send_multipart(msg.encode(msg.ABORT, child_ids))
         if child_ids and self.metrics is not None:
             self.metrics.request_aborted(request_id, time.monotonic())
@@ -257,8 +331,10 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.observe_scheduler_stats(step.stats)
             self._record_token_metrics(step, now)
+        if self.stats_logger is not None:
+            self._count_tokens(step)
         outputs, stopped = self.output_processor.process(step.outputs)
-        if stopped and self.is_healthy:
+        if stopped and self._core_reachable:
             self._send_socket.send_multipart(msg.encode(msg.FINISH, stopped))
         for output in outputs:
             if output.finished and self.metrics is not None:
@@ -282,6 +358,19 @@ class AsyncLLM:
             per_parent[parent_id] = (count + len(out.new_token_ids), first or out.first_scheduled_time)
         for parent_id, (count, first_scheduled) in per_parent.items():
             self.metrics.tokens_generated(parent_id, count, now, first_scheduled)
+
+    def _count_tokens(self, step: msg.StepOutputs) -> None:
+        """Prompt tokens computed (counted at each child's first token, less its prefix-cache
+        hit) and tokens generated, for the stats line."""
+        prompt = generated = 0
+        for out in step.outputs:
+            if not out.new_token_ids:
+                continue
+            generated += len(out.new_token_ids)
+            child = self.output_processor.children.get(out.request_id)
+            if child is not None and not child.token_ids:
+                prompt += len(child.parent.prompt_token_ids) - out.num_cached_tokens
+        self.stats_logger.record(prompt, generated)
 
     def _on_engine_dead(self, reason: str) -> None:
         logger.error("%s", reason)

@@ -26,10 +26,13 @@ _IDLE_POLL_MS = 500
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_pid: int) -> None:
+                    parent_pid: int, log_level: int = logging.WARNING) -> None:
     """Process entry point (multiprocessing target)."""
     # Ctrl-C goes to the whole process group; the front end decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A spawned process starts with no logging set up: start-up progress (loading weights,
+    # warming up, KV cache size) would be lost. Same level and format as the front end's.
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
@@ -63,6 +66,7 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     last_parent_check = time.monotonic()
+    last_stats = None
     while True:
         # Block only while idle; with work queued, just drain what has arrived.
         timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
@@ -80,8 +84,17 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
                 return
         if core.has_unfinished_requests() or core.has_pending_notifications():
             outputs = core.step()
+            last_stats = core.stats()
             outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
-                outputs, core.stats(), time.monotonic())))
+                outputs, last_stats, time.monotonic())))
+        else:
+            # Idle after aborts or finishes that needed no step: the front end's gauges (KV
+            # use, running, waiting) must not keep the last busy step's values.
+            stats = core.stats()
+            if stats != last_stats:
+                last_stats = stats
+                outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
+                    [], stats, time.monotonic())))
 
 
 def _handle(core, kind: bytes, payload, outbox: zmq.Socket) -> None:

@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from folio.config import EngineConfig
+from folio.config import EngineConfig, RequestLimitsConfig
 from folio.core.request import EngineCoreRequest
 from folio.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from folio.engine.request_limits import check_kv_fit, check_sampling_limits
 from folio.engine.tokenizer import eos_token_ids, load_tokenizer
 from folio.model.families import arch_spec_from_hf_config
 from folio.model.loader import ModelSource, load_hf_config, resolve_model_source
@@ -89,10 +90,19 @@ class PreparedRequest:
     core_requests: list[EngineCoreRequest]
 
 
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of the index-th of n samples: seed + index, wrapped into int64."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 class RequestPreparer:
-    def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto") -> None:
+    def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto",
+                 limits: RequestLimitsConfig | None = None) -> None:
         self.info = info
         self.structured_outputs_backend = structured_outputs_backend
+        self.limits = limits or RequestLimitsConfig()
+        # Tokens the KV cache holds; set once the engine core has sized it.
+        self.kv_capacity_tokens: int | None = None
         self.input_processor = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len)
 
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
@@ -105,6 +115,8 @@ class RequestPreparer:
             raise ValueError(f"priority must be an int, got {priority!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        # Bounds first: everything after this point costs time or memory in proportion to them.
+        check_sampling_limits(params, self.limits)
         params = params.clone()
         if params.structured_outputs is not None:
             # A bad schema/regex/grammar is the caller's error (a 400), found here in well
@@ -118,6 +130,8 @@ class RequestPreparer:
             # tokens (e.g. Qwen's <tool_call>), which would break patterns and lengths.
             params.spaces_between_special_tokens = False
         processed = self.input_processor.process(prompt, params)
+        check_kv_fit(len(processed.prompt_token_ids), params, self.info.max_model_len,
+                     self.kv_capacity_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
             child_ids, child_params = [request_id], [params]
@@ -128,7 +142,7 @@ class RequestPreparer:
                 child = params.clone()
                 child.n = 1
                 if params.seed is not None:
-                    child.seed = params.seed + i
+                    child.seed = _child_seed(params.seed, i)
                 child_ids.append(f"{request_id}-{i}")
                 child_params.append(child)
         core_requests = [

@@ -21,7 +21,9 @@ class LLMEngine:
         self.model_info = load_model_info(config)
         self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config,
                                       self.model_info.tokenizer)
-        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend)
+        self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
+                                        config.limits)
+        self.preparer.kv_capacity_tokens = self.engine_core.num_blocks * config.cache.block_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

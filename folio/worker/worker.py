@@ -43,6 +43,7 @@ class Worker:
         self.timings: dict[str, float] = {"load_s": 0.0, "profile_s": 0.0, "kv_alloc_s": 0.0,
                                           "warm_up_s": 0.0, "graph_capture_s": 0.0}
         start = time.perf_counter()
+        logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len)
         if self.device.type == "cuda":
@@ -70,6 +71,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device)
         if self.device.type == "cuda":
             start = time.perf_counter()
+            logger.info("warming up kernels (Triton compiles and autotunes on a first start)")
             self.runner.warm_up(min(config.scheduler.max_num_batched_tokens,
                                     config.model.max_model_len))
             self.timings["warm_up_s"] = time.perf_counter() - start

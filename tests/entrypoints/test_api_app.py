@@ -69,6 +69,6 @@ def test_unhealthy_engine():
     engine.is_healthy = False
     engine.errored = "the engine core exited (code -9)"
     app = build_app(engine, ServerSettings(served_model_names=["m"]))
-    assert _get(app, "GET", "/health").status_code == 500
+    assert _get(app, "GET", "/health").status_code == 503
     r = _get(app, "POST", "/v1/completions", json={"prompt": "hi"})
-    assert r.status_code == 500 and "exited" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "exited" in r.json()["error"]["message"]

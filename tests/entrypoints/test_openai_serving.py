@@ -296,11 +296,11 @@ def test_chat_max_completion_tokens_error_names_it(tokenizer):
 
 @pytest.mark.parametrize("model,fields,param", [
     (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature"),
-    (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (CompletionRequest, {"prompt": "x", "logprobs": -1}, "logprobs"),
     (CompletionRequest, {"prompt": [1.5]}, "prompt"),
     (CompletionRequest, {}, "prompt"),
     (ChatCompletionRequest, {"messages": []}, "messages"),
-    (ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": 30}, "top_logprobs"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": -2}, "top_logprobs"),
     (ChatCompletionRequest, {"messages": MESSAGES, "stop_token_ids": ["a"]},
      "stop_token_ids[0]"),
     (ChatCompletionRequest, {"messages": MESSAGES, "stream_options": {"include_usage": "x"}},
@@ -334,23 +334,28 @@ def test_context_length_errors(tokenizer):
     err = error_of(completion, engine, prompt="word " * 40)
     assert err.status_code == 400 and err.code == "context_length_exceeded"
     assert "maximum context length is 32 tokens" in err.message
-    err = error_of(completion, engine, prompt="Hi there", max_tokens=31)
-    prompt_len = len(tokenizer.encode("Hi there"))
-    assert err.param == "max_tokens"
-    assert (f"you requested {prompt_len + 31} tokens ({prompt_len} in the prompt, 31 in the "
-            f"completion)") in err.message
+    # More than the whole context: no prompt could leave that room.
+    err = error_of(completion, engine, prompt="Hi there", max_tokens=33)
+    assert err.param == "max_tokens" and err.code == "context_length_exceeded"
+    assert "at most the model's maximum context length of 32" in err.message
     assert not engine.calls  # nothing reached the engine
+    # Within the context but past the prompt's room: clamped to the room (vLLM's rule).
+    prompt_len = len(tokenizer.encode("Hi there"))
+    completion(engine, prompt="Hi there", max_tokens=31)
+    assert engine.calls[-1]["params"].max_tokens == 32 - prompt_len
     chat(FakeEngine(tokenizer))
     chat_len = len(engine_prompt_ids := FakeEngine(tokenizer).tokenizer.encode(
         tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False))
     assert engine_prompt_ids
     engine = FakeEngine(tokenizer, max_model_len=chat_len + 5)
-    err = error_of(chat, engine, max_completion_tokens=10)
+    err = error_of(chat, engine, max_completion_tokens=chat_len + 6)
     assert err.param == "max_completion_tokens"
-    assert f"({chat_len} in the messages, 10 in the completion)" in err.message
-    err = error_of(chat, engine, max_tokens=10)
+    err = error_of(chat, engine, max_tokens=chat_len + 6)
     assert err.param == "max_tokens"
+    chat(engine, max_tokens=10)
+    assert engine.calls[-1]["params"].max_tokens == 5
+    engine.calls.clear()
     err = error_of(chat, FakeEngine(tokenizer, max_model_len=chat_len))
     assert err.param == "messages" and f"has {chat_len} input tokens" in err.message
     assert not engine.calls
@@ -417,14 +422,14 @@ def test_engine_value_error_is_400(tokenizer):
     assert error_of(chat, engine).param == "messages"
 
 
-def test_engine_dead_is_500(tokenizer):
+def test_engine_dead_is_503(tokenizer):
     engine = FakeEngine(tokenizer)
     engine.raise_on_generate = EngineDeadError("the engine core exited (code 1)")
     for fn in (chat, completion):
         for stream in (False, True):
             err = error_of(fn, engine, stream=stream)
-            assert err.status_code == 500 and err.type == "InternalServerError"
-            assert err.to_response_body()["error"]["type"] == "InternalServerError"
+            assert err.status_code == 503 and err.type == "ServiceUnavailableError"
+            assert err.to_response_body()["error"]["type"] == "ServiceUnavailableError"
 
 
 def test_error_after_stream_started_is_an_event(tokenizer):
@@ -432,7 +437,7 @@ def test_error_after_stream_started_is_an_event(tokenizer):
     engine.raise_mid_stream = EngineDeadError("boom")
     out = events(chat(engine, stream=True))
     assert out[-1] == "[DONE]"
-    assert out[-2]["error"]["type"] == "InternalServerError"
+    assert out[-2]["error"]["type"] == "ServiceUnavailableError"
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     out = events(completion(engine, stream=True))
     assert out[-1] == "[DONE]" and "boom" in out[-2]["error"]["message"]

@@ -6,10 +6,13 @@ error leaves as OpenAI's error body; the engine and the other requests go on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -22,8 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import folio
-from folio.engine.async_llm import AsyncLLM, EngineDeadError
-from folio.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from folio.engine.async_llm import AsyncLLM
+from folio.engine.request_limits import json_depth_exceeds
+from folio.engine.input_processor import encode_prompt
+from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
 from folio.entrypoints.openai.serving_common import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT_MAX_BODY_BYTES
@@ -46,13 +52,16 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     allowed_origins: list[str] = field(default_factory=list)
     max_request_body_bytes: int = _DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int = 128
+    # A request's own chat_template is Jinja run in the server: refused unless trusted.
+    trust_request_chat_template: bool = False
 
 
 def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.to_response_body(), status_code=error.status_code, headers=headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int, max_depth: int) -> Any:
     body = bytearray()
     async for chunk in request.stream():
         body.extend(chunk)
@@ -62,10 +71,15 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise OpenAIError("request body is empty; expected a JSON object")
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise OpenAIError(f"request body nests deeper than {max_depth} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise OpenAIError("request body must be a JSON object")
+    # Fewer brackets than the limit cannot nest past it: the walk is skipped for most bodies.
+    if body.count(b"[") + body.count(b"{") > max_depth and json_depth_exceeds(data, max_depth):
+        raise OpenAIError(f"request body nests deeper than {max_depth} levels")
     return data
 
 
@@ -159,10 +173,22 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def _unavailable() -> OpenAIError:
+        reason = getattr(engine, "unavailable_reason", None) or engine.errored or "shut down"
+        return OpenAIError(f"the engine is not available: {reason}", status_code=503,
+                           type="ServiceUnavailableError")
+
     def _check_engine() -> None:
         if not engine.is_healthy:
-            raise OpenAIError(f"the engine is not running: {engine.errored or 'shut down'}",
-                              status_code=500, type="InternalServerError")
+            raise _unavailable()
+
+    def _check_template(data: dict) -> None:
+        if data.get("chat_template") is not None and not settings.trust_request_chat_template:
+            raise OpenAIError("a request's own chat_template is refused unless the server runs "
+                              "with --trust-request-chat-template", param="chat_template")
+
+    async def _body(request: Request) -> dict:
+        return await _read_json(request, settings.max_request_body_bytes, settings.max_json_depth)
 
     async def _completion(data: dict, request: Request) -> Response:
         _check_engine()
@@ -172,22 +198,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
 
     async def _chat(data: dict, request: Request) -> Response:
         _check_engine()
+        _check_template(data)
         parsed = _parse(ChatCompletionRequest, data)
         return _respond(await chat.create_chat_completion(
             parsed, request_id=_request_id(request, "chatcmpl"), is_disconnected=request.is_disconnected))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body("CompletionRequest"))
     async def create_completion(request: Request):
-        return await _completion(await _read_json(request, settings.max_request_body_bytes), request)
+        return await _completion(await _body(request), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body("ChatCompletionRequest"))
     async def create_chat_completion(request: Request):
-        return await _chat(await _read_json(request, settings.max_request_body_bytes), request)
+        return await _chat(await _body(request), request)
 
-    @app.post("/invocations")
+    @app.post("/invocations", openapi_extra=_json_body("ChatCompletionRequest",
+                                                       "CompletionRequest"))
     async def invocations(request: Request):
         """SageMaker-style: one route, dispatched on the body's shape."""
-        data = await _read_json(request, settings.max_request_body_bytes)
+        data = await _body(request)
         if "messages" in data:
             return await _chat(data, request)
         if "prompt" in data:
@@ -202,45 +230,49 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
                  for name in settings.served_model_names]
         return {"object": "list", "data": cards}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        data = await _read_json(request, settings.max_request_body_bytes)
+    def _tokenize(data: TokenizeRequest) -> dict:
         tokenizer = engine.tokenizer
-        if "messages" in data:
+        if data.messages is not None:
             from folio.engine.chat import apply_chat_template
             try:
                 text = apply_chat_template(
-                    tokenizer, data["messages"], chat_template=data.get("chat_template") or settings.chat_template,
-                    add_generation_prompt=bool(data.get("add_generation_prompt", True)),
-                    continue_final_message=bool(data.get("continue_final_message", False)),
-                    chat_template_kwargs=data.get("chat_template_kwargs"))
+                    tokenizer, data.messages,
+                    chat_template=data.chat_template or settings.chat_template,
+                    add_generation_prompt=data.add_generation_prompt,
+                    continue_final_message=data.continue_final_message,
+                    chat_template_kwargs=data.chat_template_kwargs)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="messages") from exc
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(data.get("prompt"), str):
-            ids = tokenizer.encode(data["prompt"], add_special_tokens=bool(data.get("add_special_tokens", True)))
+            ids = encode_prompt(tokenizer, text, engine.max_model_len, add_special_tokens=False,
+                                truncating=True)
+        elif isinstance(data.prompt, str):
+            ids = encode_prompt(tokenizer, data.prompt, engine.max_model_len,
+                                add_special_tokens=data.add_special_tokens, truncating=True)
         else:
             raise OpenAIError("tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if data.get("return_token_strs"):
+        if data.return_token_strs:
             body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return body
 
-    @app.post("/detokenize")
+    @app.post("/tokenize", openapi_extra=_json_body("TokenizeRequest"))
+    async def tokenize(request: Request):
+        data = await _body(request)
+        _check_template(data)
+        return await engine.run_blocking(_tokenize, _parse(TokenizeRequest, data))
+
+    @app.post("/detokenize", openapi_extra=_json_body("DetokenizeRequest"))
     async def detokenize(request: Request):
-        data = await _read_json(request, settings.max_request_body_bytes)
-        tokens = data.get("tokens")
+        data = _parse(DetokenizeRequest, await _body(request))
         vocab = engine.model_info.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                   and 0 <= t < vocab for t in tokens):
+        if not all(0 <= t < vocab for t in data.tokens):
             raise OpenAIError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(tokens)}
+        return {"prompt": await engine.run_blocking(engine.tokenizer.decode, data.tokens)}
 
     @app.get("/health")
     async def health():
         if not engine.is_healthy:
-            return error_response(OpenAIError(f"engine is not running: {engine.errored or 'shut down'}",
-                                              status_code=500, type="InternalServerError"))
+            return error_response(_unavailable())
         return Response(status_code=200)
 
     @app.get("/ping")
@@ -258,7 +290,35 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
             raise OpenAIError("metrics are disabled", status_code=404, type="NotFoundError")
         return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
 
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                           DetokenizeRequest])
     return app
+
+
+def _json_body(*models: str) -> dict:
+    """The OpenAPI requestBody of a route that reads its JSON itself (to bound its size and
+    depth first): clients and fuzzers see the real request schema."""
+    refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _install_openapi(app: FastAPI, models: list[type[pydantic.BaseModel]]) -> None:
+    """/openapi.json with the request models (and their nested types) as components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # ---- `folio serve` ----------------------------------------------------------------------
@@ -274,6 +334,41 @@ def _load_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a template")
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a shutdown signal first ends every open request with a clean
+        error (503, or an error event in the stream), so the graceful phase has nothing to
+        wait for and the process is gone within seconds whatever is in flight."""
+
+        engine: AsyncLLM | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own version re-raises the signal after shutting down, which kills the
+            # process before `serve`'s cleanup runs; a clean shutdown here exits with 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.engine is not None and not self.should_exit:
+                logger.info("shutting down (signal %d): aborting %d open request(s)", sig,
+                            self.engine.num_open_requests)
+                self.engine.begin_shutdown("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from folio.model.default_model import DEFAULT_MODEL_NAME
@@ -282,29 +377,36 @@ def serve(args: argparse.Namespace) -> int:
     model_arg = config.model.model
     names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
     metrics = None
-    engine = AsyncLLM(config)
+    logger.info("folio %s: starting the engine for %s", folio.__version__, names[0])
+    engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
     try:
         if not args.disable_log_stats:
             from folio.metrics import EngineMetrics
             metrics = EngineMetrics(names[0], engine.max_model_len)
             engine.metrics = metrics
         ready = engine.ready
-        logger.info("folio %s serving %s (%s) | KV cache: %d blocks x %d = %d tokens | "
-                       "max_model_len %d | http://%s:%d%s", folio.__version__, names[0],
-                       engine.model_info.source.path, ready.num_blocks, ready.block_size,
-                       ready.num_blocks * ready.block_size, engine.max_model_len, args.host,
-                       args.port, " | API key required" if args.api_key else "")
+        logger.info("KV cache: %d blocks x %d = %d tokens | max_model_len %d",
+                    ready.num_blocks, ready.block_size, ready.num_blocks * ready.block_size,
+                    engine.max_model_len)
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   chat_template=chat_template, allowed_origins=args.allowed_origins,
                                   reasoning_parser=args.reasoning_parser,
                                   tool_call_parser=args.tool_call_parser,
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                  max_request_body_bytes=args.max_request_body_bytes)
+                                  max_request_body_bytes=args.max_request_body_bytes,
+                                  max_json_depth=config.limits.max_json_depth,
+                                  trust_request_chat_template=args.trust_request_chat_template)
         app = build_app(engine, settings, metrics)
-        # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests finish
-        # (bounded by the graceful timeout), then the lifespan shuts the engine core down.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=10)
+        server_cls = _server_class()
+        server = server_cls(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level,
+                                           timeout_graceful_shutdown=5))
+        server.engine = engine
+        logger.info("serving %s (%s) on http://%s:%d%s", names[0], engine.model_info.source.path,
+                    args.host, args.port, " | API key required" if args.api_key else "")
+        # On SIGINT/SIGTERM uvicorn stops accepting; open requests were just failed by
+        # handle_exit; then the lifespan shuts the engine core down (bounded, ~5 s at most).
+        server.run()
     finally:
         engine.shutdown()
     return 0

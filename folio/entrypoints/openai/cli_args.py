@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from folio.config import RequestLimitsConfig
+
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
@@ -11,7 +13,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from folio.engine.arg_utils import add_engine_args
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes it)")
+                        help="address to bind; 127.0.0.1 is loopback only, 0.0.0.0 exposes it")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the model argument, or the default model's name)")
@@ -39,6 +41,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="CORS origins allowed (default: none, CORS off)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get HTTP 413")
+    parser.add_argument("--max-json-depth", type=int, default=RequestLimitsConfig.max_json_depth,
+                        help="request bodies nested deeper get HTTP 400")
+    parser.add_argument("--max-prompts", type=int, default=RequestLimitsConfig.max_prompts,
+                        help="most prompts in one batched /v1/completions request")
+    parser.add_argument("--max-tools", type=int, default=RequestLimitsConfig.max_tools,
+                        help="most tools in one chat request")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat_template in requests (Jinja run by the server; "
+                             "refused by default)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no /metrics")
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
@@ -61,4 +72,6 @@ def build_engine_config(args: argparse.Namespace):
                                   enable_chunked_prefill=kw["enable_chunked_prefill"],
                                   policy=kw["scheduling_policy"],
                                   async_scheduling=kw["async_scheduling"]),
-        structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]))
+        structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]),
+        limits=RequestLimitsConfig(**kw["request_limits"], max_json_depth=args.max_json_depth,
+                                   max_prompts=args.max_prompts, max_tools=args.max_tools))

@@ -129,7 +129,8 @@ class CompletionRequest(_SamplingFields):
     # OpenAI's default for the legacy completions endpoint; null means "fill the context".
     max_tokens: int | None = 16
     # Legacy completions logprobs: the number of top alternatives per token.
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Bounded by --max-logprobs (20 by default), checked with the other request limits.
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     best_of: int | None = None
 
@@ -155,6 +156,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
 
 
 class CompletionResponse(OpenAIBaseModel):
+    _omit_if_none = frozenset({"structured_outputs_notice"})
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -162,6 +165,8 @@ class CompletionResponse(OpenAIBaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    # folio: what a best_effort structured_outputs constraint left unenforced.
+    structured_outputs_notice: str | None = None
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -201,7 +206,7 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # bounded by --max-logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -278,7 +283,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
-    _omit_if_none = frozenset({"prompt_logprobs", "prompt_token_ids"})
+    _omit_if_none = frozenset({"prompt_logprobs", "prompt_token_ids", "structured_outputs_notice"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -289,6 +294,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None
+    # folio: what a best_effort structured_outputs constraint left unenforced.
+    structured_outputs_notice: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -325,3 +332,24 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer routes (vLLM's /tokenize and /detokenize)
+# ---------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    # One of: a text prompt, or chat messages rendered with the chat template first.
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    tokens: list[StrictInt]

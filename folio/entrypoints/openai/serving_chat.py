@@ -5,6 +5,8 @@ import time
 from typing import Any, AsyncIterator
 
 from folio.engine.chat import apply_chat_template
+from folio.engine.input_processor import encode_prompt
+from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -42,7 +44,8 @@ from folio.entrypoints.openai.serving_common import (
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from folio.entrypoints.openai.structured import (forced_tool_constraint, named_function,
                                                  request_constraint, strict_tools_constraint,
-                                                 structured_outputs_backend)
+                                                 structured_outputs_backend,
+                                                 structured_outputs_notice)
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
                                                           RequiredToolCallParser)
@@ -158,7 +161,14 @@ class OpenAIServingChat(ServingBase):
                                   default_param="chat_template" if no_template
                                   else "messages") from exc
         # The template already spells out BOS etc.; do not add them twice.
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            ids = encode_prompt(self.tokenizer, text, self.engine.max_model_len,
+                                add_special_tokens=False,
+                                truncating=request.truncate_prompt_tokens is not None)
+        except ValueError as exc:
+            raise OpenAIError(str(exc).replace("prompt", "messages", 1), param="messages",
+                              code="context_length_exceeded") from exc
+        return text, ids
 
     def _build_params(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
         requested = request.max_completion_tokens
@@ -175,6 +185,17 @@ class OpenAIServingChat(ServingBase):
                                      aliases=self._error_kwargs(request)["aliases"],
                                      structured_outputs=self._constraint(request))
 
+    def _prepare(self, request: ChatCompletionRequest
+                 ) -> tuple[str, list[int], SamplingParams]:
+        """Template, tokenize, truncate, build the SamplingParams (on the preprocessing
+        thread: this is the part whose cost grows with the request)."""
+        text, token_ids = self._render(request)
+        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens,
+                                    self.engine.max_model_len)
+        if len(truncated) != len(token_ids):
+            token_ids, text = truncated, self.tokenizer.decode(truncated)
+        return text, token_ids, self._build_params(request, len(token_ids))
+
     # ---- handler ----------------------------------------------------------------------
 
     async def create_chat_completion(self, request: ChatCompletionRequest, *, request_id: str,
@@ -185,12 +206,8 @@ class OpenAIServingChat(ServingBase):
         model_name = resolve_model_name(request.model, self.served_model_names)
         self._check_unsupported(request)
         response_id = with_prefix("chatcmpl-", request.request_id or request_id)
-        text, token_ids = self._render(request)
-        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens,
-                                    self.engine.max_model_len)
-        if len(truncated) != len(token_ids):
-            token_ids, text = truncated, self.tokenizer.decode(truncated)
-        params = self._build_params(request, len(token_ids))
+        check_constraint_sizes(request, self.limits)
+        text, token_ids, params = await self.run_blocking(self._prepare, request)
         error_kwargs = self._error_kwargs(request)
         created = int(time.time())
         streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
@@ -200,7 +217,12 @@ class OpenAIServingChat(ServingBase):
             return self._stream(request, response_id, model_name, created, token_ids, params,
                                 streams, first, error_kwargs)
         [output] = await self.collect_final(streams, 1, error_kwargs)
-        return self._response(request, response_id, model_name, created, token_ids, output)
+        # Detokenizing n choices' logprobs can take a while: off the event loop too.
+        response = await self.run_blocking(self._response, request, response_id, model_name,
+                                           created, token_ids, output)
+        response.structured_outputs_notice = structured_outputs_notice(
+            params.structured_outputs, structured_outputs_backend(self.engine))
+        return response
 
     # ---- output formatting ------------------------------------------------------------
 

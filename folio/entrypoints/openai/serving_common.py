@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from pydantic import BaseModel
 
+from folio.config import RequestLimitsConfig
 from folio.engine.async_llm import EngineDeadError
 from folio.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -126,8 +127,9 @@ def to_openai_error(exc: BaseException, *, known_params: set[str] | None = None,
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(f"The engine is not available: {exc}", status_code=500,
-                           type="InternalServerError")
+        # Dead, or shutting down: the server cannot serve it, the request was fine.
+        return OpenAIError(f"The engine is not available: {exc}", status_code=503,
+                           type="ServiceUnavailableError")
     if isinstance(exc, ValueError):
         message = str(exc)
         param = param_from_message(message, known_params or set(), aliases) or default_param
@@ -171,21 +173,24 @@ def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) ->
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,
                        param: str, prompt_kind: str) -> int:
-    """The request's max_tokens, or all the room left; 400 if the request cannot fit."""
+    """The request's max_tokens clamped to the room the prompt leaves (vLLM's rule), or all
+    that room when omitted. 400 when the prompt leaves no room, or for a value larger than
+    the whole context (no prompt could leave that much: a mistake or an attack)."""
     if prompt_len >= max_model_len:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens ({prompt_len} in the {prompt_kind}), which "
             f"leaves no room for the completion. Please reduce the length of the {prompt_kind}.",
             param=prompt_kind, code="context_length_exceeded")
+    room = max_model_len - prompt_len
     if requested is None:
-        return max_model_len - prompt_len
-    if requested >= 1 and prompt_len + requested > max_model_len:
+        return room
+    if requested > max_model_len:
         raise OpenAIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_kind}, "
-            f"{requested} in the completion). Please reduce the length of the {prompt_kind} "
-            f"or completion.", param=param, code="context_length_exceeded")
+            f"{param} must be at most the model's maximum context length of {max_model_len} "
+            f"tokens, got {requested}", param=param, code="context_length_exceeded")
+    if requested >= 1:
+        return min(requested, room)
     return requested  # < 1 is left to SamplingParams, which names the field
 
 
@@ -442,6 +447,19 @@ class ServingBase:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def limits(self) -> RequestLimitsConfig:
+        config = getattr(self.engine, "config", None)
+        return getattr(config, "limits", None) or RequestLimitsConfig()
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Per-request work that can take long (templates, tokenizing, constraint checks,
+        big responses) runs on the engine's preprocessing thread, not on the event loop."""
+        runner = getattr(self.engine, "run_blocking", None)
+        if runner is None:  # stand-in engines in tests
+            return fn(*args)
+        return await runner(fn, *args)
 
     def start_streams(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
                       request_ids: Sequence[str], request: Any,

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+from folio.engine.input_processor import encode_prompt
+from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -13,7 +15,8 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from folio.entrypoints.openai.structured import request_constraint, structured_outputs_backend
+from folio.entrypoints.openai.structured import (request_constraint, structured_outputs_backend,
+                                                 structured_outputs_notice)
 from folio.entrypoints.openai.serving_common import (
     SAMPLING_PARAM_NAMES,
     SSE_DONE,
@@ -70,21 +73,26 @@ class OpenAIServingCompletion(ServingBase):
 
     # ---- request -> engine inputs -------------------------------------------------------
 
-    def _parse_prompts(self, prompt: Any) -> list[_Prompt]:
-        """string | list[str] | list[int] | list[list[int]] -> one _Prompt per element."""
+    @staticmethod
+    def _prompt_items(prompt: Any) -> list[Any]:
+        """string | list[str] | list[int] | list[list[int]] -> the list of prompts."""
         if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]  # a single prompt of token ids
-        else:
-            items = list(prompt)
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]  # a single prompt of token ids
+        return list(prompt)
+
+    def _parse_prompts(self, items: list[Any], truncating: bool) -> list[_Prompt]:
+        """One tokenized _Prompt per element."""
         if not items:
             raise OpenAIError("prompt must not be empty", param="prompt")
         out = []
         for item in items:
             if isinstance(item, str):
                 # Same tokenization as the engine's for a text prompt (special tokens on).
-                out.append(_Prompt(item, list(self.tokenizer.encode(item))))
+                out.append(_Prompt(item, encode_prompt(self.tokenizer, item,
+                                                       self.engine.max_model_len,
+                                                       truncating=truncating)))
             else:
                 out.append(_Prompt(None, list(item)))
             if not out[-1].token_ids:
@@ -100,7 +108,8 @@ class OpenAIServingCompletion(ServingBase):
                               param="best_of")
         check_stream_options(request)
 
-    def _build_params(self, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+    def _build_params(self, request: CompletionRequest, prompt_len: int,
+                      constraint: Any) -> SamplingParams:
         max_tokens = resolve_max_tokens(request.max_tokens, prompt_len,
                                         self.engine.max_model_len, param="max_tokens",
                                         prompt_kind="prompt")
@@ -112,8 +121,30 @@ class OpenAIServingCompletion(ServingBase):
                                      max_tokens=max_tokens, logprobs=request.logprobs,
                                      prompt_logprobs=prompt_logprobs,
                                      stream=bool(request.stream),
-                                     structured_outputs=request_constraint(
-                                         request, structured_outputs_backend(self.engine)))
+                                     structured_outputs=constraint)
+
+    def _prepare(self, request: CompletionRequest) -> tuple[list[_Prompt], list[SamplingParams]]:
+        """Tokenize, truncate and build each prompt's SamplingParams (on the preprocessing
+        thread: this is the part whose cost grows with the request)."""
+        items = self._prompt_items(request.prompt)
+        limit = self.limits.max_prompts
+        if len(items) > limit:
+            raise OpenAIError(f"prompt has {len(items)} prompts; at most {limit} are allowed "
+                              f"in one request (--max-prompts)", param="prompt")
+        try:
+            prompts = self._parse_prompts(items, request.truncate_prompt_tokens is not None)
+        except ValueError as exc:
+            raise to_openai_error(exc, default_param="prompt") from exc
+        constraint = request_constraint(request, structured_outputs_backend(self.engine))
+        max_model_len = self.engine.max_model_len
+        params = []
+        for prompt in prompts:
+            truncated = truncate_prompt(prompt.token_ids, request.truncate_prompt_tokens,
+                                        max_model_len)
+            if len(truncated) != len(prompt.token_ids):
+                prompt.token_ids, prompt.text = truncated, None  # text no longer matches
+            params.append(self._build_params(request, len(prompt.token_ids), constraint))
+        return prompts, params
 
     # ---- handler ----------------------------------------------------------------------
 
@@ -125,18 +156,8 @@ class OpenAIServingCompletion(ServingBase):
         model_name = resolve_model_name(request.model, self.served_model_names)
         self._check_unsupported(request)
         response_id = with_prefix("cmpl-", request.request_id or request_id)
-        try:
-            prompts = self._parse_prompts(request.prompt)
-        except ValueError as exc:
-            raise to_openai_error(exc, default_param="prompt") from exc
-        max_model_len = self.engine.max_model_len
-        params = []
-        for prompt in prompts:
-            truncated = truncate_prompt(prompt.token_ids, request.truncate_prompt_tokens,
-                                        max_model_len)
-            if len(truncated) != len(prompt.token_ids):
-                prompt.token_ids, prompt.text = truncated, None  # text no longer matches
-            params.append(self._build_params(request, len(prompt.token_ids)))
+        check_constraint_sizes(request, self.limits)
+        prompts, params = await self.run_blocking(self._prepare, request)
 
         engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
         # One engine request per prompt; a single prompt keeps the client-visible id.
@@ -149,8 +170,9 @@ class OpenAIServingCompletion(ServingBase):
             return self._stream(request, response_id, model_name, created, prompts, params,
                                 streams, first)
         finals = await self.collect_final(streams, len(prompts), _ERROR_KWARGS)
-        return self._response(request, response_id, model_name, created, prompts, params,
-                              finals)
+        # Detokenizing n choices' logprobs can take a while: off the event loop too.
+        return await self.run_blocking(self._response, request, response_id, model_name,
+                                       created, prompts, params, finals)
 
     # ---- output formatting ------------------------------------------------------------
 
@@ -205,7 +227,10 @@ class OpenAIServingCompletion(ServingBase):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=response_id, created=created, model=model_name,
                                   choices=choices,
-                                  usage=make_usage(prompt_tokens, completion_tokens, cached))
+                                  usage=make_usage(prompt_tokens, completion_tokens, cached),
+                                  structured_outputs_notice=structured_outputs_notice(
+                                      params[0].structured_outputs if params else None,
+                                      structured_outputs_backend(self.engine)))
 
     async def _stream(self, request: CompletionRequest, response_id: str, model_name: str,
                       created: int, prompts: Sequence[_Prompt], params: Sequence[SamplingParams],
