@@ -1,20 +1,33 @@
 """folio: an LLM inference and serving engine."""
 from folio.outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
+from folio.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
+# Heavier names (torch, transformers, zmq) are imported on first use, so `import folio` stays
+# light: name -> module that defines it.
+_LAZY = {
+    "LLM": "folio.entrypoints.llm",
+    "LLMEngine": "folio.engine.llm_engine",
+    "AsyncLLM": "folio.engine.async_llm",
+    "PromptType": "folio.engine.input_processor",
+}
+
 
 def __getattr__(name):
-    # LLM pulls in torch and transformers; import it on first use so `import folio` stays light.
-    if name == "LLM":
-        from folio.entrypoints.llm import LLM
-        return LLM
-    if name == "LLMEngine":
-        from folio.engine.llm_engine import LLMEngine
-        return LLMEngine
-    raise AttributeError(name)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind"]
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncLLM", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "PromptType"]

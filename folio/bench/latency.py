@@ -322,8 +322,10 @@ def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    from folio.entrypoints.help_format import FolioHelpFormatter
     parser = argparse.ArgumentParser(prog="folio bench latency",
-                                     description="Latency of one batch; decode time per token.")
+                                     description="Latency of one batch; decode time per token.",
+                                     formatter_class=FolioHelpFormatter)
     add_cli_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -50,8 +50,7 @@ DEFAULT_CB_MAX_BATCH_TOKENS = 8192   # transformers' own default (5.24) for max_
 def add_peer_timeout_arg(group: Any) -> None:
     group.add_argument("--peer-timeout", type=float, default=DEFAULT_PEER_TIMEOUT_S,
                        help="seconds after which a peer's child process (load, set-up and run) is "
-                            "killed and reported as not finished; 0 = no limit "
-                            f"(default {DEFAULT_PEER_TIMEOUT_S:g})")
+                            "killed and reported as not finished; 0 = no limit")
 
 
 def peer_timeout(args: argparse.Namespace) -> float | None:

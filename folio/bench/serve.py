@@ -521,8 +521,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default=None,
                         help=f"server URL (default http://HOST:PORT = {DEFAULT_BASE_URL})")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--host", default="127.0.0.1", help="server host, when --base-url is not given")
+    server.add_argument("--port", type=int, default=8000, help="server port, when --base-url is not given")
     server.add_argument("--endpoint", default="/v1/completions",
                         help="/v1/completions or /v1/chat/completions")
     server.add_argument("--model", default=None,
@@ -533,18 +533,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS,
-                      default="random")
+                      default="random",
+                      help="random: random-token prompts; file: prompts read from --dataset-path")
     data.add_argument("--dataset-path", default=None,
                       help="--dataset file: one prompt per line, or JSONL with a 'prompt' field")
-    data.add_argument("--num-prompts", type=int, default=100)
-    data.add_argument("--random-input-len", type=int, default=256)
+    data.add_argument("--num-prompts", type=int, default=100, help="number of requests")
+    data.add_argument("--random-input-len", type=int, default=256,
+                      help="prompt tokens of a random request")
     data.add_argument("--random-output-len", type=int, default=128,
                       help="output length (also for --dataset file rows that give none)")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="lengths uniform in [len*(1-r), len*(1+r)]")
     data.add_argument("--tokenizer", default=None,
                       help="tokenizer for random prompts (default: the default model's)")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrivals")
 
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"),
@@ -552,10 +554,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of inter-arrivals: 1 = Poisson, <1 burstier")
     load.add_argument("--max-concurrency", type=int, default=None,
-                      help="at most this many requests in flight")
+                      help="at most this many requests in flight (default: no limit)")
 
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="sampling temperature of every request (0 = greedy)")
     sampling.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                           help="generate exactly max_tokens (default: on for random, off for file)")
 
@@ -630,9 +633,11 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from folio.entrypoints.help_format import FolioHelpFormatter
     parser = argparse.ArgumentParser(
         prog="folio bench serve",
-        description="Online serving benchmark against an OpenAI-compatible streaming server.")
+        description="Online serving benchmark against an OpenAI-compatible streaming server.",
+        formatter_class=FolioHelpFormatter)
     add_cli_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -329,9 +329,11 @@ def _print_table(results: list[EngineResult], info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from folio.entrypoints.help_format import FolioHelpFormatter
     parser = argparse.ArgumentParser(
         prog="folio bench throughput",
-        description="Offline throughput on random-token requests, optionally against a peer.")
+        description="Offline throughput on random-token requests, optionally against a peer.",
+        formatter_class=FolioHelpFormatter)
     add_cli_args(parser)
     args = parser.parse_args(argv)
     try:

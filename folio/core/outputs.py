@@ -59,3 +59,6 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # Requests the scheduler holds state for (running, waiting, finished but not yet
+    # reported): 0 once idle, or state is leaking.
+    num_tracked_requests: int = 0

@@ -364,4 +364,5 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
-            num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks)
+            num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks,
+            num_tracked_requests=len(self.requests))

@@ -135,6 +135,12 @@ class AsyncLLM:
     def num_open_requests(self) -> int:
         return len(self._queues)
 
+    def num_tracked_requests(self) -> int:
+        """Per-request state held here: open streams, the output processor's parents and
+        children, pending utility calls. 0 once idle, or state is leaking."""
+        return (len(self._queues) + len(self.output_processor.parents)
+                + len(self.output_processor.children) + len(self._utility_futures))
+
     def abort_all(self, reason: str) -> None:
         """Fail every open request with EngineDeadError(reason) and abort it in the engine
         core (server shutdown: streams end with a clean error instead of being cut)."""

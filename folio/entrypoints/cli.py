@@ -6,14 +6,18 @@ import logging
 import sys
 
 from folio.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from folio.entrypoints.help_format import FolioHelpFormatter
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling: keep the smallest set of tokens whose probability "
+                             "reaches this (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="keep only the k most likely tokens (0 = off)")
+    parser.add_argument("--system", default=None, help="system prompt (default: none)")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -47,12 +51,14 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="folio", description="folio: LLM inference and serving engine")
+    parser = argparse.ArgumentParser(prog="folio", description="folio: LLM inference and serving engine",
+                                     formatter_class=FolioHelpFormatter)
     parser.add_argument("--log-level", default=None,
                         help="logging level (default: INFO for serve, WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default 127.0.0.1:8000)",
+                           formatter_class=FolioHelpFormatter)
     from folio.entrypoints.openai.cli_args import add_serve_args
     add_serve_args(serve)
 
@@ -61,23 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
         return run_server(args)
     serve.set_defaults(func=_serve)
 
-    chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)")
+    chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)",
+                          formatter_class=FolioHelpFormatter)
     add_engine_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--prompt", default=None, help="answer this one message and exit")
     chat.set_defaults(func=_chat)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks", formatter_class=FolioHelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_sub.add_parser("throughput", help="offline throughput, optionally against a peer")
+    throughput = bench_sub.add_parser("throughput", help="offline throughput, optionally against a peer",
+                                       formatter_class=FolioHelpFormatter)
     from folio.bench import throughput as throughput_bench
     throughput_bench.add_cli_args(throughput)
     throughput.set_defaults(func=lambda a: (throughput_bench.run(a), 0)[1])
-    latency = bench_sub.add_parser("latency", help="latency of one batch; decode ms/token vs roofline")
+    latency = bench_sub.add_parser("latency", help="latency of one batch; decode ms/token vs roofline",
+                                    formatter_class=FolioHelpFormatter)
     from folio.bench import latency as latency_bench
     latency_bench.add_cli_args(latency)
     latency.set_defaults(func=lambda a: (latency_bench.run(a), 0)[1])
-    serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL")
+    serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL",
+                                        formatter_class=FolioHelpFormatter)
     from folio.bench import serve as serve_bench_module
     serve_bench_module.add_cli_args(serve_bench)
     serve_bench.set_defaults(func=lambda a: (serve_bench_module.run(a), 0)[1])
@@ -89,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from folio.model.default_model import DefaultModelNotInstalled
     try:
         return args.func(args)
+    except DefaultModelNotInstalled as exc:
+        print(f"folio: error: {exc}", file=sys.stderr)
+        return 1
     except ValueError as exc:
         print(f"folio: error: {exc}", file=sys.stderr)
         return 2

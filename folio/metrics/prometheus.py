@@ -34,6 +34,12 @@ PREFIX = "folio:"
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 ABORT_REASON = "abort"
 
+# Why a structured-output constraint is not enforced by the backend "auto" tries first
+# (folio.structured_output.compilers.FALLBACK_REASONS; kept literal here so this module stays
+# free of engine imports). Pre-created so each is exported at 0 from the start.
+STRUCTURED_OUTPUT_FALLBACK_REASONS: tuple[str, ...] = (
+    "xgrammar_rejected", "unenforced_feature", "best_effort_partial")
+
 # Latency buckets (seconds). Dense where interactive serving lives (tens of ms to a few
 # seconds), then coarse out to long-queue / long-generation tails.
 TTFT_BUCKETS: list[float] = [
@@ -108,6 +114,15 @@ class EngineMetrics:
         self._g_kv_usage = Gauge(
             p + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
             labels, registry=reg).labels(model_name)
+        # State held per request, by process (folio's own): 0 when idle, or it is leaking.
+        self._g_tracked = Gauge(
+            p + "tracked_requests", "Requests a process holds state for (engine: the "
+            "scheduler; api: streams, output processor and metrics).",
+            ["model_name", "process"], registry=reg)
+        self._g_tracked_engine = self._g_tracked.labels(model_name, "engine")
+        self._g_tracked.labels(model_name, "api").set_function(
+            lambda: len(self._requests) + sum(f() for f in self._api_trackers))
+        self._api_trackers: list = []
         # Info-style gauge (always 1); the block count lives in a label, like vLLM's.
         self._g_cache_info = Gauge(
             p + "cache_config_info", "Information of the KV cache configuration.",
@@ -140,6 +155,15 @@ class EngineMetrics:
             ["model_name", "finished_reason"], registry=reg)
         for reason in FINISH_REASONS:
             self._c_success.labels(model_name, reason)
+
+        # --- structured outputs: constraints not enforced by the first-choice backend ---
+        self._c_so_fallbacks = Counter(
+            p + "structured_outputs_fallbacks",
+            "Structured-output requests whose constraint fell back from the first-choice "
+            "backend, by reason.",
+            ["model_name", "reason"], registry=reg)
+        for reason in STRUCTURED_OUTPUT_FALLBACK_REASONS:
+            self._c_so_fallbacks.labels(model_name, reason)
 
         # --- latencies ---
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
@@ -183,6 +207,7 @@ class EngineMetrics:
         self._g_running.set(stats.num_running)
         self._g_waiting.set(stats.num_waiting)
         self._g_kv_usage.set(stats.kv_cache_usage)
+        self._g_tracked_engine.set(stats.num_tracked_requests)
 
         self._inc_cumulative("num_preemptions", stats.num_preemptions, self._c_preemptions)
         self._inc_cumulative("prefix_cache_queries", stats.prefix_cache_queries,
@@ -274,6 +299,19 @@ class EngineMetrics:
         if state is None:
             return
         self._c_success.labels(self.model_name, ABORT_REASON).inc()
+
+    def track_api_requests(self, count) -> None:
+        """Add a callable giving a count of per-request state held in the API process to
+        folio:tracked_requests{process="api"}."""
+        self._api_trackers.append(count)
+
+    def structured_outputs_fallback(self, reason: str) -> None:
+        """Count one request whose constraint fell back (reason: one of
+        STRUCTURED_OUTPUT_FALLBACK_REASONS; anything else is refused, to keep the label set
+        fixed)."""
+        if reason not in STRUCTURED_OUTPUT_FALLBACK_REASONS:
+            raise ValueError(f"unknown structured outputs fallback reason {reason!r}")
+        self._c_so_fallbacks.labels(self.model_name, reason).inc()
 
     @property
     def num_tracked_requests(self) -> int:

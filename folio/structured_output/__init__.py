@@ -23,6 +23,7 @@ _EXPORTS = {
     "GuidanceMatcher": "folio.structured_output.guidance_backend",
     "BACKENDS": "folio.structured_output.compilers",
     "CompiledConstraint": "folio.structured_output.compilers",
+    "ConstraintRoute": "folio.structured_output.compilers",
     "StructuredOutputCompiler": "folio.structured_output.compilers",
 }
 

@@ -9,6 +9,11 @@ is turned into an llguidance grammar here:
 - json / json_object: llguidance's JSON-schema compiler; disable_any_whitespace and
   whitespace_pattern become its `whitespace_flexible` / `whitespace_pattern` options.
   Without free whitespace the separators are ", " and ": " (xgrammar's compact form).
+  Always strict (`lenient: false`, `coerce_one_of: false`, whatever the schema's own
+  "x-guidance" says): a keyword llguidance does not implement, or a oneOf it cannot prove
+  exclusive, is an error naming it, never silently dropped. Only compile(lenient=True) (a
+  best_effort request, see compilers.resolve_route) lets llguidance ignore them; the
+  compiled grammar's `warnings` then say what was ignored.
 - regex: llguidance's regex (Rust `regex` crate syntax: `\\p{L}`, `(?i)` work; no lookaround,
   no backreferences), with `\\d`/`\\w` made ASCII as in xgrammar.
 - choice: a Lark alternation of string literals.
@@ -326,23 +331,29 @@ class GuidanceCompiledGrammar:
 # ({"a": 1, "b": [1, 2]}), so both backends give the same JSON.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-def _json_grammar(schema: Any, params: StructuredOutputsParams, any_whitespace: bool) -> str:
+def _json_grammar(schema: Any, params: StructuredOutputsParams, any_whitespace: bool,
+                  lenient: bool = False) -> str:
     # llguidance applies defaults, then the schema's own "x-guidance" options, then
     # overrides: the compiler's default yields to the schema, the request's options don't.
     defaults = {"whitespace_flexible": True} if any_whitespace else dict(_COMPACT)
-    overrides: dict[str, Any] = {}
+    # Strict unless asked: unimplemented keywords and a not-provably-exclusive oneOf are
+    # errors. (lenient implies coerce_one_of, so it must not be forced off then.)
+    overrides: dict[str, Any] = {"lenient": True} if lenient else {
+        "lenient": False, "coerce_one_of": False}
     if params.whitespace_pattern is not None:
-        overrides = {
+        overrides |= {
             "whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern,
         }
     elif params.disable_any_whitespace:
-        overrides = dict(_COMPACT)
+        overrides |= _COMPACT
     return llg.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults=defaults, overrides=overrides or None
+        json.dumps(schema), defaults=defaults, overrides=overrides
     )
 
-def grammar_text(kind: str, params: StructuredOutputsParams, any_whitespace: bool = True) -> str:
-    """The llguidance grammar for a constraint (no tokenizer needed: also used to validate)."""
+def grammar_text(kind: str, params: StructuredOutputsParams, any_whitespace: bool = True,
+                 lenient: bool = False) -> str:
+    """The llguidance grammar for a constraint (no tokenizer needed: also used to validate).
+    lenient: let llguidance ignore the JSON-schema keywords it does not enforce."""
     if kind == "json":
         schema = params._json_schema_dict()
         if params.disable_additional_properties:
@@ -351,7 +362,7 @@ def grammar_text(kind: str, params: StructuredOutputsParams, any_whitespace: boo
             schema = {}
         elif schema is False:
             raise ValueError("the schema `false` matches nothing")
-        return _json_grammar(schema, params, any_whitespace)
+        return _json_grammar(schema, params, any_whitespace, lenient)
     if kind == "json_object":
         return _json_grammar({"type": "object"}, params, any_whitespace)
     if kind == "regex":
@@ -415,15 +426,19 @@ class GuidanceCompiler(BaseGrammarCompiler):
             raise ValueError(f"guidance backend cannot use this tokenizer: {e}") from e
         self._cache = GrammarCache(cache_entries)
 
-    def compile(self, params: StructuredOutputsParams) -> GuidanceCompiledGrammar:
+    def compile(self, params: StructuredOutputsParams, *, lenient: bool = False
+                ) -> GuidanceCompiledGrammar:
+        """lenient: JSON-schema keywords llguidance does not enforce are ignored (listed in
+        the result's `warnings`) instead of rejected."""
         key = params.key()  # validates; raises ValueError naming the field
-        hit = self._cache.get(key)
+        cache_key = key + ("lenient",) if lenient else key
+        hit = self._cache.get(cache_key)
         if hit is not None:
             return hit
         kind = key[0]
         start = time.perf_counter()
         try:
-            grammar = grammar_text(kind, params, self.any_whitespace)
+            grammar = grammar_text(kind, params, self.any_whitespace, lenient)
             template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         except _Unsupported as e:
             raise ValueError(
@@ -445,7 +460,7 @@ class GuidanceCompiler(BaseGrammarCompiler):
             key, grammar, self.vocab_size, time.perf_counter() - start,
             self.stop_token_ids, template,
         )
-        return self._cache.put(key, compiled)
+        return self._cache.put(cache_key, compiled)
 
 
 # ---- matcher ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ _OPTION_DEFAULTS: tuple[tuple[str, Any], ...] = (
     ("disable_fallback", False),
     ("disable_additional_properties", False),
     ("whitespace_pattern", None),
+    ("best_effort", False),
 )
 
 # A Lark rule or terminal definition: `name: ...`, `?name: ...`, `NAME.2: ...`, `name{x}: ...`
@@ -115,6 +116,10 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     # Regex for the whitespace allowed between JSON tokens; guidance only (xgrammar raises).
     whitespace_pattern: str | None = None
+    # Accept a JSON schema that no backend fully enforces (some keyword is then not enforced,
+    # and the response says which); without it such a schema is a ValueError naming the
+    # keyword. folio's own option (not vLLM's).
+    best_effort: bool = False
 
     def _set_fields(self) -> list[str]:
         # json_object counts as set for any non-False value so a wrong type
@@ -138,7 +143,8 @@ class StructuredOutputsParams:
             )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {type(self.json_object).__name__}")
-        for name in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                     "best_effort"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {type(value).__name__}")

@@ -166,6 +166,32 @@ def test_compile_waits_off_the_busy_loop_and_others_go_on(llm):
         manager._compile = original
 
 
+def test_schema_no_backend_enforces_is_refused_or_best_effort(llm):
+    """JSONSchemaBench's Github_easy---o89710 (allOf + oneOf): guidance can't prove its oneOfs
+    exclusive and xgrammar drops all but one allOf entry (it used to fall back there silently:
+    outputs without the required `to`). Refused naming the keyword; with best_effort it runs
+    on lenient guidance (oneOf as anyOf), which still enforces the required properties."""
+    bench = Path("/work/shared/testdata/jsonschemabench_sample.jsonl")
+    schema = next(row["schema"] for row in map(json.loads, bench.read_text().splitlines())
+                  if row["id"] == "Github_easy---o89710")
+    prompt = _chat_prompt(llm, "Write an email.")
+    with pytest.raises(ValueError, match=r"structured_outputs: no backend enforces .*`oneOf`"):
+        llm.generate([prompt], SamplingParams(temperature=0.3, seed=0, max_tokens=64,
+                                              structured_outputs=SO(json=schema)), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    best_effort = SO(json=schema, best_effort=True, disable_any_whitespace=True)
+    outs = llm.generate([prompt] * 2, [
+        SamplingParams(temperature=0.3, seed=seed, max_tokens=300, repetition_penalty=1.1,
+                       structured_outputs=best_effort) for seed in (0, 3)], use_tqdm=False)
+    for out in outs:
+        text = out.outputs[0].text
+        assert text.startswith('{"from": ['), text
+        if out.outputs[0].finish_reason == "stop":
+            value = json.loads(text)
+            assert {"from", "to", "bodyParts"} <= set(value), text
+            jsonschema.validate(value, schema["allOf"][1] | {"definitions": schema["definitions"]})
+
+
 def test_grammar_that_fails_in_the_core_finishes_with_error(llm):
     """The front end validates, but a grammar can still fail to compile in the core (here one
     the compiler is made to reject): that request ends with finish_reason "error"; others go on."""

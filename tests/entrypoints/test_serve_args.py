@@ -31,3 +31,51 @@ def test_backend_and_reasoning_parser_reach_the_engine():
 def test_unknown_backend_is_refused():
     with pytest.raises(SystemExit):
         _config("--structured-outputs-config.backend", "outlines")
+
+
+def _help(capsys, *argv: str) -> str:
+    from folio.entrypoints.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+
+
+def test_serve_help_shows_defaults(capsys):
+    text = _help(capsys, "serve")
+    assert "(default: 127.0.0.1)" in text
+    assert "(default: 8000)" in text
+    for default in ("(default: auto)",          # --dtype, --device, backend, --generation-config
+                    "(default: 16)",            # --block-size
+                    "(default: fcfs)",          # --scheduling-policy
+                    "(default: True)",          # --enable-prefix-caching
+                    "(default: 33554432)"):     # --max-request-body-bytes
+        assert default in text, default
+    # A default spelled out in words is not followed by argparse's own.
+    assert "(default: the model's) (default" not in text
+    assert "CPU) (default: None)" not in text
+
+
+def test_serve_help_never_prints_the_api_key(capsys, monkeypatch):
+    monkeypatch.setenv("FOLIO_API_KEY", "sekrit-key-123")
+    assert "sekrit-key-123" not in _help(capsys, "serve")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"], ["bench", "throughput"],
+                                     ["bench", "latency"], ["bench", "serve"]])
+def test_every_flag_has_help_and_a_default_shown(command):
+    from folio.entrypoints.cli import build_parser
+    parser = build_parser()
+    for name in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) \
+                or action.help == argparse.SUPPRESS:
+            continue
+        flag = "/".join(action.option_strings) or action.dest
+        assert action.help, f"{' '.join(command)} {flag} has no help"
+        assert "default" in action.help.lower() or "%(default)" in (
+            parser._get_formatter()._get_help_string(action) or ""), flag
+    assert text.count("(default: ") >= 10

@@ -417,6 +417,51 @@ def test_too_few_tokens_for_the_schema_is_length(qwen):
     assert chat.choices[0].finish_reason == "length"
 
 
+# No backend enforces `uniqueItems` (xgrammar used to compile it without enforcing it).
+UNIQUE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "minItems": 1, "maxItems": 3, "uniqueItems": True}
+
+
+def _fallbacks(served: Served, reason: str) -> float:
+    import httpx
+    text = httpx.get(served.server.url + "/metrics", headers=served.server.headers).text
+    line = f'folio:structured_outputs_fallbacks_total{{model_name="{served.model}",reason="{reason}"}}'
+    [value] = [float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line)]
+    return value
+
+
+def test_unenforceable_schema_is_a_400_unless_best_effort(qwen):
+    """A schema no backend fully enforces is a 400 naming the keyword; with best_effort it
+    runs (partially enforced), the response says what is not enforced, and /metrics counts
+    the fallback by reason."""
+    before = {r: _fallbacks(qwen, r) for r in ("best_effort_partial", "unenforced_feature")}
+    with pytest.raises(openai.BadRequestError) as info:
+        qwen.complete(prompt="Digits:", max_tokens=4, extra_body={
+            "structured_outputs": {"json": UNIQUE}})
+    error = info.value.response.json()["error"]
+    assert error["param"] == "structured_outputs" and "`uniqueItems`" in error["message"], error
+    with pytest.raises(openai.BadRequestError) as info:
+        qwen.chat(max_tokens=4, response_format=_json_schema(UNIQUE, "digits"))
+    assert "`uniqueItems`" in info.value.response.json()["error"]["message"]
+
+    body = {"structured_outputs": {"json": UNIQUE, "best_effort": True,
+                                   "disable_any_whitespace": True}}
+    done = qwen.complete(prompt="Digits:", seed=0, max_tokens=40, extra_body=body)
+    assert "uniqueItems" in done.structured_outputs_notice
+    assert done.choices[0].finish_reason == "stop"
+    value = json.loads(done.choices[0].text)
+    assert 1 <= len(value) <= 3 and all(0 <= v <= 9 for v in value)  # the rest is enforced
+    chat = qwen.chat(seed=1, max_tokens=40, extra_body=body)
+    assert "uniqueItems" in chat.structured_outputs_notice
+    # A fully enforced constraint has no notice (the field is left out).
+    plain = qwen.complete(prompt="hi", max_tokens=4, seed=0,
+                          extra_body={"structured_outputs": {"choice": ["fine", "good"]}})
+    assert "structured_outputs_notice" not in plain.model_dump()
+    # Counted by reason: two best_effort requests; the 400s count nothing.
+    assert _fallbacks(qwen, "best_effort_partial") == before["best_effort_partial"] + 2
+    assert _fallbacks(qwen, "unenforced_feature") == before["unenforced_feature"]
+
+
 @pytest.mark.parametrize("endpoint, body, mention, param", [
     ("chat", {"response_format": _json_schema({"type": "nonsense"})}, "nonsense",
      "response_format.json_schema.schema"),

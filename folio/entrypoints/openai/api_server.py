@@ -383,6 +383,7 @@ def serve(args: argparse.Namespace) -> int:
         if not args.disable_log_stats:
             from folio.metrics import EngineMetrics
             metrics = EngineMetrics(names[0], engine.max_model_len)
+            metrics.track_api_requests(engine.num_tracked_requests)
             engine.metrics = metrics
         ready = engine.ready
         logger.info("KV cache: %d blocks x %d = %d tokens | max_model_len %d",

@@ -4,29 +4,88 @@
   folio always enforces the schema).
 * vLLM's ``structured_outputs`` extra: one of ``json``, ``json_object``, ``regex``, ``choice``,
   ``grammar``, ``structural_tag``, plus the options ``disable_any_whitespace``,
-  ``disable_fallback``, ``disable_additional_properties``, ``whitespace_pattern``.
+  ``disable_fallback``, ``disable_additional_properties``, ``whitespace_pattern``, and folio's
+  ``best_effort``.
 * Tool calling: ``tool_choice`` "required" and a named function are enforced by a JSON schema
   (so the call always parses and matches the parameters); "auto" with ``strict: true``
   functions uses a structural tag that constrains only the calls, in the parser's format.
 
-Every problem is an OpenAIError (400) naming the field.
+Every problem is an OpenAIError (400) naming the field; so is a JSON schema that no backend
+fully enforces, unless the request sets ``best_effort``: the response then carries
+``structured_outputs_notice`` (see `structured_outputs_notice`). Each fallback (xgrammar
+rejected it, a feature xgrammar does not enforce sent it to guidance, best-effort partial
+enforcement) is counted in the engine's metrics, ``folio:structured_outputs_fallbacks_total``.
 """
 from __future__ import annotations
 
+import contextvars
 import json
+import logging
+from collections import OrderedDict
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from folio.entrypoints.openai.serving_common import OpenAIError
 from folio.structured_output.params import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
+
 _SO_FIELDS = {f.name for f in dataclass_fields(StructuredOutputsParams) if f.init}
+
+# The metrics (EngineMetrics or None) of the engine whose backend the handler running in this
+# context asked for: every handler calls structured_outputs_backend(self.engine) before it
+# builds constraints, so the counting needs no extra argument through the handlers. Each
+# request runs in its own asyncio task, with its own copy of the context.
+_METRICS: contextvars.ContextVar[Any] = contextvars.ContextVar("folio_so_metrics", default=None)
+# (params.key(), backend) -> notice, for best_effort constraints validated here.
+_NOTICES: OrderedDict[tuple, str | None] = OrderedDict()
+_MAX_NOTICES = 256
 
 
 def structured_outputs_backend(engine: Any) -> str:
-    """The engine's grammar backend (validation must pick the backend the engine will)."""
+    """The engine's grammar backend (validation must pick the backend the engine will).
+    Also notes the engine's metrics (engine.metrics) for this request's fallback counts."""
+    _METRICS.set(getattr(engine, "metrics", None))
     config = getattr(getattr(engine, "config", None), "structured_outputs", None)
     return getattr(config, "backend", "auto")
+
+
+def _remember_notice(params: StructuredOutputsParams, backend: str, notice: str | None) -> None:
+    key = (params.key(), backend)
+    _NOTICES[key] = notice
+    _NOTICES.move_to_end(key)
+    while len(_NOTICES) > _MAX_NOTICES:
+        _NOTICES.popitem(last=False)
+
+
+def record_route(route: Any, metrics: Any = None) -> None:
+    """Count (and log at debug level) a request's constraint fallback, if it had one."""
+    code = getattr(route, "fallback_reason_code", None)
+    if code is None:
+        return
+    logger.debug("structured outputs fallback %s on %s: %s", code, route.backend,
+                 route.notice or route.detail)
+    if metrics is not None and hasattr(metrics, "structured_outputs_fallback"):
+        metrics.structured_outputs_fallback(code)
+
+
+def structured_outputs_notice(params: StructuredOutputsParams | None,
+                              backend: str = "auto") -> str | None:
+    """What a best_effort constraint leaves unenforced (a short text for the response's
+    ``structured_outputs_notice``); None when it is fully enforced, or there is none."""
+    if params is None or not params.best_effort:
+        return None
+    try:
+        key = (params.key(), backend)
+        if key in _NOTICES:
+            return _NOTICES[key]
+        from folio.structured_output.validation import validate_constraint
+        route = validate_constraint(params, backend)
+    except ValueError:
+        return None
+    notice = route.notice if route.partial else None
+    _remember_notice(params, backend, notice)
+    return notice
 
 
 def _make(param: str, backend: str, **kwargs: Any) -> StructuredOutputsParams:
@@ -35,9 +94,12 @@ def _make(param: str, backend: str, **kwargs: Any) -> StructuredOutputsParams:
     from folio.structured_output.validation import validate_constraint
     try:
         params = StructuredOutputsParams(**kwargs)
-        validate_constraint(params, backend)
+        route = validate_constraint(params, backend)
     except (TypeError, ValueError) as exc:
         raise OpenAIError(str(exc), param=param) from exc
+    record_route(route, _METRICS.get())
+    if params.best_effort:
+        _remember_notice(params, backend, route.notice if route.partial else None)
     return params
 
 
