@@ -25,8 +25,9 @@ _SAMPLING_EPS = 1e-5
 # outcome anyway (they already force or forbid a token), so they are refused.
 _MAX_LOGIT_BIAS = 100.0
 
-# Seeds feed torch.Generator.manual_seed and msgspec's int64 on the wire.
-_SEED_RANGE = (-(2**63), 2**63 - 1)
+# Seeds feed torch.Generator.manual_seed and msgspec's int64 on the wire; so do every other
+# integer field (a larger top_k or truncate_prompt_tokens would fail to encode: a 500).
+_INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
 class RequestOutputKind(enum.Enum):
@@ -54,6 +55,11 @@ class SamplingType(enum.IntEnum):
 # ---------------------------------------------------------------------------
 
 
+def _int_text(value: int) -> str:
+    """An int for an error message (str() refuses ints of more than 4,300 digits)."""
+    return str(value) if value.bit_length() <= 256 else f"an integer of {value.bit_length()} bits"
+
+
 def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
@@ -63,13 +69,20 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
             f"{name} must be an integer{' or None' if optional else ''}, "
             f"got {type(value).__name__} {value!r}"
         )
+    if not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        raise ValueError(f"{name} must be a 64-bit signed integer "
+                         f"[-2**63, 2**63 - 1], got {_int_text(value)}")
     return int(value)
 
 
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float range (not printed: it may be huge)
+        raise ValueError(f"{name} must be finite, got an integer of {value.bit_length()} "
+                         "bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -92,8 +105,9 @@ def _check_int_list(name: str, value: Any) -> list[int]:
             raise ValueError(
                 f"{name} must contain only integers, got {type(item).__name__} {item!r}"
             )
-        if item < 0:
-            raise ValueError(f"{name} must contain non-negative token ids, got {item}")
+        if not 0 <= item <= _INT64_RANGE[1]:
+            raise ValueError(f"{name} must contain non-negative 64-bit token ids, "
+                             f"got {_int_text(item)}")
         out.append(int(item))
     return out
 
@@ -173,10 +187,7 @@ class SamplingParams:
         self.top_p = _check_float("top_p", self.top_p)
         self.top_k = _check_int("top_k", self.top_k)
         self.min_p = _check_float("min_p", self.min_p)
-        self.seed = _check_int("seed", self.seed, optional=True)
-        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
-            raise ValueError(f"seed must be a 64-bit signed integer "
-                             f"[-2**63, 2**63 - 1], got {self.seed}")
+        self.seed = _check_int("seed", self.seed, optional=True)  # int64, as all int fields
         self.max_tokens = _check_int("max_tokens", self.max_tokens, optional=True)
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         self.logprobs = _check_int("logprobs", self.logprobs, optional=True)
@@ -236,8 +247,9 @@ class SamplingParams:
                 token_id = int(key)
             else:
                 raise ValueError(f"logit_bias keys must be token ids, got {type(key).__name__} {key!r}")
-            if token_id < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id}")
+            if not 0 <= token_id <= _INT64_RANGE[1]:
+                raise ValueError(f"logit_bias keys must be non-negative 64-bit token ids, "
+                                 f"got {_int_text(token_id)}")
             value = _check_float("logit_bias", value)
             if not -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} "

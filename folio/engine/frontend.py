@@ -113,6 +113,9 @@ class RequestPreparer:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        if not -(2**63) <= priority < 2**63:  # it crosses the wire to the core as int64
+            raise ValueError(f"priority must be a 64-bit signed integer, got one of "
+                             f"{priority.bit_length()} bits")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         # Bounds first: everything after this point costs time or memory in proportion to them.

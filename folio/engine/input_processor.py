@@ -50,7 +50,7 @@ class InputProcessor:
             ids = ids[-keep:]  # keep the end of the prompt, as vLLM does
         # Length before contents: checking a huge id list costs time in proportion to it.
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to "
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
                or not 0 <= t < self.vocab_size]
@@ -74,7 +74,7 @@ class InputProcessor:
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"], truncating)
-            raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            raise ValueError("prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict with "

@@ -119,7 +119,9 @@ def check_kv_fit(prompt_len: int, params: SamplingParams, max_model_len: int,
     fits (start-up checks the cache holds max_model_len tokens)."""
     if kv_capacity_tokens is None or params.n == 1:
         return
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - prompt_len
+    # The engine clamps max_tokens to the room the prompt leaves (core.request.Request).
+    room = max_model_len - prompt_len
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     needed = params.n * (prompt_len + max_tokens)
     if needed > kv_capacity_tokens:
         raise ValueError(

@@ -298,15 +298,14 @@ def test_engine_death_reports_unhealthy(tiny_server_args):
         deadline = time.time() + 20
         while time.time() < deadline and httpx.get(srv.url + "/health").status_code == 200:
             time.sleep(0.2)
-        assert httpx.get(srv.url + "/health").status_code == 500
+        assert httpx.get(srv.url + "/health").status_code == 503
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 500 and r.json()["error"]["message"]
+        assert r.status_code == 503 and r.json()["error"]["message"]
 
 
 def test_sigterm_shuts_down_cleanly(tiny_server_args):
-    """SIGTERM with a stream in flight: the stream ends (finished or cut), the server exits by
-    itself (uvicorn re-raises the signal after its graceful shutdown: exit status -SIGTERM, not
-    the -SIGKILL of a forced stop), and no engine-core process is left behind."""
+    """SIGTERM with a stream in flight: the stream ends, the server exits by itself with 0
+    (not the -SIGKILL of a forced stop), and no engine-core process is left behind."""
     import signal
     import threading
     srv = RemoteServer(tiny_server_args)
@@ -332,7 +331,7 @@ def test_sigterm_shuts_down_cleanly(tiny_server_args):
     code = srv.proc.wait(30)
     reader.join(30)
     assert not reader.is_alive()
-    assert code in (0, -signal.SIGTERM), srv.log()
+    assert code == 0, srv.log()
     core.wait(15)
     assert not core.is_running()
     srv.stop()

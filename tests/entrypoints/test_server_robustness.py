@@ -138,6 +138,15 @@ def test_deep_json_is_400(server):
     assert r.status_code == 200, r.text
 
 
+def test_start_up_progress_is_logged(server):
+    server.log()  # flushes
+    with open(server.log_path) as f:
+        log = f.read()
+    for step in ("starting the engine", "loading weights", "model loaded",
+                 f"KV cache: {NUM_BLOCKS} blocks", "serving " + MODEL, "http://127.0.0.1:"):
+        assert step in log, (step, log)
+
+
 def test_cors_is_off_by_default(server):
     r = httpx.options(server.url + CHAT, headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})

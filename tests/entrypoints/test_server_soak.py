@@ -146,6 +146,12 @@ async def _run_one(client: httpx.AsyncClient, req: dict, tally: collections.Coun
     tally["completed"] += 1
 
 
+def _full_log(server) -> str:
+    server.log()  # flushes
+    with open(server.log_path) as f:
+        return f.read()
+
+
 def _rss(pids: list[int]) -> list[int]:
     return [psutil.Process(pid).memory_info().rss for pid in pids]
 
@@ -220,3 +226,8 @@ def test_soak(server):
         tally["abort_too_late"] == NUM_REQUESTS
     assert tally["disconnected"] > 0 and tally["aborted"] > 0
     assert all(abs(g) <= 0.10 for g in growth), figures
+    if elapsed > 10:
+        # Busy for more than one interval: the stats line was logged (vLLM's format).
+        assert re.search(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                         r"[\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache "
+                         r"usage: [\d.]+%, Prefix cache hit rate: [\d.]+%", _full_log(server))

@@ -52,11 +52,17 @@ def test_json_schema_on_gpu_with_graphs(llm, backend_schema):
                              structured_outputs=SO(json=backend_schema,
                                                    disable_any_whitespace=True))
               for i in range(16)]
-    outs = llm.generate(["Weather:"] * 16, params, use_tqdm=False)
+    try:
+        outs = llm.generate(["Weather:"] * 16, params, use_tqdm=False)
+    except ValueError as exc:
+        # An llguidance that does not implement this allOf (seen on the H200 with an older
+        # one) must refuse it naming the keyword: never run it weakened on xgrammar.
+        assert "allOf" in backend_schema and "allOf" in str(exc), exc
+        return
     for out in outs:
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop", text
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), backend_schema)
 
 
 def test_mixed_batch_on_gpu(llm):

@@ -73,7 +73,7 @@ async def _read_json(request: Request, limit: int, max_depth: int) -> Any:
         data = json.loads(body)
     except RecursionError:
         raise OpenAIError(f"request body nests deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of > 4,300 digits
         raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise OpenAIError("request body must be a JSON object")
@@ -230,6 +230,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
                  for name in settings.served_model_names]
         return {"object": "list", "data": cards}
 
+    def _bounded_encode(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        # A text far past the context is refused without tokenizing all of it (as the
+        # generation routes do): tokenizing 30 MB would hold the preprocessing thread ~40 s.
+        try:
+            return encode_prompt(engine.tokenizer, text, engine.max_model_len,
+                                 add_special_tokens=add_special_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=param) from exc
+
     def _tokenize(data: TokenizeRequest) -> dict:
         tokenizer = engine.tokenizer
         if data.messages is not None:
@@ -243,11 +252,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
                     chat_template_kwargs=data.chat_template_kwargs)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="messages") from exc
-            ids = encode_prompt(tokenizer, text, engine.max_model_len, add_special_tokens=False,
-                                truncating=True)
+            ids = _bounded_encode(text, "messages", add_special_tokens=False)
         elif isinstance(data.prompt, str):
-            ids = encode_prompt(tokenizer, data.prompt, engine.max_model_len,
-                                add_special_tokens=data.add_special_tokens, truncating=True)
+            ids = _bounded_encode(data.prompt, "prompt",
+                                  add_special_tokens=data.add_special_tokens)
         else:
             raise OpenAIError("tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

@@ -50,7 +50,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in requests (Jinja run by the server; "
                              "refused by default)")
-    parser.add_argument("--disable-log-stats", action="store_true", help="no /metrics")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no /metrics and no periodic stats line")
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
 
