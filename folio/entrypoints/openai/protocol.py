@@ -198,10 +198,20 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------------------------
 
 
+# What /openapi.json documents for a chat message (clients and fuzzers build from it); the
+# handler itself validates messages with precise errors (folio.engine.chat).
+_MESSAGE_SCHEMA = {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     # Kept as plain dicts: folio.engine.chat validates roles/parts with precise messages,
     # and templates may read extra keys (name, tool_call_id...).
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={
+        "items": _MESSAGE_SCHEMA})
     max_tokens: int | None = None
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = None
