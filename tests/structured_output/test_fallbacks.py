@@ -237,20 +237,22 @@ def test_metrics_count_fallbacks_by_reason(guidance_rejects):
     metrics = EngineMetrics("m", 128)
     assert set(STRUCTURED_OUTPUT_FALLBACK_REASONS) == set(FALLBACK_REASONS)
     assert all(_count(metrics, r) == 0 for r in FALLBACK_REASONS)  # exported from the start
-    backend = structured.structured_outputs_backend(_Engine(metrics))
+    ctx = structured.constraint_context(_Engine(metrics))
     request = type("R", (), {"response_format": None,
                              "structured_outputs": {"json": ALL_OF, "best_effort": True}})()
-    params = structured.request_constraint(request, backend)
+    params = structured.request_constraint(request, ctx)
     assert params.best_effort
     assert _count(metrics, "best_effort_partial") == 1
-    structured.request_constraint(request, backend)
+    # The notice for the response, left in the request's context.
+    assert ctx.notice and "`allOf`" in ctx.notice
+    structured.request_constraint(request, structured.constraint_context(_Engine(metrics)))
     assert _count(metrics, "best_effort_partial") == 2
     assert _count(metrics, "unenforced_feature") == 0
-    # The notice for the response.
-    notice = structured.structured_outputs_notice(params, backend)
-    assert notice and "`allOf`" in notice
-    assert structured.structured_outputs_notice(None, backend) is None
-    assert structured.structured_outputs_notice(SO(json={"type": "object"}), backend) is None
+    # Fully enforced (with or without best_effort): no notice.
+    for value in ({"json": {"type": "object"}}, {"json": {"type": "object"}, "best_effort": True}):
+        plain = structured.constraint_context(_Engine(metrics))
+        structured.from_structured_outputs(value, plain)
+        assert plain.notice is None
     text = metrics.render().decode()
     assert 'folio:structured_outputs_fallbacks_total{model_name="m",reason="best_effort_partial"} 2.0' in text
     with pytest.raises(ValueError):
@@ -259,10 +261,10 @@ def test_metrics_count_fallbacks_by_reason(guidance_rejects):
 
 def test_metrics_count_routing_and_xgrammar_rejections():
     metrics = EngineMetrics("m", 128)
-    backend = structured.structured_outputs_backend(_Engine(metrics))
-    structured.from_structured_outputs({"json": {"type": "string", "maxLength": 3}}, backend)
-    structured.from_structured_outputs({"json": {"type": "object", "minProperties": 2}}, backend)
-    structured.from_structured_outputs({"json": {"type": "object"}}, backend)  # no fallback
+    ctx = structured.constraint_context(_Engine(metrics))
+    structured.from_structured_outputs({"json": {"type": "string", "maxLength": 3}}, ctx)
+    structured.from_structured_outputs({"json": {"type": "object", "minProperties": 2}}, ctx)
+    structured.from_structured_outputs({"json": {"type": "object"}}, ctx)  # no fallback
     assert _count(metrics, "unenforced_feature") == 1
     assert _count(metrics, "xgrammar_rejected") == 1
     assert _count(metrics, "best_effort_partial") == 0

@@ -42,10 +42,9 @@ from folio.entrypoints.openai.serving_common import (
     with_prefix,
 )
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from folio.entrypoints.openai.structured import (forced_tool_constraint, named_function,
-                                                 request_constraint, strict_tools_constraint,
-                                                 structured_outputs_backend,
-                                                 structured_outputs_notice)
+from folio.entrypoints.openai.structured import (ConstraintContext, constraint_context,
+                                                 forced_tool_constraint, named_function,
+                                                 request_constraint, strict_tools_constraint)
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
                                                           RequiredToolCallParser)
@@ -86,20 +85,19 @@ class OpenAIServingChat(ServingBase):
             return None
         return self.tool_parser_cls(tools=request.tools)
 
-    def _constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    def _constraint(self, request: ChatCompletionRequest, ctx: ConstraintContext
+                    ) -> StructuredOutputsParams | None:
         choice = request.tool_choice
         if request.tools and (choice == "required" or isinstance(choice, dict)):
             if request.response_format is not None or request.structured_outputs is not None:
                 raise OpenAIError("a forced tool_choice already fixes the output's shape; "
                                   "drop response_format / structured_outputs",
                                   param="tool_choice")
-            return forced_tool_constraint(request.tools, choice, request.parallel_tool_calls,
-                                          structured_outputs_backend(self.engine))
-        backend = structured_outputs_backend(self.engine)
-        constraint = request_constraint(request, backend)
+            return forced_tool_constraint(request.tools, choice, request.parallel_tool_calls, ctx)
+        constraint = request_constraint(request, ctx)
         if constraint is None and request.tools and choice in (None, "auto") \
                 and self.tool_parser_cls is not None:
-            constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name, backend)
+            constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name, ctx)
         return constraint
 
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
@@ -170,7 +168,8 @@ class OpenAIServingChat(ServingBase):
                               code="context_length_exceeded") from exc
         return text, ids
 
-    def _build_params(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+    def _build_params(self, request: ChatCompletionRequest, prompt_len: int,
+                      ctx: ConstraintContext) -> SamplingParams:
         requested = request.max_completion_tokens
         param = "max_completion_tokens"
         if requested is None:
@@ -183,9 +182,9 @@ class OpenAIServingChat(ServingBase):
                                      prompt_logprobs=request.prompt_logprobs,
                                      stream=bool(request.stream),
                                      aliases=self._error_kwargs(request)["aliases"],
-                                     structured_outputs=self._constraint(request))
+                                     structured_outputs=self._constraint(request, ctx))
 
-    def _prepare(self, request: ChatCompletionRequest
+    def _prepare(self, request: ChatCompletionRequest, ctx: ConstraintContext
                  ) -> tuple[str, list[int], SamplingParams]:
         """Template, tokenize, truncate, build the SamplingParams (on the preprocessing
         thread: this is the part whose cost grows with the request)."""
@@ -194,7 +193,7 @@ class OpenAIServingChat(ServingBase):
                                     self.engine.max_model_len)
         if len(truncated) != len(token_ids):
             token_ids, text = truncated, self.tokenizer.decode(truncated)
-        return text, token_ids, self._build_params(request, len(token_ids))
+        return text, token_ids, self._build_params(request, len(token_ids), ctx)
 
     # ---- handler ----------------------------------------------------------------------
 
@@ -207,7 +206,8 @@ class OpenAIServingChat(ServingBase):
         self._check_unsupported(request)
         response_id = with_prefix("chatcmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
-        text, token_ids, params = await self.run_blocking(self._prepare, request)
+        ctx = constraint_context(self.engine)
+        text, token_ids, params = await self.run_blocking(self._prepare, request, ctx)
         error_kwargs = self._error_kwargs(request)
         created = int(time.time())
         streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
@@ -220,8 +220,7 @@ class OpenAIServingChat(ServingBase):
         # Detokenizing n choices' logprobs can take a while: off the event loop too.
         response = await self.run_blocking(self._response, request, response_id, model_name,
                                            created, token_ids, output)
-        response.structured_outputs_notice = structured_outputs_notice(
-            params.structured_outputs, structured_outputs_backend(self.engine))
+        response.structured_outputs_notice = ctx.notice
         return response
 
     # ---- output formatting ------------------------------------------------------------

@@ -15,8 +15,8 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from folio.entrypoints.openai.structured import (request_constraint, structured_outputs_backend,
-                                                 structured_outputs_notice)
+from folio.entrypoints.openai.structured import (ConstraintContext, constraint_context,
+                                                 request_constraint)
 from folio.entrypoints.openai.serving_common import (
     SAMPLING_PARAM_NAMES,
     SSE_DONE,
@@ -123,7 +123,8 @@ class OpenAIServingCompletion(ServingBase):
                                      stream=bool(request.stream),
                                      structured_outputs=constraint)
 
-    def _prepare(self, request: CompletionRequest) -> tuple[list[_Prompt], list[SamplingParams]]:
+    def _prepare(self, request: CompletionRequest, ctx: ConstraintContext
+                 ) -> tuple[list[_Prompt], list[SamplingParams]]:
         """Tokenize, truncate and build each prompt's SamplingParams (on the preprocessing
         thread: this is the part whose cost grows with the request)."""
         items = self._prompt_items(request.prompt)
@@ -135,7 +136,7 @@ class OpenAIServingCompletion(ServingBase):
             prompts = self._parse_prompts(items, request.truncate_prompt_tokens is not None)
         except ValueError as exc:
             raise to_openai_error(exc, default_param="prompt") from exc
-        constraint = request_constraint(request, structured_outputs_backend(self.engine))
+        constraint = request_constraint(request, ctx)
         max_model_len = self.engine.max_model_len
         params = []
         for prompt in prompts:
@@ -157,7 +158,8 @@ class OpenAIServingCompletion(ServingBase):
         self._check_unsupported(request)
         response_id = with_prefix("cmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
-        prompts, params = await self.run_blocking(self._prepare, request)
+        ctx = constraint_context(self.engine)
+        prompts, params = await self.run_blocking(self._prepare, request, ctx)
 
         engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
         # One engine request per prompt; a single prompt keeps the client-visible id.
@@ -171,8 +173,10 @@ class OpenAIServingCompletion(ServingBase):
                                 streams, first)
         finals = await self.collect_final(streams, len(prompts), _ERROR_KWARGS)
         # Detokenizing n choices' logprobs can take a while: off the event loop too.
-        return await self.run_blocking(self._response, request, response_id, model_name,
-                                       created, prompts, params, finals)
+        response = await self.run_blocking(self._response, request, response_id, model_name,
+                                           created, prompts, params, finals)
+        response.structured_outputs_notice = ctx.notice
+        return response
 
     # ---- output formatting ------------------------------------------------------------
 
@@ -227,10 +231,7 @@ class OpenAIServingCompletion(ServingBase):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=response_id, created=created, model=model_name,
                                   choices=choices,
-                                  usage=make_usage(prompt_tokens, completion_tokens, cached),
-                                  structured_outputs_notice=structured_outputs_notice(
-                                      params[0].structured_outputs if params else None,
-                                      structured_outputs_backend(self.engine)))
+                                  usage=make_usage(prompt_tokens, completion_tokens, cached))
 
     async def _stream(self, request: CompletionRequest, response_id: str, model_name: str,
                       created: int, prompts: Sequence[_Prompt], params: Sequence[SamplingParams],

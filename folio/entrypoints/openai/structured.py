@@ -12,16 +12,15 @@
 
 Every problem is an OpenAIError (400) naming the field; so is a JSON schema that no backend
 fully enforces, unless the request sets ``best_effort``: the response then carries
-``structured_outputs_notice`` (see `structured_outputs_notice`). Each fallback (xgrammar
+``structured_outputs_notice`` (left in the request's ConstraintContext). Each fallback (xgrammar
 rejected it, a feature xgrammar does not enforce sent it to guidance, best-effort partial
 enforcement) is counted in the engine's metrics, ``folio:structured_outputs_fallbacks_total``.
 """
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
-from collections import OrderedDict
+from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
@@ -32,30 +31,26 @@ logger = logging.getLogger(__name__)
 
 _SO_FIELDS = {f.name for f in dataclass_fields(StructuredOutputsParams) if f.init}
 
-# The metrics (EngineMetrics or None) of the engine whose backend the handler running in this
-# context asked for: every handler calls structured_outputs_backend(self.engine) before it
-# builds constraints, so the counting needs no extra argument through the handlers. Each
-# request runs in its own asyncio task, with its own copy of the context.
-_METRICS: contextvars.ContextVar[Any] = contextvars.ContextVar("folio_so_metrics", default=None)
-# (params.key(), backend) -> notice, for best_effort constraints validated here.
-_NOTICES: OrderedDict[tuple, str | None] = OrderedDict()
-_MAX_NOTICES = 256
+
+@dataclass
+class ConstraintContext:
+    """What building one request's constraint needs and reports: the engine's backend (the
+    front end must route as the engine will), its metrics (fallbacks are counted), and, after
+    a best_effort constraint was built, the notice saying what is not enforced."""
+
+    backend: str = "auto"
+    metrics: Any = None
+    notice: str | None = None
 
 
-def structured_outputs_backend(engine: Any) -> str:
-    """The engine's grammar backend (validation must pick the backend the engine will).
-    Also notes the engine's metrics (engine.metrics) for this request's fallback counts."""
-    _METRICS.set(getattr(engine, "metrics", None))
+def constraint_context(engine: Any) -> ConstraintContext:
     config = getattr(getattr(engine, "config", None), "structured_outputs", None)
-    return getattr(config, "backend", "auto")
+    return ConstraintContext(getattr(config, "backend", "auto"), getattr(engine, "metrics", None))
 
 
-def _remember_notice(params: StructuredOutputsParams, backend: str, notice: str | None) -> None:
-    key = (params.key(), backend)
-    _NOTICES[key] = notice
-    _NOTICES.move_to_end(key)
-    while len(_NOTICES) > _MAX_NOTICES:
-        _NOTICES.popitem(last=False)
+def _context(ctx: ConstraintContext | str) -> ConstraintContext:
+    # A bare backend name (tests, tools): no metrics, and the notice is not kept.
+    return ConstraintContext(ctx) if isinstance(ctx, str) else ctx
 
 
 def record_route(route: Any, metrics: Any = None) -> None:
@@ -69,41 +64,23 @@ def record_route(route: Any, metrics: Any = None) -> None:
         metrics.structured_outputs_fallback(code)
 
 
-def structured_outputs_notice(params: StructuredOutputsParams | None,
-                              backend: str = "auto") -> str | None:
-    """What a best_effort constraint leaves unenforced (a short text for the response's
-    ``structured_outputs_notice``); None when it is fully enforced, or there is none."""
-    if params is None or not params.best_effort:
-        return None
-    try:
-        key = (params.key(), backend)
-        if key in _NOTICES:
-            return _NOTICES[key]
-        from folio.structured_output.validation import validate_constraint
-        route = validate_constraint(params, backend)
-    except ValueError:
-        return None
-    notice = route.notice if route.partial else None
-    _remember_notice(params, backend, notice)
-    return notice
-
-
-def _make(param: str, backend: str, **kwargs: Any) -> StructuredOutputsParams:
+def _make(param: str, ctx: ConstraintContext | str, **kwargs: Any) -> StructuredOutputsParams:
     """Build and check (a tokenizer-free parse, as the engine's backend would compile it), so
     a bad schema is a 400 naming the request field it came from."""
     from folio.structured_output.validation import validate_constraint
+    ctx = _context(ctx)
     try:
         params = StructuredOutputsParams(**kwargs)
-        route = validate_constraint(params, backend)
+        route = validate_constraint(params, ctx.backend)
     except (TypeError, ValueError) as exc:
         raise OpenAIError(str(exc), param=param) from exc
-    record_route(route, _METRICS.get())
-    if params.best_effort:
-        _remember_notice(params, backend, route.notice if route.partial else None)
+    record_route(route, ctx.metrics)
+    if route.partial:
+        ctx.notice = route.notice
     return params
 
 
-def from_response_format(fmt: dict[str, Any] | None, backend: str = "auto"
+def from_response_format(fmt: dict[str, Any] | None, ctx: ConstraintContext | str = "auto"
                          ) -> StructuredOutputsParams | None:
     if fmt is None:
         return None
@@ -113,7 +90,7 @@ def from_response_format(fmt: dict[str, Any] | None, backend: str = "auto"
     if kind == "text":
         return None
     if kind == "json_object":
-        return _make("response_format", backend, json_object=True)
+        return _make("response_format", ctx, json_object=True)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -122,13 +99,13 @@ def from_response_format(fmt: dict[str, Any] | None, backend: str = "auto"
         schema = spec.get("schema", spec.get("json_schema"))
         if schema is None:
             # OpenAI allows omitting the schema; any JSON object then satisfies it.
-            return _make("response_format.json_schema", backend, json_object=True)
-        return _make("response_format.json_schema.schema", backend, json=schema)
+            return _make("response_format.json_schema", ctx, json_object=True)
+        return _make("response_format.json_schema.schema", ctx, json=schema)
     raise OpenAIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                       f"got {kind!r}", param="response_format.type")
 
 
-def from_structured_outputs(value: dict[str, Any] | None, backend: str = "auto"
+def from_structured_outputs(value: dict[str, Any] | None, ctx: ConstraintContext | str = "auto"
                             ) -> StructuredOutputsParams | None:
     if value is None:
         return None
@@ -141,13 +118,14 @@ def from_structured_outputs(value: dict[str, Any] | None, backend: str = "auto"
     kwargs = dict(value)
     if isinstance(kwargs.get("structural_tag"), dict):
         kwargs["structural_tag"] = json.dumps(kwargs["structural_tag"])
-    return _make("structured_outputs", backend, **kwargs)
+    return _make("structured_outputs", ctx, **kwargs)
 
 
-def request_constraint(request: Any, backend: str = "auto") -> StructuredOutputsParams | None:
+def request_constraint(request: Any, ctx: ConstraintContext | str = "auto"
+                       ) -> StructuredOutputsParams | None:
     """The constraint a completions or chat request asks for (at most one source)."""
-    from_format = from_response_format(getattr(request, "response_format", None), backend)
-    from_extra = from_structured_outputs(getattr(request, "structured_outputs", None), backend)
+    from_format = from_response_format(getattr(request, "response_format", None), ctx)
+    from_extra = from_structured_outputs(getattr(request, "structured_outputs", None), ctx)
     if from_format is not None and from_extra is not None:
         raise OpenAIError("give either response_format or structured_outputs, not both",
                           param="structured_outputs")
@@ -181,12 +159,12 @@ def named_function(tools: list[dict[str, Any]], tool_choice: dict[str, Any]) -> 
 
 def forced_tool_constraint(tools: list[dict[str, Any]], tool_choice: Any,
                            parallel_tool_calls: bool | None,
-                           backend: str = "auto") -> StructuredOutputsParams:
+                           ctx: ConstraintContext | str = "auto") -> StructuredOutputsParams:
     """The grammar for tool_choice "required" (a JSON array of {"name", "parameters"} calls,
     one or more; at most one when parallel_tool_calls is false) or a named function (its
     arguments object)."""
     if isinstance(tool_choice, dict):
-        return _make("tools", backend, json=_parameters(named_function(tools, tool_choice)))
+        return _make("tools", ctx, json=_parameters(named_function(tools, tool_choice)))
     variants = []
     for tool in tools:
         function = _function(tool)
@@ -199,7 +177,7 @@ def forced_tool_constraint(tools: list[dict[str, Any]], tool_choice: Any,
                               "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    return _make("tools", backend, json=schema)
+    return _make("tools", ctx, json=schema)
 
 
 # How a call begins and ends in each parser's format, for strict functions under "auto".
@@ -212,7 +190,8 @@ _CALL_FORMATS: dict[str, tuple[str, str, str, str]] = {
 
 
 def strict_tools_constraint(tools: list[dict[str, Any]], parser_name: str | None,
-                            backend: str = "auto") -> StructuredOutputsParams | None:
+                            ctx: ConstraintContext | str = "auto"
+                            ) -> StructuredOutputsParams | None:
     """tool_choice "auto" with `strict: true` functions: a structural tag that leaves free
     text free and constrains each call of a strict function (from its opening marker) to the
     parser's format with arguments matching the schema. None when no function is strict or
@@ -224,5 +203,5 @@ def strict_tools_constraint(tools: list[dict[str, Any]], parser_name: str | None
     structures = [{"begin": begin.format(name=json.dumps(f["name"])), "schema": _parameters(f),
                    "end": end}
                   for f in strict]
-    return _make("tools", backend, structural_tag=json.dumps({"structures": structures,
+    return _make("tools", ctx, structural_tag=json.dumps({"structures": structures,
                                                       "triggers": [trigger]}))
