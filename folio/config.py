@@ -7,18 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from folio.reasoning import REASONING_FORMATS
+
 _VALID_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 _CUDAGRAPH_MODES = ("full", "full_decode_only")
 DEFAULT_MAX_NUM_SEQS_CUDA = 256
 DEFAULT_MAX_NUM_SEQS_CPU = 128
-
-
-def uses_cuda(device: str) -> bool:
-    """Whether the engine will run on CUDA ("auto" picks it when present)."""
-    if device == "auto":
-        import torch
-        return torch.cuda.is_available()
-    return device == "cuda"
 _VALID_POLICIES = ("fcfs", "priority")
 
 
@@ -125,7 +119,7 @@ class SchedulerConfig:
 
 
 _STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
-_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
+_REASONING_PARSERS = tuple(REASONING_FORMATS)  # deepseek_r1, qwen3, mistral
 
 
 @dataclass
@@ -183,13 +177,14 @@ class EngineConfig:
     disable_log_stats: bool = True
 
     def finalize(self, model_max_len: int) -> None:
-        """Fill the defaults that depend on the model, and check the settings agree."""
+        """Fill the defaults that depend on the model, and check the settings agree.
+
+        With device "auto" the device-dependent defaults wait for `finalize_device`: finding
+        out whether CUDA is there needs torch, which the front end (the API process) does not
+        import; the engine core calls it before it builds the scheduler and the worker."""
         if self.model.max_model_len is None:
             self.model.max_model_len = model_max_len
         sched = self.scheduler
-        if sched.max_num_seqs is None:
-            sched.max_num_seqs = (DEFAULT_MAX_NUM_SEQS_CUDA if uses_cuda(self.model.device)
-                                  else DEFAULT_MAX_NUM_SEQS_CPU)
         if sched.max_num_batched_tokens is None:
             # With chunked prefill a modest budget keeps decode latency low; without it, a
             # whole prompt must fit in one step.
@@ -200,5 +195,16 @@ class EngineConfig:
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.model.max_model_len}) with chunked prefill disabled: "
                 "a long prompt could never be scheduled")
-        if sched.max_num_batched_tokens < sched.max_num_seqs and not sched.enable_chunked_prefill:
+        self.finalize_device(None if self.model.device == "auto" else self.model.device)
+
+    def finalize_device(self, device_type: str | None) -> None:
+        """Fill the defaults that depend on the device ("cuda" or "cpu"; None = not known yet,
+        only explicit settings are checked) and check them."""
+        sched = self.scheduler
+        if sched.max_num_seqs is None and device_type is not None:
+            sched.max_num_seqs = (DEFAULT_MAX_NUM_SEQS_CUDA if device_type == "cuda"
+                                  else DEFAULT_MAX_NUM_SEQS_CPU)
+        if (sched.max_num_seqs is not None and sched.max_num_batched_tokens is not None
+                and sched.max_num_batched_tokens < sched.max_num_seqs
+                and not sched.enable_chunked_prefill):
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")

@@ -151,8 +151,8 @@ def time_case(name: str, reqs, H=32, KVH=8, D=128, bs=16, dtype=torch.bfloat16) 
     kv_bytes = sum(meta.seq_lens) * KVH * D * 2 * cache.element_size()
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in reqs)
     flops = 4 * pairs * H * D
-    splits = (tri.num_splits(m_tri.cache["triton_step"], KVH, q.device)
-              if m_tri.cache["triton_step"].all_decode else None)
+    st = tri.step_tensors(m_tri)  # the step's tensors, cached in m_tri by the forward passes
+    splits = tri.num_splits(st, KVH, q.device) if st.all_decode else None
     return dict(case=name, triton_ms=t_tri, torch_ms=t_ref, speedup=t_ref / t_tri,
                 kv_GBps=kv_bytes / t_tri / 1e6, TFLOPs=flops / t_tri / 1e9, splits=splits)
 

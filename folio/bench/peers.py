@@ -147,11 +147,6 @@ def describe_free_memory(free_total: tuple[int, int] | None) -> str | None:
 # Shared by the benches: random-model build and start-to-ready reporting
 # ------------------------------------------------------------------------------------------
 
-_STAGE_NAMES = (("load_s", "model load"), ("profile_s", "KV profiling"),
-                ("kv_alloc_s", "KV allocation"), ("warm_up_s", "kernel warm-up"),
-                ("graph_capture_s", "CUDA graph capture"))
-
-
 def build_random_model_in_child(name: str, num_layers: int | None) -> dict[str, Any]:
     """`build_random_model_info` in a spawned child (the builder's peak memory and CUDA context
     stay out of the benchmark process), plus "wall_s": the child's whole time, spawn included.
@@ -171,12 +166,14 @@ def startup_breakdown(total_s: float, timings: dict[str, float] | None) -> dict[
     """Start-to-ready (seconds from constructing `LLM(...)` to its return) split into the worker's
     stages (model load, KV profiling, KV allocation, CUDA graph capture: 0.0 when a stage did not
     run) and "other_s" (config, tokenizer, scheduler: the rest)."""
-    stages = {key: float((timings or {}).get(key, 0.0)) for key, _ in _STAGE_NAMES}
+    from folio.worker.worker import STARTUP_STAGES  # here: peers' children need not load it
+    stages = {key: float((timings or {}).get(key, 0.0)) for key in STARTUP_STAGES}
     return {"total_s": total_s, **stages, "other_s": max(0.0, total_s - sum(stages.values()))}
 
 
 def format_startup(startup: dict[str, float]) -> str:
-    parts = [f"{label} {startup[key]:.1f} s" for key, label in _STAGE_NAMES
+    from folio.worker.worker import STARTUP_STAGES
+    parts = [f"{label} {startup[key]:.1f} s" for key, label in STARTUP_STAGES.items()
              if startup.get(key, 0.0) >= 0.05 or key == "load_s"]
     parts.append(f"other {startup.get('other_s', 0.0):.1f} s")
     return f"start-to-ready: {startup['total_s']:.1f} s ({', '.join(parts)})"

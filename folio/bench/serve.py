@@ -70,7 +70,6 @@ class RequestResult:
     latency: float = 0.0
     prompt_len: int = 0
     output_tokens: int = 0
-    generated_text: str = ""
 
 
 # ------------------------------------------------------------------------------------------
@@ -276,7 +275,6 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
     result = RequestResult(prompt_len=prompt_len or 0)
     start = time.perf_counter()
     result.send_time = start - bench_start
-    text_parts: list[str] = []
     content_chunks = 0
     last: float | None = None
     usage: dict[str, Any] | None = None
@@ -323,7 +321,6 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
                         result.itl.append(now - last)
                     last = now
                     content_chunks += 1
-                    text_parts.append(content)
         result.latency = time.perf_counter() - start
     except asyncio.TimeoutError:
         result.error = f"timeout after {timeout_s:g} s"
@@ -332,7 +329,6 @@ async def send_request(session: Any, url: str, headers: dict[str, str], payload:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
 
-    result.generated_text = "".join(text_parts)
     if not done and not finished:
         # A stream cut short. (Some servers omit [DONE] but send a finish_reason: accepted.)
         result.error = "stream ended without 'data: [DONE]' or a finish_reason"

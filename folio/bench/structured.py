@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**kwargs)
     engine = llm.llm_engine
     report: dict[str, Any] = {"model": engine.model_source.path,
-                              "device": str(engine.engine_core.executor.worker.device)}
+                              "device": engine.engine_core.executor.device_type}
     report["compile"] = compile_times(engine.tokenizer, engine.engine_core.executor.vocab_size,
                                       list(engine.eos_token_ids))
 

@@ -134,10 +134,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_pending(self) -> int:
-        return len(self.all_token_ids) + self.num_pending_tokens
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

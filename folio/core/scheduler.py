@@ -165,9 +165,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -95,6 +95,8 @@ class AsyncLLM:
             self.shutdown()
             raise
         self.preparer.kv_capacity_tokens = self.ready.num_blocks * self.ready.block_size
+        # The front end left it open with device "auto" (deciding needs torch); now it is known.
+        config.scheduler.max_num_seqs = self.ready.max_num_seqs
         self._receiver = threading.Thread(target=self._receive_loop, name="folio-output-receiver",
                                           daemon=True)
 
@@ -278,11 +280,6 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call_utility("reset_prefix_cache")
-
-    async def get_stats(self) -> SchedulerStats:
-        """Fresh scheduler stats from the engine core (the cached `stats` lags by a step)."""
-        result = await self._call_utility("stats")
-        return SchedulerStats(**result) if isinstance(result, dict) else result
 
     async def _call_utility(self, method: str, *args: Any) -> Any:
         self._ensure_started()

@@ -20,7 +20,7 @@ from folio.engine import messages as msg
 logger = logging.getLogger(__name__)
 
 # The EngineCore methods the front end may call remotely.
-UTILITY_METHODS = {"reset_prefix_cache", "stats"}
+UTILITY_METHODS = {"reset_prefix_cache"}
 
 _IDLE_POLL_MS = 500
 
@@ -45,7 +45,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         info = load_model_info(config)
         core = EngineCore(config, info.source, info.hf_config, info.tokenizer)
         outbox.send_multipart(msg.encode(msg.READY, msg.ReadyInfo(
-            core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid())))
+            core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid(),
+            config.scheduler.max_num_seqs)))
         _busy_loop(core, inbox, outbox, parent_pid)
     except Exception as exc:  # report, then die: the front end fails requests with 500s
         detail = f"{type(exc).__name__}: {exc}"
@@ -86,7 +87,7 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
             outputs = core.step()
             last_stats = core.stats()
             outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
-                outputs, last_stats, time.monotonic())))
+                outputs, last_stats)))
         else:
             # Idle after aborts or finishes that needed no step: the front end's gauges (KV
             # use, running, waiting) must not keep the last busy step's values.
@@ -94,7 +95,7 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
             if stats != last_stats:
                 last_stats = stats
                 outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
-                    [], stats, time.monotonic())))
+                    [], stats)))
 
 
 def _handle(core, kind: bytes, payload, outbox: zmq.Socket) -> None:

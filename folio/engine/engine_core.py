@@ -5,15 +5,14 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from folio.config import EngineConfig, uses_cuda
+from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import Scheduler, SchedulerOutput
 from folio.engine.structured_outputs import StructuredOutputManager
-from folio.executor.uniproc import UniProcExecutor
-from folio.model.loader import ModelSource
-from folio.worker.model_runner import PendingRunnerOutput
+from folio.executor.uniproc import PendingRunnerOutput, UniProcExecutor
+from folio.model.discovery import ModelSource
 
 
 class EngineCore:
@@ -24,7 +23,11 @@ class EngineCore:
         # on CUDA a dropped engine caught in a reference cycle is reclaimed before this one
         # sizes its KV cache from the free memory (a full collection: ~0.3 s).
         gc.unfreeze()
-        on_cuda = uses_cuda(config.model.device)
+        # The device decides defaults the worker and the scheduler are built with (max_num_seqs);
+        # the front end left them open with device "auto" (it does not import torch).
+        device_type = UniProcExecutor.resolve_device_type(config.model.device)
+        config.finalize_device(device_type)
+        on_cuda = device_type == "cuda"
         if on_cuda:
             gc.collect()
         self.executor = UniProcExecutor(config, source, hf_config)
@@ -33,7 +36,7 @@ class EngineCore:
                                                config.cache.enable_prefix_caching)
         sched = config.scheduler
         self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
-                                 else self.executor.worker.device.type == "cuda")
+                                 else self.executor.device_type == "cuda")
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -47,7 +50,7 @@ class EngineCore:
             config.structured_outputs,
             (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
             vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs,
-            pin_memory=self.executor.worker.device.type == "cuda")
+            pin_memory=self.executor.device_type == "cuda")
         # Everything built so far (torch, transformers, the model's modules) lives as long as
         # the engine: move it out of the garbage collector's sight (as vLLM's engine core
         # does). Otherwise a full collection walks it all in the middle of serving (measured:

@@ -13,7 +13,7 @@ from folio.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from folio.engine.request_limits import check_kv_fit, check_sampling_limits
 from folio.engine.tokenizer import eos_token_ids, load_tokenizer
 from folio.model.families import arch_spec_from_hf_config
-from folio.model.loader import ModelSource, load_hf_config, resolve_model_source
+from folio.model.discovery import ModelSource, load_hf_config, resolve_model_source
 from folio.sampling_params import SamplingParams
 
 
@@ -52,8 +52,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
             raise ValueError(f"generation_config: no generation_config.json in "
                              f"{config.model.generation_config!r}")
     extra_eos: list[int] = []
-    if source.gguf_checkpoint is not None:
-        extra_eos = list(source.gguf_checkpoint.extra.get("extra_eos_token_ids", []))
+    if source.gguf_metadata is not None:
+        extra_eos = list(source.gguf_metadata.extra_eos_token_ids)
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
     if config.model.max_model_len is not None and config.model.max_model_len > model_max:
         raise ValueError(f"max_model_len={config.model.max_model_len} is larger than the "

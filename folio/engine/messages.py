@@ -30,13 +30,14 @@ class ReadyInfo:
     block_size: int
     max_model_len: int
     pid: int
+    # The engine core's (it resolves the device, and so this default, with device "auto").
+    max_num_seqs: int
 
 
 @dataclass
 class StepOutputs:
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
-    timestamp: float
 
 
 @dataclass

@@ -105,9 +105,6 @@ class OutputProcessor:
             self.children[child_id] = child
         self.parents[parent_id] = parent
 
-    def has_unfinished(self) -> bool:
-        return bool(self.parents)
-
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns the child ids the core must abort."""
         parent = self.parents.pop(parent_id, None)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from folio.config import StructuredOutputsConfig
 from folio.core.request import Request, RequestStatus
+from folio.reasoning import get_reasoning_format
 from folio.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -77,7 +78,6 @@ class RequestGrammar:
         self.ready = False
         self.error: str | None = None
         self.matcher: Any = None
-        self.num_rejected = 0
         self._pending: list[int] = []
 
     @property
@@ -103,7 +103,6 @@ class RequestGrammar:
             token_ids = self.gate.feed(token_ids)
         for token in token_ids:
             if not self.matcher.accept_token(token):
-                self.num_rejected += 1
                 logger.warning("request %s: grammar rejected sampled token %d",
                                self.request_id, token)
                 return False
@@ -156,12 +155,11 @@ class StructuredOutputManager:
         if self.config.reasoning_parser is None:
             return None
         if self._reasoning_tags is None:
-            from folio.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-            parser = get_reasoning_parser(self.config.reasoning_parser)
+            fmt = get_reasoning_format(self.config.reasoning_parser)
             tokenizer = self._get_tokenizer()
             self._reasoning_tags = (
-                list(tokenizer.encode(parser.start_tag, add_special_tokens=False)),
-                list(tokenizer.encode(parser.end_tag, add_special_tokens=False)))
+                list(tokenizer.encode(fmt.start_tag, add_special_tokens=False)),
+                list(tokenizer.encode(fmt.end_tag, add_special_tokens=False)))
         start_ids, end_ids = self._reasoning_tags
         return ReasoningGate(start_ids, end_ids, request.prompt_token_ids)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from folio.model.loader import ModelSource
+from folio.model.discovery import ModelSource
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None,
@@ -15,7 +15,7 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None,
         except Exception as exc:
             raise ValueError(f"could not load tokenizer {tokenizer!r}: {exc}") from exc
     if source.kind == "gguf":
-        from folio.model.gguf_loader import load_gguf_tokenizer
+        from folio.model.gguf_metadata import load_gguf_tokenizer
         return load_gguf_tokenizer(source.path)
     try:
         return AutoTokenizer.from_pretrained(source.path)

@@ -1,5 +1,9 @@
 """Runs one worker in the engine-core process. Multi-process (tensor parallel) executors
-implement the same members."""
+implement the same members.
+
+The engine talks to the executor only (never to its worker): what it needs to know about the
+device and the step handles is here.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,14 +11,28 @@ from typing import Any
 from folio.config import EngineConfig
 from folio.core.outputs import ModelRunnerOutput
 from folio.core.scheduler import SchedulerOutput
-from folio.model.loader import ModelSource
+from folio.model.discovery import ModelSource
 from folio.worker.model_runner import GrammarBitmaskFn, PendingRunnerOutput
-from folio.worker.worker import Worker
+from folio.worker.worker import Worker, resolve_device
+
+__all__ = ["GrammarBitmaskFn", "PendingRunnerOutput", "UniProcExecutor"]
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.worker = Worker(config, source, hf_config)
+
+    @staticmethod
+    def resolve_device_type(device: str) -> str:
+        """The device type ("cuda" or "cpu") workers for ModelConfig.device ("auto", "cpu",
+        "cuda") run on, known before they start (the engine sizes defaults by it). ValueError
+        for "cuda" without a CUDA device."""
+        return resolve_device(device).type
+
+    @property
+    def device_type(self) -> str:
+        """The device type the model runs on: "cuda" or "cpu"."""
+        return self.worker.device.type
 
     @property
     def num_blocks(self) -> int:

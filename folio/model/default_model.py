@@ -158,7 +158,10 @@ def _convert_into(gguf_path: str, out: Path) -> None:
     """Write config, weights, tokenizer and generation config into `out`."""
     from safetensors.torch import save_file
 
-    from folio.model.gguf_loader import load_gguf_tokenizer, read_gguf
+    # The weights need torch: imported here, in a first start's one-time conversion only (a
+    # normal start finds the directory cached and the front end stays torch-free).
+    from folio.model.gguf_loader import read_gguf
+    from folio.model.gguf_metadata import load_gguf_tokenizer
 
     ckpt = read_gguf(gguf_path)
     cfg = ckpt.hf_config
@@ -166,7 +169,7 @@ def _convert_into(gguf_path: str, out: Path) -> None:
     _write_json(out / "config.json", cfg)
 
     eos_ids = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
-    eos_ids += [i for i in ckpt.extra.get("extra_eos_token_ids", []) if i not in eos_ids]
+    eos_ids += [i for i in ckpt.extra_eos_token_ids if i not in eos_ids]
     gen: dict = {"_from_model_config": False}
     if "bos_token_id" in cfg:
         gen["bos_token_id"] = cfg["bos_token_id"]
@@ -195,6 +198,6 @@ def _convert_into(gguf_path: str, out: Path) -> None:
             "gguf_size": st.st_size,
             "gguf_mtime_ns": st.st_mtime_ns,
             "converter_version": _CONVERTER_VERSION,
-            "model_name": ckpt.extra.get("name"),
+            "model_name": ckpt.name,
         },
     )

@@ -1,16 +1,20 @@
-"""Finding a model and loading its weights: a Hugging Face directory, a hub id, or a GGUF file."""
+"""Loading a model's weights (safetensors, PyTorch .bin or GGUF) into the decoder on a device.
+
+Finding the model and reading its config is discovery.py's (torch-free, shared with the front
+end); this module is the engine core's.
+"""
 from __future__ import annotations
 
 import glob
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from folio.model.attention import get_attention_backend
 from folio.model.decoder import DecoderLM
+from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
 
 _DTYPES = {
@@ -18,72 +22,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
-
-
-@dataclass
-class ModelSource:
-    kind: str   # "hf_dir" or "gguf"
-    path: str
-    # A GGUF file is parsed once: the config and the weights come from the same read, and the
-    # weights are dropped once loaded.
-    gguf_checkpoint: Any = field(default=None, repr=False)
-
-
-def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
-    """Turn the user's `model` argument into a local directory or GGUF file."""
-    if model is None:
-        from folio.model.default_model import default_model_path
-        return ModelSource("hf_dir", default_model_path())
-    if os.path.isfile(model):
-        if model.endswith(".gguf"):
-            return ModelSource("gguf", model)
-        raise ValueError(f"model path {model!r} is a file but not a .gguf file; "
-                         "give a Hugging Face model directory, a hub id, or a GGUF file")
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
-            if len(ggufs) == 1:
-                return ModelSource("gguf", ggufs[0])
-            raise ValueError(f"model directory {model!r} has no config.json")
-        return ModelSource("hf_dir", model)
-    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        return ModelSource("hf_dir", _download_from_hub(model, revision))
-    raise ValueError(f"model {model!r} not found: not a local path, and not a hub id (org/name)")
-
-
-def _download_from_hub(repo_id: str, revision: str | None) -> str:
-    """Fetch config, tokenizer and weights (safetensors preferred) of a hub model into the
-    hub cache. Needs a network, or a cache filled earlier (HF_HUB_OFFLINE=1 then reads it)."""
-    from huggingface_hub import snapshot_download
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt",
-                "*.jinja"]
-    try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
-    except Exception as exc:  # network down, no such repo, gated repo...
-        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
-                         f"from the Hugging Face hub: {exc}") from exc
-    if not glob.glob(os.path.join(path, "*.safetensors")):
-        # Older repos ship only PyTorch .bin files.
-        path = snapshot_download(repo_id, revision=revision,
-                                 allow_patterns=patterns + ["*.bin"])
-    return path
-
-
-def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
-    """The transformers config, and a chat template found beside the weights (GGUF)."""
-    from transformers import AutoConfig
-    if source.kind == "gguf":
-        from folio.model.gguf_loader import read_gguf
-        if source.gguf_checkpoint is None:
-            source.gguf_checkpoint = read_gguf(source.path)
-        cfg_dict = dict(source.gguf_checkpoint.hf_config)
-        return (AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict),
-                source.gguf_checkpoint.chat_template)
-    try:
-        return AutoConfig.from_pretrained(source.path), None
-    except Exception as exc:
-        raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -104,9 +42,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
 def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     if source.kind == "gguf":
         from folio.model.gguf_loader import read_gguf
-        checkpoint = source.gguf_checkpoint or read_gguf(source.path)
-        source.gguf_checkpoint = None
-        yield from checkpoint.state_dict.items()
+        yield from read_gguf(source.path).state_dict.items()
         return
     path = source.path
     index = os.path.join(path, "model.safetensors.index.json")
@@ -156,6 +92,5 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         rotary = type(model.layers[0].self_attn.rotary)(spec.head_dim, max(max_model_len, 1), hf_config)
     for layer in model.layers:
         layer.self_attn.rotary = rotary
-    model.rotary_table = rotary
     model.eval()
     return model, spec

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -240,7 +239,6 @@ class CompiledConstraint:
 
     backend: str  # "xgrammar" or "guidance": the one that compiled it (never "auto")
     handle: Any = field(repr=False)  # CompiledGrammar or GuidanceCompiledGrammar
-    compile_time_s: float  # wall time of this compile, fallback attempts included
     key: tuple = field(repr=False)  # StructuredOutputsParams.key()
     # Under "auto": why xgrammar was not used (its error, or the routing reason).
     fallback_reason: str | None = None
@@ -351,9 +349,6 @@ class StructuredOutputCompiler:
         pending.set_result(compiled)
         return compiled
 
-    def _route(self, params: StructuredOutputsParams) -> tuple[str, str | None]:
-        return choose_backend(params, self.backend)
-
     def _attempt(self, params: StructuredOutputsParams) -> Attempt:
         def attempt(name: str, lenient: bool) -> tuple[Any, list[str]]:
             if name == "guidance" and lenient:
@@ -363,7 +358,6 @@ class StructuredOutputCompiler:
         return attempt
 
     def _compile_uncached(self, key: tuple, params: StructuredOutputsParams) -> CompiledConstraint:
-        start = time.perf_counter()
         handle, route = resolve_route(params, self.backend, self._attempt(params))
         if route.fallback_reason_code == "xgrammar_rejected":
             with self._lock:
@@ -374,8 +368,7 @@ class StructuredOutputCompiler:
         elif route.fallback_reason_code is not None:
             logger.info("structured output %s: %s on %s: %s", params.kind(),
                         route.fallback_reason_code, route.backend, _short(route.detail or ""))
-        return CompiledConstraint(route.backend, handle, time.perf_counter() - start, key,
-                                  route.detail, route)
+        return CompiledConstraint(route.backend, handle, key, route.detail, route)
 
     # ---- matchers --------------------------------------------------------------------------
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,7 +312,6 @@ class GuidanceCompiledGrammar:
     key: tuple  # StructuredOutputsParams.key()
     grammar: str = field(repr=False)  # llguidance grammar text (Lark or JSON form)
     vocab_size: int
-    compile_time_s: float
     stop_token_ids: tuple[int, ...]
     _template: llg.LLMatcher = field(repr=False, compare=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -436,7 +434,6 @@ class GuidanceCompiler(BaseGrammarCompiler):
         if hit is not None:
             return hit
         kind = key[0]
-        start = time.perf_counter()
         try:
             grammar = grammar_text(kind, params, self.any_whitespace, lenient)
             template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
@@ -457,7 +454,7 @@ class GuidanceCompiler(BaseGrammarCompiler):
                 f"{_clean_error(template.get_error())}"
             )
         compiled = GuidanceCompiledGrammar(
-            key, grammar, self.vocab_size, time.perf_counter() - start,
+            key, grammar, self.vocab_size,
             self.stop_token_ids, template,
         )
         return self._cache.put(cache_key, compiled)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +55,6 @@ class CompiledGrammar:
     key: tuple  # StructuredOutputsParams.key()
     handle: xgr.CompiledGrammar = field(repr=False)
     vocab_size: int
-    compile_time_s: float
 
     @property
     def memory_size_bytes(self) -> int:
@@ -99,7 +97,6 @@ class GrammarCompiler(BaseGrammarCompiler):
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        start = time.perf_counter()
         try:
             handle = self._compile_uncached(params.kind(), params)
         except ValueError:
@@ -111,7 +108,7 @@ class GrammarCompiler(BaseGrammarCompiler):
             raise ValueError(
                 f"invalid {key[0]} for structured output: {_clean_error(e)}{hint}"
             ) from e
-        compiled = CompiledGrammar(key, handle, self.vocab_size, time.perf_counter() - start)
+        compiled = CompiledGrammar(key, handle, self.vocab_size)
         return self._cache.put(key, compiled)
 
     def _compile_uncached(self, kind: str, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

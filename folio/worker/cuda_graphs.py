@@ -31,13 +31,12 @@ import torch
 
 from folio.core.scheduler import ScheduledRequest
 from folio.model.attention import AttentionMetadata
-from folio.model.attention.triton_backend import TritonPagedAttention, TritonStepTensors
+from folio.model.attention.triton_backend import (STEP_CACHE_KEY, TritonPagedAttention,
+                                                  TritonStepTensors)
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Attention
 
 logger = logging.getLogger(__name__)
-
-_STEP_KEY = "triton_step"  # the key TritonPagedAttention caches its step tensors under
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -123,7 +122,7 @@ class DecodeGraphRunner:
             slot_mapping=st.slot_mapping, query_start_loc=list(range(bs + 1)),
             seq_lens=[1] * bs, num_computed_tokens=[0] * bs, block_tables=st.block_tables,
             block_size=self.block_size)
-        meta.cache[_STEP_KEY] = st
+        meta.cache[STEP_CACHE_KEY] = st
         return meta
 
     def _forward(self, bs: int) -> None:

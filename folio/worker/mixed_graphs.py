@@ -33,13 +33,11 @@ import torch
 
 from folio.core.scheduler import ScheduledRequest
 from folio.model.attention import AttentionMetadata
-from folio.model.attention.triton_backend import TritonStepTensors
+from folio.model.attention.triton_backend import STEP_CACHE_KEY, TritonStepTensors
 from folio.model.decoder import DecoderLM
 from folio.worker.cuda_graphs import BlockTableRows, triton_backend_of
 
 logger = logging.getLogger(__name__)
-
-_STEP_KEY = "triton_step"  # the key TritonPagedAttention caches its step tensors under
 
 # Called with (the static input-ids tensor, flat token positions whose id is still being
 # sampled by the step in flight, the scheduled index of each): writes those ids on the device.
@@ -192,7 +190,7 @@ class MixedGraphRunner:
             slot_mapping=st.slot_mapping, query_start_loc=[0] + [n] * slots,
             seq_lens=[n] + [0] * (slots - 1), num_computed_tokens=[0] * slots,
             block_tables=self.block_tables, block_size=self.block_size)
-        meta.cache[_STEP_KEY] = st
+        meta.cache[STEP_CACHE_KEY] = st
         self._metas[n] = meta
         return meta
 

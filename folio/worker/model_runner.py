@@ -11,7 +11,8 @@ from folio.core.scheduler import ScheduledRequest, SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor, to_host_async
-from folio.worker.sampler import LogprobsTensors, Sampler, SamplingState, token_logprobs_tensors
+from folio.worker.sampler import (LogprobsTensors, RowLogprobs, Sampler, SamplingState,
+                                  token_logprobs_tensors)
 
 if TYPE_CHECKING:
     from folio.core.request import Request
@@ -285,9 +286,6 @@ class ModelRunner:
         request_ids = [item.request_id for _, item in sampling]
         self._prev_sampled = sampled
         self._prev_rows = {rid: j for j, rid in enumerate(request_ids)}
-        if logprobs is not None:
-            rows, tensors = logprobs
-            logprobs = ([request_ids[i] for i in rows], tensors)
         return PendingRunnerOutput(output, request_ids, sampled, logprobs, prompt_logprobs)
 
 
@@ -298,7 +296,7 @@ class PendingRunnerOutput:
 
     def __init__(self, output: ModelRunnerOutput, request_ids: list[str] | None = None,
                  sampled: torch.Tensor | None = None,
-                 logprobs: tuple[list[str], LogprobsTensors] | None = None,
+                 logprobs: RowLogprobs | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None) -> None:
         self._output = output
         self._request_ids = request_ids or []
@@ -320,7 +318,7 @@ class PendingRunnerOutput:
     def _all_logprobs_tensors(self) -> list[LogprobsTensors]:
         found = [t for _, t in self._prompt_logprobs.values()]
         if self._logprobs is not None:
-            found.append(self._logprobs[1])
+            found.append(self._logprobs.tensors)
         return found
 
     def get(self) -> ModelRunnerOutput:
@@ -332,8 +330,8 @@ class PendingRunnerOutput:
         if self._host is not None:
             output.sampled_token_ids = dict(zip(self._request_ids, self._host.tolist()))
         if self._logprobs is not None:
-            rids, tensors = self._logprobs
-            output.logprobs = dict(zip(rids, tensors.entries()))
+            rids = [self._request_ids[i] for i in self._logprobs.rows]
+            output.logprobs = dict(zip(rids, self._logprobs.tensors.entries()))
         for rid, (start, tensors) in self._prompt_logprobs.items():
             output.prompt_logprobs[rid] = PromptLogprobsChunk(start, tensors.entries())
         self._host = self._event = self._logprobs = None

@@ -12,6 +12,7 @@ entirely when no row in the batch uses it. Order of processing (vLLM's):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,26 @@ class SamplerOutput:
     logprobs: list[SampledTokenLogprobs | None]  # None where params.logprobs is None
 
 
+class SamplePath(enum.Enum):
+    """How `Sampler.sample` samples a batch (chosen by `choose_path`)."""
+
+    # Every row greedy: the argmax of the model's logits (no float32 copy).
+    ARGMAX = enum.auto()
+    # Every row needs only a temperature (CUDA, with Triton): the fused Gumbel-max kernel.
+    GUMBEL = enum.auto()
+    # Some row needs a logit processor, a top-k/top-p/min-p filter or its own seeded
+    # generator: processors, then `_sample` on a float32 copy.
+    GENERAL = enum.auto()
+
+
+@dataclass
+class RowLogprobs:
+    """Logprobs of the batch rows that asked for them."""
+
+    rows: list[int]          # their rows in the batch, ascending
+    tensors: LogprobsTensors  # one entry per row of `rows`, in that order
+
+
 _NEG_INF = float("-inf")
 
 
@@ -70,14 +91,13 @@ class Sampler:
         sampled, logprobs = self.sample(logits, states)
         out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
         if logprobs is not None:
-            rows, tensors = logprobs
-            for i, row in zip(rows, tensors.entries()):
+            for i, row in zip(logprobs.rows, logprobs.tensors.entries()):
                 out_logprobs[i] = row
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState],
                prev_sampled: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
+               ) -> tuple[torch.Tensor, RowLogprobs | None]:
         """The sampled ids as a device tensor and, when some rows asked for logprobs, those
         rows with their logprobs as tensors — nothing here waits for the device.
         `prev_sampled`: the previous step's sampled ids, where rows with a `pending_row` find
@@ -88,9 +108,9 @@ class Sampler:
                 f"for {len(states)} states"
             )
         params = [s.params for s in states]
-        fast = _fast_path(logits, states)
-        if fast is not None:
-            return self._sample_plain(logits, params, fast)
+        path = choose_path(logits, states)
+        if path is not SamplePath.GENERAL:
+            return self._sample_plain(logits, params, path)
         # Always work on a float32 copy: we modify in place and must not touch
         # the caller's tensor (it may be reused, e.g. for prompt logprobs).
         logits = logits.to(torch.float32, copy=True)
@@ -101,11 +121,11 @@ class Sampler:
         sampled = _sample(logits, states)
         return sampled, _with_sampled(raw, sampled, params)
 
-    def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams], how: str
-                      ) -> tuple[torch.Tensor, tuple[list[int], LogprobsTensors] | None]:
-        """Rows that need nothing but a temperature: the argmax, or Gumbel-max in two kernel
-        launches, read straight from the model's logits (no float32 copy)."""
-        if how == "argmax":
+    def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams],
+                      path: SamplePath) -> tuple[torch.Tensor, RowLogprobs | None]:
+        """Rows that need nothing but a temperature: the argmax (ARGMAX), or Gumbel-max in two
+        kernel launches (GUMBEL), read straight from the model's logits (no float32 copy)."""
+        if path is SamplePath.ARGMAX:
             sampled = logits.argmax(dim=-1)
         else:
             from folio.model.kernels.sampling import gumbel_sample
@@ -135,8 +155,13 @@ class Sampler:
         _apply_penalties(logits, states, pending)
 
 
-# The rows that asked for logprobs, their index on the device, and their raw logprobs.
-_RawLogprobs = tuple[list[int], torch.Tensor, torch.Tensor]
+@dataclass
+class _RawLogprobs:
+    """The rows that asked for logprobs, with their raw (unprocessed) logprobs."""
+
+    rows: list[int]
+    index: torch.Tensor     # `rows` on the device (int64)
+    logprobs: torch.Tensor  # [len(rows), vocab] float32 log-softmax
 
 
 def _raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> _RawLogprobs | None:
@@ -145,18 +170,18 @@ def _raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> _RawLog
     if not rows:
         return None
     index = device_tensor(rows, logits.device, torch.int64)
-    return rows, index, torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
+    return _RawLogprobs(rows, index, torch.log_softmax(
+        logits.index_select(0, index).to(torch.float32), dim=-1))
 
 
 def _with_sampled(raw: _RawLogprobs | None, sampled: torch.Tensor, params: list[SamplingParams]
-                  ) -> tuple[list[int], LogprobsTensors] | None:
+                  ) -> RowLogprobs | None:
     """Those rows' logprobs of the sampled tokens and their top alternatives, as tensors."""
     if raw is None:
         return None
-    rows, index, logprobs = raw
-    tensors = _logprobs_tensors(logprobs, sampled.index_select(0, index),
-                                [params[i].logprobs for i in rows])
-    return rows, tensors
+    tensors = _logprobs_tensors(raw.logprobs, sampled.index_select(0, raw.index),
+                                [params[i].logprobs for i in raw.rows])
+    return RowLogprobs(raw.rows, tensors)
 
 
 class _PendingTokens:
@@ -256,7 +281,7 @@ class LogprobsTensors:
 def _logprobs_tensors(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
 ) -> LogprobsTensors:
-    num_rows, vocab = logprobs.shape
+    vocab = logprobs.shape[1]
     token_ids = token_ids.long().view(-1, 1)
     token_lp = logprobs.gather(1, token_ids)
     # Rank = 1 + number of tokens strictly more likely (ties share the rank).
@@ -418,28 +443,27 @@ def _check_cols(cols: list[int], vocab: int, name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _fast_path(logits: torch.Tensor, states: list[SamplingState]) -> str | None:
-    """"argmax" when every row is greedy, "gumbel" when every row only needs a temperature
-    (on CUDA, with Triton), None when some row needs the general path: a logit processor, a
-    top-k/top-p/min-p filter, or its own seeded generator (whose stream must not depend on
-    the batch)."""
+def choose_path(logits: torch.Tensor, states: list[SamplingState]) -> SamplePath:
+    """ARGMAX when every row is greedy, GUMBEL when every row only needs a temperature (on
+    CUDA, with Triton), GENERAL when some row needs a logit processor, a top-k/top-p/min-p
+    filter, or its own seeded generator (whose stream must not depend on the batch)."""
     plain = True
     greedy = True
     for s in states:
         p = s.params
         if s.needs_processors:
-            return None
+            return SamplePath.GENERAL
         if not p.is_greedy:
             greedy = False
             if (s.generator is not None or p.top_k not in (0, -1) or p.top_p < 1.0
                     or p.min_p > 0.0):
                 plain = False
     if greedy:
-        return "argmax"
+        return SamplePath.ARGMAX
     # The kernel numbers its random draws row * vocab + token in 32 bits.
     if plain and logits.is_cuda and _has_triton() and logits.shape[0] * logits.shape[1] < 2**31:
-        return "gumbel"
-    return None
+        return SamplePath.GUMBEL
+    return SamplePath.GENERAL
 
 
 def _has_triton() -> bool:

@@ -11,7 +11,8 @@ from folio.config import EngineConfig
 from folio.core.outputs import ModelRunnerOutput
 from folio.core.scheduler import SchedulerOutput
 from folio.model.families import ArchSpec
-from folio.model.loader import ModelSource, load_model, resolve_dtype
+from folio.model.discovery import ModelSource
+from folio.model.loader import load_model, resolve_dtype
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes)
 from folio.worker.model_runner import GrammarBitmaskFn, ModelRunner, PendingRunnerOutput
@@ -21,6 +22,12 @@ logger = logging.getLogger(__name__)
 # Mixed steps above this many tokens run eagerly: their GPU work hides the launch overhead
 # (with async scheduling), and a graph's activation pool grows with its token count.
 MAX_MIXED_GRAPH_TOKENS = 8192
+
+# The start-up stages `Worker.timings` reports (its keys, seconds each) and their names in
+# benchmark output (folio.bench.peers.format_startup).
+STARTUP_STAGES = {"load_s": "model load", "profile_s": "KV profiling",
+                  "kv_alloc_s": "KV allocation", "warm_up_s": "kernel warm-up",
+                  "graph_capture_s": "CUDA graph capture"}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -40,8 +47,7 @@ class Worker:
         # Seconds spent in each start-up stage, for benchmarks' start-to-ready split. A stage that
         # did not run (profiling without CUDA or with a fixed KV size, graph capture on the CPU
         # or with enforce_eager) counts 0.0.
-        self.timings: dict[str, float] = {"load_s": 0.0, "profile_s": 0.0, "kv_alloc_s": 0.0,
-                                          "warm_up_s": 0.0, "graph_capture_s": 0.0}
+        self.timings: dict[str, float] = dict.fromkeys(STARTUP_STAGES, 0.0)
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,

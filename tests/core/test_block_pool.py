@@ -1,8 +1,6 @@
 """BlockPool and FreeBlockQueue: accounting, reference counts, prefix-cache index, LRU eviction."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from folio.core.block_hash import hash_block_tokens
@@ -68,17 +66,40 @@ def test_free_queue_rejects_bad_links():
     assert q.num_free_blocks == 0
 
 
-def test_free_queue_removal_is_constant_time():
-    # Removing from the middle must not walk the list: 20k removals from a 20k-long queue
-    # would take seconds if each one were linear.
-    n = 20_000
-    blocks = [KVCacheBlock(i) for i in range(n)]
+class LinkCountingBlock(KVCacheBlock):
+    """A block that counts every read and write of its free-queue links, on any instance."""
+
+    link_accesses = 0
+
+    def __getattribute__(self, name):
+        if name in ("prev_free", "next_free"):
+            LinkCountingBlock.link_accesses += 1
+        return super().__getattribute__(name)
+
+    def __setattr__(self, name, value):
+        if name in ("prev_free", "next_free"):
+            LinkCountingBlock.link_accesses += 1
+        super().__setattr__(name, value)
+
+
+def link_accesses_of_removal(queue_length: int) -> int:
+    """Links touched by removing one block from the middle of a queue of `queue_length`."""
+    blocks = [LinkCountingBlock(i) for i in range(queue_length)]
     q = FreeBlockQueue(blocks)
-    start = time.perf_counter()
-    for block in blocks[1:-1:2]:
-        q.remove(block)
-    assert time.perf_counter() - start < 0.5
-    assert q.num_free_blocks == n - len(blocks[1:-1:2])
+    middle = blocks[queue_length // 2]
+    LinkCountingBlock.link_accesses = 0
+    q.remove(middle)
+    accesses = LinkCountingBlock.link_accesses
+    assert middle.prev_free is None and middle.next_free is None
+    assert [b.block_id for b in q] == [b.block_id for b in blocks if b is not middle]
+    return accesses
+
+
+def test_free_queue_removal_is_constant_time():
+    # Removing from the middle must not walk the list: it touches the block and its two
+    # neighbours only, so the work is the same in a short queue and a long one.
+    short, long = link_accesses_of_removal(4), link_accesses_of_removal(10_000)
+    assert short == long <= 8
 
 
 # ---- BlockPool accounting ----------------------------------------------------------------

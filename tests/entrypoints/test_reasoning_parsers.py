@@ -86,3 +86,18 @@ def test_registry():
     assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3", "mistral"}
     with pytest.raises(KeyError):
         get_reasoning_parser("nope")
+
+
+def test_parsers_use_the_shared_formats():
+    """The engine core's reasoning gate reads the tags from folio.reasoning; the parsers must
+    split on the same ones, and every format (a valid --reasoning-parser) has a parser."""
+    from folio.config import StructuredOutputsConfig
+    from folio.reasoning import REASONING_FORMATS
+    assert set(REASONING_PARSERS) == set(REASONING_FORMATS)
+    for name, fmt in REASONING_FORMATS.items():
+        cls = get_reasoning_parser(name)
+        assert (cls.name, cls.start_tag, cls.end_tag, cls.starts_in_reasoning) == \
+            (fmt.name, fmt.start_tag, fmt.end_tag, fmt.starts_in_reasoning)
+        StructuredOutputsConfig(reasoning_parser=name)
+    assert get_reasoning_parser("mistral").end_tag == "[/THINK]"
+    assert get_reasoning_parser("deepseek_r1").starts_in_reasoning

@@ -41,18 +41,17 @@ def test_gumbel_draws_follow_the_softmax(rows, temperature):
 
 def test_sampler_fast_path_mixed_greedy_and_random_rows():
     from folio.sampling_params import SamplingParams
-    from folio.worker.sampler import Sampler, SamplingState, _fast_path
+    from folio.worker.sampler import SamplePath, Sampler, SamplingState, choose_path
     logits = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, logprobs=1 if i % 5 == 0
                              else None) for i in range(64)]
     states = [SamplingState(p, [1, 2], [], None) for p in params]
-    assert _fast_path(logits, states) == "gumbel"
+    assert choose_path(logits, states) is SamplePath.GUMBEL
     sampled, logprobs = Sampler().sample(logits, states)
     greedy = [i for i in range(64) if i % 3 == 0]
     assert torch.equal(sampled[greedy], logits[greedy].float().argmax(dim=-1))
-    rows, tensors = logprobs
-    assert rows == [i for i in range(64) if i % 5 == 0]
+    assert logprobs.rows == [i for i in range(64) if i % 5 == 0]
     ref = torch.log_softmax(logits.float(), dim=-1)
-    for row, entry in zip(rows, tensors.entries()):
+    for row, entry in zip(logprobs.rows, logprobs.tensors.entries()):
         assert entry.token_id == sampled[row].item()
         assert abs(entry.logprob - ref[row, entry.token_id].item()) < 1e-4

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import pytest
@@ -174,17 +173,29 @@ def test_apply_bitmask_rows_and_dtypes(dtype):
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [99]
 
 
-def test_cache_hit_is_fast(compiler):
+def counting_compiles(monkeypatch, compiler: GrammarCompiler) -> list[str]:
+    """The kinds xgrammar was asked to compile (cache hits never reach it)."""
+    calls: list[str] = []
+    real = compiler._compile_uncached
+
+    def compile_uncached(kind, params):
+        calls.append(kind)
+        return real(kind, params)
+
+    monkeypatch.setattr(compiler, "_compile_uncached", compile_uncached)
+    return calls
+
+
+def test_cache_hit_does_not_recompile(tokenizer, vocab_size, monkeypatch):
+    compiler = GrammarCompiler(tokenizer, vocab_size, any_whitespace=False)
+    compiles = counting_compiles(monkeypatch, compiler)
     schema = {"type": "object", "properties": {"x": {"type": "array", "items": {"type": "number"}}}}
-    t0 = time.perf_counter()
     first = compiler.compile(StructuredOutputsParams(json=schema))
-    t1 = time.perf_counter()
     # Same schema as differently-formatted JSON text -> same key -> cache hit.
     second = compiler.compile(StructuredOutputsParams(json=json.dumps(schema, indent=2)))
-    t2 = time.perf_counter()
-    print(f"\ncompile first={1e3 * (t1 - t0):.2f} ms cached={1e3 * (t2 - t1):.3f} ms")
     assert second is first
-    assert t2 - t1 < 0.005
+    assert compiles == ["json"]
+    assert (compiler.cache_hits, compiler.cache_misses, compiler.cache_size()) == (1, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -256,29 +267,24 @@ def test_structural_tag_both_formats(compiler, tokenizer):
         assert matcher.accept_token(tokenizer.eos_token_id)
 
 
-def test_jsonschemabench_first_10_compile_times(tokenizer, vocab_size):
-    # Default (vLLM-like) settings; a fresh compiler so the first compile is cold.
+def test_jsonschemabench_first_10_compile_once(tokenizer, vocab_size, monkeypatch):
+    # Default (vLLM-like) settings; a fresh compiler so its cache starts empty. Compile
+    # times are measured by `python -m folio.bench.structured`, not here.
     compiler = GrammarCompiler(tokenizer, vocab_size)
+    compiles = counting_compiles(monkeypatch, compiler)
     rows = [json.loads(line) for line in BENCH.read_text().splitlines()[:10]]
-    firsts, cached, failures = [], [], []
+    compiled, failures = [], []
     for row in rows:
         params = StructuredOutputsParams(json=row["schema"])
-        t0 = time.perf_counter()
         try:
-            compiler.compile(params)
+            first = compiler.compile(params)
         except ValueError as e:
             failures.append((row["id"], str(e)[:120]))
             continue
-        t1 = time.perf_counter()
-        compiler.compile(params)
-        t2 = time.perf_counter()
-        firsts.append(t1 - t0)
-        cached.append(t2 - t1)
-    print(f"\njsonschemabench first 10: compiled {len(firsts)}, failed {len(failures)} {failures}")
-    if firsts:
-        print(
-            f"first compile: mean {1e3 * sum(firsts) / len(firsts):.1f} ms, max {1e3 * max(firsts):.1f} ms; "
-            f"cached: mean {1e6 * sum(cached) / len(cached):.0f} us, max {1e6 * max(cached):.0f} us"
-        )
-    assert len(firsts) + len(failures) == 10
-    assert all(c < f for c, f in zip(cached, firsts)) or max(cached) < 0.002
+        assert compiler.compile(params) is first
+        compiled.append(row["id"])
+    print(f"\njsonschemabench first 10: compiled {len(compiled)}, failed {len(failures)} {failures}")
+    assert len(compiled) + len(failures) == 10
+    # Every schema reached xgrammar exactly once: each second compile was a cache hit.
+    assert len(compiles) == compiler.cache_misses == 10
+    assert compiler.cache_hits == len(compiled)

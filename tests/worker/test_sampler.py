@@ -432,31 +432,32 @@ def test_compute_token_logprobs_for_prompt():
 # --------------------------------------------------------------------------
 
 
-def test_fast_path_choice():
-    from folio.worker.sampler import _fast_path
+def test_path_choice():
+    from folio.worker.sampler import SamplePath, choose_path
     cpu = rand_logits(2, 10)
     greedy = SamplingParams(temperature=0.0)
     plain = SamplingParams(temperature=0.8)
-    assert _fast_path(cpu, [state(greedy), state(greedy)]) == "argmax"
+    assert choose_path(cpu, [state(greedy), state(greedy)]) is SamplePath.ARGMAX
     # A processor on any row sends the whole batch down the general path.
-    assert _fast_path(cpu, [state(greedy), state(SamplingParams(temperature=0.0,
-                                                                 min_tokens=2))]) is None
+    assert choose_path(cpu, [state(greedy), state(SamplingParams(temperature=0.0,
+                                                                  min_tokens=2))]) is SamplePath.GENERAL
     # Random rows: the fused kernel is CUDA-only; on the CPU the general path samples.
-    assert _fast_path(cpu, [state(greedy), state(plain)]) is None
+    assert choose_path(cpu, [state(greedy), state(plain)]) is SamplePath.GENERAL
     # On CUDA (only `is_cuda` is read to choose): plain temperature rows take the kernel.
     from types import SimpleNamespace
     from folio.model.kernels._common import HAS_TRITON
     on_cuda = SimpleNamespace(is_cuda=True, shape=(2, 10))
-    assert _fast_path(on_cuda, [state(greedy), state(plain)]) == ("gumbel" if HAS_TRITON else None)
+    assert choose_path(on_cuda, [state(greedy), state(plain)]) is (
+        SamplePath.GUMBEL if HAS_TRITON else SamplePath.GENERAL)
     # Past 2**31 draws the kernel's 32-bit draw counter would repeat: the general path.
     huge = SimpleNamespace(is_cuda=True, shape=(20_000, 151_936))
-    assert _fast_path(huge, [state(plain)] * 2) is None
+    assert choose_path(huge, [state(plain)] * 2) is SamplePath.GENERAL
     for blocked in (SamplingParams(temperature=0.8, top_k=5),
                     SamplingParams(temperature=0.8, top_p=0.9),
                     SamplingParams(temperature=0.8, min_p=0.1),
                     SamplingParams(temperature=0.8, repetition_penalty=1.1)):
-        assert _fast_path(on_cuda, [state(plain), state(blocked)]) is None, blocked
-    assert _fast_path(on_cuda, [state(plain), state(plain, seed_gen=3)]) is None
+        assert choose_path(on_cuda, [state(plain), state(blocked)]) is SamplePath.GENERAL, blocked
+    assert choose_path(on_cuda, [state(plain), state(plain, seed_gen=3)]) is SamplePath.GENERAL
 
 
 def test_greedy_fast_path_matches_general_path_and_keeps_logits():
@@ -468,9 +469,8 @@ def test_greedy_fast_path_matches_general_path_and_keeps_logits():
     assert torch.equal(logits, before)
     assert sampled.tolist() == logits.float().argmax(dim=-1).tolist()
     assert sampled[2].item() == 7
-    rows, tensors = logprobs
-    assert rows == [1, 3]
+    assert logprobs.rows == [1, 3]
     ref = torch.log_softmax(logits.float(), dim=-1)
-    for row, entry in zip(rows, tensors.entries()):
+    for row, entry in zip(logprobs.rows, logprobs.tensors.entries()):
         assert entry.token_id == sampled[row].item() and entry.rank == 1
         assert math.isclose(entry.logprob, ref[row, sampled[row]].item(), rel_tol=1e-5)

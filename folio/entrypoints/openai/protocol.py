@@ -39,17 +39,6 @@ class OpenAIBaseModel(BaseModel):
 # ---------------------------------------------------------------------------------------
 
 
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     # vLLM extra: usage (so far) on every chunk, not only in the final one.

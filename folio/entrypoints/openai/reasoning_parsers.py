@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from folio.reasoning import REASONING_FORMATS
+
 
 def _partial_suffix_len(text: str, marker: str) -> int:
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -96,19 +98,22 @@ class ReasoningParser:
         return _nonempty(reasoning), _nonempty(content)
 
 
+def _tags(name: str) -> tuple[str, str, str, bool]:
+    fmt = REASONING_FORMATS[name]
+    return fmt.name, fmt.start_tag, fmt.end_tag, fmt.starts_in_reasoning
+
+
+# The tags live in folio/reasoning.py, which the engine core's reasoning gate also reads.
 class DeepSeekR1ReasoningParser(ReasoningParser):
-    name = "deepseek_r1"
-    starts_in_reasoning = True
+    name, start_tag, end_tag, starts_in_reasoning = _tags("deepseek_r1")
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    name = "qwen3"
+    name, start_tag, end_tag, starts_in_reasoning = _tags("qwen3")
 
 
 class MistralReasoningParser(ReasoningParser):
-    name = "mistral"
-    start_tag = "[THINK]"
-    end_tag = "[/THINK]"
+    name, start_tag, end_tag, starts_in_reasoning = _tags("mistral")
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

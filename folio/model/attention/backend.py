@@ -5,6 +5,9 @@ K/V into the paged cache at `slot_mapping`, then attend each request's queries o
 context (cached prefix + this step's tokens), causally. Writing first means a request can read,
 in the same step, blocks another request is filling (prefix-cache hits on freshly scheduled
 blocks rely on it).
+
+Types only: the backends (torch_paged.py, triton_backend.py) import this module and
+selector.py picks one of them, so no import here goes back up to a backend.
 """
 from __future__ import annotations
 
@@ -45,12 +48,3 @@ class AttentionBackend(ABC):
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D].
         Returns [T, H, D]."""
 
-
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA; the torch reference on CPU (and with FOLIO_ATTENTION=torch)."""
-    import os
-    if device.type == "cuda" and os.environ.get("FOLIO_ATTENTION", "triton") == "triton":
-        from folio.model.attention.triton_backend import TritonPagedAttention
-        return TritonPagedAttention()
-    from folio.model.attention.torch_paged import TorchPagedAttention
-    return TorchPagedAttention()

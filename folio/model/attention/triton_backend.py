@@ -14,7 +14,9 @@ from folio.model.attention.backend import AttentionBackend, AttentionMetadata
 from folio.model.attention import triton_kernels as tk
 from folio.model.host_copy import device_tensor
 
-_CACHE_KEY = "triton_step"
+# The key of `AttentionMetadata.cache` that holds a step's TritonStepTensors (the CUDA-graph
+# runners put theirs there for the layers to reuse).
+STEP_CACHE_KEY = "triton_step"
 
 
 @dataclass
@@ -45,7 +47,7 @@ class TritonPagedAttention(AttentionBackend):
         self._sms: int | None = None
 
     def step_tensors(self, meta: AttentionMetadata) -> TritonStepTensors:
-        st = meta.cache.get(_CACHE_KEY)
+        st = meta.cache.get(STEP_CACHE_KEY)
         if st is not None:
             return st
         device = meta.block_tables.device
@@ -62,7 +64,7 @@ class TritonPagedAttention(AttentionBackend):
             max_seq_len=max(meta.seq_lens, default=0),
             all_decode=bool(q_lens) and all(n == 1 for n in q_lens),
         )
-        meta.cache[_CACHE_KEY] = st
+        meta.cache[STEP_CACHE_KEY] = st
         return st
 
     def num_splits(self, st: TritonStepTensors, kv_heads: int, device: torch.device) -> int:

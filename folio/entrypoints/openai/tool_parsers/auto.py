@@ -6,6 +6,7 @@ contain ``<tool_call>``; pythonic Llama templates may mention python tags).
 from __future__ import annotations
 
 from .base import ToolParser
+from .registry import get_tool_parser
 
 # (parser name, markers that must all appear in the template)
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -31,7 +32,5 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
 
 
 def tool_parser_for_template(chat_template: str | None) -> type[ToolParser] | None:
-    from . import get_tool_parser  # late import: the registry imports this module
-
     name = detect_tool_parser(chat_template)
     return get_tool_parser(name) if name else None

@@ -1,0 +1,79 @@
+"""Finding a model, and what it is: where its files are (a Hugging Face directory, a hub id, or
+a GGUF file), its transformers config and chat template. No weights and no torch: the front end
+(the API process) runs this; loader.py loads the weights in the engine core.
+
+(transformers itself imports torch when it builds a config or tokenizer, whenever torch is
+installed; folio's modules on this path import none of it.)
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelSource:
+    kind: str   # "hf_dir" or "gguf"
+    path: str
+    # A GGUF file's config, chat template and extra end-of-turn ids (a GGUFMetadata), filled
+    # by load_hf_config; the weights are read when the model is loaded.
+    gguf_metadata: Any = field(default=None, repr=False)
+
+
+def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
+    """Turn the user's `model` argument into a local directory or GGUF file."""
+    if model is None:
+        from folio.model.default_model import default_model_path
+        return ModelSource("hf_dir", default_model_path())
+    if os.path.isfile(model):
+        if model.endswith(".gguf"):
+            return ModelSource("gguf", model)
+        raise ValueError(f"model path {model!r} is a file but not a .gguf file; "
+                         "give a Hugging Face model directory, a hub id, or a GGUF file")
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+            if len(ggufs) == 1:
+                return ModelSource("gguf", ggufs[0])
+            raise ValueError(f"model directory {model!r} has no config.json")
+        return ModelSource("hf_dir", model)
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return ModelSource("hf_dir", _download_from_hub(model, revision))
+    raise ValueError(f"model {model!r} not found: not a local path, and not a hub id (org/name)")
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> str:
+    """Fetch config, tokenizer and weights (safetensors preferred) of a hub model into the
+    hub cache. Needs a network, or a cache filled earlier (HF_HUB_OFFLINE=1 then reads it)."""
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt",
+                "*.jinja"]
+    try:
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except Exception as exc:  # network down, no such repo, gated repo...
+        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
+                         f"from the Hugging Face hub: {exc}") from exc
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        # Older repos ship only PyTorch .bin files.
+        path = snapshot_download(repo_id, revision=revision,
+                                 allow_patterns=patterns + ["*.bin"])
+    return path
+
+
+def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
+    """The transformers config, and a chat template found beside the weights (GGUF)."""
+    from transformers import AutoConfig
+    if source.kind == "gguf":
+        from folio.model.gguf_metadata import read_gguf_metadata
+        if source.gguf_metadata is None:
+            source.gguf_metadata = read_gguf_metadata(source.path)
+        cfg_dict = dict(source.gguf_metadata.hf_config)
+        return (AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict),
+                source.gguf_metadata.chat_template)
+    try:
+        return AutoConfig.from_pretrained(source.path), None
+    except Exception as exc:
+        raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
