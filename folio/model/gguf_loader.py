@@ -7,7 +7,6 @@ Hugging Face name, with llama.cpp's Q/K row reordering undone.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 
 from folio.model.gguf_metadata import (ROPE_FREQS, SUPPORTED_ARCHITECTURES, dequantize_array,
                                        hf_tensor_name, load_gguf_tokenizer,
-                                       metadata_from_reader, open_gguf)
+                                       metadata_from_reader, read_with)
 
 __all__ = ["GGUFCheckpoint", "read_gguf", "load_gguf_tokenizer", "SUPPORTED_ARCHITECTURES"]
 
@@ -52,14 +51,7 @@ def _dequantize(t, path: str) -> torch.Tensor:
 
 def read_gguf(path: str) -> GGUFCheckpoint:
     """Parse `path` and return an HF-layout config and float32 state dict."""
-    path = os.fspath(path)
-    reader, arch, spec = open_gguf(path)
-    try:
-        return _build_checkpoint(reader, path, arch, spec)
-    except ValueError as exc:
-        if path in str(exc):
-            raise
-        raise ValueError(f"{path}: {exc}") from exc
+    return read_with(path, _build_checkpoint)
 
 
 def _build_checkpoint(reader, path: str, arch: str, spec) -> GGUFCheckpoint:

@@ -269,10 +269,15 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
     """Parse `path`'s metadata (and tensor names and shapes, not their data): the HF-layout
     config, the chat template and the extra end-of-turn ids. Raises ValueError for a file
     folio cannot run (unsupported architecture or tensors, corrupt or truncated)."""
+    return read_with(path, metadata_from_reader)
+
+
+def read_with(path: str, build: Any) -> Any:
+    """Open `path` and run build(reader, path, arch, spec); a ValueError names the file."""
     path = os.fspath(path)
     reader, arch, spec = open_gguf(path)
     try:
-        return metadata_from_reader(reader, path, arch, spec)
+        return build(reader, path, arch, spec)
     except ValueError as exc:
         if path in str(exc):
             raise
