@@ -5,6 +5,7 @@ importable without torch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from folio.reasoning import REASONING_FORMATS
@@ -140,6 +141,42 @@ class StructuredOutputsConfig:
                  f"must be one of {list(_REASONING_PARSERS)}, got {self.reasoning_parser!r}")
 
 
+_EXECUTOR_BACKENDS = ("uni", "mp")
+# Set (to 1) by the test suite: every step message and reply goes through msgpack and back.
+DEBUG_STEP_MESSAGES_ENV = "FOLIO_DEBUG_STEP_MESSAGES"
+# The executor backend when none is given (pytest --executor-backend mp runs the suites so).
+EXECUTOR_BACKEND_ENV = "FOLIO_DISTRIBUTED_EXECUTOR_BACKEND"
+
+
+@dataclass
+class ParallelConfig:
+    """How the model's workers run (vLLM's `--distributed-executor-backend`)."""
+
+    # "uni": one worker in the engine-core process; "mp": workers in their own processes,
+    # fed the step messages over ZMQ.
+    distributed_executor_backend: str | None = field(
+        default_factory=lambda: os.environ.get(EXECUTOR_BACKEND_ENV) or "uni")
+    # Workers of the mp executor. Each holds a whole replica of the model and runs every step
+    # (rank 0 answers): the shape tensor parallelism will fill, by sharding instead.
+    num_workers: int = 1
+    # Encode and decode every step message and reply (msgpack) even in process, and check
+    # they come back equal: what crosses a process boundary is then tested everywhere.
+    debug_step_messages: bool = field(
+        default_factory=lambda: os.environ.get(DEBUG_STEP_MESSAGES_ENV, "0") == "1")
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = os.environ.get(EXECUTOR_BACKEND_ENV) or "uni"
+        _require(self.distributed_executor_backend in _EXECUTOR_BACKENDS,
+                 "distributed_executor_backend",
+                 f"must be one of {list(_EXECUTOR_BACKENDS)}, got "
+                 f"{self.distributed_executor_backend!r}")
+        _require(isinstance(self.num_workers, int) and self.num_workers >= 1, "num_workers",
+                 f"must be a positive int, got {self.num_workers!r}")
+        _require(self.num_workers == 1 or self.distributed_executor_backend == "mp",
+                 "num_workers", "above 1 needs distributed_executor_backend='mp'")
+
+
 @dataclass
 class RequestLimitsConfig:
     """Upper bounds on every request field that sizes work, checked in the front end (the API
@@ -174,6 +211,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     disable_log_stats: bool = True
 
     def finalize(self, model_max_len: int) -> None:

@@ -16,6 +16,23 @@ import pytest
 
 # No network in tests: the hub must never be contacted.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every step message and worker reply of every engine the tests build goes through msgpack and
+# back, checked equal (folio.config.ParallelConfig.debug_step_messages): in-process runs then
+# prove the step would survive a process boundary.
+os.environ.setdefault("FOLIO_DEBUG_STEP_MESSAGES", "1")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--executor-backend", choices=["uni", "mp"], default=None,
+                     help="run every engine the tests build with this executor backend "
+                          "(mp: the worker in its own process)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    backend = config.getoption("--executor-backend")
+    if backend is not None:
+        # Engines built in this process and in the servers and engine cores it spawns.
+        os.environ["FOLIO_DISTRIBUTED_EXECUTOR_BACKEND"] = backend
 
 # Let tests `import model_utils` whatever directory they live in.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

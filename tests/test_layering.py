@@ -36,7 +36,7 @@ LAYER_OF = {
     # The data types every layer shares.
     "folio.config": "shared",
     "folio.sampling_params": "shared",
-    "folio.outputs": "shared",
+    "folio.request_outputs": "shared",
     "folio.reasoning": "shared",
     "folio.structured_output.params": "shared",
 }

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from folio import LLM, SamplingParams
-from folio.outputs import RequestOutput
+from folio.request_outputs import RequestOutput
 from folio.sampling_params import RequestOutputKind
 from folio.structured_output.params import StructuredOutputsParams
 

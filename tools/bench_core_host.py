@@ -8,7 +8,7 @@ import sys
 import time
 
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.outputs import ModelRunnerOutput
+from folio.core.engine_core_outputs import ModelRunnerOutput
 from folio.core.request import Request
 from folio.core.scheduler import Scheduler
 from folio.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ import time
 from transformers import AutoTokenizer
 from folio.model.default_model import default_model_path
 from folio.engine.output_processor import OutputProcessor
-from folio.core.outputs import EngineCoreOutput
+from folio.core.engine_core_outputs import EngineCoreOutput
 from folio.sampling_params import SamplingParams, RequestOutputKind
 tok = AutoTokenizer.from_pretrained(default_model_path())
 op = OutputProcessor(tok)

@@ -83,21 +83,27 @@ def print_timings(kernel, top: int = 5) -> None:
 
 
 def check_layers(dev: torch.device) -> int:
-    """folio.model.layers on CUDA bf16 at decode sizes vs the same layers with FOLIO_GEMV=0."""
+    """folio.model.layers on CUDA bf16 at decode sizes vs the same layers with the GEMV off
+    (KernelConfig gemv "0", what FOLIO_GEMV=0 resolves to)."""
+    from folio.model.kernel_config import KernelConfig
     from folio.model.layers import GatedMLP, Linear
     torch.manual_seed(0)
     fails = 0
-    lin = Linear(3072, 1024, bias=True).to(dev, torch.bfloat16)
-    mlp = GatedMLP(1024, 3072, bias=False, act="silu").to(dev, torch.bfloat16)
+    # The layers keep the KernelConfig they are built with (FOLIO_GEMV is read once, at model
+    # load), so the cuBLAS side is a second pair of layers holding the same weights.
+    on, off = KernelConfig(gemv="1"), KernelConfig(gemv="0")
+    lin = Linear(3072, 1024, bias=True, kernels=on).to(dev, torch.bfloat16)
+    mlp = GatedMLP(1024, 3072, bias=False, act="silu", kernels=on).to(dev, torch.bfloat16)
+    lin0 = Linear(3072, 1024, bias=True, kernels=off).to(dev, torch.bfloat16)
+    mlp0 = GatedMLP(1024, 3072, bias=False, act="silu", kernels=off).to(dev, torch.bfloat16)
+    lin0.load_state_dict(lin.state_dict())
+    mlp0.load_state_dict(mlp.state_dict())
     for m in (1, 3, 8, 9):
         x = torch.randn(m, 3072, device=dev, dtype=torch.bfloat16)
         h = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
-            os.environ["FOLIO_GEMV"] = "1"
             y, z = lin(x), mlp(h)
-            os.environ["FOLIO_GEMV"] = "0"
-            y0, z0 = lin(x), mlp(h)
-            del os.environ["FOLIO_GEMV"]
+            y0, z0 = lin0(x), mlp0(h)
         ey = (y.float() - y0.float()).abs().max().item()
         ez = (z.float() - z0.float()).abs().max().item()
         ok = (ey <= 0.02 * y0.float().abs().max().item()

@@ -9,7 +9,7 @@ import sys
 import time
 
 from folio import LLM, SamplingParams
-from folio.bench.structured import LONG_SCHEMA
+from folio.bench.structured_bench import LONG_SCHEMA
 from folio.structured_output.params import StructuredOutputsParams as SO
 
 llm = LLM(sys.argv[1], max_model_len=2048, max_num_seqs=16)

@@ -28,10 +28,10 @@ import numpy as np
 
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
-from folio.bench.peers import (add_peer_timeout_arg, build_random_model_in_child,
-                               describe_free_memory, format_startup, peer_timeout,
-                               release_device_memory, run_latency_peer, startup_breakdown)
-from folio.bench.random_model import RANDOM_CONFIGS
+from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
+                               release_device_memory, run_latency_peer)
+from folio.bench.random_model import RANDOM_CONFIGS, build_random_model_in_child
+from folio.bench.startup_report import format_startup, startup_breakdown
 
 __all__ = ["LATENCY_PEERS", "add_cli_args", "main", "run"]
 

@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+from folio.bench.child_process import in_child
+
 # Shapes of the models `--random-weights --config NAME` can build (from their published
 # config.json files). Only shapes matter for speed; the weights are random.
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -131,6 +133,20 @@ def build_random_model_info(name: str, out_dir: str | None = None,
     build_s = time.perf_counter() - start
     print(f"random weights: built {final} in {build_s:.1f} s (generator: {device})", flush=True)
     return {"path": final, "built": True, "build_s": build_s, "generator": device}
+
+
+def build_random_model_in_child(name: str, num_layers: int | None) -> dict[str, Any]:
+    """`build_random_model_info` in a spawned child (the builder's peak memory and CUDA context
+    stay out of the benchmark process), plus "wall_s": the child's whole time, spawn included.
+    Prints one line about the model."""
+    start = time.perf_counter()
+    info = in_child(build_random_model_info, name, None, num_layers)
+    info["wall_s"] = time.perf_counter() - start
+    how = (f"built in {info['build_s']:.1f} s (generator: {info['generator']})" if info["built"]
+           else "cached")
+    print(f"random-weights model ({name}): {info['path']} [{how}; {info['wall_s']:.1f} s wall]",
+          flush=True)
+    return info
 
 
 def _replace_dir(new: str, final: str) -> None:

@@ -9,9 +9,10 @@ returns) is reported split into the worker's stages; a random-weights build is t
 
 This module holds the CLI, the folio run and the report. The peers (``--peer transformers``,
 ``--peer transformers-cb``), which run the same requests on the same weights in their own
-spawned processes, live in `folio.bench.peers`; ``--random-weights --config NAME`` models are
-built by `folio.bench.random_model`; `EngineResult` and the RSS helpers are in
-`folio.bench.results`.
+spawned processes, are started by `folio.bench.peers` (what they run:
+`folio.bench.transformers_peers`); ``--random-weights --config NAME`` models are built by
+`folio.bench.random_model`; `EngineResult` and the RSS helpers are in `folio.bench.results`;
+the start-to-ready split is `folio.bench.startup_report`.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from typing import Any
 
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
 from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
-                               build_random_model_in_child, describe_free_memory, format_startup,
-                               peer_timeout, release_device_memory, run_peer, startup_breakdown)
-from folio.bench.random_model import RANDOM_CONFIGS, build_random_model, random_model_dir
+                               describe_free_memory, peer_timeout, release_device_memory,
+                               run_peer)
+from folio.bench.random_model import (RANDOM_CONFIGS, build_random_model,
+                                      build_random_model_in_child, random_model_dir)
 from folio.bench.results import EngineResult, current_rss_bytes, peak_rss_bytes
+from folio.bench.startup_report import format_startup, startup_breakdown
 
 __all__ = ["PEERS", "RANDOM_CONFIGS", "EngineResult", "add_cli_args", "build_random_model", "main",
            "random_model_dir", "run"]

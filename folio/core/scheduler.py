@@ -13,20 +13,26 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
+                                SchedulerStats)
 from folio.core.request import Request, RequestStatus
+from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
+                                      NewRequestData, SchedulerOutput)
 
 
 @dataclass
 class ScheduledRequest:
+    """The scheduler's own record of one request in a step (never sent to a worker)."""
     request: Request
     num_computed_tokens: int      # tokens already in the KV cache before this step
     num_new_tokens: int           # tokens computed this step
     block_ids: list[int]
     # The step reaches the end of the request's tokens, so a new one is sampled. Set when
-    # scheduled (the request's token count moves on before the runner reads it under async
-    # scheduling).
+    # scheduled (the request's token count moves on before the step's output is read under
+    # async scheduling).
     samples: bool = False
+    # Scheduled again after a preemption.
+    resumed: bool = False
 
     @property
     def request_id(self) -> str:
@@ -36,7 +42,7 @@ class ScheduledRequest:
     def token_ids(self) -> list[int]:
         """The step's input ids known on the host. Shorter than num_new_tokens by one when
         the last input is a token still being sampled by the step in flight (async
-        scheduling): the runner takes that one from the previous step's device output."""
+        scheduling)."""
         start = self.num_computed_tokens
         return self.request.all_token_ids[start:start + self.num_new_tokens]
 
@@ -46,15 +52,18 @@ class ScheduledRequest:
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests finished or aborted since the previous step: the worker drops their state.
+class ScheduledStep:
+    """A scheduled step as the engine core keeps it: the scheduler's records of its requests
+    (for `update_from_output`) and the message the workers get."""
+    scheduled: list[ScheduledRequest]
+    message: SchedulerOutput
+    # Requests finished or aborted since the previous step: the workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return self.message.total_num_scheduled_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -127,6 +136,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._first_scheduled: dict[str, float] = {}
         self.num_preemptions = 0
+        self._step_id = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -167,7 +177,7 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -235,6 +245,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            resumed = request.status == RequestStatus.PREEMPTED
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -243,13 +254,15 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._first_scheduled.setdefault(request.request_id, time.monotonic())
-            scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, [])
+            scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, [],
+                                                             resumed=resumed)
             budget -= num_new
 
         for request in reversed(not_ready):
             self.waiting.add_preempted(request)  # back at the front, in their old order
 
-        for item in scheduled.values():
+        items = list(scheduled.values())
+        for item in items:
             request = item.request
             item.block_ids = self.kv.get_block_ids(item.request_id)
             end = item.num_computed_tokens + item.num_new_tokens
@@ -258,13 +271,51 @@ class Scheduler:
                 item.samples = True
                 request.num_pending_tokens += 1
 
-        output = SchedulerOutput(
-            scheduled=list(scheduled.values()),
-            finished_req_ids=self._finished_since_last_step,
-            preempted_req_ids=[r.request_id for r in preempted],
-        )
+        step = ScheduledStep(items, self._message(items, preempted),
+                             finished_req_ids=self._finished_since_last_step,
+                             preempted_req_ids=[r.request_id for r in preempted])
         self._finished_since_last_step = set()
-        return output
+        return step
+
+    def _message(self, items: list[ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
+        """The step as the workers get it: new requests whole, the others as diffs since they
+        were last sent. Every list is a copy: the request's own lists go on changing."""
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        sampling: list[str] = []
+        for item in items:
+            request = item.request
+            rid = request.request_id
+            num_scheduled[rid] = item.num_new_tokens
+            if item.samples:
+                sampling.append(rid)
+            blocks = item.block_ids
+            tokens = request.all_token_ids
+            if not request.sent_to_workers:
+                request.sent_to_workers = True
+                new_reqs.append(NewRequestData(
+                    rid, request.prompt_token_ids, request.sampling_params,
+                    list(request.eos_token_ids), list(blocks), item.num_computed_tokens))
+                # The prompt is all a new request has (its output starts empty).
+                request.num_sent_tokens = len(tokens)
+            else:
+                if item.resumed:
+                    request.num_sent_blocks = 0
+                cached_reqs.append(CachedRequestData(
+                    rid, blocks[request.num_sent_blocks:], tokens[request.num_sent_tokens:],
+                    item.num_computed_tokens, item.resumed))
+                request.num_sent_tokens = len(tokens)
+            request.num_sent_blocks = len(blocks)
+        self._step_id += 1
+        return SchedulerOutput(
+            step_id=self._step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
+            finished_req_ids=sorted(self._finished_since_last_step),
+            preempted_req_ids=[r.request_id for r in preempted],
+            has_grammar=any(item.samples and item.request.structured_output is not None
+                            for item in items))
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -282,14 +333,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
+    def update_from_output(self, scheduler_output: ScheduledStep,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Runs for every request every step: locals and plain comparisons instead of
         # properties (at batch 256 this loop was a millisecond-scale part of each step).
         outputs: list[EngineCoreOutput] = []
-        sampled = runner_output.sampled_token_ids
-        all_prompt_logprobs = runner_output.prompt_logprobs
-        all_logprobs = runner_output.logprobs
+        # One token per request per step (speculative decoding will return several).
+        sampled = {rid: tokens[0] for rid, tokens in
+                   zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}
+        all_prompt_logprobs = ({rid: PromptLogprobsChunk(chunk.start, logprobs_entries(chunk.lists))
+                                for rid, chunk in runner_output.prompt_logprobs.items()}
+                               if runner_output.prompt_logprobs else None)
+        all_logprobs = (dict(zip(runner_output.logprobs_req_ids,
+                                 logprobs_entries(runner_output.logprobs)))
+                        if runner_output.logprobs is not None else None)
         first_scheduled = self._first_scheduled
         finished: list[Request] = []
         for item in scheduler_output.scheduled:
@@ -363,3 +420,9 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks,
             num_tracked_requests=len(self.requests))
+
+
+def logprobs_entries(lists: LogprobsLists) -> list[SampledTokenLogprobs]:
+    """The per-position objects the front end reads, from a worker's logprob columns."""
+    return [SampledTokenLogprobs(*row) for row in zip(
+        lists.token_ids, lists.logprobs, lists.ranks, lists.top_token_ids, lists.top_logprobs)]

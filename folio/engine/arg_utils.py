@@ -47,6 +47,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         default="auto", choices=["auto", "xgrammar", "guidance"],
                         help="grammar backend for constrained decoding ('auto': xgrammar, falling "
                              "back to guidance for what xgrammar rejects)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                        help="uni: the worker runs in the engine-core process; mp: workers in "
+                             "their own processes, fed the step messages over ZMQ "
+                             "(default: uni, or $FOLIO_DISTRIBUTED_EXECUTOR_BACKEND)")
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="workers of the mp executor (each a full replica of the model "
+                             "until tensor parallelism shards it)")
     _add_limit_args(parser)
 
 
@@ -90,4 +97,6 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "backend": getattr(args, "structured_outputs_backend", "auto"),
             "reasoning_parser": getattr(args, "reasoning_parser", None)},
         request_limits={name: getattr(args, name) for name in _LIMIT_FLAGS
-                        if hasattr(args, name)})
+                        if hasattr(args, name)},
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
+        num_workers=getattr(args, "num_workers", 1))

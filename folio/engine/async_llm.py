@@ -24,14 +24,14 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import zmq
 
 from folio.config import EngineConfig
-from folio.core.outputs import SchedulerStats
+from folio.core.engine_core_outputs import SchedulerStats
 from folio.engine import messages as msg
 from folio.engine.core_proc import run_engine_core
 from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_params, load_model_info
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.metrics.stats_logger import StatsLogger
-from folio.outputs import RequestOutput
+from folio.request_outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -8,10 +8,11 @@ from typing import Any
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
-from folio.core.outputs import EngineCoreOutput, SchedulerStats
-from folio.core.scheduler import Scheduler, SchedulerOutput
+from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
+from folio.core.scheduler import ScheduledStep, Scheduler
 from folio.engine.structured_outputs import StructuredOutputManager
-from folio.executor.uniproc import PendingRunnerOutput, UniProcExecutor
+from folio.executor import make_executor, resolve_device_type
+from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
 
 
@@ -25,12 +26,12 @@ class EngineCore:
         gc.unfreeze()
         # The device decides defaults the worker and the scheduler are built with (max_num_seqs);
         # the front end left them open with device "auto" (it does not import torch).
-        device_type = UniProcExecutor.resolve_device_type(config.model.device)
+        device_type = resolve_device_type(config.model.device)
         config.finalize_device(device_type)
         on_cuda = device_type == "cuda"
         if on_cuda:
             gc.collect()
-        self.executor = UniProcExecutor(config, source, hf_config)
+        self.executor = make_executor(config, source, hf_config)
         self.num_blocks = self.executor.num_blocks
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
@@ -44,13 +45,12 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
             async_scheduling=self.async_scheduling)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
-        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
+        self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.
         self.structured_output = StructuredOutputManager(
             config.structured_outputs,
             (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
-            vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs,
-            pin_memory=self.executor.device_type == "cuda")
+            vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs)
         # Everything built so far (torch, transformers, the model's modules) lives as long as
         # the engine: move it out of the garbage collector's sight (as vLLM's engine core
         # does). Otherwise a full collection walks it all in the middle of serving (measured:
@@ -86,10 +86,11 @@ class EngineCore:
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, ...): finish that step first.
             outputs += self._finish_in_flight()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            # Still let the worker drop state of requests that finished meanwhile.
-            self.executor.execute_model(scheduler_output)
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            if step.message.finished_req_ids or step.message.preempted_req_ids:
+                # Still let the workers drop the state of requests that finished meanwhile.
+                self.executor.execute_model(step.message)
             if self._in_flight is not None:
                 return outputs + self._finish_in_flight()
             if self.structured_output.has_pending() and not outputs:
@@ -97,12 +98,12 @@ class EngineCore:
                 self.structured_output.wait_for_pending(timeout=0.01)
             return outputs
         fill = None
-        if any(item.request.structured_output is not None for item in scheduler_output.scheduled):
-            fill = self.structured_output.fill_bitmask
-        pending = self.executor.execute_model_async(scheduler_output, fill)
+        if step.message.has_grammar:
+            fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
+        pending = self.executor.execute_model_async(step.message, fill)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
-        self._in_flight = (scheduler_output, pending)
+        self._in_flight = (step, pending)
         if not self.async_scheduling:
             outputs += self._finish_in_flight()
         return outputs
@@ -137,13 +138,14 @@ class EngineCore:
     def shutdown(self) -> None:
         self._in_flight = None
         self.structured_output.shutdown()
+        self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
 
-def _needs_tokens_first(scheduler_output: SchedulerOutput) -> bool:
-    for item in scheduler_output.scheduled:
+def _needs_tokens_first(step: ScheduledStep) -> bool:
+    for item in step.scheduled:
         request = item.request
         if item.samples and (request.needs_host_history or request.structured_output is not None):
             return True

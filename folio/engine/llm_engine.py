@@ -11,7 +11,7 @@ from folio.engine.engine_core import EngineCore
 from folio.engine.frontend import RequestPreparer, default_sampling_params, load_model_info
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
-from folio.outputs import RequestOutput
+from folio.request_outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
 
@@ -88,6 +88,11 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its executor (worker processes with the mp executor);
+        also done when the engine is garbage collected."""
+        self.engine_core.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from folio.core.outputs import EngineCoreOutput, SchedulerStats
+from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.request import EngineCoreRequest
 
 # Front end -> engine core.

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from folio.core.outputs import EngineCoreOutput
+from folio.core.engine_core_outputs import EngineCoreOutput
 from folio.engine.detokenizer import IncrementalDetokenizer
-from folio.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from folio.request_outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
+                                   RequestOutput)
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -7,8 +7,9 @@ The flow of one constrained request:
 2. `update` (at the start of every step, on the busy loop) turns finished compiles into
    matchers (`ready`) or failures; only here does `ready` change, so a scheduling pass sees
    one consistent answer.
-3. For each step, `fill_bitmask` writes the allowed next tokens of the sampling rows; the model
-   runner calls it after launching the forward pass, so the CPU fills masks while the GPU works.
+3. For each step, `grammar_bitmask` writes the allowed next tokens of the sampling rows (a
+   GrammarBitmask step message); the executor asks for it once the forward pass is on its way,
+   so the CPU fills masks while the GPU works.
 4. The scheduler hands each sampled token to `GrammarState.accept_tokens`, which queues it;
    the matcher advances at the next mask fill, again while the GPU works.
 
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from folio.config import StructuredOutputsConfig
 from folio.core.request import Request, RequestStatus
+from folio.core.scheduler import ScheduledStep
+from folio.core.step_messages import GrammarBitmask
 from folio.reasoning import get_reasoning_format
 from folio.structured_output.params import StructuredOutputsParams
 
@@ -111,9 +114,8 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, config: StructuredOutputsConfig, tokenizer_factory: Callable[[], Any],
-                 vocab_size: int, max_num_seqs: int, pin_memory: bool = False) -> None:
+                 vocab_size: int, max_num_seqs: int) -> None:
         self.config = config
-        self.pin_memory = pin_memory
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self._tokenizer_factory = tokenizer_factory
@@ -208,9 +210,11 @@ class StructuredOutputManager:
 
     # ---- the mask of one step ------------------------------------------------------------
 
-    def fill_bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
-        """The bitmask rows for requests (in sampling-row order), and the rows that are
-        constrained; None when no row is."""
+    def grammar_bitmask(self, step: ScheduledStep) -> GrammarBitmask | None:
+        """The step's bitmask message: a row per sampling request (the order of the step's
+        `sampling_req_ids`), all ones but for the constrained rows; None when no row is
+        constrained (every grammar still reasoning, say)."""
+        requests = [item.request for item in step.scheduled if item.samples]
         rows = []
         for i, request in enumerate(requests):
             grammar = request.structured_output
@@ -223,15 +227,15 @@ class StructuredOutputManager:
         from folio.structured_output.backend import allocate_bitmask
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             self._bitmask = allocate_bitmask(max(self.max_num_seqs, len(requests)), self.vocab_size)
-            if self.pin_memory:
-                # Pinned: the copy to the GPU is asynchronous.
-                self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:len(requests)]
         if len(rows) < len(requests):
             bitmask.fill_(-1)  # unconstrained rows allow everything: the GPU masks all at once
         for i in rows:
             requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
-        return bitmask, rows
+        # A view of this buffer, valid until the next step's fill: the worker copies it (in
+        # process) or it is encoded at once (to worker processes).
+        return GrammarBitmask([r.request_id for r in requests], rows, bitmask.shape[1],
+                              memoryview(bitmask.numpy()).cast("B"))
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from folio.config import (CacheConfig, EngineConfig, ModelConfig, RequestLimitsConfig,
-                          SchedulerConfig, StructuredOutputsConfig)
+from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                          RequestLimitsConfig, SchedulerConfig, StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
-from folio.outputs import RequestOutput
+from folio.request_outputs import RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -29,7 +29,9 @@ class LLM:
                  async_scheduling: bool | None = None,
                  structured_outputs_config: StructuredOutputsConfig | dict | None = None,
                  max_logprobs: int | None = None,
-                 request_limits: RequestLimitsConfig | dict | None = None) -> None:
+                 request_limits: RequestLimitsConfig | dict | None = None,
+                 distributed_executor_backend: str | None = None,
+                 num_workers: int = 1) -> None:
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -54,6 +56,8 @@ class LLM:
                                       async_scheduling=async_scheduling),
             structured_outputs=structured_outputs_config or StructuredOutputsConfig(),
             limits=request_limits,
+            parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend,
+                                    num_workers=num_workers),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

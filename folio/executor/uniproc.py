@@ -1,33 +1,25 @@
-"""Runs one worker in the engine-core process. Multi-process (tensor parallel) executors
-implement the same members.
+"""Runs one worker in the engine-core process: the step message is handed over as it is (or,
+in the debug mode the test suite turns on, through msgpack and back, so every message of a
+test run is checked to survive a process boundary).
 
 The engine talks to the executor only (never to its worker): what it needs to know about the
-device and the step handles is here.
+device and the step handles is here, the same members the multiprocess executor has.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from folio.config import EngineConfig
-from folio.core.outputs import ModelRunnerOutput
-from folio.core.scheduler import SchedulerOutput
+from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+from folio.executor import step_codec
 from folio.model.discovery import ModelSource
-from folio.worker.model_runner import GrammarBitmaskFn, PendingRunnerOutput
-from folio.worker.worker import Worker, resolve_device
-
-__all__ = ["GrammarBitmaskFn", "PendingRunnerOutput", "UniProcExecutor"]
+from folio.worker.worker import Worker
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.worker = Worker(config, source, hf_config)
-
-    @staticmethod
-    def resolve_device_type(device: str) -> str:
-        """The device type ("cuda" or "cpu") workers for ModelConfig.device ("auto", "cpu",
-        "cuda") run on, known before they start (the engine sizes defaults by it). ValueError
-        for "cuda" without a CUDA device."""
-        return resolve_device(device).type
+        self.debug_step_messages = config.parallel.debug_step_messages
 
     @property
     def device_type(self) -> str:
@@ -49,11 +41,31 @@ class UniProcExecutor:
         """The width of the model's logits (may exceed the tokenizer's vocabulary)."""
         return self.worker.arch_spec.vocab_size
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
+    def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output, grammar_bitmask)
+        return self.execute_model_async(step, grammar_bitmask).get()
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput,
-                            grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
+    def execute_model_async(self, step: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmaskFn | None = None):
         """Queue the step; its output's get() waits for the sampled ids."""
-        return self.worker.execute_model_async(scheduler_output, grammar_bitmask)
+        if not self.debug_step_messages:
+            return self.worker.execute_model_async(step, grammar_bitmask)
+        step = step_codec.round_trip(step, step_codec.decode_step)
+
+        def fill():
+            mask = grammar_bitmask()
+            return None if mask is None else step_codec.round_trip(mask, step_codec.decode_bitmask)
+
+        return _RoundTripOutput(self.worker.execute_model_async(
+            step, fill if grammar_bitmask is not None else None))
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _RoundTripOutput:
+    def __init__(self, pending) -> None:
+        self._pending = pending
+
+    def get(self) -> ModelRunnerOutput:
+        return step_codec.round_trip(self._pending.get(), step_codec.decode_output)

@@ -25,7 +25,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:  # only for annotations; keeps this module free of engine imports
-    from folio.core.outputs import SchedulerStats
+    from folio.core.engine_core_outputs import SchedulerStats
 
 PREFIX = "folio:"
 

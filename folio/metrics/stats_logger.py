@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from folio.core.outputs import SchedulerStats
+from folio.core.engine_core_outputs import SchedulerStats
 
 logger = logging.getLogger("folio.stats")
 

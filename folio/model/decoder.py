@@ -8,6 +8,7 @@ from torch import nn
 
 from folio.model.attention import AttentionBackend, AttentionMetadata
 from folio.model.families import ArchSpec
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Attention, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
 
 # Checkpoint names of projections that folio stores merged: (merged module, shard).
@@ -19,16 +20,18 @@ _MERGED_SHARDS = {
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.self_attn = Attention(
             hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
             qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
-            sliding_window=sliding_window)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act)
+            sliding_window=sliding_window, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias,
+                            spec.hidden_act, kernels)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         if residual is None:
@@ -43,16 +46,20 @@ class DecoderLayer(nn.Module):
 
 class DecoderLM(nn.Module):
     def __init__(self, spec: ArchSpec, hf_config: Any, backend: AttentionBackend,
-                 max_positions: int) -> None:
+                 max_positions: int, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        """`kernels`: the kernel choices every layer is built with (load_model resolves them
+        from the environment once; the backend should have been picked from the same config)."""
         super().__init__()
         self.spec = spec
+        self.kernel_config = kernels
         # One rotary table shared by all layers (it is a buffer, not a weight).
-        rotary = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config)
+        rotary = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config, kernels)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         windows = spec.sliding_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary, backend, windows[i]) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            DecoderLayer(spec, rotary, backend, windows[i], kernels)
+            for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -10,22 +9,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.model.attention import AttentionBackend, AttentionMetadata
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 
 
-def _fused_kernels_on(x: torch.Tensor) -> bool:
+# Every layer below takes the KernelConfig the model is built with (load_model resolves it once
+# from the defaults and the FOLIO_* overrides) and keeps it: the forward code consults only that,
+# never the environment. Built standalone (tests, tools), a layer gets the defaults.
+
+
+def _fused_kernels_on(x: torch.Tensor, kernels: KernelConfig) -> bool:
     """Triton's fused norm/rotary kernels on CUDA (one launch instead of a chain of eager ops);
-    FOLIO_KERNELS=torch keeps the eager reference."""
-    if not x.is_cuda or os.environ.get("FOLIO_KERNELS", "triton") != "triton":
+    `kernels.kernels` "torch" (FOLIO_KERNELS=torch) keeps the eager reference."""
+    if not x.is_cuda or not kernels.fused_kernels:
         return False
     from folio.model.kernels._common import HAS_TRITON
     return HAS_TRITON
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 whatever the activations' dtype, scale in the input dtype: the
@@ -37,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and also returns the sum (the next residual)."""
-        if _fused_kernels_on(x):
+        if _fused_kernels_on(x, self.kernels):
             from folio.model.kernels.rmsnorm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
@@ -77,8 +84,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, neox layout (halves rotated), with a cos/sin table built once."""
 
-    def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
+    def __init__(self, head_dim: int, max_positions: int, hf_config: Any,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
+        self.kernels = kernels
         params = _rope_parameters(hf_config)
         rope_type = params.get("rope_type", "default")
         base = float(params.get("rope_theta", 10000.0))
@@ -114,7 +123,7 @@ class RotaryEmbedding(nn.Module):
                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         """q [T, H, D], k [T, KVH, D]. With q_norm/k_norm (Qwen3), each head is normalized
         before rotation (one fused launch on CUDA)."""
-        if _fused_kernels_on(q):
+        if _fused_kernels_on(q, self.kernels):
             from folio.model.kernels.rotary import apply_rotary
             if q_norm is not None and q_norm.weight.dtype == q.dtype:
                 return apply_rotary(positions, q, k, self.cos, self.sin, q_norm.weight,
@@ -134,29 +143,38 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
 
 
-def _skinny_input(x: torch.Tensor, linear: nn.Linear,
+def _skinny_input(x: torch.Tensor, linear: "Linear",
                   fused: bool = False) -> torch.Tensor | None:
     """x as [rows, in_features] when the skinny Triton matmul should serve `linear` (CUDA,
     fp16/bf16, 1..8 rows: decode; for a plain projection, only shapes where it beats cuBLAS
     (`skinny_preferred`, by default one row only; the fused gate_up+SiLU at any row count the
-    mode allows), else None. FOLIO_GEMV=0 or FOLIO_KERNELS=torch keeps cuBLAS."""
-    if not x.is_cuda or x.dim() == 0 or x.shape[-1] != linear.in_features:
+    mode allows), else None. The layer's KernelConfig with gemv "0" or kernels "torch"
+    (FOLIO_GEMV=0, FOLIO_KERNELS=torch) keeps cuBLAS."""
+    kernels = linear.kernels
+    if not x.is_cuda or not kernels.gemv_on or x.dim() == 0 or x.shape[-1] != linear.in_features:
         return None
     from folio.model.kernels import gemv
     # Cheap refusals first: this runs for every projection of every eager (prefill) step.
-    if x.numel() > gemv.MAX_M * x.shape[-1] or not gemv.gemv_enabled():
+    if x.numel() > gemv.MAX_M * x.shape[-1]:
         return None
     if linear.bias is not None and linear.bias.dtype != x.dtype:
         return None
     x2 = x.reshape(-1, x.shape[-1])
     if not gemv.skinny_supported(x2, linear.weight):
         return None
-    return x2 if gemv.skinny_preferred(x2.shape[0], *linear.weight.shape, fused=fused) else None
+    preferred = gemv.skinny_preferred(x2.shape[0], *linear.weight.shape, fused=fused,
+                                      mode=kernels.gemv)
+    return x2 if preferred else None
 
 
 class Linear(nn.Linear):
     """nn.Linear whose decode-sized calls run `folio.model.kernels.gemv.skinny_matmul`, which
     streams the weight faster than cuBLAS's GEMV at a few rows; F.linear otherwise."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _skinny_input(x, self)
@@ -170,8 +188,9 @@ class MergedLinear(Linear):
     """One matmul for several projections that read the same input (q/k/v, gate/up). Loads
     each checkpoint shard into its slice of the output rows."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, kernels=kernels)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
@@ -191,15 +210,17 @@ class Attention(nn.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, rms_norm_eps: float,
                  rotary: RotaryEmbedding, backend: AttentionBackend,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
                                                    "k": num_kv_heads * head_dim,
-                                                   "v": num_kv_heads * head_dim}, bias=qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+                                                   "v": num_kv_heads * head_dim}, bias=qkv_bias,
+                                     kernels=kernels)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias, kernels=kernels)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary
         self.backend = backend
         self.sliding_window = sliding_window
@@ -222,11 +243,14 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size,
-                                                       "up": intermediate_size}, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+                                                       "up": intermediate_size}, bias=bias,
+                                         kernels=kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, kernels=kernels)
         self.fused_silu = act in ("silu", "swish")
         if act in ("silu", "swish"):
             self.act = F.silu
@@ -245,7 +269,7 @@ class GatedMLP(nn.Module):
                 act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias)
                 return self.down_proj(act.view(*x.shape[:-1], -1))
         gate_up = self.gate_up_proj(x)
-        if self.fused_silu and _fused_kernels_on(gate_up):
+        if self.fused_silu and _fused_kernels_on(gate_up, self.kernels):
             from folio.model.kernels.activation import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

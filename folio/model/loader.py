@@ -16,6 +16,7 @@ from folio.model.attention import get_attention_backend
 from folio.model.decoder import DecoderLM
 from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
+from folio.model.kernel_config import KernelConfig, resolve_kernel_config
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -77,19 +78,27 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
 
 
 def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               max_model_len: int) -> tuple[DecoderLM, ArchSpec]:
+               max_model_len: int, *,
+               kernel_config: KernelConfig | None = None) -> tuple[DecoderLM, ArchSpec]:
+    """The model on `device`, its layers and attention backend built with `kernel_config`
+    (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
+    here once; the forward code never reads the environment)."""
+    if kernel_config is None:
+        kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
-    backend = get_attention_backend(device)
+    backend = get_attention_backend(device, kernel_config)
     with torch.device("meta"):
         # Build on the meta device in the target dtype, then materialise once on the target
         # device: no time on random init, and no float32 copy of the weights on the way.
-        model = DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1))
+        model = DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
+                          kernels=kernel_config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor on the way
     # The rotary tables were meta buffers; build them for real, in float32 (positions need
     # the precision; they are cast to the activation dtype at each use, as transformers does).
     with torch.device(device):
-        rotary = type(model.layers[0].self_attn.rotary)(spec.head_dim, max(max_model_len, 1), hf_config)
+        rotary = type(model.layers[0].self_attn.rotary)(spec.head_dim, max(max_model_len, 1),
+                                                        hf_config, kernel_config)
     for layer in model.layers:
         layer.self_attn.rotary = rotary
     model.eval()

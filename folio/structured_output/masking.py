@@ -28,7 +28,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     """In place: in the given rows of logits [batch, vocab], disallowed tokens get -inf.
     bitmask is [batch, words]; it may live on the CPU. On CUDA (Triton available) the whole
     bitmask goes over in one copy and one kernel launch applies it — so rows not in `rows`
-    must be all ones (allowed), as StructuredOutputManager.fill_bitmask leaves them; a chain
+    must be all ones (allowed), as StructuredOutputManager.grammar_bitmask leaves them; a chain
     of small eager ops here cost a quarter of a millisecond of launches per step."""
     if not rows:
         return

@@ -49,7 +49,7 @@ def _check_guidance(params: StructuredOutputsParams, lenient: bool = False) -> l
     JSON schema leaves unenforced) otherwise."""
     import llguidance as llg
 
-    from folio.structured_output.guidance_backend import grammar_text
+    from folio.structured_output.guidance_grammar import grammar_text
     kind = params.kind()
     try:
         text = grammar_text(kind, params, lenient=lenient)

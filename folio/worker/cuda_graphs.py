@@ -26,17 +26,22 @@ import logging
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
-from folio.core.scheduler import ScheduledRequest
+from folio.core.step_messages import SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.attention.triton_backend import (STEP_CACHE_KEY, TritonPagedAttention,
                                                   TritonStepTensors)
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Attention
+from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
+from folio.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+# Writes the inputs still being sampled by the step in flight into the given input ids, on the
+# device: (input ids, their flat positions, those requests' rows in the previous sampled ids).
+FillPending = Callable[[torch.Tensor, list[int], list[int]], None]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -47,6 +52,28 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
+
+
+def capture_graphs(sizes: list[int], prepare: Callable[[int], None],
+                   forward: Callable[[int], None], device: torch.device
+                   ) -> dict[int, torch.cuda.CUDAGraph]:
+    """One CUDA graph per size, largest first (later, smaller graphs reuse the pool memory the
+    larger ones reserved). `prepare(size)` stages padding-only inputs; two eager runs precede
+    each capture, because Triton compiles and autotunes on a new key, which cannot happen
+    inside one."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for size in reversed(sizes):
+        prepare(size)
+        for _ in range(2):
+            forward(size)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 def triton_backend_of(model: DecoderLM) -> TritonPagedAttention | None:
@@ -86,20 +113,8 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros((n, model.spec.hidden_size), dtype=dtype, device=device)
 
-        # Pinned host mirrors, filled through numpy views, copied with non_blocking=True.
-        pin = dict(device="cpu", pin_memory=True)
-        self._h_ids = torch.zeros(n, dtype=torch.int64, **pin)
-        self._h_pos = torch.zeros(n, dtype=torch.int64, **pin)
-        self._h_slots = torch.zeros(n, dtype=torch.int64, **pin)
-        self._h_seq = torch.zeros(n, dtype=torch.int32, **pin)
-        self._h_bt = torch.zeros((n, w), dtype=torch.int32, **pin)
-        self._stager = DecodeInputStager(self._h_ids.numpy(), self._h_pos.numpy(),
-                                         self._h_slots.numpy(), self._h_seq.numpy(),
-                                         self._h_bt.numpy(), block_size)
-        # Recorded after each step's copies: the host buffers are not rewritten until the
-        # previous copies out of them have finished.
-        self._copied = torch.cuda.Event()
-        self._copied_pending = False
+        # Pinned host mirrors, written by the flat-batch builder, copied with non_blocking=True.
+        self._host = StepBuffers(n, n, w, pin=True)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
@@ -133,122 +148,46 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        # The buffers hold padding values here (slot -1, seq_len 1), so warm-up and capture
-        # write nothing to the KV cache. Largest first: later, smaller graphs reuse the pool
-        # memory the larger ones reserved.
-        for bs in reversed(self.sizes):
+
+        def prepare(bs: int) -> None:
+            # The buffers hold padding values (slot -1, seq_len 1): warm-up and capture write
+            # nothing to the KV cache.
             self._metas[bs] = self._static_metadata(bs)
-            # Eager runs first: Triton autotunes and compiles on first call per key, which
-            # cannot happen inside a capture.
-            for _ in range(2):
-                self._forward(bs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+
+        self.graphs = capture_graphs(self.sizes, prepare, self._forward, self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s",
                     len(self.graphs), self.sizes, self.capture_seconds)
 
     # ---- replay ---------------------------------------------------------------------------
 
-    def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
-        """A pure-decode step (one new token per request) that fits the static buffers."""
-        return (0 < len(scheduled) <= self.max_batch
-                and all(s.num_new_tokens == 1 and len(s.block_ids) <= self.max_blocks
-                        for s in scheduled))
+    def can_run(self, step: SchedulerOutput) -> bool:
+        """A pure-decode step (one new token per request) that fits the static buffers (the
+        block table is as wide as max_model_len, so any request fits)."""
+        num_reqs = len(step.num_scheduled_tokens)
+        return 0 < num_reqs <= self.max_batch and step.total_num_scheduled_tokens == num_reqs
 
-    def run(self, scheduled: list[ScheduledRequest],
-            fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Replay the graph for this step; returns the final hidden states [B, hidden], a view
-        of the static output buffer (valid until the next replay). `fill_pending` writes the
-        inputs still being sampled by the previous step into the static input ids, on the
-        device, before the replay."""
-        B = len(scheduled)
+    def run(self, step: SchedulerOutput, batch: InputBatch, prev_rows: dict[str, int],
+            fill_pending: FillPending) -> tuple[torch.Tensor, list[int]]:
+        """Replay the graph for this step; returns the final hidden states [B, hidden] (a view
+        of the static output buffer, valid until the next replay) and the query_start_loc.
+        Inputs still being sampled by the previous step are written on the device, before
+        the replay."""
+        B = len(step.num_scheduled_tokens)
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
-        if self._copied_pending:
-            self._copied.synchronize()
-        self._stager.fill(scheduled, bs)
-        for dst, src in ((self.input_ids, self._h_ids), (self.positions, self._h_pos),
-                         (self.slot_mapping, self._h_slots), (self.seq_lens, self._h_seq),
-                         (self.block_tables, self._h_bt)):
+        host = self._host
+        host.wait_for_copies()
+        flat = build_flat_batch(step, batch, prev_rows, host, self.block_size,
+                                Padding.DECODE_ROWS, padded=bs)
+        t = host.tensors
+        for dst, src in ((self.input_ids, t["input_ids"]), (self.positions, t["positions"]),
+                         (self.slot_mapping, t["slot_mapping"]), (self.seq_lens, t["seq_lens"]),
+                         (self.block_tables, t["block_tables"])):
             dst[:bs].copy_(src[:bs], non_blocking=True)
-        self._copied.record()
-        self._copied_pending = True
-        if fill_pending is not None:
-            fill_pending(self.input_ids)
+        host.copies_queued()
+        if flat.pending_dst:
+            fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)
         self.graphs[bs].replay()
         self.num_replays += 1
         self.replayed_sizes.add(bs)
-        return self.hidden[:B]
-
-
-class BlockTableRows:
-    """Keeps a host block-table buffer's rows between steps and rewrites only what changed.
-
-    Rows are the costly part of staging a step (a Python list into a numpy row, per request per
-    step: about a millisecond at 256 requests on a small host), and they barely change between
-    steps: a row is rewritten only when another request's block list lands on it, and only the
-    new tail when the same list grew. A row is matched to a list by identity: the KV cache
-    manager hands out a live list per request and drops it on free, and this class holds a
-    reference, so an identity cannot be reused by another list while it is cached. The buffer
-    must keep its values between steps (the caller waits for the previous step's copies out of
-    it before writing)."""
-
-    def __init__(self, block_tables: np.ndarray) -> None:
-        self.bt = block_tables
-        # Per row: [the block-id list written there, how many of its entries are written].
-        self._rows: list[list | None] = [None] * block_tables.shape[0]
-
-    def write(self, i: int, blocks: list[int]) -> None:
-        """Row i holds `blocks` from column 0; columns past them keep stale (valid) ids, which
-        the kernels never read (they stop at ceil(seq_len / block_size))."""
-        n = len(blocks)
-        row = self._rows[i]
-        if row is None or row[0] is not blocks:
-            self.bt[i, :n] = blocks
-            self._rows[i] = [blocks, n]
-        elif row[1] != n:
-            self.bt[i, row[1]:n] = blocks[row[1]:]
-            row[1] = n
-
-    def forget(self, start: int, stop: int) -> None:
-        """Rows [start, stop) were overwritten by something else (padding)."""
-        for j in range(start, stop):
-            self._rows[j] = None
-
-
-class DecodeInputStager:
-    """Writes a decode step's inputs into the host mirrors of the graph's static buffers:
-    row i = scheduled request i, rows past the batch up to the padded size are padding.
-    Block-table rows are kept between steps (`BlockTableRows`)."""
-
-    def __init__(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, seq: np.ndarray,
-                 block_tables: np.ndarray, block_size: int) -> None:
-        self.ids, self.pos, self.slots, self.seq, self.bt = ids, pos, slots, seq, block_tables
-        self.block_size = block_size
-        self._tables = BlockTableRows(block_tables)
-
-    def fill(self, scheduled: list[ScheduledRequest], padded: int) -> None:
-        ids, pos, slots, seq, bt = self.ids, self.pos, self.slots, self.seq, self.bt
-        block = self.block_size
-        write_row = self._tables.write
-        for i, item in enumerate(scheduled):
-            p = item.num_computed_tokens
-            blocks = item.block_ids
-            known = item.request.all_token_ids
-            ids[i] = known[p] if p < len(known) else 0  # else: filled on the device
-            pos[i] = p
-            slots[i] = blocks[p // block] * block + p % block
-            seq[i] = p + 1
-            write_row(i, blocks)
-        B = len(scheduled)
-        ids[B:padded] = 0
-        pos[B:padded] = 0
-        slots[B:padded] = -1
-        seq[B:padded] = 1
-        bt[B:padded, 0] = 0
-        self._tables.forget(B, padded)
+        return self.hidden[:B], flat.query_start_loc

@@ -25,23 +25,18 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable
 
-import numpy as np
 import torch
 
-from folio.core.scheduler import ScheduledRequest
+from folio.core.step_messages import SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.attention.triton_backend import STEP_CACHE_KEY, TritonStepTensors
 from folio.model.decoder import DecoderLM
-from folio.worker.cuda_graphs import BlockTableRows, triton_backend_of
+from folio.worker.cuda_graphs import FillPending, capture_graphs, triton_backend_of
+from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
+from folio.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
-
-# Called with (the static input-ids tensor, flat token positions whose id is still being
-# sampled by the step in flight, the scheduled index of each): writes those ids on the device.
-FillPending = Callable[[torch.Tensor, list[int], list[int]], None]
 
 
 def mixed_capture_sizes(max_num_tokens: int) -> list[int]:
@@ -53,64 +48,6 @@ def mixed_capture_sizes(max_num_tokens: int) -> list[int]:
     sizes += [s for s in range(step, max_num_tokens, step) if s > 512]
     sizes.append(max_num_tokens)
     return sizes
-
-
-@dataclass
-class StagedMixedStep:
-    num_tokens: int                # T, the step's real tokens
-    query_start_loc: list[int]     # B + 1 entries, the real requests only
-    pending_dst: list[int]         # flat positions whose input is sampled by the step in flight
-    pending_req: list[int]         # the scheduled index of each
-
-
-class MixedInputStager:
-    """Writes a mixed step's inputs into numpy views of the static buffers' host mirrors, with
-    the padding described in the module docstring. Block-table rows are kept between steps."""
-
-    def __init__(self, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, qsl: np.ndarray,
-                 seq: np.ndarray, block_tables: np.ndarray, block_size: int) -> None:
-        self.ids, self.pos, self.slots = ids, pos, slots
-        self.qsl, self.seq, self.bt = qsl, seq, block_tables
-        self.block_size = block_size
-        self._tables = BlockTableRows(block_tables)
-
-    def fill(self, scheduled: list[ScheduledRequest], padded: int) -> StagedMixedStep:
-        B = len(scheduled)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, B)
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, B)
-        qsl = np.zeros(B + 1, np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        T = int(qsl[-1])
-        assert T <= padded and B + 1 <= len(self.seq)
-        flat: list[int] = []
-        pending_dst: list[int] = []
-        pending_req: list[int] = []
-        write_row = self._tables.write
-        for i, item in enumerate(scheduled):
-            known = item.token_ids
-            flat.extend(known)
-            if len(known) < item.num_new_tokens:
-                # The last input is the token the step in flight is sampling.
-                pending_dst.append(len(flat))
-                pending_req.append(i)
-                flat.append(0)
-            write_row(i, item.block_ids)
-        ids, pos, slots = self.ids, self.pos, self.slots
-        ids[:T] = flat
-        ids[T:padded] = 0
-        req_of = np.repeat(np.arange(B), counts)
-        positions = starts[req_of] + (np.arange(T) - qsl[:-1][req_of])
-        pos[:T] = positions
-        pos[T:padded] = 0
-        block = self.block_size
-        slots[:T] = self.bt[req_of, positions // block] * block + positions % block
-        slots[T:padded] = -1
-        self.qsl[:B + 1] = qsl
-        self.qsl[B + 1:] = padded       # slot B (dummy) owns [T, padded); later slots are empty
-        self.seq[:B] = starts + counts
-        self.seq[B] = padded - T
-        self.seq[B + 1:] = 0
-        return StagedMixedStep(T, qsl.tolist(), pending_dst, pending_req)
 
 
 class MixedGraphRunner:
@@ -148,17 +85,8 @@ class MixedGraphRunner:
         self.block_tables = buffer((slots, w), torch.int32)
         self.hidden = buffer((n, model.spec.hidden_size), dtype)
 
-        pin = device.type == "cuda"
-        self._host = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
-                      for name, t in self._device_buffers().items()}
-        h = {name: t.numpy() for name, t in self._host.items()}
-        self._stager = MixedInputStager(h["input_ids"], h["positions"], h["slot_mapping"],
-                                        h["query_start_loc"], h["seq_lens"], h["block_tables"],
-                                        block_size)
-        # Recorded after each step's copies: the host mirrors are not rewritten until the
-        # previous copies out of them have finished.
-        self._copied = torch.cuda.Event() if pin else None
-        self._copied_pending = False
+        # Host mirrors, written by the flat-batch builder (pinned on CUDA).
+        self._host = StepBuffers(n, slots, w, pin=device.type == "cuda")
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
@@ -201,64 +129,53 @@ class MixedGraphRunner:
     def _stage_padding_only(self, n: int) -> None:
         """Buffers for an all-padding step of n tokens (capture and its warm-up write nothing
         to the KV cache)."""
-        self._stager.fill([], n)
+        self._copy_to_device(self._build(_EMPTY_STEP, None, {}, n), n)
+
+    def _build(self, step: SchedulerOutput, batch: InputBatch | None, prev_rows: dict[str, int],
+               n: int):
+        self._host.wait_for_copies()
+        return build_flat_batch(step, batch, prev_rows, self._host, self.block_size,
+                                Padding.DUMMY_REQUEST, padded=n)
+
+    def _copy_to_device(self, flat, n: int) -> None:
+        rows = flat.num_reqs + 1
+        non_blocking = self.device.type == "cuda"
         for name, dst in self._device_buffers().items():
-            dst.copy_(self._host[name])
+            src = self._host.tensors[name]
+            if name == "block_tables":
+                dst, src = dst[:rows], src[:rows]
+            elif name in ("input_ids", "positions", "slot_mapping"):
+                dst, src = dst[:n], src[:n]
+            dst.copy_(src, non_blocking=non_blocking)
+        self._host.copies_queued()
 
     @torch.inference_mode()
     def capture(self) -> None:
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: later, smaller graphs reuse the pool memory the larger ones reserved.
-        for n in reversed(self.sizes):
-            self._stage_padding_only(n)
-            # Eager runs first: Triton compiles and autotunes on a new key, which cannot
-            # happen inside a capture.
-            for _ in range(2):
-                self._forward(n)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(n)
-            self.graphs[n] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs = capture_graphs(self.sizes, self._stage_padding_only, self._forward,
+                                     self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs for mixed steps (token counts %s) in %.1f s",
                     len(self.graphs), self.sizes, self.capture_seconds)
 
     # ---- replay ---------------------------------------------------------------------------
 
-    def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
-        return (0 < len(scheduled) <= self.max_reqs
-                and sum(s.num_new_tokens for s in scheduled) <= self.max_tokens
-                and all(len(s.block_ids) <= self.max_blocks for s in scheduled))
+    def can_run(self, step: SchedulerOutput) -> bool:
+        return (0 < len(step.num_scheduled_tokens) <= self.max_reqs
+                and step.total_num_scheduled_tokens <= self.max_tokens)
 
-    def run(self, scheduled: list[ScheduledRequest],
-            fill_pending: FillPending | None = None) -> tuple[torch.Tensor, list[int]]:
+    def run(self, step: SchedulerOutput, batch: InputBatch, prev_rows: dict[str, int],
+            fill_pending: FillPending) -> tuple[torch.Tensor, list[int]]:
         """Run the step on the static buffers (replaying its graph when captured). Returns the
         final hidden states of the real tokens [T, hidden] (a view of the static output, valid
         until the next run) and the real requests' query_start_loc."""
-        T = sum(s.num_new_tokens for s in scheduled)
+        T = step.total_num_scheduled_tokens
         n = self.sizes[bisect.bisect_left(self.sizes, T)]
-        if self._copied_pending:
-            self._copied.synchronize()
-        staged = self._stager.fill(scheduled, n)
-        rows = len(scheduled) + 1
-        non_blocking = self.device.type == "cuda"
-        for name, dst in self._device_buffers().items():
-            src = self._host[name]
-            if name == "block_tables":
-                dst, src = dst[:rows], src[:rows]
-            elif name in ("input_ids", "positions", "slot_mapping"):
-                dst, src = dst[:n], src[:n]
-            dst.copy_(src, non_blocking=non_blocking)
-        if self._copied is not None:
-            self._copied.record()
-            self._copied_pending = True
-        if staged.pending_dst:
-            assert fill_pending is not None, "a pending input without a way to fill it"
-            fill_pending(self.input_ids, staged.pending_dst, staged.pending_req)
+        flat = self._build(step, batch, prev_rows, n)
+        self._copy_to_device(flat, n)
+        if flat.pending_dst:
+            fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)
         graph = self.graphs.get(n)
         if graph is not None:
             graph.replay()
@@ -267,4 +184,10 @@ class MixedGraphRunner:
         else:
             with torch.inference_mode():
                 self._forward(n)
-        return self.hidden[:T], staged.query_start_loc
+        return self.hidden[:T], flat.query_start_loc
+
+
+# A step with no requests: staging it leaves only padding in the buffers.
+_EMPTY_STEP = SchedulerOutput(step_id=0, scheduled_new_reqs=[], scheduled_cached_reqs=[],
+                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                              sampling_req_ids=[], finished_req_ids=[], preempted_req_ids=[])

@@ -1,32 +1,32 @@
-"""Turns a SchedulerOutput into one forward pass over the flat batch, then samples."""
+"""Runs one step message over the flat batch: the worker's persistent batch is updated from the
+message's diffs, the step's inputs built (eager, or into a CUDA graph's buffers), the forward
+pass and the sampling queued."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from folio.core.outputs import ModelRunnerOutput, PromptLogprobsChunk
-from folio.core.scheduler import ScheduledRequest, SchedulerOutput
+from folio.core.step_messages import (GrammarBitmask, GrammarBitmaskFn, ModelRunnerOutput,
+                                      PromptLogprobsLists, SchedulerOutput)
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor, to_host_async
+from folio.worker.flat_batch import StepBuffers, build_flat_batch
+from folio.worker.input_batch import InputBatch
 from folio.worker.sampler import (LogprobsTensors, RowLogprobs, Sampler, SamplingState,
                                   token_logprobs_tensors)
 
 if TYPE_CHECKING:
-    from folio.core.request import Request
     from folio.worker.cuda_graphs import DecodeGraphRunner
     from folio.worker.mixed_graphs import MixedGraphRunner
-
-# Given the sampling rows' requests in order: (int32 bitmask [rows, ceil(V/32)], the rows it
-# constrains), or None when none is constrained. Filled on the CPU during the forward pass.
-GrammarBitmaskFn = Callable[[list["Request"]], "tuple[torch.Tensor, list[int]] | None"]
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, graph_runner: DecodeGraphRunner | None = None) -> None:
+                 device: torch.device, *, max_num_seqs: int, max_model_len: int,
+                 max_num_tokens: int, graph_runner: DecodeGraphRunner | None = None) -> None:
         self.model = model
         # Replays captured CUDA graphs for pure-decode steps; None = always eager.
         self.graph_runner = graph_runner
@@ -36,78 +36,38 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        # Per-request sampling generators, kept across steps (and preemptions) so a seeded
-        # request draws the same stream whatever else runs beside it.
-        self.generators: dict[str, torch.Generator] = {}
-        # One SamplingState per running request, built once: it holds the request's live
-        # token lists, so rebuilding it for every request every step was pure overhead.
-        self.sampling_states: dict[str, SamplingState] = {}
+        self.max_blocks = -(-max_model_len // block_size)
+        # The requests this worker runs, as the step messages have described them.
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device)
+        self._pin = device.type == "cuda"
+        self._eager_buffers = StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks,
+                                          pin=self._pin)
+        self._bitmask_host: torch.Tensor | None = None
         # The last launched step's sampled ids (on the device) and each sampling request's row
         # in them: the next step, scheduled before those ids reach the host, reads its
         # pending inputs from here.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
 
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
-
-    def _build_inputs(self, scheduled: list[ScheduledRequest]):
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        num_computed: list[int] = []
-        pending_dst: list[int] = []
-        pending_src: list[int] = []
-        # Block tables from one flat list and one scatter: a tensor per request was most of a
-        # mixed step's host time at 256 requests.
-        block_counts = [len(s.block_ids) for s in scheduled]
-        flat_blocks: list[int] = []
-        for item in scheduled:
-            flat_blocks.extend(item.block_ids)
-        counts_np = np.array(block_counts, dtype=np.int64)
-        row_of = np.repeat(np.arange(len(scheduled)), counts_np)
-        col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(counts_np) - counts_np, counts_np)
-        tables_np = np.zeros((len(scheduled), max(block_counts)), dtype=np.int64)
-        tables_np[row_of, col_of] = flat_blocks
-        tables = torch.from_numpy(tables_np)
-        for item in scheduled:
-            start, n = item.num_computed_tokens, item.num_new_tokens
-            token_ids.extend(item.token_ids)
-            if len(token_ids) < query_start_loc[-1] + n:
-                # The last input is the token the step in flight is sampling.
-                pending_dst.append(len(token_ids))
-                pending_src.append(self._prev_rows[item.request_id])
-                token_ids.append(0)
-            positions.extend(range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            num_computed.append(start)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        pin = self.device.type == "cuda"
-        counts = torch.tensor([s.num_new_tokens for s in scheduled])
-        req_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts)
-        slots = tables[req_index, pos // self.block_size] * self.block_size + pos % self.block_size
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        if pin:
-            # Pinned host buffers let the copies run asynchronously with the GPU's work.
-            slots, tables, ids, pos = (t.pin_memory() for t in (slots, tables, ids, pos))
-        to_device = lambda t: t.to(self.device, non_blocking=pin)  # noqa: E731
+    def _eager_inputs(self, step: SchedulerOutput):
+        buf = self._eager_buffers
+        buf.wait_for_copies()
+        flat = build_flat_batch(step, self.input_batch, self._prev_rows, buf, self.block_size)
+        T, B = flat.num_tokens, flat.num_reqs
+        t = buf.tensors
+        to_device = lambda x: x.to(self.device, non_blocking=self._pin)  # noqa: E731
+        ids = to_device(t["input_ids"][:T])
+        positions = to_device(t["positions"][:T])
         meta = AttentionMetadata(
-            slot_mapping=to_device(slots), query_start_loc=query_start_loc,
-            seq_lens=seq_lens, num_computed_tokens=num_computed,
-            block_tables=to_device(tables), block_size=self.block_size)
-        ids = to_device(ids)
-        if pending_dst:
-            self._fill_pending_inputs(ids, pending_dst, pending_src)
-        return ids, to_device(pos), meta
+            slot_mapping=to_device(t["slot_mapping"][:T]),
+            query_start_loc=flat.query_start_loc, seq_lens=flat.seq_lens,
+            num_computed_tokens=flat.num_computed_tokens,
+            block_tables=to_device(t["block_tables"][:B, :max(flat.width, 1)]),
+            block_size=self.block_size)
+        buf.copies_queued()
+        if flat.pending_dst:
+            self._fill_pending_inputs(ids, flat.pending_dst, flat.pending_src)
+        return ids, positions, meta
 
     def _fill_pending_inputs(self, input_ids: torch.Tensor, dst: list[int],
                              src: list[int]) -> None:
@@ -190,121 +150,120 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_p=0.9)
         self.sampler(logits, [SamplingState(params, [0], [], None) for _ in range(num_seqs)])
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
+    def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output, grammar_bitmask).get()
+        return self.execute_model_async(step, grammar_bitmask).get()
 
     @torch.inference_mode()
-    def execute_model_async(self, scheduler_output: SchedulerOutput,
+    def execute_model_async(self, step: SchedulerOutput,
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
-        """Queue the step's forward pass and sampling; the sampled ids come to the host when
-        the returned handle's get() is called, so the caller can schedule the next step
-        meanwhile."""
-        for rid in scheduler_output.finished_req_ids:
-            self.generators.pop(rid, None)
-            self.sampling_states.pop(rid, None)
-        scheduled = scheduler_output.scheduled
-        output = ModelRunnerOutput()
-        if not scheduled:
-            return PendingRunnerOutput(output)
-        graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(scheduled):
-            # Pure decode: one row per request, so request i's tokens are row i.
-            dst = [i for i, item in enumerate(scheduled) if item.has_pending_input]
-            fill = None
-            if dst:
-                src = [self._prev_rows[scheduled[i].request_id] for i in dst]
-                fill = lambda ids: self._fill_pending_inputs(ids, dst, src)  # noqa: E731
-            hidden = graphs.run(scheduled, fill)
-            query_start_loc = list(range(len(scheduled) + 1))
-        elif self.mixed_graph_runner is not None and self.mixed_graph_runner.can_run(scheduled):
-            def fill_mixed(ids: torch.Tensor, dst: list[int], req: list[int]) -> None:
-                src = [self._prev_rows[scheduled[i].request_id] for i in req]
-                self._fill_pending_inputs(ids, dst, src)
-            hidden, query_start_loc = self.mixed_graph_runner.run(scheduled, fill_mixed)
+        """Apply the step's diffs, then queue its forward pass and sampling; the sampled ids
+        come to the host when the returned handle's get() is called, so the caller can
+        schedule the next step meanwhile."""
+        batch = self.input_batch
+        batch.update(step)
+        order = step.num_scheduled_tokens
+        if not order:
+            return PendingRunnerOutput()
+        graphs, mixed = self.graph_runner, self.mixed_graph_runner
+        if graphs is not None and graphs.can_run(step):
+            hidden, query_start_loc = graphs.run(step, batch, self._prev_rows,
+                                                 self._fill_pending_inputs)
+        elif mixed is not None and mixed.can_run(step):
+            hidden, query_start_loc = mixed.run(step, batch, self._prev_rows,
+                                                self._fill_pending_inputs)
         else:
-            input_ids, positions, meta = self._build_inputs(scheduled)
+            input_ids, positions, meta = self._eager_inputs(step)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
+        requests = batch.requests
+        req_ids = list(order)
 
         # Prompt logprobs: row p scores prompt token p+1, for the prompt rows in this chunk.
         # Keyed by the prompt position of the first token scored: after a preemption the
         # prompt is recomputed and the front end must place, not append, these.
         prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] = {}
-        for i, item in enumerate(scheduled):
-            request = item.request
-            if not request.needs_prompt_logprobs:
+        for i, rid in enumerate(req_ids):
+            state = requests[rid]
+            num_prompt = state.sampling.params.prompt_logprobs
+            if num_prompt is None:
                 continue
-            start = item.num_computed_tokens
-            end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            start = state.num_computed_tokens
+            end = min(start + order[rid], state.num_prompt_tokens - 1)
             if end <= start:
                 continue
             rows = hidden[query_start_loc[i]:query_start_loc[i] + (end - start)]
-            targets = device_tensor(request.prompt_token_ids[start + 1:end + 1], self.device,
+            targets = device_tensor(state.prompt_token_ids[start + 1:end + 1], self.device,
                                     torch.int64)
             logits = self.model.compute_logits(rows)
-            prompt_logprobs[request.request_id] = (start + 1, token_logprobs_tensors(
-                logits, targets, request.sampling_params.prompt_logprobs))
+            prompt_logprobs[rid] = (start + 1, token_logprobs_tensors(logits, targets, num_prompt))
 
-        sampling = [(i, item) for i, item in enumerate(scheduled) if item.samples]
+        sampling = step.sampling_req_ids
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingRunnerOutput(output, prompt_logprobs=prompt_logprobs)
-        # The forward pass is queued on the GPU; the grammar masks are filled on the CPU now,
-        # while it runs.
-        mask = grammar_bitmask([item.request for _, item in sampling]) if grammar_bitmask else None
-        if len(sampling) == len(scheduled) == hidden.shape[0]:
+            return PendingRunnerOutput(prompt_logprobs=prompt_logprobs)
+        if len(sampling) == len(req_ids) == hidden.shape[0]:
             # Every request decodes one token and samples: its row is its hidden state, so no
             # index tensor (a host-to-device copy) and no gather.
             logits = self.model.compute_logits(hidden)
         else:
-            last_rows = device_tensor([query_start_loc[i + 1] - 1 for i, _ in sampling],
+            index_of = {rid: i for i, rid in enumerate(req_ids)}
+            last_rows = device_tensor([query_start_loc[index_of[rid] + 1] - 1 for rid in sampling],
                                       self.device, torch.int64)
             logits = self.model.compute_logits(hidden[last_rows])
+        # The forward pass is queued on the device; the grammar masks are filled meanwhile.
+        mask = grammar_bitmask() if step.has_grammar and grammar_bitmask is not None else None
         if mask is not None:
-            from folio.structured_output.masking import apply_token_bitmask
-            bitmask, rows = mask
-            apply_token_bitmask(logits, bitmask, rows)
-        states = []
-        cached_states = self.sampling_states
-        for _, item in sampling:
-            state = cached_states.get(item.request.request_id)
-            if state is None:
-                request = item.request
-                params = request.sampling_params
-                state = cached_states[request.request_id] = SamplingState(
-                    params=params, prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    generator=self._generator_for(request.request_id, params.seed),
-                    eos_token_ids=request.eos_token_ids)
+            self._apply_bitmask(logits, mask, sampling)
+        states: list[SamplingState] = []
+        prev_rows = self._prev_rows
+        for rid in sampling:
+            state = requests[rid]
+            sampling_state = state.sampling
             # Under async scheduling the latest token may still be on the device: penalties
             # and min_tokens find it in the previous step's sampled ids.
-            state.pending_row = (self._prev_rows.get(item.request_id)
-                                 if item.has_pending_input else None)
-            states.append(state)
+            sampling_state.pending_row = (
+                prev_rows.get(rid)
+                if state.num_computed_tokens + order[rid] > len(state.token_ids) else None)
+            states.append(sampling_state)
         sampled, logprobs = self.sampler.sample(logits, states, self._prev_sampled)
-        request_ids = [item.request_id for _, item in sampling]
         self._prev_sampled = sampled
-        self._prev_rows = {rid: j for j, rid in enumerate(request_ids)}
-        return PendingRunnerOutput(output, request_ids, sampled, logprobs, prompt_logprobs)
+        self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
+        return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs)
+
+    def _apply_bitmask(self, logits: torch.Tensor, mask: GrammarBitmask,
+                       sampling: list[str]) -> None:
+        from folio.structured_output.masking import apply_token_bitmask
+        if mask.req_ids != sampling:
+            raise ValueError("the grammar bitmask's rows are not the step's sampling rows")
+        rows = len(mask.req_ids)
+        words = np.frombuffer(mask.data, dtype=np.int32).reshape(rows, mask.num_words)
+        host = self._bitmask_host
+        if host is None or host.shape[0] < rows or host.shape[1] != mask.num_words:
+            # Pinned (CUDA), so the copy to the device is asynchronous; kept between steps.
+            host = self._bitmask_host = torch.empty(
+                (max(rows, self.input_batch.max_num_reqs), mask.num_words), dtype=torch.int32,
+                pin_memory=self._pin)
+        # Rewriting it is safe: a constrained request makes the engine read the step before
+        # (so wait for its event, after this buffer's last copy) before building this one.
+        host[:rows].numpy()[:] = words
+        apply_token_bitmask(logits, host[:rows], mask.constrained_rows)
 
 
 class PendingRunnerOutput:
     """A step's output whose tensors may still be on their way from the device: sampled ids
     and any logprobs are copied behind the step's kernels into pinned memory, and get() waits
-    only for those copies (one event), then builds the host-side output."""
+    only for those copies (one event), then builds the output message."""
 
-    def __init__(self, output: ModelRunnerOutput, request_ids: list[str] | None = None,
-                 sampled: torch.Tensor | None = None,
+    def __init__(self, request_ids: list[str] | None = None, sampled: torch.Tensor | None = None,
                  logprobs: RowLogprobs | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None) -> None:
-        self._output = output
         self._request_ids = request_ids or []
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
         self._host = sampled
-        self._done = False
+        self._output: ModelRunnerOutput | None = None
         on_cuda = sampled.is_cuda if sampled is not None else any(
             t.tensors[0].is_cuda for _, t in self._prompt_logprobs.values())
         if on_cuda:
@@ -322,19 +281,20 @@ class PendingRunnerOutput:
         return found
 
     def get(self) -> ModelRunnerOutput:
-        if self._done:
+        if self._output is not None:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        output = self._output
+        output = ModelRunnerOutput()
         if self._host is not None:
-            output.sampled_token_ids = dict(zip(self._request_ids, self._host.tolist()))
+            output.req_ids = self._request_ids
+            output.sampled_token_ids = [[t] for t in self._host.tolist()]
         if self._logprobs is not None:
-            rids = [self._request_ids[i] for i in self._logprobs.rows]
-            output.logprobs = dict(zip(rids, self._logprobs.tensors.entries()))
-        for rid, (start, tensors) in self._prompt_logprobs.items():
-            output.prompt_logprobs[rid] = PromptLogprobsChunk(start, tensors.entries())
+            output.logprobs_req_ids = [self._request_ids[i] for i in self._logprobs.rows]
+            output.logprobs = self._logprobs.tensors.lists()
+        output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
+                                  for rid, (start, tensors) in self._prompt_logprobs.items()}
         self._host = self._event = self._logprobs = None
         self._prompt_logprobs = {}
-        self._done = True
+        self._output = output
         return output

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.core.outputs import SampledTokenLogprobs
+from folio.core.engine_core_outputs import SampledTokenLogprobs
+from folio.core.step_messages import LogprobsLists
 from folio.model.host_copy import device_tensor, to_host_async
 from folio.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingState:
-    """One row of the batch, built by the model runner each step."""
+    """One request's sampling inputs, built once by the worker when the request arrives (its
+    token lists are the worker's own, which the step messages extend)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -254,28 +256,27 @@ class LogprobsTensors:
         event after them and waits for it before `entries()`."""
         self.tensors = [None if t is None else to_host_async(t) for t in self.tensors]
 
-    def entries(self) -> list[SampledTokenLogprobs]:
+    def lists(self) -> LogprobsLists:
+        """The rows as columns of host lists (the step message's form), once the copies are
+        done: one conversion per tensor instead of one per element."""
         token_ids, token_lp, ranks, top_lp, top_ids = self.tensors
-        # One conversion per tensor instead of one per element.
         token_list = token_ids.view(-1).tolist()
-        token_lp_list = token_lp.view(-1).tolist()
-        rank_list = ranks.tolist()
         rows = len(token_list)
-        if top_lp is not None:
-            top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
-        else:
-            top_lp_list = top_ids_list = [[] for _ in range(rows)]
         ks = self.num_tops
-        return [
-            SampledTokenLogprobs(
-                token_id=token_list[i],
-                logprob=token_lp_list[i],
-                rank=rank_list[i],
-                top_token_ids=top_ids_list[i][: ks[i]],
-                top_logprobs=top_lp_list[i][: ks[i]],
-            )
-            for i in range(rows)
-        ]
+        if top_lp is not None:
+            top_lp_list = [row[:k] for row, k in zip(top_lp.tolist(), ks)]
+            top_ids_list = [row[:k] for row, k in zip(top_ids.tolist(), ks)]
+        else:
+            top_lp_list = [[] for _ in range(rows)]
+            top_ids_list = [[] for _ in range(rows)]
+        return LogprobsLists(token_list, token_lp.view(-1).tolist(), ranks.tolist(),
+                             top_ids_list, top_lp_list)
+
+    def entries(self) -> list[SampledTokenLogprobs]:
+        lists = self.lists()
+        return [SampledTokenLogprobs(*row) for row in zip(
+            lists.token_ids, lists.logprobs, lists.ranks, lists.top_token_ids,
+            lists.top_logprobs)]
 
 
 def _logprobs_tensors(

@@ -8,14 +8,13 @@ from typing import Any
 import torch
 
 from folio.config import EngineConfig
-from folio.core.outputs import ModelRunnerOutput
-from folio.core.scheduler import SchedulerOutput
+from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 from folio.model.families import ArchSpec
 from folio.model.discovery import ModelSource
 from folio.model.loader import load_model, resolve_dtype
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes)
-from folio.worker.model_runner import GrammarBitmaskFn, ModelRunner, PendingRunnerOutput
+from folio.worker.model_runner import ModelRunner, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ logger = logging.getLogger(__name__)
 MAX_MIXED_GRAPH_TOKENS = 8192
 
 # The start-up stages `Worker.timings` reports (its keys, seconds each) and their names in
-# benchmark output (folio.bench.peers.format_startup).
+# benchmark output (folio.bench.startup_report.format_startup).
 STARTUP_STAGES = {"load_s": "model load", "profile_s": "KV profiling",
                   "kv_alloc_s": "KV allocation", "warm_up_s": "kernel warm-up",
                   "graph_capture_s": "CUDA graph capture"}
@@ -74,7 +73,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the allocation's memset, not the next stage's
         self.timings["kv_alloc_s"] = time.perf_counter() - start
-        self.runner = ModelRunner(self.model, self.kv_caches, cache.block_size, self.device)
+        self.runner = self._new_runner(self.kv_caches)
         if self.device.type == "cuda":
             start = time.perf_counter()
             logger.info("warming up kernels (Triton compiles and autotunes on a first start)")
@@ -101,10 +100,17 @@ class Worker:
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         num_blocks = -(-num_tokens // cache.block_size)
         scratch = allocate_kv_caches(self.spec, num_blocks, cache.block_size, self.dtype, self.device)
-        runner = ModelRunner(self.model, scratch, cache.block_size, self.device)
+        runner = self._new_runner(scratch)
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
         del runner, scratch
         return num_blocks * bytes_per_block(self.spec, cache.block_size, self.dtype)
+
+    def _new_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+        sched = self.config.scheduler
+        return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device,
+                           max_num_seqs=sched.max_num_seqs,
+                           max_model_len=self.config.model.max_model_len,
+                           max_num_tokens=sched.max_num_batched_tokens)
 
     def _capture_decode_graphs(self):
         """CUDA graphs for pure-decode steps, captured once the KV cache exists (they bake in
@@ -142,10 +148,10 @@ class Worker:
     def arch_spec(self) -> ArchSpec:
         return self.spec
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
+    def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output, grammar_bitmask)
+        return self.runner.execute_model(step, grammar_bitmask)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput,
+    def execute_model_async(self, step: SchedulerOutput,
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
-        return self.runner.execute_model_async(scheduler_output, grammar_bitmask)
+        return self.runner.execute_model_async(step, grammar_bitmask)

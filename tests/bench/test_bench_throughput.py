@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from folio.bench import peers, random_model, throughput
+from folio.bench import child_process, peers, random_model, throughput, transformers_peers
 from folio.bench.datasets import sample_random_requests
 
 
@@ -135,7 +135,7 @@ def test_cb_peer_runs_the_workload(tiny_model_dir) -> None:
     assert peer["extra"]["attn_implementation"] in ("sdpa", "paged|sdpa")
     requests = sample_random_requests(4, [4, 10], [2, 5], 49152, seed=5)
     payload = [(r.prompt_token_ids, r.expected_output_len) for r in requests]
-    wanted = peers.cb_sizes(payload, 256, 4096)
+    wanted = transformers_peers.cb_sizes(payload, 256, 4096)
     # Capped by the workload: every prompt plus one token per request.
     assert wanted["max_batch_tokens"] == folio["prompt_tokens"] + 4
     requested = peer["extra"]["requested"]
@@ -161,10 +161,10 @@ def test_peer_timeout_is_reported_and_the_bench_finishes(tiny_model_dir, tmp_pat
 
 
 def test_in_child_returns_raises_and_kills(monkeypatch) -> None:
-    assert peers.in_child(divmod, 7, 2) == (3, 1)
+    assert child_process.in_child(divmod, 7, 2) == (3, 1)
     with pytest.raises(ValueError, match="invalid literal"):
-        peers.in_child(int, "x")
-    spawn = peers.get_context("spawn")
+        child_process.in_child(int, "x")
+    spawn = child_process.get_context("spawn")
     children = []
 
     class RecordingContext:
@@ -175,9 +175,9 @@ def test_in_child_returns_raises_and_kills(monkeypatch) -> None:
             children.append(spawn.Process(*args, **kwargs))
             return children[-1]
 
-    monkeypatch.setattr(peers, "get_context", lambda method: RecordingContext())
-    with pytest.raises(peers.ChildTimeout, match="did not finish in 0.5 s"):
-        peers.in_child(time.sleep, 60, timeout=0.5)
+    monkeypatch.setattr(child_process, "get_context", lambda method: RecordingContext())
+    with pytest.raises(child_process.ChildTimeout, match="did not finish in 0.5 s"):
+        child_process.in_child(time.sleep, 60, timeout=0.5)
     # Killed, not waited for: a child left to finish its sleep would have exited with 0.
     [child] = children
     assert child.exitcode == -signal.SIGKILL
@@ -185,11 +185,11 @@ def test_in_child_returns_raises_and_kills(monkeypatch) -> None:
 
 def test_timed_out_result_reports_what_finished(tmp_path) -> None:
     path = str(tmp_path / "progress.json")
-    progress = peers._Progress(path)
+    progress = child_process.Progress(path)
     progress.update(force=True, phase="generating", load_s=2.5, elapsed_s=0.0,
                     finished_requests=0, output_tokens=0, total_requests=10)
     progress.update(force=True, elapsed_s=4.0, finished_requests=3, output_tokens=120)
-    result = peers.timed_out_result("transformers-cb", 5.0, peers.read_progress(path))
+    result = peers.timed_out_result("transformers-cb", 5.0, child_process.read_progress(path))
     assert result.error == "did not finish in 5 s (killed)" and not result.ok
     assert result.load_s == 2.5 and result.rates() == {}
     assert result.extra["partial"] == {"finished_requests": 3, "total_requests": 10,
@@ -284,12 +284,12 @@ def test_random_model_in_child_reports_build_time(tiny_model_dir, tmp_path,
     # A private cache; the tokenizer from a directory (the default model's lives in the cache).
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FOLIO_RANDOM_TOKENIZER", tiny_model_dir("llama"))
-    first = peers.build_random_model_in_child("qwen3-0.6b", 1)
+    first = random_model.build_random_model_in_child("qwen3-0.6b", 1)
     assert first["path"] == random_model.random_model_dir("qwen3-0.6b", 1)
     assert first["path"].startswith(str(tmp_path))
     assert first["built"] and first["generator"] == "cpu"
     assert 0 < first["build_s"] <= first["wall_s"]
-    second = peers.build_random_model_in_child("qwen3-0.6b", 1)
+    second = random_model.build_random_model_in_child("qwen3-0.6b", 1)
     assert not second["built"] and second["build_s"] == 0.0
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("random-weights model (qwen3-0.6b)")]

@@ -12,16 +12,24 @@ import subprocess
 import sys
 from typing import Callable
 
+import msgspec
 import pytest
 
 from folio.core.kv_cache_manager import KVCacheManager, cdiv
+from folio.core.engine_core_outputs import EngineCoreOutput
 from folio.core.request import Request, RequestStatus
-from folio.core.scheduler import (EngineCoreOutput, ModelRunnerOutput, Scheduler,
-                                  SchedulerOutput)
+from folio.core.scheduler import ScheduledStep, Scheduler
+from folio.core.step_messages import ModelRunnerOutput
+from folio.core.step_messages import SchedulerOutput as StepMessage
 from folio.sampling_params import SamplingParams
 
 BS = 4
 EOS = 2
+
+def sampled_output(tokens: dict[str, int]) -> ModelRunnerOutput:
+    """A worker's reply sampling one token per listed request."""
+    return ModelRunnerOutput(req_ids=list(tokens), sampled_token_ids=[[t] for t in tokens.values()])
+
 
 
 def make_request(rid: str, prompt_len: int | list[int], *, max_model_len: int = 256,
@@ -56,10 +64,12 @@ class FakeRunner:
         # Which requests sampled in the last step (`samples` is read live, so tests cannot ask
         # it after update_from_output has appended the token).
         self.sampled: set[str] = set()
+        self.worker = MessageMirror()
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: ScheduledStep) -> ModelRunnerOutput:
         self.num_steps += 1
         assert self.num_steps <= self.max_steps, "no progress"
+        self.worker.apply(out)
         # All of a step's K/V is written before attention reads any of it.
         for item in out.scheduled:
             tokens = item.request.all_token_ids
@@ -68,7 +78,7 @@ class FakeRunner:
             assert len(item.block_ids) >= cdiv(end, BS), "not enough blocks for the step"
             for pos in range(item.num_computed_tokens, end):
                 self.slots[(item.block_ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
-        runner_out = ModelRunnerOutput()
+        sampled: dict[str, int] = {}
         self.sampled = {s.request_id for s in out.scheduled if s.samples}
         for item in out.scheduled:
             tokens = item.request.all_token_ids
@@ -77,11 +87,49 @@ class FakeRunner:
                 assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
                     f"{item.request_id} reads stale KV at position {pos} (block {slot[0]})")
             if item.samples:
-                runner_out.sampled_token_ids[item.request_id] = self.next_token(item.request)
-        return runner_out
+                sampled[item.request_id] = self.next_token(item.request)
+        return sampled_output(sampled)
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+class MessageMirror:
+    """A worker's view built from the step messages alone (through msgpack), checked against
+    the scheduler's own records every step: the diffs must add up to the whole."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+
+    def apply(self, out: ScheduledStep) -> None:
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(out.message), type=StepMessage)
+        assert message == out.message
+        for rid in message.finished_req_ids:
+            self.tokens.pop(rid, None)
+            self.blocks.pop(rid, None)
+        for rid in message.preempted_req_ids:
+            self.blocks[rid] = []
+        computed = {}
+        for new in message.scheduled_new_reqs:
+            assert new.req_id not in self.tokens, "sent whole twice"
+            self.tokens[new.req_id] = list(new.prompt_token_ids)
+            self.blocks[new.req_id] = list(new.block_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        for diff in message.scheduled_cached_reqs:
+            if diff.resumed_from_preemption:
+                self.blocks[diff.req_id] = []
+            self.blocks[diff.req_id] += diff.new_block_ids
+            self.tokens[diff.req_id] += diff.new_token_ids
+            computed[diff.req_id] = diff.num_computed_tokens
+        assert list(message.num_scheduled_tokens) == [s.request_id for s in out.scheduled]
+        assert message.sampling_req_ids == [s.request_id for s in out.scheduled if s.samples]
+        for item in out.scheduled:
+            rid = item.request_id
+            assert self.blocks[rid] == item.block_ids
+            assert self.tokens[rid] == item.request.all_token_ids
+            assert computed[rid] == item.num_computed_tokens
+            assert message.num_scheduled_tokens[rid] == item.num_new_tokens
+
+
+def check_step(sched: Scheduler, out: ScheduledStep) -> None:
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs
     assert len(sched.running) <= sched.max_num_seqs
@@ -90,7 +138,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     sched.kv.block_pool.check_invariants()
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[ScheduledStep, list[EngineCoreOutput]]:
     out = sched.schedule()
     check_step(sched, out)
     outputs = sched.update_from_output(out, runner.execute(out))
@@ -122,7 +170,7 @@ def assert_all_free(sched: Scheduler) -> None:
     assert sched.running == [] and len(sched.waiting) == 0
 
 
-def num_new(out: SchedulerOutput) -> dict[str, int]:
+def num_new(out: ScheduledStep) -> dict[str, int]:
     return {s.request_id: s.num_new_tokens for s in out.scheduled}
 
 

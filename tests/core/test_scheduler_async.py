@@ -11,13 +11,18 @@ import random
 import pytest
 
 from folio.core.kv_cache_manager import KVCacheManager, cdiv
-from folio.core.outputs import ModelRunnerOutput
+from folio.core.step_messages import ModelRunnerOutput
 from folio.core.request import Request
-from folio.core.scheduler import Scheduler, SchedulerOutput
+from folio.core.scheduler import ScheduledStep, Scheduler
 from folio.sampling_params import SamplingParams
 
 BS = 4
 EOS = 2
+
+def sampled_output(tokens: dict[str, int]) -> ModelRunnerOutput:
+    """A worker's reply sampling one token per listed request."""
+    return ModelRunnerOutput(req_ids=list(tokens), sampled_token_ids=[[t] for t in tokens.values()])
+
 
 
 class CountingRunner:
@@ -30,7 +35,7 @@ class CountingRunner:
         self.last: dict[str, int] = {}      # the previous step's sample per request
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: ScheduledStep) -> ModelRunnerOutput:
         inputs = {}
         for item in out.scheduled:
             tokens = list(item.request.all_token_ids)
@@ -42,7 +47,7 @@ class CountingRunner:
             inputs[item.request_id] = tokens
             for pos in range(item.num_computed_tokens, end):
                 self.slots[(item.block_ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
-        runner_out = ModelRunnerOutput()
+        sampled: dict[str, int] = {}
         for item in out.scheduled:
             tokens = inputs[item.request_id]
             for pos in range(item.num_computed_tokens + item.num_new_tokens):
@@ -55,8 +60,8 @@ class CountingRunner:
                 self.count[rid] = k + 1
                 token = EOS if self.eos_at.get(rid) == k else 1000 + k
                 self.last[rid] = token
-                runner_out.sampled_token_ids[rid] = token
-        return runner_out
+                sampled[rid] = token
+        return sampled_output(sampled)
 
 
 def _requests(seed: int, n: int) -> tuple[list[Request], dict[str, int]]:
@@ -154,9 +159,9 @@ def test_pending_token_that_ends_a_request_is_not_scheduled_past():
     assert [s.request_id for s in second.scheduled] == ["two"]
     item = second.scheduled[0]
     assert item.has_pending_input and item.token_ids == [] and item.num_new_tokens == 1
-    out = ModelRunnerOutput(sampled_token_ids={"one": 7, "two": 8})
+    out = sampled_output({"one": 7, "two": 8})
     finished = [o for o in sched.update_from_output(first, out) if o.finished]
     assert [o.request_id for o in finished] == ["one"]
     assert two.all_token_ids == [104, 105, 8] and two.num_pending_tokens == 1
-    sched.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"two": 9}))
+    sched.update_from_output(second, sampled_output({"two": 9}))
     assert two.output_token_ids == [8, 9] and two.num_pending_tokens == 0

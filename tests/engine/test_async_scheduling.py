@@ -144,17 +144,19 @@ def test_penalties_and_min_tokens_count_the_token_in_flight(sync_llm, async_llm,
     plain = _run(sync_llm, prompts[:2], [SamplingParams(temperature=0, max_tokens=10)] * 2)
     assert plain != expected[:2]
 
-    # Whether a step was launched with its input still on the device, seen at launch time.
+    # Whether a step was scheduled with its input still on the device, seen when scheduled.
     engine = async_llm.llm_engine
-    executor = engine.engine_core.executor
+    scheduler = engine.engine_core.scheduler
     launched: list[bool] = []
-    inner = executor.execute_model_async
+    inner = scheduler.schedule
 
-    def record(scheduler_output, *rest):
-        launched.append(any(s.has_pending_input for s in scheduler_output.scheduled))
-        return inner(scheduler_output, *rest)
+    def record():
+        step = inner()
+        if not step.is_empty:
+            launched.append(any(s.has_pending_input for s in step.scheduled))
+        return step
 
-    executor.execute_model_async = record
+    scheduler.schedule = record
     try:
         for rid, p in (("penalised", params[0]), ("min-tokens", params[2]),
                        ("bad-words", params[3])):
@@ -167,7 +169,7 @@ def test_penalties_and_min_tokens_count_the_token_in_flight(sync_llm, async_llm,
             # Seven decode steps after the prefill: all ahead, or (bad words) none.
             assert launched == [False] + [rid != "bad-words"] * 7, (rid, launched)
     finally:
-        del executor.execute_model_async
+        del scheduler.schedule
 
 
 def test_grammar_requests_same_as_sync(sync_llm, async_llm, prompts):
@@ -213,4 +215,5 @@ def test_worker_state_of_finished_requests_is_dropped(async_llm, prompts):
         engine.step()
     engine.engine_core.step()  # an idle step hands the last finishes to the worker
     runner = engine.engine_core.executor.worker.runner
-    assert runner.sampling_states == {} and runner.generators == {}
+    assert runner.input_batch.requests == {}
+    assert len(runner.input_batch._free_rows) == runner.input_batch.max_num_reqs

@@ -11,6 +11,7 @@ import pydantic
 import pytest
 
 from folio.engine.async_llm import EngineDeadError
+from folio.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -18,9 +19,8 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
-from folio.entrypoints.openai.serving_common import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from folio.outputs import CompletionOutput, Logprob, RequestOutput
+from folio.request_outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 MODEL = "smol"
@@ -723,5 +723,5 @@ def test_disconnect_before_first_output_is_an_error(tokenizer):
 
 
 def test_logprob_floor_for_json():
-    from folio.entrypoints.openai.serving_common import clamp_logprob
+    from folio.entrypoints.openai.response_fields import clamp_logprob
     assert clamp_logprob(-math.inf) == -9999.0 and clamp_logprob(-1.0) == -1.0

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from folio.engine import messages as wire
 from folio.engine.frontend import ModelInfo, RequestPreparer
 from folio.entrypoints.openai.api_server import ServerSettings, _read_json
+from folio.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,9 +38,8 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
-from folio.entrypoints.openai.serving_common import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from folio.outputs import CompletionOutput, Logprob, RequestOutput
+from folio.request_outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 import model_utils

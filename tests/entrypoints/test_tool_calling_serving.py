@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol import ChatCompletionRequest
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
-from folio.entrypoints.openai.serving_common import OpenAIError
 from test_openai_serving import MESSAGES, MODEL, FakeEngine, _resolve, events, run, tokenizer  # noqa: F401
 
 import pytest

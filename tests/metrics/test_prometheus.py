@@ -5,7 +5,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from folio.core.outputs import SchedulerStats
+from folio.core.engine_core_outputs import SchedulerStats
 from folio.metrics import EngineMetrics, build_1_2_5_buckets
 
 MODEL = "tiny-model"

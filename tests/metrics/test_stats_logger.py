@@ -1,5 +1,5 @@
 """The periodic stats line: rates over the interval, idle intervals silent."""
-from folio.core.outputs import SchedulerStats
+from folio.core.engine_core_outputs import SchedulerStats
 from folio.metrics.stats_logger import StatsLogger
 
 

@@ -107,39 +107,31 @@ def test_kernel_matches_torch(results: dict, case: dict) -> None:
 
 # ---- in process, no interpreter: the gate and the layers' CPU path ------------------------
 
-def test_skinny_supported_gates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skinny_supported_gates() -> None:
+    """skinny_supported is a capability check only; whether the kernel is wanted at all is the
+    layers' KernelConfig's (FOLIO_GEMV / FOLIO_KERNELS, resolved once: test_kernel_config.py)."""
     pytest.importorskip("triton")
+    from folio.model.kernel_config import KernelConfig
     from folio.model.kernels import gemv
     x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     assert not gemv.skinny_supported(x, w)  # CPU tensors
-    monkeypatch.delenv("FOLIO_GEMV", raising=False)
-    monkeypatch.delenv("FOLIO_KERNELS", raising=False)
-    assert gemv.gemv_enabled() and gemv.gemv_mode() == "1"  # on by default
-    monkeypatch.setenv("FOLIO_GEMV", "0")
-    assert not gemv.gemv_enabled()
-    assert not gemv.skinny_supported(x, w)
-    monkeypatch.setenv("FOLIO_GEMV", "narrow")
-    assert gemv.gemv_enabled()
-    monkeypatch.setenv("FOLIO_GEMV", "1")
-    monkeypatch.setenv("FOLIO_KERNELS", "torch")
-    assert not gemv.gemv_enabled()
-    monkeypatch.delenv("FOLIO_KERNELS")
-    monkeypatch.setenv("FOLIO_GEMV", "yes")
-    with pytest.raises(ValueError, match="FOLIO_GEMV"):
-        gemv.gemv_enabled()
+    assert KernelConfig().gemv_on and KernelConfig().gemv == "1"  # on by default
+    assert not KernelConfig(gemv="0").gemv_on
+    assert KernelConfig(gemv="narrow").gemv_on
+    assert not KernelConfig(kernels="torch").gemv_on
+    with pytest.raises(ValueError, match="gemv"):
+        KernelConfig(gemv="yes")
 
 
-def test_skinny_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skinny_preferred() -> None:
     pytest.importorskip("triton")
     from folio.model.kernels import gemv
-    monkeypatch.delenv("FOLIO_GEMV", raising=False)
     assert gemv.skinny_preferred(1, 28672, 4096)      # one row: always
     assert not gemv.skinny_preferred(8, 1024, 3072)   # default: one row only
-    monkeypatch.setenv("FOLIO_GEMV", "narrow")
-    assert gemv.skinny_preferred(8, 1024, 3072)       # narrow output
-    assert not gemv.skinny_preferred(4, 6144, 4096)   # wide output at 4 rows: cuBLAS
-    monkeypatch.setenv("FOLIO_GEMV", "all")
-    assert gemv.skinny_preferred(4, 6144, 4096)
+    assert gemv.skinny_preferred(8, 1024, 3072, mode="narrow")      # narrow output
+    assert not gemv.skinny_preferred(4, 6144, 4096, mode="narrow")  # wide, 4 rows: cuBLAS
+    assert gemv.skinny_preferred(4, 6144, 4096, mode="all")
+    assert not gemv.skinny_preferred(1, 28672, 4096, mode="0")
 
 
 def test_prune_respects_workspace() -> None:

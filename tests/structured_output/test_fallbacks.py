@@ -8,9 +8,9 @@ import json
 import jsonschema
 import pytest
 
-from folio.entrypoints.openai import structured
+from folio.entrypoints.openai import request_constraints
+from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse
-from folio.entrypoints.openai.serving_common import OpenAIError
 from folio.metrics.prometheus import STRUCTURED_OUTPUT_FALLBACK_REASONS, EngineMetrics
 from folio.structured_output import validation
 from folio.structured_output.compilers import (
@@ -225,10 +225,10 @@ def _count(metrics: EngineMetrics, reason: str) -> float:
 
 def test_front_end_400_names_the_keyword(guidance_rejects):
     with pytest.raises(OpenAIError) as info:
-        structured.from_structured_outputs({"json": ALL_OF}, "auto")
+        request_constraints.from_structured_outputs({"json": ALL_OF}, "auto")
     assert info.value.param == "structured_outputs" and "`allOf`" in str(info.value)
     with pytest.raises(OpenAIError) as info:
-        structured.from_response_format(
+        request_constraints.from_response_format(
             {"type": "json_schema", "json_schema": {"name": "x", "schema": ALL_OF}}, "auto")
     assert info.value.param == "response_format.json_schema.schema"
 
@@ -237,21 +237,22 @@ def test_metrics_count_fallbacks_by_reason(guidance_rejects):
     metrics = EngineMetrics("m", 128)
     assert set(STRUCTURED_OUTPUT_FALLBACK_REASONS) == set(FALLBACK_REASONS)
     assert all(_count(metrics, r) == 0 for r in FALLBACK_REASONS)  # exported from the start
-    ctx = structured.constraint_context(_Engine(metrics))
+    ctx = request_constraints.constraint_context(_Engine(metrics))
     request = type("R", (), {"response_format": None,
                              "structured_outputs": {"json": ALL_OF, "best_effort": True}})()
-    params = structured.request_constraint(request, ctx)
+    params = request_constraints.request_constraint(request, ctx)
     assert params.best_effort
     assert _count(metrics, "best_effort_partial") == 1
     # The notice for the response, left in the request's context.
     assert ctx.notice and "`allOf`" in ctx.notice
-    structured.request_constraint(request, structured.constraint_context(_Engine(metrics)))
+    request_constraints.request_constraint(
+        request, request_constraints.constraint_context(_Engine(metrics)))
     assert _count(metrics, "best_effort_partial") == 2
     assert _count(metrics, "unenforced_feature") == 0
     # Fully enforced (with or without best_effort): no notice.
     for value in ({"json": {"type": "object"}}, {"json": {"type": "object"}, "best_effort": True}):
-        plain = structured.constraint_context(_Engine(metrics))
-        structured.from_structured_outputs(value, plain)
+        plain = request_constraints.constraint_context(_Engine(metrics))
+        request_constraints.from_structured_outputs(value, plain)
         assert plain.notice is None
     text = metrics.render().decode()
     assert 'folio:structured_outputs_fallbacks_total{model_name="m",reason="best_effort_partial"} 2.0' in text
@@ -261,10 +262,11 @@ def test_metrics_count_fallbacks_by_reason(guidance_rejects):
 
 def test_metrics_count_routing_and_xgrammar_rejections():
     metrics = EngineMetrics("m", 128)
-    ctx = structured.constraint_context(_Engine(metrics))
-    structured.from_structured_outputs({"json": {"type": "string", "maxLength": 3}}, ctx)
-    structured.from_structured_outputs({"json": {"type": "object", "minProperties": 2}}, ctx)
-    structured.from_structured_outputs({"json": {"type": "object"}}, ctx)  # no fallback
+    ctx = request_constraints.constraint_context(_Engine(metrics))
+    request_constraints.from_structured_outputs({"json": {"type": "string", "maxLength": 3}}, ctx)
+    request_constraints.from_structured_outputs(
+        {"json": {"type": "object", "minProperties": 2}}, ctx)
+    request_constraints.from_structured_outputs({"json": {"type": "object"}}, ctx)  # no fallback
     assert _count(metrics, "unenforced_feature") == 1
     assert _count(metrics, "xgrammar_rejected") == 1
     assert _count(metrics, "best_effort_partial") == 0

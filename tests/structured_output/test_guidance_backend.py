@@ -397,7 +397,7 @@ def test_cache(tokenizer, vocab_size):
 
 
 def test_jsonschemabench_first_10_compile_once(tokenizer, vocab_size):
-    # Compile times are measured by `python -m folio.bench.structured`, not here.
+    # Compile times are measured by `python -m folio.bench.structured_bench`, not here.
     compiler = GuidanceCompiler(tokenizer, vocab_size)
     rows = [json.loads(line) for line in BENCH.read_text().splitlines()[:10]]
     compiled_ids, failures = [], []

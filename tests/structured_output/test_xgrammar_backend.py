@@ -269,7 +269,7 @@ def test_structural_tag_both_formats(compiler, tokenizer):
 
 def test_jsonschemabench_first_10_compile_once(tokenizer, vocab_size, monkeypatch):
     # Default (vLLM-like) settings; a fresh compiler so its cache starts empty. Compile
-    # times are measured by `python -m folio.bench.structured`, not here.
+    # times are measured by `python -m folio.bench.structured_bench`, not here.
     compiler = GrammarCompiler(tokenizer, vocab_size)
     compiles = counting_compiles(monkeypatch, compiler)
     rows = [json.loads(line) for line in BENCH.read_text().splitlines()[:10]]

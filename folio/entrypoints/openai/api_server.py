@@ -28,10 +28,10 @@ import folio
 from folio.engine.async_llm import AsyncLLM
 from folio.engine.request_limits import json_depth_exceeds
 from folio.engine.input_processor import encode_prompt
+from folio.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
-from folio.entrypoints.openai.serving_common import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT_MAX_BODY_BYTES
 from folio.entrypoints.openai.cli_args import build_engine_config
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -56,8 +56,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine_config(args: argparse.Namespace):
-    from folio.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                              StructuredOutputsConfig)
+    from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                              SchedulerConfig, StructuredOutputsConfig)
     from folio.engine.arg_utils import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
@@ -75,4 +75,6 @@ def build_engine_config(args: argparse.Namespace):
                                   async_scheduling=kw["async_scheduling"]),
         structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]),
         limits=RequestLimitsConfig(**kw["request_limits"], max_json_depth=args.max_json_depth,
-                                   max_prompts=args.max_prompts, max_tools=args.max_tools))
+                                   max_prompts=args.max_prompts, max_tools=args.max_tools),
+        parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
+                                num_workers=kw["num_workers"]))

@@ -9,7 +9,7 @@ from typing import Any
 
 from folio.config import RequestLimitsConfig
 from folio.engine.request_limits import json_depth_exceeds
-from folio.entrypoints.openai.serving_common import OpenAIError
+from folio.entrypoints.openai.errors import OpenAIError
 
 
 def _check_one(value: Any, param: str, limits: RequestLimitsConfig) -> None:

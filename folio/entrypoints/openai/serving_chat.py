@@ -21,34 +21,24 @@ from folio.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCallItem,
 )
-from folio.entrypoints.openai.serving_common import (
-    SAMPLING_PARAM_NAMES,
-    SSE_DONE,
-    EngineStreams,
-    IsDisconnected,
-    OpenAIError,
-    ServingBase,
-    build_sampling_params,
-    chat_logprobs,
-    check_stream_options,
-    make_usage,
-    prompt_logprobs_json,
-    resolve_max_tokens,
-    resolve_model_name,
-    sse_error,
-    sse_event,
-    to_openai_error,
-    truncate_prompt,
-    with_prefix,
-)
+from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
+from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
 from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from folio.entrypoints.openai.structured import (ConstraintContext, constraint_context,
-                                                 forced_tool_constraint, named_function,
-                                                 request_constraint, strict_tools_constraint)
+from folio.entrypoints.openai.request_constraints import (
+    ConstraintContext, constraint_context, forced_tool_constraint, named_function,
+    request_constraint, strict_tools_constraint)
+from folio.entrypoints.openai.request_params import (SAMPLING_PARAM_NAMES, build_sampling_params,
+                                                     check_stream_options, resolve_max_tokens,
+                                                     resolve_model_name, truncate_prompt,
+                                                     with_prefix)
+from folio.entrypoints.openai.response_fields import (chat_logprobs, make_usage,
+                                                      prompt_logprobs_json)
+from folio.entrypoints.openai.serving_base import ServingBase
+from folio.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
                                                           RequiredToolCallParser)
-from folio.outputs import CompletionOutput, RequestOutput
+from folio.request_outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
 

@@ -15,29 +15,19 @@ from folio.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from folio.entrypoints.openai.structured import (ConstraintContext, constraint_context,
-                                                 request_constraint)
-from folio.entrypoints.openai.serving_common import (
-    SAMPLING_PARAM_NAMES,
-    SSE_DONE,
-    EngineStreams,
-    IsDisconnected,
-    OpenAIError,
-    ServingBase,
-    build_sampling_params,
-    check_stream_options,
-    completion_logprobs,
-    make_usage,
-    prompt_logprobs_json,
-    resolve_max_tokens,
-    resolve_model_name,
-    sse_error,
-    sse_event,
-    to_openai_error,
-    truncate_prompt,
-    with_prefix,
-)
-from folio.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
+from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
+from folio.entrypoints.openai.request_constraints import (ConstraintContext, constraint_context,
+                                                          request_constraint)
+from folio.entrypoints.openai.request_params import (SAMPLING_PARAM_NAMES, build_sampling_params,
+                                                     check_stream_options, resolve_max_tokens,
+                                                     resolve_model_name, truncate_prompt,
+                                                     with_prefix)
+from folio.entrypoints.openai.response_fields import (completion_logprobs, make_usage,
+                                                      prompt_logprobs_json)
+from folio.entrypoints.openai.serving_base import ServingBase
+from folio.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
+from folio.request_outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from folio.sampling_params import SamplingParams
 
 _REQUEST_FIELDS = set(CompletionRequest.model_fields)

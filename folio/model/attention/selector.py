@@ -1,16 +1,18 @@
 """Which attention backend a device gets."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from folio.model.attention.backend import AttentionBackend
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA; the torch reference on CPU (and with FOLIO_ATTENTION=torch)."""
-    if device.type == "cuda" and os.environ.get("FOLIO_ATTENTION", "triton") == "triton":
+def get_attention_backend(device: torch.device,
+                          kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> AttentionBackend:
+    """Triton kernels on CUDA; the torch reference on CPU (and with `kernels.attention` "torch":
+    FOLIO_ATTENTION=torch, read once by `resolve_kernel_config`). Called once per model build,
+    so the choice is fixed for the model's life."""
+    if device.type == "cuda" and kernels.triton_attention:
         from folio.model.attention.triton_backend import TritonPagedAttention
         return TritonPagedAttention()
     from folio.model.attention.torch_paged import TorchPagedAttention

@@ -31,10 +31,9 @@ beat cuBLAS there (tools/gpu_check_gemv.py measures both).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG
 from folio.model.kernels._common import HAS_TRITON, INTERPRET, next_pow2, require_triton, tl, triton
 
 MAX_M = 8
@@ -288,31 +287,18 @@ if HAS_TRITON:
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-# FOLIO_GEMV: "1" (default) = single-row products only (batch-1 decode, where it pays most and
-# autotunes for one row bucket, a few seconds at start-up); "narrow" = also 2-8 rows where the
-# output is narrow; "all" = wherever supported; "0" = never (cuBLAS throughout).
-_GEMV_MODES = ("0", "1", "narrow", "all")
-
-
-def gemv_mode() -> str:
-    mode = os.environ.get("FOLIO_GEMV", "1")
-    if mode not in _GEMV_MODES:
-        raise ValueError(f"FOLIO_GEMV must be one of {list(_GEMV_MODES)}, got {mode!r}")
-    return mode
-
-
-def gemv_enabled() -> bool:
-    return os.environ.get("FOLIO_KERNELS", "triton") == "triton" and gemv_mode() != "0"
-
-
-def skinny_preferred(m: int, n: int, k: int, fused: bool = False) -> bool:
+def skinny_preferred(m: int, n: int, k: int, fused: bool = False,
+                     mode: str = DEFAULT_KERNEL_CONFIG.gemv) -> bool:
     """Whether the skinny kernel should replace cuBLAS for an [m, k] x [n, k]^T product it
-    supports (`fused`: the gate_up + SiLU-and-mul kernel, which also saves a launch and a pass).
+    supports (`fused`: the gate_up + SiLU-and-mul kernel, which also saves a launch and a pass),
+    under GEMV `mode` (one of folio.model.kernel_config.GEMV_MODES: the layers pass their
+    KernelConfig's; "0" is never).
     On an H200 (tools/gpu_check_gemv.py) it beat cuBLAS at one row for every shape tried, and
     at 2-8 rows where the output is narrow (n <= 2048: cuBLAS runs too few blocks there); at
     2-8 rows and wide outputs it was 0-15% slower. By default only one row takes it (each
     further row bucket is another autotuning pass at start-up, for a few percent)."""
-    mode = gemv_mode()
+    if mode == "0":
+        return False
     if m == 1 or mode == "all":
         return True
     return mode == "narrow" and (fused or n <= 2048)
@@ -320,11 +306,10 @@ def skinny_preferred(m: int, n: int, k: int, fused: bool = False) -> bool:
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_matmul(x.reshape(-1, K), weight)` should serve this call: CUDA, triton,
-    fp16/bf16 of one dtype, 1..MAX_M rows, a contiguous 2-D weight, no autograd.
-    Off with FOLIO_GEMV=0 or FOLIO_KERNELS=torch (cuBLAS)."""
+    fp16/bf16 of one dtype, 1..MAX_M rows, a contiguous 2-D weight, no autograd. Capability
+    only: whether it is wanted at all (FOLIO_GEMV=0, FOLIO_KERNELS=torch) is the layers'
+    KernelConfig's to say."""
     if not (HAS_TRITON and x.is_cuda) or x.dtype not in _DTYPES:
-        return False
-    if not gemv_enabled():
         return False
     if weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous() \
             or weight.device != x.device or x.dim() == 0 or x.shape[-1] != weight.shape[1]:

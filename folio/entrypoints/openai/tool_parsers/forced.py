@@ -1,7 +1,7 @@
 """Parsers for forced tool calls (tool_choice "required" or a named function).
 
-A grammar shapes that output (folio.entrypoints.openai.structured), so these parse a fixed
-form rather than a model's own format:
+A grammar shapes that output (folio.entrypoints.openai.request_constraints), so these parse
+a fixed form rather than a model's own format:
 * required: a JSON array of ``{"name": ..., "parameters": {...}}`` objects;
 * named: the whole output is the arguments object of the chosen function.
 They plug into the same streaming machinery as the format parsers: id and name first, then

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
-from folio.entrypoints.openai.serving_common import OpenAIError
+from folio.entrypoints.openai.errors import OpenAIError
 from folio.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`python -m folio.bench.structured`: what constrained decoding costs.
+"""`python -m folio.bench.structured_bench`: what constrained decoding costs.
 
 1. Compile time: every schema of a suite compiled cold (a fresh compiler per backend) and
    again (the cache), with the backend `auto` picked for each.
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m folio.bench.structured",
+    parser = argparse.ArgumentParser(prog="python -m folio.bench.structured_bench",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model (default: the embedded default)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])

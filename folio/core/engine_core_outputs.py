@@ -1,6 +1,6 @@
-"""Plain data passed out of the engine core: per-step results of the worker and the per-request
-outputs the core returns. Dataclasses with exact types, so msgspec can carry them between the
-engine-core process and the front end unchanged."""
+"""Plain data passed out of the engine core: the per-request outputs it returns (a worker's
+per-step results are step messages, folio.core.step_messages). Dataclasses with exact types,
+so msgspec can carry them between the engine-core process and the front end unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,14 +23,6 @@ class PromptLogprobsChunk:
     position: after a preemption the prompt is recomputed and the same positions come again."""
     start: int
     entries: list[SampledTokenLogprobs]
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the worker returns for one step, keyed by request id."""
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, SampledTokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass

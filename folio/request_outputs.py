@@ -1,4 +1,5 @@
-"""What the offline API returns, in vLLM's shape."""
+"""What the offline API returns, in vLLM's shape: RequestOutput, CompletionOutput, Logprob (what
+the engine core passes out is folio/core/engine_core_outputs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

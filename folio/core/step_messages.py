@@ -1,0 +1,116 @@
+"""The step messages: what the scheduler hands the workers for one step, and what a worker hands
+back. Plain msgspec structs with no logic, imported by the scheduler, the executors and the
+workers alike, so a step crosses a process boundary unchanged (msgpack) — or, in process, is
+passed as it is.
+
+A worker keeps its own state per request (tokens, block table, sampling state) and updates it
+from these messages alone: a request is sent whole once (`NewRequestData`), then only as diffs
+(`CachedRequestData`). Nothing here refers to a scheduler object, and no list in a message is
+shared with one (the scheduler copies what it sends), so a message means the same after the
+scheduler moves on.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import msgspec
+
+from folio.sampling_params import SamplingParams
+
+# array_like: encoded as msgpack arrays, not maps (smaller and faster for the per-step structs);
+# gc=False: these hold no reference cycles, so the collector need not track them.
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the workers have not seen: everything needed to run it. Adapter (LoRA) and
+    pooling fields join here when those features do."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    # Tokens already in the KV cache (prefix-cache hits) before this step.
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the workers hold, as a diff since the last step that scheduled it."""
+    req_id: str
+    # Blocks appended to its block table; after a preemption, the whole new table.
+    new_block_ids: list[int]
+    # Tokens appended to it since the workers last heard of it (the ones sampled by earlier
+    # steps, which reach the scheduler one step later under async scheduling). Sent rather
+    # than kept from the worker's own sampling, so a worker's state is a function of the
+    # messages alone: replicas, and pipeline ranks that do not sample, stay in step.
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    # Preempted (blocks dropped) and scheduled again: `new_block_ids` replaces its table.
+    resumed_from_preemption: bool = False
+
+
+class SchedulerOutput(msgspec.Struct, gc=False):
+    """One step. `num_scheduled_tokens` is in batch order: the order of the flat batch's
+    requests. A request's last scheduled input may be the token the step before is still
+    sampling (async scheduling): when `num_computed_tokens + num_scheduled_tokens` runs one
+    past the tokens the worker holds, that input comes from the previous step's sampled ids on
+    the device."""
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose step ends at their last token, so one is sampled (batch order).
+    sampling_req_ids: list[str]
+    # Requests finished or aborted since the previous step: the workers drop their state.
+    finished_req_ids: list[str]
+    # Requests preempted by this step: the workers drop their rows (and keep their state).
+    preempted_req_ids: list[str]
+    # A GrammarBitmask for this step follows (sent after the step, so the grammar matchers
+    # fill it while the forward pass runs).
+    has_grammar: bool = False
+    # Draft tokens per request for speculative decoding (empty until it lands).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """Allowed next tokens of a step's sampling rows (the order of `sampling_req_ids`): int32
+    words [len(req_ids), num_words], bit b of word w allows token 32*w + b. Rows outside
+    `constrained_rows` are all ones."""
+    req_ids: list[str]
+    constrained_rows: list[int]
+    num_words: int
+    # Little-endian int32 rows; in process a buffer over the host mask (no copy).
+    data: bytes
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of several positions, as columns: the chosen token (its logprob and rank, 1 =
+    most likely) and its top alternatives, best first."""
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class PromptLogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of prompt tokens [start, start + len(lists.token_ids)) scored in one step."""
+    start: int
+    lists: LogprobsLists
+
+
+class ModelRunnerOutput(msgspec.Struct, gc=False):
+    """A step's result from rank 0. `sampled_token_ids[i]` are the tokens of `req_ids[i]` (one
+    per step today; several once speculative decoding accepts drafts)."""
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    # Rows of `req_ids` that asked for logprobs, and theirs (one position each).
+    logprobs_req_ids: list[str] = []
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: dict[str, PromptLogprobsLists] = {}
+
+
+# How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process
+# the engine's grammar matchers fill it then (while the device runs); in a worker process it is
+# the message that follows the step.
+GrammarBitmaskFn = Callable[[], "GrammarBitmask | None"]

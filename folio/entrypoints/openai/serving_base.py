@@ -1,0 +1,102 @@
+"""ServingBase: what the completions and chat handlers do around the engine (its tokenizer
+and limits, blocking work off the event loop, starting a request's streams, collecting or
+streaming their outputs with errors mapped to OpenAIError)."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+from folio.config import RequestLimitsConfig
+from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
+from folio.entrypoints.openai.errors import ClientDisconnected, OpenAIError, to_openai_error
+from folio.request_outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+
+class ServingBase:
+    """Engine access shared by the completions and chat handlers."""
+
+    # How often a waiting non-streaming request asks whether its client is still there.
+    disconnect_poll_interval_s: float = 0.5
+
+    def __init__(self, engine: Any, served_model_names: Sequence[str]) -> None:
+        if not served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def limits(self) -> RequestLimitsConfig:
+        config = getattr(self.engine, "config", None)
+        return getattr(config, "limits", None) or RequestLimitsConfig()
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Per-request work that can take long (templates, tokenizing, constraint checks,
+        big responses) runs on the engine's preprocessing thread, not on the event loop."""
+        runner = getattr(self.engine, "run_blocking", None)
+        if runner is None:  # stand-in engines in tests
+            return fn(*args)
+        return await runner(fn, *args)
+
+    def start_streams(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                      request_ids: Sequence[str], request: Any,
+                      is_disconnected: IsDisconnected | None) -> EngineStreams:
+        streams = [self.engine.generate(prompt, p, rid, priority=request.priority,
+                                        cache_salt=request.cache_salt)
+                   for prompt, p, rid in zip(prompts, params, request_ids)]
+        return EngineStreams(streams, is_disconnected=is_disconnected,
+                             poll_interval_s=self.disconnect_poll_interval_s)
+
+    async def collect_final(self, streams: EngineStreams, count: int,
+                            error_kwargs: Mapping[str, Any]) -> list[RequestOutput]:
+        """Wait for every prompt's final output (FINAL_ONLY), aborting all on disconnect."""
+        finals: list[RequestOutput | None] = [None] * count
+        try:
+            async for index, output in streams:
+                finals[index] = output
+        except ClientDisconnected as exc:
+            raise OpenAIError("Client disconnected", status_code=499,
+                              type="ClientDisconnected") from exc
+        except Exception as exc:
+            raise to_openai_error(exc, **error_kwargs) from exc
+        finally:
+            await streams.aclose()
+        missing = [i for i, out in enumerate(finals) if out is None]
+        if missing:
+            raise OpenAIError("The engine ended the request without an output", status_code=500,
+                              type="InternalServerError")
+        return finals  # type: ignore[return-value]
+
+    async def first_output(self, streams: EngineStreams, error_kwargs: Mapping[str, Any]
+                           ) -> tuple[int, RequestOutput] | None:
+        """Streaming starts only once the engine accepted the request(s): errors up to the
+        first output still become a proper HTTP error instead of an in-stream event."""
+        try:
+            return await streams.__anext__()
+        except StopAsyncIteration:
+            await streams.aclose()
+            return None
+        except ClientDisconnected as exc:
+            await streams.aclose()
+            raise OpenAIError("Client disconnected", status_code=499,
+                              type="ClientDisconnected") from exc
+        except BaseException as exc:
+            await streams.aclose()
+            if isinstance(exc, Exception):
+                raise to_openai_error(exc, **error_kwargs) from exc
+            raise
+
+    async def iterate_stream(self, streams: EngineStreams,
+                             first: tuple[int, RequestOutput] | None
+                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The primed first output, then the rest; a client gone ends it quietly."""
+        if first is not None:
+            yield first
+        try:
+            async for item in streams:
+                yield item
+        except ClientDisconnected:
+            return

@@ -1,0 +1,28 @@
+"""What the engine core needs of an executor, whichever runs the workers (in process, or in
+their own processes)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+
+
+class PendingOutput(Protocol):
+    def get(self) -> ModelRunnerOutput:
+        """Wait for the step's output (rank 0's)."""
+        ...
+
+
+class Executor(Protocol):
+    device_type: str      # "cuda" or "cpu"
+    num_blocks: int       # KV cache blocks per worker
+    vocab_size: int       # the width of the model's logits
+    timings: dict[str, float]  # seconds of each worker start-up stage
+
+    def execute_model(self, step: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, step: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingOutput: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,185 @@
+"""A worker in its own process (the mp executor's): it loads the model, then runs every step
+message that comes in, and rank 0 sends each step's output back.
+
+Started with `python -m folio.executor.worker_proc`, its arguments pickled on stdin by the
+executor (the engine core may itself be a daemonic process, which multiprocessing does not let
+have children). Two threads: the main one receives a step and queues its forward pass; the
+output thread waits for that step's sampled ids and sends them, while the main thread already
+builds the next step (async scheduling keeps its overlap across the process boundary). The
+worker's request state changes only from the messages, never from its own outputs, so the
+threads share nothing but the queue between them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from folio.config import EngineConfig
+from folio.executor import step_codec
+from folio.model.discovery import ModelSource
+
+logger = logging.getLogger(__name__)
+
+# Executor -> worker frames: [kind, payload].
+STEP = b"STEP"          # SchedulerOutput
+BITMASK = b"MASK"       # GrammarBitmask of the step just sent (empty payload: none)
+SHUTDOWN = b"STOP"
+# Worker -> executor frames: [kind, rank, step id, payload].
+READY = b"READY"        # WorkerInfo
+OUTPUT = b"OUT"         # ModelRunnerOutput (rank 0 only)
+ERROR = b"ERR"          # str
+
+_POLL_MS = 1000
+
+
+@dataclass
+class WorkerArgs:
+    rank: int
+    config: EngineConfig
+    source: ModelSource
+    hf_config: Any
+    step_address: str
+    output_address: str
+    parent_pid: int
+    log_level: int
+
+
+class WorkerInfo(msgspec.Struct):
+    device_type: str
+    num_blocks: int
+    vocab_size: int
+    timings: dict[str, float]
+
+
+def frame_int(value: int) -> bytes:
+    return value.to_bytes(8, "little", signed=True)
+
+
+def main() -> None:
+    args: WorkerArgs = pickle.load(sys.stdin.buffer)  # written by our own executor
+    run_worker(args)
+
+
+def run_worker(args: WorkerArgs) -> None:
+    # Ctrl-C reaches the whole process group; the executor decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(args.step_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(args.output_address)
+    rank = frame_int(args.rank)
+    try:
+        worker = _start_worker(args)
+        outbox.send_multipart([READY, rank, frame_int(-1), step_codec.encode(WorkerInfo(
+            worker.device.type, worker.num_blocks, worker.arch_spec.vocab_size,
+            dict(worker.timings)))])
+        _serve(worker, args, inbox, outbox)
+    except Exception as exc:
+        detail = f"worker {args.rank}: {type(exc).__name__}: {exc}"
+        logger.error("%s\n%s", detail, traceback.format_exc())
+        try:
+            outbox.send_multipart([ERROR, rank, frame_int(-1), detail.encode()], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        context.term()
+
+
+def _start_worker(args: WorkerArgs):
+    import torch
+    from folio.worker.worker import Worker, resolve_device
+    device = resolve_device(args.config.model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(args.rank)
+    else:
+        # Replicas share the host's cores: each takes its part, or torch's threads fight.
+        workers = args.config.parallel.num_workers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    return Worker(args.config, args.source, args.hf_config)
+
+
+def _serve(worker, args: WorkerArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    results: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_outputs, args=(results, outbox, args.rank),
+                              name="folio-worker-output", daemon=True)
+    sender.start()
+    try:
+        while True:
+            if not inbox.poll(_POLL_MS):
+                if os.getppid() != args.parent_pid:
+                    logger.warning("worker %d: the engine core is gone; exiting", args.rank)
+                    return
+                continue
+            kind, payload = inbox.recv_multipart()
+            if kind == SHUTDOWN:
+                return
+            if kind != STEP:
+                raise RuntimeError(f"unexpected message {kind!r} between steps")
+            step = step_codec.decode_step(payload)
+            asked = []
+
+            def grammar_bitmask():
+                asked.append(True)
+                return _receive_bitmask(inbox)
+
+            try:
+                pending = worker.execute_model_async(step, grammar_bitmask if step.has_grammar
+                                                     else None)
+            except Exception as exc:
+                results.put((step.step_id, exc))
+                raise
+            if step.has_grammar and not asked:
+                _receive_bitmask(inbox)  # sent for the step either way: not left for the next
+            results.put((step.step_id, pending))
+    finally:
+        results.put(None)
+        sender.join(timeout=10)
+
+
+def _receive_bitmask(inbox: zmq.Socket):
+    kind, payload = inbox.recv_multipart()
+    if kind != BITMASK:
+        raise RuntimeError(f"expected the step's grammar bitmask, got {kind!r}")
+    return step_codec.decode_bitmask(payload) if payload else None
+
+
+def _send_outputs(results: queue.Queue, outbox: zmq.Socket, rank: int) -> None:
+    """The output thread: each step's output, in step order, to the executor (rank 0); the
+    other ranks wait for theirs too, so an error on any rank is reported."""
+    rank_frame = frame_int(rank)
+    while True:
+        item = results.get()
+        if item is None:
+            return
+        step_id, pending = item
+        try:
+            if isinstance(pending, Exception):
+                raise pending
+            output = pending.get()
+        except Exception as exc:
+            detail = f"worker {rank}: {type(exc).__name__}: {exc}"
+            logger.error("%s\n%s", detail, traceback.format_exc())
+            outbox.send_multipart([ERROR, rank_frame, frame_int(step_id), detail.encode()])
+            return
+        if rank == 0:
+            outbox.send_multipart([OUTPUT, rank_frame, frame_int(step_id),
+                                   step_codec.encode(output)])
+
+
+if __name__ == "__main__":
+    main()

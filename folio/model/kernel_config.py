@@ -1,0 +1,89 @@
+"""Which kernels the model layers run, decided once when the model is built.
+
+The forward code used to read FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV from the environment
+on every call. That made the choice depend on when a variable happened to be set (a test that
+set one after building a model changed a live model half-way), cost a dictionary lookup per
+projection per step, and left a typo in a value silently meaning "torch". Now `load_model`
+resolves the three variables here, once, into a frozen `KernelConfig` that every layer is
+built with; the variables remain as overrides of the defaults below, and nothing else in
+folio.model reads them.
+
+The choices are preferences, not promises: a Triton choice still falls back to the torch
+reference wherever the kernel cannot run (CPU tensors, no triton installed, an unsupported
+dtype or shape); those capability checks stay next to the kernels.
+
+Deliberately torch-free, so anything may import it cheaply.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+KERNELS_CHOICES = ("triton", "torch")
+ATTENTION_CHOICES = ("triton", "torch")
+# The skinny GEMV (kernels/gemv.py) for decode-sized products: "1" = single-row products only
+# (batch-1 decode, where it pays most and autotunes for one row bucket, a few seconds at
+# start-up); "narrow" = also 2-8 rows where the output is narrow; "all" = wherever supported;
+# "0" = never (cuBLAS throughout).
+GEMV_MODES = ("0", "1", "narrow", "all")
+
+# Environment variable -> (field, allowed values).
+_ENV_OVERRIDES = {
+    "FOLIO_KERNELS": ("kernels", KERNELS_CHOICES),
+    "FOLIO_ATTENTION": ("attention", ATTENTION_CHOICES),
+    "FOLIO_GEMV": ("gemv", GEMV_MODES),
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """`kernels`: the fused Triton RMSNorm / rotary / SiLU-and-mul kernels, or the eager torch
+    code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
+    `attention`: the Triton paged-attention backend or the torch reference (CUDA only either
+    way: on CPU the torch reference serves). `gemv`: one of GEMV_MODES."""
+
+    kernels: str = "triton"
+    attention: str = "triton"
+    gemv: str = "1"
+
+    def __post_init__(self) -> None:
+        # Also guards configs built by hand, not only those read from the environment.
+        for field_name, allowed in _ENV_OVERRIDES.values():
+            value = getattr(self, field_name)
+            if value not in allowed:
+                raise ValueError(f"KernelConfig.{field_name} must be one of {list(allowed)}, "
+                                 f"got {value!r}")
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the fused Triton norm/rotary/activation kernels are wanted."""
+        return self.kernels == "triton"
+
+    @property
+    def triton_attention(self) -> bool:
+        return self.attention == "triton"
+
+    @property
+    def gemv_on(self) -> bool:
+        """Whether the skinny GEMV may replace cuBLAS at all (the mode then says where)."""
+        return self.kernels == "triton" and self.gemv != "0"
+
+
+DEFAULT_KERNEL_CONFIG = KernelConfig()
+
+
+def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
+    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV from `env` (os.environ
+    when None) applied over them. An unknown value is an error naming the variable:
+    it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""
+    env = os.environ if env is None else env
+    overrides = {}
+    for var, (field_name, allowed) in _ENV_OVERRIDES.items():
+        value = env.get(var)
+        if value is None:
+            continue
+        if value not in allowed:
+            raise ValueError(f"{var} must be one of {list(allowed)}, got {value!r}")
+        overrides[field_name] = value
+    return replace(DEFAULT_KERNEL_CONFIG, **overrides)

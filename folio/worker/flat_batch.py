@@ -1,0 +1,159 @@
+"""The flat batch of one step: every scheduled token in one row, requests back to back. One
+builder for every way a step runs — eager, decode CUDA graphs, mixed CUDA graphs — differing
+only in how the batch is padded to a captured size:
+
+  * `Padding.NONE` (eager): exactly the step's tokens.
+  * `Padding.DECODE_ROWS` (decode graphs, one token per request): rows past the batch write
+    nothing to the KV cache (slot -1) and attend over one key of block 0 (seq_len 1).
+  * `Padding.DUMMY_REQUEST` (mixed graphs): tokens [T, n) belong to one extra request slot B,
+    a fresh prefill of n - T tokens over whatever valid block ids its row holds; slots past it
+    have no tokens.
+
+Padding rows never touch a real row: every op but attention is row-wise, and attention reads
+only its own request's context (the cache holds finite values only, so padding stays finite).
+The builder writes numpy views of host buffers (pinned on CUDA); the caller copies them to the
+device and must not let the next step rewrite them before those copies are done
+(`StepBuffers.wait_for_copies`).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from folio.core.step_messages import SchedulerOutput
+from folio.worker.input_batch import InputBatch
+
+
+class Padding(enum.Enum):
+    NONE = enum.auto()
+    DECODE_ROWS = enum.auto()
+    DUMMY_REQUEST = enum.auto()
+
+
+class StepBuffers:
+    """Host buffers for steps of up to `max_tokens` tokens and `max_reqs` request slots, as
+    torch tensors (pinned on CUDA, for asynchronous copies) and numpy views of them."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool) -> None:
+        def host(shape, dtype, fill=0):
+            return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+
+        self.tensors = {
+            "input_ids": host((max_tokens,), torch.int64),
+            "positions": host((max_tokens,), torch.int64),
+            "slot_mapping": host((max_tokens,), torch.int64, -1),
+            "query_start_loc": host((max_reqs + 1,), torch.int32),
+            "seq_lens": host((max_reqs,), torch.int32),
+            "block_tables": host((max_reqs, max_blocks), torch.int32),
+        }
+        arrays = {name: t.numpy() for name, t in self.tensors.items()}
+        self.ids = arrays["input_ids"]
+        self.pos = arrays["positions"]
+        self.slots = arrays["slot_mapping"]
+        self.qsl = arrays["query_start_loc"]
+        self.seq = arrays["seq_lens"]
+        self.bt = arrays["block_tables"]
+        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        # Recorded after the copies out of these buffers (CUDA): the next step waits for it
+        # before writing them again.
+        self._copied = torch.cuda.Event() if pin else None
+        self._copied_pending = False
+
+    def wait_for_copies(self) -> None:
+        if self._copied_pending:
+            self._copied.synchronize()
+            self._copied_pending = False
+
+    def copies_queued(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
+            self._copied_pending = True
+
+
+@dataclass
+class FlatBatch:
+    """What a built step looks like (the values live in the StepBuffers)."""
+    num_tokens: int                # T, the step's real tokens
+    num_reqs: int                  # B
+    padded_tokens: int             # n >= T: the rows to run (T when unpadded)
+    query_start_loc: list[int]     # B + 1 entries, the real requests only
+    seq_lens: list[int]
+    num_computed_tokens: list[int]
+    width: int                     # block-table columns the real requests use
+    # Flat positions whose input id is still being sampled by the step before (async
+    # scheduling), and those requests' rows in that step's sampled ids.
+    pending_dst: list[int]
+    pending_src: list[int]
+
+
+def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows: dict[str, int],
+                     buf: StepBuffers, block_size: int, padding: Padding = Padding.NONE,
+                     padded: int | None = None) -> FlatBatch:
+    """Write the step's inputs into `buf`, padded to `padded` tokens (DECODE_ROWS: rows) as
+    `padding` says. `prev_rows`: each request's row in the previous step's sampled ids.
+    `batch` may be None for a step with no requests (padding only)."""
+    order = step.num_scheduled_tokens
+    B = len(order)
+    states = [batch.requests[rid] for rid in order] if B else []
+    counts = np.fromiter(order.values(), np.int64, B)
+    starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, B)
+    rows = np.fromiter((s.row for s in states), np.int64, B)
+    qsl = np.zeros(B + 1, np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    T = int(qsl[-1])
+    n = T if padded is None else padded
+    assert T <= n <= buf.max_tokens and B + 1 <= buf.max_reqs + 1, "step exceeds its buffers"
+
+    # Input ids: the known tokens, and a placeholder where the last input is still on the
+    # device (filled there by the runner).
+    flat: list[int] = []
+    pending_dst: list[int] = []
+    pending_src: list[int] = []
+    for state, start, num in zip(states, starts.tolist(), counts.tolist()):
+        known = state.token_ids
+        end = start + num
+        if end <= len(known):
+            if num == 1:
+                flat.append(known[start])
+            else:
+                flat.extend(known[start:end])
+            continue
+        assert end == len(known) + 1, "only the last input of a request can be pending"
+        flat.extend(known[start:end])
+        pending_dst.append(len(flat))
+        pending_src.append(prev_rows[state.req_id])
+        flat.append(0)
+    ids, pos, slots, bt = buf.ids, buf.pos, buf.slots, buf.bt
+
+    ids[:T] = flat
+    width = int(batch.num_blocks[rows].max()) if B else 0
+    if width:
+        bt[:B, :width] = batch.block_table[rows, :width]
+    req_of = np.repeat(np.arange(B), counts)
+    positions = starts[req_of] + (np.arange(T) - qsl[:-1][req_of])
+    pos[:T] = positions
+    slots[:T] = bt[req_of, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    seq = starts + counts
+    buf.qsl[:B + 1] = qsl
+    buf.seq[:B] = seq
+
+    if padding is Padding.DECODE_ROWS:
+        ids[B:n] = 0
+        pos[B:n] = 0
+        slots[B:n] = -1
+        buf.seq[B:n] = 1
+        bt[B:n, 0] = 0
+    elif padding is Padding.DUMMY_REQUEST:
+        ids[T:n] = 0
+        pos[T:n] = 0
+        slots[T:n] = -1
+        buf.qsl[B + 1:] = n          # slot B (the dummy) owns [T, n); later slots are empty
+        buf.seq[B] = n - T
+        buf.seq[B + 1:] = 0
+    return FlatBatch(T, B, n, qsl.tolist(), seq.tolist(), starts.tolist(), width,
+                     pending_dst, pending_src)
+

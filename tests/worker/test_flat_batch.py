@@ -1,0 +1,137 @@
+"""The worker's persistent batch and the one flat-batch builder (folio/worker/input_batch.py,
+flat_batch.py), driven by a real scheduler's step messages (through msgpack): over random runs
+— prefix hits, chunked prefill, preemption in a tight cache, async scheduling's pending
+inputs — the worker's state equals the scheduler's, and every padding mode's staged buffers
+equal a from-scratch fill."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from folio.core.step_messages import SchedulerOutput
+from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
+from folio.worker.input_batch import InputBatch
+
+from scheduler_steps import scheduler_steps
+
+BS = 4
+MAX_LEN = 60
+MAX_REQS = 6
+BUDGET = 40
+WIDTH = -(-MAX_LEN // BS)
+
+
+def _expected(case):
+    ids, pos, slots, qsl, pend = [], [], [0], [0], []
+    slots = []
+    for i, item in enumerate(case.step.scheduled):
+        rid = item.request_id
+        known = case.known_tokens[rid]
+        blocks = case.block_ids[rid]
+        for p in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
+            if p < len(known):
+                ids.append(known[p])
+            else:
+                pend.append((len(ids), case.prev_rows[rid]))
+                ids.append(0)
+            pos.append(p)
+            slots.append(blocks[p // BS] * BS + p % BS)
+        qsl.append(qsl[-1] + item.num_new_tokens)
+    return ids, pos, slots, qsl, pend
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduling):
+    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"))
+    # One set of buffers per padding mode, as the eager runner and the two graph runners hold.
+    eager = StepBuffers(BUDGET, MAX_REQS, WIDTH, pin=False)
+    decode = StepBuffers(MAX_REQS, MAX_REQS, WIDTH, pin=False)
+    mixed = StepBuffers(BUDGET + 8, MAX_REQS + 1, WIDTH, pin=False)
+    seen = dict(steps=0, pending=0, decode=0, preempted=0)
+    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
+                                budget=BUDGET, num_blocks=20, async_scheduling=async_scheduling,
+                                num_steps=150):
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
+                                         type=SchedulerOutput)
+        batch.update(message)
+        if case.step.is_empty:
+            continue
+        seen["steps"] += 1
+        seen["preempted"] += len(message.preempted_req_ids)
+        for item in case.step.scheduled:
+            state = batch.requests[item.request_id]
+            assert state.token_ids == case.known_tokens[item.request_id]
+            assert state.num_computed_tokens == item.num_computed_tokens
+            nb = int(batch.num_blocks[state.row])
+            assert batch.block_table[state.row, :nb].tolist() == case.block_ids[item.request_id]
+        rows = [batch.requests[rid].row for rid in message.num_scheduled_tokens]
+        assert len(set(rows)) == len(rows), "two requests share a row"
+        ids, pos, slots, qsl, pend = _expected(case)
+        T, B = len(ids), len(case.step.scheduled)
+        seen["pending"] += len(pend)
+
+        flat = build_flat_batch(message, batch, case.prev_rows, eager, BS)
+        assert (flat.num_tokens, flat.num_reqs, flat.padded_tokens) == (T, B, T)
+        assert flat.query_start_loc == qsl
+        assert list(zip(flat.pending_dst, flat.pending_src)) == pend
+        assert eager.ids[:T].tolist() == ids and eager.pos[:T].tolist() == pos
+        assert eager.slots[:T].tolist() == slots
+        assert eager.seq[:B].tolist() == [s.num_computed_tokens + s.num_new_tokens
+                                          for s in case.step.scheduled]
+        for i, item in enumerate(case.step.scheduled):
+            used = -(-(item.num_computed_tokens + item.num_new_tokens) // BS)
+            assert eager.bt[i, :used].tolist() == case.block_ids[item.request_id][:used]
+
+        if T == B:  # pure decode: the decode graphs' padding
+            seen["decode"] += 1
+            padded = min(MAX_REQS, B + seed % 3)
+            build_flat_batch(message, batch, case.prev_rows, decode, BS, Padding.DECODE_ROWS,
+                             padded=padded)
+            assert decode.ids[:padded].tolist() == ids + [0] * (padded - B)
+            assert decode.slots[:padded].tolist() == slots + [-1] * (padded - B)
+            assert decode.seq[B:padded].tolist() == [1] * (padded - B)
+            assert (decode.bt[B:padded, 0] == 0).all()
+
+        padded = T + (0, 1, 5)[seed % 3]
+        flat = build_flat_batch(message, batch, case.prev_rows, mixed, BS,
+                                Padding.DUMMY_REQUEST, padded=padded)
+        assert flat.padded_tokens == padded
+        assert mixed.ids[:padded].tolist() == ids + [0] * (padded - T)
+        assert mixed.pos[:padded].tolist() == pos + [0] * (padded - T)
+        assert mixed.slots[:padded].tolist() == slots + [-1] * (padded - T)
+        # Request slots: the real ones, the dummy owning [T, padded), then empty ones.
+        assert mixed.qsl.tolist() == qsl + [padded] * (MAX_REQS + 1 - B)
+        assert mixed.seq[B] == padded - T and (mixed.seq[B + 1:] == 0).all()
+    assert seen["steps"] > 60 and seen["decode"] > 3
+    if async_scheduling:
+        assert seen["pending"] > 5
+    assert seen["preempted"] > 0, "the tight cache never preempted: the test lost its edge"
+
+
+def test_seeded_generator_survives_preemption():
+    """A preempted request gives its row back but keeps its state (its seeded generator goes
+    on where it stopped); a finished one is dropped and its row reused."""
+    from folio.core.step_messages import CachedRequestData, NewRequestData
+    from folio.sampling_params import SamplingParams
+    batch = InputBatch(2, 4, torch.device("cpu"))
+
+    def step(step_id, new=(), cached=(), finished=(), preempted=()):
+        return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], list(finished),
+                               list(preempted))
+
+    batch.update(step(1, new=[NewRequestData("a", [1, 2], SamplingParams(seed=7), [2], [5], 0)]))
+    state = batch.requests["a"]
+    first = torch.rand(1, generator=state.sampling.generator)
+    batch.update(step(2, preempted=["a"]))
+    assert state.row == -1 and "a" in batch.requests
+    batch.update(step(3, cached=[CachedRequestData("a", [8, 9], [11], 0, True)]))
+    assert batch.requests["a"] is state and state.row >= 0
+    assert batch.block_table[state.row, :batch.num_blocks[state.row]].tolist() == [8, 9]
+    assert state.token_ids == [1, 2, 11] and state.sampling.output_token_ids == [11]
+    second = torch.rand(1, generator=state.sampling.generator)
+    fresh = torch.Generator().manual_seed(7)
+    assert torch.equal(torch.cat([first, second]), torch.rand(2, generator=fresh))
+    batch.update(step(4, finished=["a"]))
+    assert "a" not in batch.requests and len(batch._free_rows) == 2
