@@ -1,5 +1,5 @@
 """Host cost of the engine core's Python per decode step, without a model: the scheduler,
-the KV cache manager and update_from_output over N running requests (a fake runner samples
+the KV cache manager (the step message included) and update_from_output over N running requests (a fake runner samples
 token 7 for every request). For measuring host overhead on any machine:
 python tools/bench_core_host.py [NUM_REQUESTS] [STEPS]"""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 import time
 
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.engine_core_outputs import ModelRunnerOutput
 from folio.core.request import Request
 from folio.core.scheduler import Scheduler
+from folio.core.step_messages import ModelRunnerOutput
 from folio.sampling_params import SamplingParams
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
@@ -27,10 +27,8 @@ for step in range(steps + 1):
     t0 = time.perf_counter()
     out = sched.schedule()
     t1 = time.perf_counter()
-    runner = ModelRunnerOutput()
-    for item in out.scheduled:
-        if item.samples:
-            runner.sampled_token_ids[item.request_id] = 7
+    sampling = out.message.sampling_req_ids
+    runner = ModelRunnerOutput(req_ids=sampling, sampled_token_ids=[[7]] * len(sampling))
     sched.update_from_output(out, runner)
     t2 = time.perf_counter()
     if step:  # step 0 is the prefill

@@ -48,6 +48,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=1, help="requests per iteration")
     group.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first")
     group.add_argument("--num-iters", type=int, default=5, help="timed iterations")
+    group.add_argument("--step-breakdown", action="store_true",
+                       help="after the timed runs, one more batch with each engine step's host "
+                            "time split into schedule / launch / wait / update / output")
     group.add_argument("--no-roofline", action="store_true",
                        help="skip measuring copy bandwidth and the roofline comparison")
     peer = parser.add_argument_group("peer")
@@ -140,6 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill = [timed("prefill", 1)[0] for _ in range(args.num_iters)]
 
     stats = _latency_stats(latencies, prefill, args.output_len)
+    breakdown = _step_breakdown(engine, fresh_batch(), args.output_len) \
+        if args.step_breakdown else None
     per_token_s = stats["per_token_s"]
     executor = getattr(engine.engine_core, "executor", None)
     worker = getattr(executor, "worker", None)
@@ -169,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device) if device is not None else None,
         "startup": startup_breakdown(startup_s, getattr(executor, "timings", None)),
         "random_model": random_model,
+        "step_breakdown": breakdown,
         "roofline": None,
         "prefill_roofline": None,
         "peer": None,
@@ -200,6 +206,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _step_breakdown(engine: Any, prompts: list[dict[str, list[int]]],
+                    output_len: int) -> dict[str, Any]:
+    """One batch stepped by hand, the engine core timing its parts (EngineCore.step_times):
+    ms per engine step in the scheduler, the executor's launch, the wait for sampled ids, the
+    scheduler's update, and the rest of `LLMEngine.step` (output processing)."""
+    from folio import SamplingParams
+    from folio.engine.engine_core import StepTimes
+    core = engine.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"breakdown-{i}", prompt, params)
+    times = core.step_times = StepTimes()
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        core.step_times = None
+    total = time.perf_counter() - start
+    steps = max(times.steps, 1)
+    parts = {"schedule": times.schedule_s, "launch": times.launch_s, "wait": times.wait_s,
+             "update": times.update_s}
+    parts["output"] = total - sum(parts.values())
+    ms = {name: 1e3 * value / steps for name, value in parts.items()}
+    return {"steps": times.steps, "ms_per_step": 1e3 * total / steps, "parts_ms": ms,
+            "line": f"step breakdown ({times.steps} steps): {1e3 * total / steps:.3f} ms/step = "
+                    + " + ".join(f"{name} {value:.3f}" for name, value in ms.items())}
 
 
 def _latency_stats(latencies: list[float], prefill: list[float],
@@ -293,6 +329,8 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token, "
               f"{rate:.1f} tokens/s per sequence" if rate else
               f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token")
+    if report.get("step_breakdown"):
+        print(report["step_breakdown"]["line"])
     if report["roofline"]:
         print(report["roofline"]["line"])
     if report.get("prefill_roofline"):

@@ -3,6 +3,8 @@ text is the front end's business."""
 from __future__ import annotations
 
 import gc
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from folio.config import EngineConfig
@@ -14,6 +16,17 @@ from folio.engine.structured_outputs import StructuredOutputManager
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
+
+
+@dataclass
+class StepTimes:
+    """Host seconds in each part of `EngineCore.step`, summed over steps; collected only when
+    an engine's `step_times` is set (`folio bench latency --step-breakdown`)."""
+    steps: int = 0
+    schedule_s: float = 0.0   # the scheduler, the step message included
+    launch_s: float = 0.0     # the executor: inputs built, forward and sampling queued
+    wait_s: float = 0.0       # blocked on a step's sampled ids (device time not hidden)
+    update_s: float = 0.0     # the scheduler taking the sampled ids in
 
 
 class EngineCore:
@@ -46,6 +59,8 @@ class EngineCore:
             async_scheduling=self.async_scheduling)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
+        # Set to a StepTimes to have each step's parts timed (benchmarks).
+        self.step_times: StepTimes | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.
         self.structured_output = StructuredOutputManager(
             config.structured_outputs,
@@ -86,7 +101,13 @@ class EngineCore:
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, ...): finish that step first.
             outputs += self._finish_in_flight()
+        times = self.step_times
+        if times is not None:
+            start = time.perf_counter()
         step = self.scheduler.schedule()
+        if times is not None:
+            times.steps += 1
+            times.schedule_s += time.perf_counter() - start
         if step.is_empty:
             if step.message.finished_req_ids or step.message.preempted_req_ids:
                 # Still let the workers drop the state of requests that finished meanwhile.
@@ -100,7 +121,11 @@ class EngineCore:
         fill = None
         if step.message.has_grammar:
             fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
+        if times is not None:
+            start = time.perf_counter()
         pending = self.executor.execute_model_async(step.message, fill)
+        if times is not None:
+            times.launch_s += time.perf_counter() - start
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = (step, pending)
@@ -109,9 +134,18 @@ class EngineCore:
         return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
-        scheduler_output, pending = self._in_flight
+        step, pending = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(scheduler_output, pending.get())
+        times = self.step_times
+        if times is None:
+            return self.scheduler.update_from_output(step, pending.get())
+        start = time.perf_counter()
+        output = pending.get()
+        waited = time.perf_counter()
+        outputs = self.scheduler.update_from_output(step, output)
+        times.wait_s += waited - start
+        times.update_s += time.perf_counter() - waited
+        return outputs
 
     def _settle_grammars(self) -> list[EngineCoreOutput]:
         """Finished compiles become ready; a grammar that failed to compile finishes its

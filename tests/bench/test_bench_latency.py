@@ -83,7 +83,8 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
     out_json = tmp_path / "latency.json"
     args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "6",
                    "--batch-size", "3", "--num-iters-warmup", "1", "--num-iters", "3",
-                   "--num-gpu-blocks-override", "64", "--output-json", str(out_json)])
+                   "--num-gpu-blocks-override", "64", "--step-breakdown",
+                   "--output-json", str(out_json)])
     report = latency.run(args)
 
     assert len(report["latencies"]) == 3 and len(report["prefill_latencies"]) == 3
@@ -124,6 +125,16 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
         pytest.approx(startup["total_s"])
     assert report["random_model"] is None
     assert report["peer"] is None and report["folio_over_peer"] is None
+
+    # The step breakdown: one prefill step and output_len - 1 decode steps (sync on the CPU),
+    # its parts adding up to the whole.
+    breakdown = report["step_breakdown"]
+    assert breakdown["steps"] == 6
+    parts = breakdown["parts_ms"]
+    assert set(parts) == {"schedule", "launch", "wait", "update", "output"}
+    assert all(parts[name] >= 0 for name in ("schedule", "launch", "wait", "update"))
+    assert sum(parts.values()) == pytest.approx(breakdown["ms_per_step"])
+    assert breakdown["line"].startswith("step breakdown (6 steps)")
 
 
 def test_latency_peer_transformers(tiny_model_dir, capsys) -> None:

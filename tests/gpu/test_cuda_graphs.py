@@ -228,12 +228,12 @@ def _decode_rate(llm, prompts, params) -> tuple[float, float, int]:
     step_times: list[float] = []
     inner = worker.execute_model_async
 
-    def timed(scheduler_output, *rest):
+    def timed(step, *rest):
         start = time.perf_counter()
-        out = inner(scheduler_output, *rest)
+        out = inner(step, *rest)
         out.get()  # wait for the step here (this also makes the engine synchronous)
-        scheduled = scheduler_output.scheduled
-        if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
+        scheduled = step.num_scheduled_tokens
+        if scheduled and all(n == 1 for n in scheduled.values()):
             step_times.append(time.perf_counter() - start)
         return out
 
