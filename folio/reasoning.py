@@ -2,7 +2,7 @@
 
 Pure data, shared by two layers: the OpenAI entrypoints split output text into (reasoning,
 content) with it (`folio/entrypoints/openai/reasoning_parsers.py`), and the engine core keeps a
-grammar inactive until the reasoning's end tag (`folio/engine/structured_outputs.py`). It sits
+grammar inactive until the reasoning's end tag (`folio/engine/grammar_manager.py`). It sits
 below both, so the engine never imports the entrypoints.
 
 * ``deepseek_r1``: ``<think>…</think>``; the opening tag may be missing because the chat

@@ -238,15 +238,15 @@ def test_the_engine_asks_the_executor_not_its_worker():
 def test_the_rules_catch_an_upward_import():
     """The checker itself: an engine module importing the entrypoints, a model module importing
     the worker, and the core importing torch are all reported, with file:line."""
-    fake = [Import("folio.engine.structured_outputs", "folio.entrypoints.openai.reasoning_parsers",
-                   "folio/engine/structured_outputs.py", 7, True),
+    fake = [Import("folio.engine.grammar_manager", "folio.entrypoints.openai.reasoning_parsers",
+                   "folio/engine/grammar_manager.py", 7, True),
             Import("folio.model.decoder", "folio.worker.model_runner", "folio/model/decoder.py", 3,
                    False),
             Import("folio.core.scheduler", "torch", "folio/core/scheduler.py", 9, False),
             Import("folio.config", "folio.engine.frontend", "folio/config.py", 1, True)]
     messages = [_violation(imp) for imp in fake]
     assert all(messages), messages
-    assert messages[0].startswith("folio/engine/structured_outputs.py:7: ")
+    assert messages[0].startswith("folio/engine/grammar_manager.py:7: ")
     assert "(engine) imports folio.entrypoints.openai.reasoning_parsers (entrypoints)" in messages[0]
     assert "torch-free" in messages[2]
     ok = Import("folio.worker.worker", "folio.model.loader", "folio/worker/worker.py", 1, False)

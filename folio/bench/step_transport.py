@@ -11,6 +11,7 @@ the H200)."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import struct
 import time
@@ -21,7 +22,11 @@ from folio.core.step_messages import (CachedRequestData, ModelRunnerOutput, NewR
 from folio.executor import step_codec
 from folio.sampling_params import SamplingParams
 
-_HEADER = struct.Struct("<QQ")  # sequence number, payload length
+# The mailbox: [sequence number][payload length][payload]. The writer puts the payload, then
+# the length, then the sequence number, each its own store; the reader reads the number first.
+_SEQ = struct.Struct("<Q")
+_HEADER_SIZE = 16
+_STOP = 2**63  # the sequence number that ends the far side
 
 
 def decode_step_message(num_reqs: int) -> SchedulerOutput:
@@ -70,13 +75,17 @@ def _shm_echo(in_name: str, out_name: str, reply: bytes) -> None:
     seen = 0
     try:
         while True:
-            seq, length = _HEADER.unpack_from(inbox.buf, 0)
+            seq = _SEQ.unpack_from(inbox.buf, 0)[0]
             if seq == seen:
-                continue  # spin: a worker waiting for its next step has nothing else to do
+                # Spin (a worker waiting for its next step has nothing else to do), yielding
+                # the core: two spinning processes on a small host otherwise starve each other.
+                os.sched_yield()
+                continue
             seen = seq
-            if length == 0:
+            if seq == _STOP:
                 break
-            step_codec.decode_step(bytes(inbox.buf[_HEADER.size:_HEADER.size + length]))
+            length = _SEQ.unpack_from(inbox.buf, 8)[0]
+            step_codec.decode_step(bytes(inbox.buf[_HEADER_SIZE:_HEADER_SIZE + length]))
             _shm_write(outbox, seen, reply)
     finally:
         inbox.close()
@@ -84,16 +93,18 @@ def _shm_echo(in_name: str, out_name: str, reply: bytes) -> None:
 
 
 def _shm_write(box: shared_memory.SharedMemory, seq: int, payload: bytes) -> None:
-    box.buf[_HEADER.size:_HEADER.size + len(payload)] = payload
-    # The counter last: the reader sees a new number only once the payload is in place.
-    _HEADER.pack_into(box.buf, 0, seq, len(payload))
+    box.buf[_HEADER_SIZE:_HEADER_SIZE + len(payload)] = payload
+    _SEQ.pack_into(box.buf, 8, len(payload))
+    # The number last: the reader sees it only once the payload and its length are in place.
+    _SEQ.pack_into(box.buf, 0, seq)
 
 
 def _shm_read(box: shared_memory.SharedMemory, seq: int) -> bytes:
     while True:
-        got, length = _HEADER.unpack_from(box.buf, 0)
-        if got == seq:
-            return bytes(box.buf[_HEADER.size:_HEADER.size + length])
+        if _SEQ.unpack_from(box.buf, 0)[0] == seq:
+            length = _SEQ.unpack_from(box.buf, 8)[0]
+            return bytes(box.buf[_HEADER_SIZE:_HEADER_SIZE + length])
+        os.sched_yield()
 
 
 # ---- the near side -------------------------------------------------------------------------
@@ -125,11 +136,11 @@ def time_zmq(step: bytes, reply: bytes, iters: int) -> list[float]:
 
 
 def time_shm(step: bytes, reply: bytes, iters: int) -> list[float]:
-    size = _HEADER.size + max(len(step), len(reply)) + 64
+    size = _HEADER_SIZE + max(len(step), len(reply)) + 64
     out_box = shared_memory.SharedMemory(create=True, size=size)
     in_box = shared_memory.SharedMemory(create=True, size=size)
-    _HEADER.pack_into(out_box.buf, 0, 0, 0)
-    _HEADER.pack_into(in_box.buf, 0, 0, 0)
+    out_box.buf[:_HEADER_SIZE] = bytes(_HEADER_SIZE)
+    in_box.buf[:_HEADER_SIZE] = bytes(_HEADER_SIZE)
     proc = get_context("spawn").Process(target=_shm_echo,
                                         args=(out_box.name, in_box.name, reply))
     proc.start()
@@ -141,7 +152,7 @@ def time_shm(step: bytes, reply: bytes, iters: int) -> list[float]:
             step_codec.decode_output(_shm_read(in_box, i + 1))
             if i >= 10:
                 times.append(time.perf_counter() - start)
-        _shm_write(out_box, iters + 11, b"")
+        _shm_write(out_box, _STOP, b"")
         proc.join()
     finally:
         for box in (out_box, in_box):

@@ -12,7 +12,7 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
-from folio.engine.structured_outputs import StructuredOutputManager
+from folio.engine.grammar_manager import StructuredOutputManager
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource

@@ -18,7 +18,7 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.core.request import RequestStatus
-from folio.engine.structured_outputs import ReasoningGate
+from folio.engine.grammar_manager import ReasoningGate
 from folio.structured_output.params import StructuredOutputsParams as SO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured_output"))
