@@ -85,6 +85,8 @@ def _shm_echo(in_name: str, out_name: str, reply: bytes) -> None:
             if seq == _STOP:
                 break
             length = _SEQ.unpack_from(inbox.buf, 8)[0]
+            if length == 0:  # the stop message's empty payload (no step is empty)
+                break
             step_codec.decode_step(bytes(inbox.buf[_HEADER_SIZE:_HEADER_SIZE + length]))
             _shm_write(outbox, seen, reply)
     finally:

@@ -101,7 +101,10 @@ class MultiprocExecutor:
         kind, rank, step_id, payload = self._inbox.recv_multipart()
         rank_i = int.from_bytes(rank, "little", signed=True)
         if kind == wp.ERROR:
-            raise WorkerFailed(payload.decode(errors="replace"))
+            error = step_codec.msgspec_decode(payload, wp.WorkerError)
+            if error.type_name == "ValueError":
+                raise ValueError(error.message)
+            raise WorkerFailed(f"worker {error.rank}: {error.type_name}: {error.message}")
         return kind, rank_i, int.from_bytes(step_id, "little", signed=True), payload
 
     def _broadcast(self, frames: list[bytes]) -> None:

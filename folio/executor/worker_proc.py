@@ -38,7 +38,7 @@ SHUTDOWN = b"STOP"
 # Worker -> executor frames: [kind, rank, step id, payload].
 READY = b"READY"        # WorkerInfo
 OUTPUT = b"OUT"         # ModelRunnerOutput (rank 0 only)
-ERROR = b"ERR"          # str
+ERROR = b"ERR"          # WorkerError
 
 _POLL_MS = 1000
 _SWITCH_INTERVAL_S = 5e-5
@@ -54,6 +54,18 @@ class WorkerArgs:
     output_address: str
     parent_pid: int
     log_level: int
+
+
+class WorkerError(msgspec.Struct):
+    """A worker's failure: the exception's type name (a ValueError — bad weights, a bad
+    setting — stays a ValueError on the engine's side, as in process) and its message."""
+    type_name: str
+    message: str
+    rank: int
+
+
+def error_frame(exc: BaseException, rank: int) -> bytes:
+    return step_codec.encode(WorkerError(type(exc).__name__, str(exc), rank))
 
 
 class WorkerInfo(msgspec.Struct):
@@ -92,7 +104,8 @@ def run_worker(args: WorkerArgs) -> None:
         detail = f"worker {args.rank}: {type(exc).__name__}: {exc}"
         logger.error("%s\n%s", detail, traceback.format_exc())
         try:
-            outbox.send_multipart([ERROR, rank, frame_int(-1), detail.encode()], flags=zmq.NOBLOCK)
+            outbox.send_multipart([ERROR, rank, frame_int(-1), error_frame(exc, args.rank)],
+                                  flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
     finally:
@@ -180,7 +193,7 @@ def _send_outputs(results: queue.Queue, outbox: zmq.Socket, rank: int) -> None:
         except Exception as exc:
             detail = f"worker {rank}: {type(exc).__name__}: {exc}"
             logger.error("%s\n%s", detail, traceback.format_exc())
-            outbox.send_multipart([ERROR, rank_frame, frame_int(step_id), detail.encode()])
+            outbox.send_multipart([ERROR, rank_frame, frame_int(step_id), error_frame(exc, rank)])
             return
         if rank == 0:
             outbox.send_multipart([OUTPUT, rank_frame, frame_int(step_id),
