@@ -205,9 +205,11 @@ def test_abort_while_in_flight(async_llm, prompts):
     pool.check_invariants()
 
 
-def test_worker_state_of_finished_requests_is_dropped(async_llm, prompts):
-    """Per-request runner state (sampling states, seeded generators) goes when the request
-    does, also when its finish is noticed in a step that schedules nothing new."""
+def test_worker_state_of_finished_requests_is_dropped(model_dir, prompts):
+    """Per-request worker state (token lists, rows, sampling states, seeded generators) goes
+    when the request does, also when its finish is noticed in a step that schedules nothing
+    new. In process: the test reads the worker's batch (also under --executor-backend mp)."""
+    async_llm = _make(model_dir, True, distributed_executor_backend="uni")
     params = [SamplingParams(temperature=1.0, max_tokens=3 + i, seed=i) for i in range(6)]
     async_llm.generate(prompts[:6], params, use_tqdm=False)
     engine = async_llm.llm_engine

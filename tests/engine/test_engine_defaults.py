@@ -60,7 +60,9 @@ def test_cudagraph_mode_is_checked():
 
 def test_engine_start_freezes_gc_and_sampling_warm_up_runs_on_cpu():
     gc.unfreeze()
-    llm = LLM(max_model_len=128, num_gpu_blocks_override=32, dtype="float32")
+    # In process: the test reaches into the worker (also under pytest --executor-backend mp).
+    llm = LLM(max_model_len=128, num_gpu_blocks_override=32, dtype="float32",
+              distributed_executor_backend="uni")
     # Start-up objects were moved out of the collector's generations.
     assert gc.get_freeze_count() > 10_000
     assert llm.llm_engine.engine_core.scheduler.max_num_seqs == DEFAULT_MAX_NUM_SEQS_CPU
