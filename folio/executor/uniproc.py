@@ -60,7 +60,7 @@ class UniProcExecutor:
             step, fill if grammar_bitmask is not None else None))
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to stop: the worker lives and dies with this process."""
 
 
 class _RoundTripOutput:
