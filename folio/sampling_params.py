@@ -19,7 +19,7 @@ from folio.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy decoding: dividing logits by
 # such a small number would only amplify floating-point noise.
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
 
 # OpenAI's range for logit_bias values; larger magnitudes would not change the
 # outcome anyway (they already force or forbid a token), so they are refused.
@@ -305,7 +305,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        return self.temperature < SAMPLING_EPS
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14 on the lent GPU: the GPU tests, then before/after benchmarks in one call.
-#   PART=tests|bench bash tools/device_issue14.sh
+#   PART=tests|bench|census bash tools/device_issue14.sh
 # `device_baseline/` (untracked, made by `git archive <commit> folio tools pyproject.toml`) holds
 # the code before the change; the repository root holds the code after it.
 set -uo pipefail
@@ -21,7 +21,13 @@ run_in() {  # run_in TREE NAME CMD...: the command with that tree's folio first 
 }
 LAT="-m folio.bench.latency --random-weights --config qwen3-0.6b --input-len 32 --output-len 128 --max-model-len 2048 --num-iters-warmup 2 --num-iters 5 --no-roofline"
 THR="-m folio.bench.throughput --random-weights --config qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
-if [ "${PART:-tests}" = tests ]; then
+if [ "${PART:-tests}" = census ]; then
+  run_in "$root" kernel_census python3 tools/gpu_kernel_census.py 64
+  grep -A30 "===" "$OUT/kernel_census.log" | cut -c1-150
+  run_in "$root/device_baseline" before_latency python3 $LAT
+  run_in "$root" after_latency python3 $LAT --step-breakdown
+  run_in "$root" gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
+elif [ "${PART:-tests}" = tests ]; then
   run_in "$root" gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu -s
   # Again with Triton's autotuning results cached on disk: the worker process then runs the
   # configs the in-process engine picked, and the tokens must be identical.

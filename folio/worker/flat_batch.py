@@ -27,6 +27,9 @@ from folio.core.step_messages import SchedulerOutput
 from folio.worker.input_batch import InputBatch
 
 
+_PLACEHOLDER = np.zeros(1, dtype=np.int32)
+
+
 class Padding(enum.Enum):
     NONE = enum.auto()
     DECODE_ROWS = enum.auto()
@@ -109,26 +112,35 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
 
     # Input ids: the known tokens, and a placeholder where the last input is still on the
     # device (filled there by the runner).
-    flat: list[int] = []
+    ids, pos, slots, bt = buf.ids, buf.pos, buf.slots, buf.bt
     pending_dst: list[int] = []
     pending_src: list[int] = []
-    for state, start, num in zip(states, starts.tolist(), counts.tolist()):
-        known = state.token_ids
-        end = start + num
-        if end <= len(known):
-            if num == 1:
-                flat.append(known[start])
-            else:
-                flat.extend(known[start:end])
-            continue
-        assert end == len(known) + 1, "only the last input of a request can be pending"
-        flat.extend(known[start:end])
-        pending_dst.append(len(flat))
-        pending_src.append(prev_rows[state.req_id])
-        flat.append(0)
-    ids, pos, slots, bt = buf.ids, buf.pos, buf.slots, buf.bt
+    if B:
+        known = batch.num_tokens[rows]
+        if T == B:
+            # Pure decode, the common step: one gather from the token rows.
+            ids[:B] = batch.token_ids[rows, np.minimum(starts, batch.max_model_len - 1)]
+            missing = np.flatnonzero(starts >= known)
+            if len(missing):
+                ids[missing] = 0
+                req_ids = list(order)
+                pending_dst = missing.tolist()
+                pending_src = [prev_rows[req_ids[j]] for j in pending_dst]
+        else:
+            pieces = []
+            for j, (rid, row, start, num, n_known) in enumerate(zip(
+                    order, rows.tolist(), starts.tolist(), counts.tolist(), known.tolist())):
+                end = start + num
+                if end <= n_known:
+                    pieces.append(batch.token_ids[row, start:end])
+                    continue
+                assert end == n_known + 1, "only the last input of a request can be pending"
+                pieces.append(batch.token_ids[row, start:n_known])
+                pending_dst.append(int(qsl[j + 1]) - 1)
+                pending_src.append(prev_rows[rid])
+                pieces.append(_PLACEHOLDER)
+            ids[:T] = np.concatenate(pieces)
 
-    ids[:T] = flat
     width = int(batch.num_blocks[rows].max()) if B else 0
     if width:
         bt[:B, :width] = batch.block_table[rows, :width]

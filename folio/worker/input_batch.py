@@ -1,11 +1,12 @@
 """The worker's own state of the requests it runs: the persistent batch, updated from each step
 message's diffs (folio.core.step_messages) and never from a scheduler object.
 
-Each running request holds a row of the block table (a numpy array kept between steps, so a
-step writes only the blocks that are new) and a `RequestState`: its tokens as the worker knows
-them, its progress, and its sampling state (built once, with the request's own generator).
-A preempted request gives its row back and keeps its state (its seeded generator goes on where
-it stopped); a finished one is dropped.
+Each running request holds a row of numpy arrays kept between steps (so a step writes only
+what is new): its token ids as the worker knows them, its block-table row, and its sampling
+parameters as columns (`sampling_columns` gathers a step's rows). A `RequestState` holds what
+is not an array: the request's progress, its params and its seeded generator. A preempted
+request gives its row back and keeps its tokens in its state (its generator goes on where it
+stopped); a finished one is dropped.
 """
 from __future__ import annotations
 
@@ -14,63 +15,66 @@ import torch
 
 from folio.core.step_messages import NewRequestData, SchedulerOutput
 from folio.worker.sampler import SamplingState
+from folio.worker.sampling_columns import (SCALAR_COLUMNS, SamplingColumns, needs_processors,
+                                           row_values)
 
 
 class RequestState:
-    """One request as the worker knows it."""
+    """One request as the worker knows it (its tokens live in its batch row while it has one)."""
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "output_token_ids",
-                 "num_computed_tokens", "row", "sampling")
+    __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
+                 "parked_tokens")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
-        prompt = list(new.prompt_token_ids)
-        # Prompt then output tokens, as far as the messages have told (under async scheduling
-        # the latest sampled token may be missing: it is read on the device).
-        self.token_ids = list(prompt)
-        self.num_prompt_tokens = len(prompt)
-        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(new.prompt_token_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.row = -1
-        # The sampler reads the same output list this state appends to.
-        self.sampling = SamplingState(
-            params=new.sampling_params, prompt_token_ids=prompt,
-            output_token_ids=self.output_token_ids, generator=generator,
-            eos_token_ids=tuple(new.eos_token_ids))
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.sampling.prompt_token_ids
-
-    def append_tokens(self, token_ids: list[int]) -> None:
-        if token_ids:
-            self.token_ids.extend(token_ids)
-            self.output_token_ids.extend(token_ids)
+        self.sampling = SamplingState(params=new.sampling_params, generator=generator,
+                                      eos_token_ids=tuple(new.eos_token_ids))
+        # The tokens while the request has no row (new, or preempted): prompt then outputs.
+        self.parked_tokens: np.ndarray | None = np.asarray(new.prompt_token_ids, dtype=np.int32)
 
 
 class InputBatch:
-    """Rows of the running requests: `block_table[row, :num_blocks[row]]` are a request's
-    blocks. Rows are reused as requests come and go."""
+    """Rows of the running requests: `token_ids[row, :num_tokens[row]]` are a request's tokens
+    (under async scheduling the latest sampled one may be missing: it is read on the device),
+    `block_table[row, :num_blocks[row]]` its blocks, and `columns[name][row]` its sampling
+    knobs. Rows are reused as requests come and go."""
 
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device,
+                 max_model_len: int) -> None:
         self.device = device
         self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.columns = {name: np.zeros(max_num_reqs, dtype=dtype)
+                        for name, dtype in SCALAR_COLUMNS.items()}
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)
+        self.needs_processors = np.zeros(max_num_reqs, dtype=bool)
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # The last step's sampling columns, reused while the same rows sample and no row has
+        # been given to another request (`_layout_version` counts those hand-overs).
+        self._layout_version = 0
+        self._columns: SamplingColumns | None = None
+        self._columns_key: tuple[int, bytes] | None = None
 
     def update(self, step: SchedulerOutput) -> None:
         """Apply one step's message: drop the finished, free the preempted rows, add the new
         requests, then the diffs of the others."""
         for rid in step.finished_req_ids:
             state = self.requests.pop(rid, None)
-            if state is not None:
-                self._release(state)
+            if state is not None and state.row >= 0:
+                self._free_rows.append(state.row)
         for rid in step.preempted_req_ids:
             state = self.requests.get(rid)
             if state is not None:
-                self._release(state)
+                self._park(state)
         for new in step.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None
@@ -87,19 +91,64 @@ class InputBatch:
             elif diff.resumed_from_preemption:
                 self.num_blocks[state.row] = 0
             self._append_blocks(state.row, diff.new_block_ids)
-            state.append_tokens(diff.new_token_ids)
+            self._append_tokens(state.row, diff.new_token_ids)
             state.num_computed_tokens = diff.num_computed_tokens
+
+    def token_ids_of(self, state: RequestState) -> np.ndarray:
+        """The request's tokens as the worker knows them (a view while it has a row)."""
+        if state.row < 0:
+            return state.parked_tokens
+        return self.token_ids[state.row, :self.num_tokens[state.row]]
+
+    def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
+        """The sampling columns of these batch rows, in this order (one step's sampling rows),
+        with no pending tokens (the runner sets `pending_row` where a processor needs it).
+        The same rows as the step before, with no row reassigned since, share that step's
+        columns (steady decode gathers nothing but the token counts)."""
+        key = rows.tobytes()
+        no_pending = np.full(len(rows), -1, dtype=np.int64)
+        cached = self._columns
+        if cached is not None and self._columns_key == (self._layout_version, key):
+            return cached.for_next_step(self.num_tokens[rows], no_pending)
+        columns = self._columns = SamplingColumns(
+            **{name: column[rows] for name, column in self.columns.items()},
+            seeded=self.seeded[rows], needs_processors=self.needs_processors[rows],
+            pending_row=no_pending, token_table=self.token_ids, token_rows=rows,
+            num_prompt_tokens=self.num_prompt_tokens[rows], num_tokens=self.num_tokens[rows])
+        self._columns_key = (self._layout_version, key)
+        return columns
 
     def _assign_row(self, state: RequestState) -> None:
         if not self._free_rows:
             raise RuntimeError(f"more than {self.max_num_reqs} requests scheduled at once")
-        state.row = self._free_rows.pop()
-        self.num_blocks[state.row] = 0
+        row = state.row = self._free_rows.pop()
+        self._layout_version += 1
+        self.num_blocks[row] = 0
+        tokens, state.parked_tokens = state.parked_tokens, None
+        self.num_tokens[row] = 0
+        self._append_tokens(row, tokens)
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        params = state.sampling.params
+        for name, value in row_values(params).items():
+            self.columns[name][row] = value
+        self.seeded[row] = state.sampling.generator is not None
+        self.needs_processors[row] = needs_processors(params)
 
-    def _release(self, state: RequestState) -> None:
+    def _park(self, state: RequestState) -> None:
         if state.row >= 0:
+            state.parked_tokens = self.token_ids_of(state).copy()
             self._free_rows.append(state.row)
             state.row = -1
+
+    def _append_tokens(self, row: int, token_ids) -> None:
+        k = len(token_ids)
+        if k:
+            n = int(self.num_tokens[row])
+            if n + k > self.max_model_len:
+                raise ValueError(f"a request's tokens exceed max_model_len "
+                                 f"({self.max_model_len})")
+            self.token_ids[row, n:n + k] = token_ids
+            self.num_tokens[row] = n + k
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:

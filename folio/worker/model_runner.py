@@ -17,6 +17,7 @@ from folio.worker.flat_batch import StepBuffers, build_flat_batch
 from folio.worker.input_batch import InputBatch
 from folio.worker.sampler import (LogprobsTensors, RowLogprobs, Sampler, SamplingState,
                                   token_logprobs_tensors)
+from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
@@ -38,7 +39,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.max_blocks = -(-max_model_len // block_size)
         # The requests this worker runs, as the step messages have described them.
-        self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device, max_model_len)
         self._pin = device.type == "cuda"
         self._eager_buffers = StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks,
                                           pin=self._pin)
@@ -127,7 +128,8 @@ class ModelRunner:
         per_row = [plain if i % 2 else greedy for i in range(num_seqs)]
         for params in ([greedy] * num_seqs, [plain] * num_seqs, per_row,
                        [SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)] * num_seqs):
-            self.sampler.sample(logits, [SamplingState(p, [0], [], None) for p in params])
+            self.sampler.sample(logits, [SamplingState(p) for p in params],
+                                SamplingColumns.from_params(params))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -147,8 +149,9 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta)
         rows = hidden[-1:].expand(num_seqs, -1)
         logits = self.model.compute_logits(rows)
-        params = SamplingParams(temperature=1.0, top_p=0.9)
-        self.sampler(logits, [SamplingState(params, [0], [], None) for _ in range(num_seqs)])
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * num_seqs
+        self.sampler(logits, [SamplingState(p) for p in params],
+                     SamplingColumns.from_params(params))
 
     def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
@@ -193,7 +196,7 @@ class ModelRunner:
             if end <= start:
                 continue
             rows = hidden[query_start_loc[i]:query_start_loc[i] + (end - start)]
-            targets = device_tensor(state.prompt_token_ids[start + 1:end + 1], self.device,
+            targets = device_tensor(batch.token_ids_of(state)[start + 1:end + 1], self.device,
                                     torch.int64)
             logits = self.model.compute_logits(rows)
             prompt_logprobs[rid] = (start + 1, token_logprobs_tensors(logits, targets, num_prompt))
@@ -215,18 +218,18 @@ class ModelRunner:
         mask = grammar_bitmask() if step.has_grammar and grammar_bitmask is not None else None
         if mask is not None:
             self._apply_bitmask(logits, mask, sampling)
-        states: list[SamplingState] = []
-        prev_rows = self._prev_rows
-        for rid in sampling:
-            state = requests[rid]
-            sampling_state = state.sampling
+        sampled_states = [requests[rid] for rid in sampling]
+        rows = np.fromiter((s.row for s in sampled_states), np.int64, len(sampled_states))
+        columns = batch.sampling_columns(rows)
+        if columns.any_processors and self._prev_sampled is not None:
             # Under async scheduling the latest token may still be on the device: penalties
             # and min_tokens find it in the previous step's sampled ids.
-            sampling_state.pending_row = (
-                prev_rows.get(rid)
-                if state.num_computed_tokens + order[rid] > len(state.token_ids) else None)
-            states.append(sampling_state)
-        sampled, logprobs = self.sampler.sample(logits, states, self._prev_sampled)
+            ends = np.fromiter((s.num_computed_tokens + order[s.req_id] for s in sampled_states),
+                               np.int64, len(sampled_states))
+            for j in np.flatnonzero(ends > columns.num_tokens).tolist():
+                columns.pending_row[j] = self._prev_rows.get(sampling[j], -1)
+        sampled, logprobs = self.sampler.sample(
+            logits, [s.sampling for s in sampled_states], columns, self._prev_sampled)
         self._prev_sampled = sampled
         self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
         return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs)

@@ -15,42 +15,27 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from folio.core.engine_core_outputs import SampledTokenLogprobs
 from folio.core.step_messages import LogprobsLists
 from folio.model.host_copy import device_tensor, to_host_async
 from folio.sampling_params import SamplingParams
+from folio.worker.sampling_columns import SamplingColumns
 
 
 @dataclass
 class SamplingState:
-    """One request's sampling inputs, built once by the worker when the request arrives (its
-    token lists are the worker's own, which the step messages extend)."""
+    """What one request's sampling needs that is not a column (folio.worker.sampling_columns):
+    its params (the logit processors read their lists), its own generator and its eos ids."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    # Generated so far, not including the token being sampled now.
-    output_token_ids: list[int]
     # Set when params.seed is not None. Owned by the request and advanced only
     # by its own sampling, so its tokens do not depend on batch composition.
-    generator: torch.Generator | None
+    generator: torch.Generator | None = None
     # Masked (together with params.stop_token_ids) until min_tokens is reached.
     eos_token_ids: tuple[int, ...] = ()
-    # Async scheduling: the request's latest token is still on the device, not yet in
-    # output_token_ids — its row in the previous step's sampled ids (set by the runner each
-    # step; None when the host lists are complete).
-    pending_row: int | None = None
-
-    def __post_init__(self) -> None:
-        # Which logit processors this row can need, found once: each processor walks the
-        # whole batch in Python, so a batch that uses none skips them all (at 256 rows the
-        # walks cost more than the sampling itself).
-        p = self.params
-        self.needs_processors = bool(
-            p.allowed_token_ids is not None or p.logit_bias or p.bad_words_token_ids
-            or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0)
 
 
 @dataclass
@@ -89,41 +74,45 @@ class Sampler:
         self._seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
         self._calls = 0
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        sampled, logprobs = self.sample(logits, states)
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState],
+                 columns: SamplingColumns) -> SamplerOutput:
+        sampled, logprobs = self.sample(logits, states, columns)
         out_logprobs: list[SampledTokenLogprobs | None] = [None] * len(states)
         if logprobs is not None:
             for i, row in zip(logprobs.rows, logprobs.tensors.entries()):
                 out_logprobs[i] = row
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=out_logprobs)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+    def sample(self, logits: torch.Tensor, states: list[SamplingState], columns: SamplingColumns,
                prev_sampled: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, RowLogprobs | None]:
         """The sampled ids as a device tensor and, when some rows asked for logprobs, those
-        rows with their logprobs as tensors — nothing here waits for the device.
-        `prev_sampled`: the previous step's sampled ids, where rows with a `pending_row` find
-        their latest token (penalties and min_tokens count it)."""
-        if logits.dim() != 2 or logits.shape[0] != len(states):
+        rows with their logprobs as tensors — nothing here waits for the device. Row i of the
+        logits is states[i]'s and columns' row i. `prev_sampled`: the previous step's sampled
+        ids, where rows with a pending row find their latest token (penalties and min_tokens
+        count it)."""
+        if logits.dim() != 2 or logits.shape[0] != len(states) or len(columns) != len(states):
             raise ValueError(
                 f"logits must have shape [len(states), vocab], got {tuple(logits.shape)} "
-                f"for {len(states)} states"
+                f"for {len(states)} states and {len(columns)} column rows"
             )
         params = [s.params for s in states]
-        path = choose_path(logits, states)
+        path = choose_path(logits, columns)
         if path is not SamplePath.GENERAL:
-            return self._sample_plain(logits, params, path)
+            return self._sample_plain(logits, params, columns, path)
         # Always work on a float32 copy: we modify in place and must not touch
         # the caller's tensor (it may be reused, e.g. for prompt logprobs).
         logits = logits.to(torch.float32, copy=True)
 
         # Logprobs report the raw model distribution, so take them first.
         raw = _raw_logprobs(logits, params)
-        self._apply_processors(logits, states, _PendingTokens.of(states, prev_sampled))
-        sampled = _sample(logits, states)
+        self._apply_processors(logits, states, columns,
+                               _PendingTokens.of(columns, prev_sampled))
+        sampled = _sample(logits, states, columns)
         return sampled, _with_sampled(raw, sampled, params)
 
     def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams],
+                      columns: SamplingColumns,
                       path: SamplePath) -> tuple[torch.Tensor, RowLogprobs | None]:
         """Rows that need nothing but a temperature: the argmax (ARGMAX), or Gumbel-max in two
         kernel launches (GUMBEL), read straight from the model's logits (no float32 copy)."""
@@ -132,29 +121,30 @@ class Sampler:
         else:
             from folio.model.kernels.sampling import gumbel_sample
             self._calls += 1
-            sampled = gumbel_sample(logits, [p.temperature for p in params],
-                                    self._seed + self._calls * 0x9E3779B1)
+            temperatures = np.where(columns.greedy, 0.0, columns.temperature).tolist()
+            sampled = gumbel_sample(logits, temperatures, self._seed + self._calls * 0x9E3779B1)
         return sampled, _with_sampled(_raw_logprobs(logits, params), sampled, params)
 
     def process_logits(self, logits: torch.Tensor, states: list[SamplingState],
+                       columns: SamplingColumns,
                        prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """The logits after every request-level processor (allowed ids, bias,
         bad words, min_tokens, penalties) but before temperature/filters, as a
         new float32 tensor. Exposed for tests and for debugging."""
         logits = logits.to(torch.float32, copy=True)
-        self._apply_processors(logits, states, _PendingTokens.of(states, prev_sampled))
+        self._apply_processors(logits, states, columns, _PendingTokens.of(columns, prev_sampled))
         return logits
 
     @staticmethod
     def _apply_processors(logits: torch.Tensor, states: list[SamplingState],
-                          pending: _PendingTokens | None = None) -> None:
-        if not any(s.needs_processors for s in states):
+                          columns: SamplingColumns, pending: _PendingTokens | None = None) -> None:
+        if not columns.any_processors:
             return
         _apply_allowed_token_ids(logits, states)
         _apply_logit_bias(logits, states)
-        _apply_bad_words(logits, states)
-        _apply_min_tokens(logits, states, pending)
-        _apply_penalties(logits, states, pending)
+        _apply_bad_words(logits, states, columns)
+        _apply_min_tokens(logits, states, columns, pending)
+        _apply_penalties(logits, columns, pending)
 
 
 @dataclass
@@ -187,7 +177,7 @@ def _with_sampled(raw: _RawLogprobs | None, sampled: torch.Tensor, params: list[
 
 
 class _PendingTokens:
-    """The latest tokens of the rows whose host lists lack them (async scheduling), on the
+    """The latest tokens of the rows whose host history lacks them (async scheduling), on the
     device: `tokens[position[i]]` is row i's."""
 
     def __init__(self, position: dict[int, int], tokens: torch.Tensor) -> None:
@@ -195,16 +185,16 @@ class _PendingTokens:
         self.tokens = tokens
 
     @classmethod
-    def of(cls, states: list[SamplingState], prev_sampled: torch.Tensor | None
+    def of(cls, columns: SamplingColumns, prev_sampled: torch.Tensor | None
            ) -> "_PendingTokens | None":
         if prev_sampled is None:
             return None
-        rows = [i for i, s in enumerate(states) if s.pending_row is not None]
-        if not rows or not any(states[i].needs_processors for i in rows):
+        has_pending = columns.pending_row >= 0
+        if not (has_pending & columns.needs_processors).any():
             return None
-        src = device_tensor([states[i].pending_row for i in rows], prev_sampled.device,
-                            torch.int64)
-        return cls({i: j for j, i in enumerate(rows)}, prev_sampled.index_select(0, src))
+        rows = np.flatnonzero(has_pending)
+        src = _column_tensor(columns.pending_row[rows], prev_sampled.device)
+        return cls({int(i): j for j, i in enumerate(rows)}, prev_sampled.index_select(0, src))
 
     def add_to(self, counts: torch.Tensor, rows: list[int]) -> None:
         """counts[k, latest token of rows[k]] += 1 for the listed rows that have one pending."""
@@ -216,6 +206,17 @@ class _PendingTokens:
         counts.index_put_((device_tensor(ks, device, torch.int64),
                            self.tokens.index_select(0, which)),
                           torch.ones(len(ks), dtype=counts.dtype, device=device), accumulate=True)
+
+
+def _column_tensor(values: np.ndarray, device: torch.device,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A column (or a slice of one) on the device, through pinned memory on CUDA."""
+    host = torch.from_numpy(np.ascontiguousarray(values))
+    if dtype is not None:
+        host = host.to(dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------
@@ -342,13 +343,19 @@ def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingState]) -> None
     )
 
 
-def _apply_bad_words(logits: torch.Tensor, states: list[SamplingState]) -> None:
+def _apply_bad_words(logits: torch.Tensor, states: list[SamplingState],
+                     columns: SamplingColumns) -> None:
     # Deciding which tokens to ban depends on each row's recent history, which
-    # is plain Python; the ban itself is one scatter for the whole batch.
+    # is plain Python; the ban itself is one scatter for the whole batch. (A request with bad
+    # words is never scheduled ahead of its sampled token: its host history is complete.)
     r, c = [], []
     for i, s in enumerate(states):
-        out = s.output_token_ids
-        for seq in s.params.bad_words_token_ids:
+        words = s.params.bad_words_token_ids
+        if not words:
+            continue
+        out = columns.history([i], outputs_only=True, pad=-1)[0]
+        out = out[:columns.num_tokens[i] - columns.num_prompt_tokens[i]].tolist()
+        for seq in words:
             prefix_len = len(seq) - 1
             if prefix_len > len(out):
                 continue
@@ -360,12 +367,15 @@ def _apply_bad_words(logits: torch.Tensor, states: list[SamplingState]) -> None:
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState],
-                      pending: _PendingTokens | None = None) -> None:
+                      columns: SamplingColumns, pending: _PendingTokens | None = None) -> None:
     vocab = logits.shape[1]
+    num_output = (columns.num_tokens - columns.num_prompt_tokens).tolist()
     r, c = [], []
     for i, s in enumerate(states):
-        num_output = len(s.output_token_ids) + (1 if pending and i in pending.position else 0)
-        if num_output < s.params.min_tokens:
+        if s.params.min_tokens <= 0:
+            continue
+        n = num_output[i] + (1 if pending and i in pending.position else 0)
+        if n < s.params.min_tokens:
             for tok in {*s.eos_token_ids, *(s.params.stop_token_ids or ())}:
                 if 0 <= tok < vocab:  # eos ids of padded vocabs may be out of range
                     r.append(i)
@@ -373,61 +383,43 @@ def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState],
     _index_fill(logits, r, c, _NEG_INF)
 
 
-def _token_counts(
-    token_lists: list[list[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[len(token_lists), vocab] occurrence counts, built with one scatter_add.
+def _token_counts(history: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts of a padded history, built with one scatter_add.
 
-    Rows are padded with the id `vocab`, which lands in a spare column that is
-    dropped afterwards, so no masking of padding is needed.
+    Rows are padded with the id `vocab`, which lands in a spare column that is dropped
+    afterwards, so no masking of padding is needed.
     """
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)
-    for i, toks in enumerate(token_lists):
-        if toks:
-            padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
-    if device.type == "cuda":
-        padded = padded.pin_memory().to(device, non_blocking=True)
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
+    padded = _column_tensor(history, device, torch.int64)
+    counts = torch.zeros(history.shape[0], vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
 
 
-def _apply_penalties(logits: torch.Tensor, states: list[SamplingState],
+def _apply_penalties(logits: torch.Tensor, columns: SamplingColumns,
                      pending: _PendingTokens | None = None) -> None:
     vocab, device = logits.shape[1], logits.device
-    params = [s.params for s in states]
 
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    rep_rows = np.flatnonzero(columns.repetition_penalty != 1.0).tolist()
     if rep_rows:
-        seen_counts = _token_counts(
-            [states[i].prompt_token_ids + states[i].output_token_ids for i in rep_rows],
-            vocab,
-            device,
-        )
+        seen_counts = _token_counts(columns.history(rep_rows, False, vocab), vocab, device)
         if pending is not None:
             pending.add_to(seen_counts, rep_rows)
         seen = seen_counts > 0
-        penalty = torch.tensor(
-            [params[i].repetition_penalty for i in rep_rows], device=device
-        ).unsqueeze(1)
+        penalty = _column_tensor(columns.repetition_penalty[rep_rows], device).unsqueeze(1)
         sub = logits[rep_rows]
         # Dividing a positive logit / multiplying a negative one both make the
         # token less likely when penalty > 1 (more likely when < 1).
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[rep_rows] = torch.where(seen, penalised, sub)
 
-    add_rows = [
-        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
+    add_rows = np.flatnonzero((columns.frequency_penalty != 0.0)
+                              | (columns.presence_penalty != 0.0)).tolist()
     if add_rows:
-        counts = _token_counts([states[i].output_token_ids for i in add_rows], vocab, device)
+        counts = _token_counts(columns.history(add_rows, True, vocab), vocab, device)
         if pending is not None:
             pending.add_to(counts, add_rows)
-        freq = device_tensor([params[i].frequency_penalty for i in add_rows], device,
-                             torch.float32)
-        pres = device_tensor([params[i].presence_penalty for i in add_rows], device,
-                             torch.float32)
+        freq = _column_tensor(columns.frequency_penalty[add_rows], device)
+        pres = _column_tensor(columns.presence_penalty[add_rows], device)
         logits[add_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).float()
 
 
@@ -444,23 +436,15 @@ def _check_cols(cols: list[int], vocab: int, name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def choose_path(logits: torch.Tensor, states: list[SamplingState]) -> SamplePath:
+def choose_path(logits: torch.Tensor, columns: SamplingColumns) -> SamplePath:
     """ARGMAX when every row is greedy, GUMBEL when every row only needs a temperature (on
     CUDA, with Triton), GENERAL when some row needs a logit processor, a top-k/top-p/min-p
     filter, or its own seeded generator (whose stream must not depend on the batch)."""
-    plain = True
-    greedy = True
-    for s in states:
-        p = s.params
-        if s.needs_processors:
-            return SamplePath.GENERAL
-        if not p.is_greedy:
-            greedy = False
-            if (s.generator is not None or p.top_k not in (0, -1) or p.top_p < 1.0
-                    or p.min_p > 0.0):
-                plain = False
-    if greedy:
+    if columns.any_processors:
+        return SamplePath.GENERAL
+    if columns.all_greedy:
         return SamplePath.ARGMAX
+    plain = not columns.any_filtered_random
     # The kernel numbers its random draws row * vocab + token in 32 bits.
     if plain and logits.is_cuda and _has_triton() and logits.shape[0] * logits.shape[1] < 2**31:
         return SamplePath.GUMBEL
@@ -472,45 +456,41 @@ def _has_triton() -> bool:
     return HAS_TRITON
 
 
-
-def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    params = [s.params for s in states]
+def _sample(logits: torch.Tensor, states: list[SamplingState],
+            columns: SamplingColumns) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
-    greedy = [p.is_greedy for p in params]
+    greedy = columns.greedy
 
-    if all(greedy):
+    if columns.all_greedy:
         return logits.argmax(dim=-1)
-    sampled = logits.argmax(dim=-1) if any(greedy) else None
+    sampled = logits.argmax(dim=-1) if greedy.any() else None
 
-    random_rows = [i for i, g in enumerate(greedy) if not g]
+    random_rows = np.flatnonzero(~greedy)
     all_random = sampled is None
-    random_index = None if all_random else device_tensor(random_rows, device, torch.int64)
+    random_index = None if all_random else _column_tensor(random_rows, device, torch.int64)
     # Every row random (the common batch): work on the logits themselves, no gather.
     sub = logits if all_random else logits.index_select(0, random_index)
-    rparams = params if all_random else [params[i] for i in random_rows]
-
-    temperatures = [p.temperature for p in rparams]
-    if any(t != 1.0 for t in temperatures):
-        temps = device_tensor(temperatures, device, torch.float32)
-        sub.div_(temps.unsqueeze(1))
-    apply_min_p(sub, rparams)
-    apply_top_k_top_p(sub, rparams)
+    temperature = columns.temperature[random_rows]
+    if (temperature != 1.0).any():
+        sub.div_(_column_tensor(temperature, device, torch.float32).unsqueeze(1))
+    apply_min_p(sub, columns.min_p[random_rows])
+    apply_top_k_top_p(sub, columns.top_k[random_rows], columns.top_p[random_rows])
     probs = torch.softmax(sub, dim=-1)
 
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
     # probability p_i, and lets each row draw its noise from its own generator.
     noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(random_rows) if states[i].generator is None]
-    if len(unseeded) == len(random_rows):
+    seeded = columns.seeded[random_rows]
+    if not seeded.any():
         noise.exponential_()
-    elif unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-    if len(unseeded) != len(random_rows):
-        for j, i in enumerate(random_rows):
-            gen = states[i].generator
-            if gen is not None:
-                noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+    else:
+        unseeded = np.flatnonzero(~seeded).tolist()
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+        for j in np.flatnonzero(seeded).tolist():
+            gen = states[int(random_rows[j])].generator
+            noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
     # exponential_ can in principle return 0; keep the division finite.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     random_tokens = (probs / noise).argmax(dim=-1)
@@ -521,14 +501,14 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return sampled
 
 
-def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """In place: drop tokens whose probability is below min_p times the row's
-    top probability (row i uses params[i])."""
-    if not any(p.min_p > 0.0 for p in params):
+def apply_min_p(logits: torch.Tensor, min_p: np.ndarray) -> None:
+    """In place: drop tokens whose probability is below min_p[i] times row i's top
+    probability."""
+    if not (min_p > 0.0).any():
         return
-    min_p = device_tensor([p.min_p for p in params], logits.device, torch.float32)
+    threshold_scale = _column_tensor(min_p, logits.device, torch.float32)
     probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1) * min_p
+    threshold = probs.amax(dim=-1) * threshold_scale
     logits.masked_fill_(probs < threshold.unsqueeze(1), _NEG_INF)
 
 
@@ -536,7 +516,7 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
 _SUBSET_TOP_P_MAX_K = 4096
 
 
-def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: list[int], top_ps: list[float],
+def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: np.ndarray, top_ps: np.ndarray,
                                k_max: int) -> None:
     """In place, every row with a top-k: the same set as the full-sort path — the top k_i
     logits (ties with the k-th kept), then the smallest high-probability set of those whose
@@ -544,11 +524,11 @@ def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: list[int], top_ps: list
     threshold on the whole row (tokens below the lowest kept value are dropped)."""
     device = logits.device
     values = logits.topk(k_max, dim=-1).values  # descending
-    k = device_tensor(ks, device, torch.int64).unsqueeze(1)
+    k = _column_tensor(ks, device, torch.int64).unsqueeze(1)
     kth = values.gather(1, k - 1)
     ascending = values.flip(-1)
     ascending = ascending.masked_fill(ascending < kth, _NEG_INF)  # top-k, ties kept
-    top_p = device_tensor(top_ps, device, torch.float32).unsqueeze(1)
+    top_p = _column_tensor(top_ps, device, torch.float32).unsqueeze(1)
     cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
     drop = cum <= 1.0 - top_p
     drop[:, -1] = False
@@ -557,46 +537,45 @@ def _top_k_top_p_on_candidates(logits: torch.Tensor, ks: list[int], top_ps: list
     logits.masked_fill_(logits < lowest_kept, _NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """In place: keep each row's top_k logits (ties kept), then the smallest
-    high-probability set whose mass reaches top_p (row i uses params[i])."""
+def apply_top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> None:
+    """In place: keep each row's top_k[i] logits (ties kept; 0 or -1 = off), then the
+    smallest high-probability set whose mass reaches top_p[i]."""
     vocab = logits.shape[1]
     device = logits.device
-    # top_k == 0 (disabled) or >= vocab keeps everything: treat as k = vocab.
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    need_k = any(k < vocab for k in ks)
-    need_p = any(p.top_p < 1.0 for p in params)
+    # top_k off (0 or -1) or >= vocab keeps everything: treat as k = vocab.
+    ks = np.where((top_k > 0) & (top_k < vocab), top_k, vocab).astype(np.int64)
+    need_k = bool((ks < vocab).any())
+    need_p = bool((top_p < 1.0).any())
     if not need_k and not need_p:
         return
 
+    k_max = int(ks.max())
     if not need_p:
         # Only top-k: a partial topk is much cheaper than a full sort.
-        k_max = max(ks)
         top_vals = logits.topk(k_max, dim=-1).values  # best first
-        k_idx = device_tensor(ks, device, torch.int64).unsqueeze(1) - 1
+        k_idx = _column_tensor(ks - 1, device, torch.int64).unsqueeze(1)
         kth = top_vals.gather(1, k_idx)
         # Ties with the k-th value are kept; rows without top-k use k = vocab,
         # whose k-th value is the row minimum, so nothing is removed there.
         logits.masked_fill_(logits < kth, _NEG_INF)
         return
 
-    k_max = max(ks)
     if need_k and k_max < vocab and k_max <= _SUBSET_TOP_P_MAX_K:
         # Every row has a top-k (Qwen3's and many models' defaults: top_k 20, top_p 0.95):
         # top-p only ever looks at those k candidates, so sort k_max values, not the vocabulary.
-        _top_k_top_p_on_candidates(logits, ks, [p.top_p for p in params], k_max)
+        _top_k_top_p_on_candidates(logits, ks, top_p, k_max)
         return
 
     sorted_logits, order = logits.sort(dim=-1)  # ascending
     if need_k:
-        k = device_tensor(ks, device, torch.int64).unsqueeze(1)
+        k = _column_tensor(ks, device, torch.int64).unsqueeze(1)
         kth = sorted_logits.gather(1, vocab - k)
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-    top_p = device_tensor([p.top_p for p in params], device, torch.float32).unsqueeze(1)
+    top_p_t = _column_tensor(top_p, device, torch.float32).unsqueeze(1)
     cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     # Drop the low tail whose total mass is at most 1 - top_p; the most likely
     # token is always kept so the row can never be emptied.
-    drop = cum <= 1.0 - top_p
+    drop = cum <= 1.0 - top_p_t
     drop[:, -1] = False
     sorted_logits.masked_fill_(drop, _NEG_INF)
     logits.scatter_(1, order, sorted_logits)

@@ -42,12 +42,14 @@ def test_gumbel_draws_follow_the_softmax(rows, temperature):
 def test_sampler_fast_path_mixed_greedy_and_random_rows():
     from folio.sampling_params import SamplingParams
     from folio.worker.sampler import SamplePath, Sampler, SamplingState, choose_path
+    from folio.worker.sampling_columns import SamplingColumns
     logits = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, logprobs=1 if i % 5 == 0
                              else None) for i in range(64)]
-    states = [SamplingState(p, [1, 2], [], None) for p in params]
-    assert choose_path(logits, states) is SamplePath.GUMBEL
-    sampled, logprobs = Sampler().sample(logits, states)
+    states = [SamplingState(p) for p in params]
+    columns = SamplingColumns.from_params(params, [([1, 2], [])] * len(params))
+    assert choose_path(logits, columns) is SamplePath.GUMBEL
+    sampled, logprobs = Sampler().sample(logits, states, columns)
     greedy = [i for i in range(64) if i % 3 == 0]
     assert torch.equal(sampled[greedy], logits[greedy].float().argmax(dim=-1))
     assert logprobs.rows == [i for i in range(64) if i % 5 == 0]

@@ -44,7 +44,7 @@ def _expected(case):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduling):
-    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"))
+    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"), MAX_LEN)
     # One set of buffers per padding mode, as the eager runner and the two graph runners hold.
     eager = StepBuffers(BUDGET, MAX_REQS, WIDTH, pin=False)
     decode = StepBuffers(MAX_REQS, MAX_REQS, WIDTH, pin=False)
@@ -62,7 +62,8 @@ def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduli
         seen["preempted"] += len(message.preempted_req_ids)
         for item in case.step.scheduled:
             state = batch.requests[item.request_id]
-            assert state.token_ids == case.known_tokens[item.request_id]
+            assert batch.token_ids_of(state).tolist() == case.known_tokens[item.request_id]
+            assert batch.num_prompt_tokens[state.row] == state.num_prompt_tokens
             assert state.num_computed_tokens == item.num_computed_tokens
             nb = int(batch.num_blocks[state.row])
             assert batch.block_table[state.row, :nb].tolist() == case.block_ids[item.request_id]
@@ -115,7 +116,7 @@ def test_seeded_generator_survives_preemption():
     on where it stopped); a finished one is dropped and its row reused."""
     from folio.core.step_messages import CachedRequestData, NewRequestData
     from folio.sampling_params import SamplingParams
-    batch = InputBatch(2, 4, torch.device("cpu"))
+    batch = InputBatch(2, 4, torch.device("cpu"), 16)
 
     def step(step_id, new=(), cached=(), finished=(), preempted=()):
         return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], list(finished),
@@ -129,9 +130,68 @@ def test_seeded_generator_survives_preemption():
     batch.update(step(3, cached=[CachedRequestData("a", [8, 9], [11], 0, True)]))
     assert batch.requests["a"] is state and state.row >= 0
     assert batch.block_table[state.row, :batch.num_blocks[state.row]].tolist() == [8, 9]
-    assert state.token_ids == [1, 2, 11] and state.sampling.output_token_ids == [11]
+    assert batch.token_ids_of(state).tolist() == [1, 2, 11] and state.num_prompt_tokens == 2
     second = torch.rand(1, generator=state.sampling.generator)
     fresh = torch.Generator().manual_seed(7)
     assert torch.equal(torch.cat([first, second]), torch.rand(2, generator=fresh))
     batch.update(step(4, finished=["a"]))
     assert "a" not in batch.requests and len(batch._free_rows) == 2
+
+
+def test_sampling_columns_follow_rows_through_preemption():
+    """The batch's per-row sampling columns and token rows give, for any order of sampling
+    rows, what the requests themselves say — also after a request was preempted, parked its
+    tokens and came back in another row."""
+    import numpy as np
+
+    from folio.core.step_messages import CachedRequestData, NewRequestData
+    from folio.sampling_params import SamplingParams
+    from folio.worker.sampling_columns import SCALAR_COLUMNS, SamplingColumns
+    batch = InputBatch(4, 4, torch.device("cpu"), 16)
+    params = {"a": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+              "b": SamplingParams(temperature=0.0),
+              "c": SamplingParams(temperature=1.2, min_p=0.1, frequency_penalty=0.5,
+                                  presence_penalty=0.25, seed=3)}
+    prompts = {"a": [1, 2, 3], "b": [4], "c": [5, 6]}
+
+    def step(step_id, new=(), cached=(), preempted=()):
+        return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], [], list(preempted))
+
+    batch.update(step(1, new=[NewRequestData(r, prompts[r], params[r], [i], [0], 0)
+                              for i, r in enumerate("abc")]))
+    outputs = {"a": [9], "b": [8], "c": [7]}
+    batch.update(step(2, cached=[CachedRequestData(r, [], outputs[r], len(prompts[r]), False)
+                                 for r in "abc"]))
+    batch.update(step(3, preempted=["a"]))
+    batch.update(step(4, new=[NewRequestData("d", [11], SamplingParams(), [3], [0], 0)]))
+    batch.update(step(5, cached=[CachedRequestData("a", [5], [10], 0, True)]))
+    outputs["a"].append(10)
+    assert batch.requests["a"].row == 3 and batch.requests["d"].row == 0
+    order = ["c", "a", "b"]
+    rows = np.array([batch.requests[r].row for r in order])
+    got = batch.sampling_columns(rows)
+    got.pending_row[1] = 1
+    want = SamplingColumns.from_params([params[r] for r in order],
+                                       [(prompts[r], outputs[r]) for r in order],
+                                       seeded=[True, False, False],
+                                       pending_row=[None, 1, None])
+    for name in (*SCALAR_COLUMNS, "seeded", "needs_processors", "pending_row",
+                 "num_prompt_tokens", "num_tokens"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    for outputs_only in (False, True):
+        assert np.array_equal(got.history([0, 1, 2], outputs_only, -1),
+                              want.history([0, 1, 2], outputs_only, -1))
+    assert got.history([1], True, -1).tolist() == [[9, 10]]
+    # The next step of the same rows reuses the columns but sees the new token counts; a row
+    # handed to another request makes the batch gather again.
+    batch.update(step(6, cached=[CachedRequestData("c", [], [12], 3, False)]))
+    again = batch.sampling_columns(rows)
+    assert again.num_tokens.tolist() == [4, 5, 2] and (again.pending_row == -1).all()
+    assert again.temperature is got.temperature
+    batch.update(SchedulerOutput(7, [], [], {}, 0, [], ["b"], []))
+    batch.update(step(8, new=[NewRequestData("e", [13], SamplingParams(temperature=0.3),
+                                             [2], [0], 0)]))
+    assert batch.requests["e"].row == rows[2]
+    fresh = batch.sampling_columns(rows)
+    assert fresh.temperature.tolist() == pytest.approx([1.2, 0.7, 0.3])
+    assert fresh.num_tokens.tolist() == [4, 5, 1]

@@ -78,7 +78,7 @@ def _run_padded_path(case: dict) -> dict:
                               device=torch.device("cpu"))
     from folio.worker.input_batch import InputBatch
     from scheduler_steps import scheduler_steps
-    batch = InputBatch(max_reqs, -(-max_len // BS), torch.device("cpu"))
+    batch = InputBatch(max_reqs, -(-max_len // BS), torch.device("cpu"), max_len)
     stats = dict(name=case["name"], steps=0, padded_steps=0, pending=0, max_hidden_err=0.0)
     for step_case in scheduler_steps(case["seed"], block_size=BS, max_model_len=max_len,
                                      max_reqs=max_reqs, budget=max_tokens, num_blocks=60,

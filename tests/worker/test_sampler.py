@@ -4,15 +4,9 @@ import pytest
 import torch
 
 from folio.sampling_params import SamplingParams
-from folio.worker.sampler import (
-    SampledTokenLogprobs,
-    Sampler,
-    SamplerOutput,
-    SamplingState,
-    apply_min_p,
-    apply_top_k_top_p,
-    compute_token_logprobs,
-)
+from folio.worker.sampler import SampledTokenLogprobs, SamplerOutput, compute_token_logprobs
+from sampler_rows import Row, apply_min_p, apply_top_k_top_p
+from sampler_rows import RowSampler as Sampler
 
 NEG_INF = float("-inf")
 
@@ -23,12 +17,12 @@ def state(
     output=(),
     seed_gen: int | None = None,
     eos=(),
-) -> SamplingState:
+) -> Row:
     params = params or SamplingParams()
     gen = None
     if seed_gen is not None:
         gen = torch.Generator().manual_seed(seed_gen)
-    return SamplingState(params, list(prompt), list(output), gen, tuple(eos))
+    return Row(params, list(prompt), list(output), gen, tuple(eos))
 
 
 def rand_logits(b: int, v: int, seed: int = 0) -> torch.Tensor:
@@ -40,7 +34,7 @@ def rand_logits(b: int, v: int, seed: int = 0) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 
-def ref_process(row: torch.Tensor, st: SamplingState) -> torch.Tensor:
+def ref_process(row: torch.Tensor, st: Row) -> torch.Tensor:
     """Straightforward per-token version of the request-level processors."""
     x = row.float().clone()
     p = st.params
@@ -294,7 +288,7 @@ def test_seeded_rows_reproducible_and_batch_independent():
 
     gen = torch.Generator().manual_seed(1234)
     alone = [
-        sampler(lg, [SamplingState(p, [1], [], gen)]).sampled_token_ids[0] for lg in logits_alone
+        sampler(lg, [Row(p, [1], [], gen)]).sampled_token_ids[0] for lg in logits_alone
     ]
 
     # Same request at row 2 of a batch of 5 with unseeded and differently seeded neighbours.
@@ -307,8 +301,8 @@ def test_seeded_rows_reproducible_and_batch_independent():
         lg[2] = logits_alone[s][0]
         states = [
             state(SamplingParams()),
-            SamplingState(SamplingParams(seed=99, top_k=5), [1], [], other),
-            SamplingState(p, [1], [], gen),
+            Row(SamplingParams(seed=99, top_k=5), [1], [], other),
+            Row(p, [1], [], gen),
             state(SamplingParams(temperature=0.0)),
             state(SamplingParams(min_p=0.3)),
         ]
@@ -318,7 +312,7 @@ def test_seeded_rows_reproducible_and_batch_independent():
     # A different seed gives a different sequence (with overwhelming probability).
     gen = torch.Generator().manual_seed(4321)
     different = [
-        sampler(lg, [SamplingState(p, [1], [], gen)]).sampled_token_ids[0] for lg in logits_alone
+        sampler(lg, [Row(p, [1], [], gen)]).sampled_token_ids[0] for lg in logits_alone
     ]
     assert different != alone
 
@@ -351,7 +345,7 @@ def test_distribution_of_seeded_rows_matches_softmax():
     v, draws = 5, 4000
     logits = torch.tensor([[0.3, -1.0, 1.2, 0.0, 0.8]])
     p = SamplingParams(seed=0)
-    states = [SamplingState(p, [], [], torch.Generator().manual_seed(i)) for i in range(draws)]
+    states = [Row(p, [], [], torch.Generator().manual_seed(i)) for i in range(draws)]
     out = Sampler()(logits.expand(draws, -1), states)
     counts = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=v).float()
     assert chi_square(counts, torch.softmax(logits[0], -1)) < 25.0  # df = 4
@@ -433,7 +427,8 @@ def test_compute_token_logprobs_for_prompt():
 
 
 def test_path_choice():
-    from folio.worker.sampler import SamplePath, choose_path
+    from folio.worker.sampler import SamplePath
+    from sampler_rows import choose_path
     cpu = rand_logits(2, 10)
     greedy = SamplingParams(temperature=0.0)
     plain = SamplingParams(temperature=0.8)

@@ -1,5 +1,5 @@
 """Under async scheduling a request's latest token can still be on the device when its next
-step samples: its host lists lack it and `pending_row` points at it in the previous step's
+step samples: its host history lacks it and its `pending_row` column points at it in the previous step's
 sampled ids. Penalties and min_tokens must then give exactly what they give with the token
 already on the host."""
 from __future__ import annotations
@@ -7,20 +7,17 @@ from __future__ import annotations
 import torch
 
 from folio.sampling_params import SamplingParams
-from folio.worker.sampler import Sampler, SamplingState
+from sampler_rows import Row
+from sampler_rows import RowSampler as Sampler
 
 VOCAB = 40
 EOS = 7
 
 
 def _states(params: list[SamplingParams], outputs: list[list[int]],
-            pending_rows: list[int | None]) -> list[SamplingState]:
-    states = []
-    for p, out, row in zip(params, outputs, pending_rows):
-        state = SamplingState(p, [1, 2, 3], list(out), None, (EOS,))
-        state.pending_row = row
-        states.append(state)
-    return states
+            pending_rows: list[int | None]) -> list[Row]:
+    return [Row(p, [1, 2, 3], list(out), None, (EOS,), row)
+            for p, out, row in zip(params, outputs, pending_rows)]
 
 
 def test_pending_token_counts_like_a_host_token():
