@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 14 on the lent GPU: the GPU tests, then before/after benchmarks in one call.
-#   PART=tests|bench|census bash tools/device_issue14.sh
+#   PART=tests|bench|census|pdl|final bash tools/device_issue14.sh
 # `device_baseline/` (untracked, made by `git archive <commit> folio tools pyproject.toml`) holds
 # the code before the change; the repository root holds the code after it.
 set -uo pipefail
@@ -21,7 +21,26 @@ run_in() {  # run_in TREE NAME CMD...: the command with that tree's folio first 
 }
 LAT="-m folio.bench.latency --random-weights --config qwen3-0.6b --input-len 32 --output-len 128 --max-model-len 2048 --num-iters-warmup 2 --num-iters 5 --no-roofline"
 THR="-m folio.bench.throughput --random-weights --config qwen3-0.6b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
-if [ "${PART:-tests}" = census ]; then
+if [ "${PART:-tests}" = final ]; then
+  run_in "$root/device_baseline" before_latency python3 $LAT
+  run_in "$root" after_latency python3 $LAT --step-breakdown
+  run_in "$root" after_latency_mp python3 $LAT --step-breakdown --distributed-executor-backend mp
+  run_in "$root/device_baseline" before_latency_2 python3 $LAT
+  run_in "$root" after_latency_2 python3 $LAT --step-breakdown
+  run_in "$root" gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
+  grep -h "identical\|passed\|failed" "$OUT"/gpu_tests.log
+elif [ "${PART:-tests}" = pdl ]; then
+  run_in "$root" pdl_test python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_gpu_engine.py -k pdl tests/gpu/test_gpu_sampling.py
+  run_in "$root" kernel_census python3 tools/gpu_kernel_census.py 64
+  grep -A12 "===" "$OUT/kernel_census.log" | cut -c1-150
+  run_in "$root/device_baseline" before_latency python3 $LAT
+  run_in "$root" after_latency python3 $LAT --step-breakdown
+  run_in "$root" after_latency_nopdl env FOLIO_PDL=0 python3 $LAT --step-breakdown
+  run_in "$root/device_baseline" before_latency_2 python3 $LAT
+  run_in "$root" after_latency_2 python3 $LAT --step-breakdown
+  run_in "$root/device_baseline" before_throughput python3 $THR
+  run_in "$root" after_throughput python3 $THR
+elif [ "${PART:-tests}" = census ]; then
   run_in "$root" kernel_census python3 tools/gpu_kernel_census.py 64
   grep -A30 "===" "$OUT/kernel_census.log" | cut -c1-150
   run_in "$root/device_baseline" before_latency python3 $LAT

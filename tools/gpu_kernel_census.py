@@ -1,6 +1,9 @@
 """GPU helper: which kernels one batch-1 decode step of the Qwen3-0.6B shape launches, how many
 of each and their device time (torch.profiler, CUPTI), eager and with CUDA graphs.
-For the device tool: python tools/gpu_kernel_census.py [OUTPUT_LEN]"""
+For the device tool: python tools/gpu_kernel_census.py [OUTPUT_LEN]. Under programmatic
+dependent launch (KernelConfig.pdl, on by default on Hopper) a kernel's CUPTI time includes
+its wait for the kernel before it, so per-kernel times there add up to more than the step;
+run with FOLIO_PDL=0 for a kernel-by-kernel account."""
 from __future__ import annotations
 
 import collections

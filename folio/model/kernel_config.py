@@ -27,12 +27,16 @@ ATTENTION_CHOICES = ("triton", "torch")
 # start-up); "narrow" = also 2-8 rows where the output is narrow; "all" = wherever supported;
 # "0" = never (cuBLAS throughout).
 GEMV_MODES = ("0", "1", "narrow", "all")
+# Programmatic dependent launch of the Triton kernels (kernels/_common.py), on GPUs that have
+# it (Hopper and newer): "1" = where the GPU has it, "0" = never.
+PDL_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
     "FOLIO_KERNELS": ("kernels", KERNELS_CHOICES),
     "FOLIO_ATTENTION": ("attention", ATTENTION_CHOICES),
     "FOLIO_GEMV": ("gemv", GEMV_MODES),
+    "FOLIO_PDL": ("pdl", PDL_CHOICES),
 }
 
 
@@ -41,11 +45,13 @@ class KernelConfig:
     """`kernels`: the fused Triton RMSNorm / rotary / SiLU-and-mul kernels, or the eager torch
     code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
     `attention`: the Triton paged-attention backend or the torch reference (CUDA only either
-    way: on CPU the torch reference serves). `gemv`: one of GEMV_MODES."""
+    way: on CPU the torch reference serves). `gemv`: one of GEMV_MODES. `pdl`: one of
+    PDL_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
     gemv: str = "1"
+    pdl: str = "1"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -65,6 +71,11 @@ class KernelConfig:
         return self.attention == "triton"
 
     @property
+    def pdl_on(self) -> bool:
+        """Whether the decode path's Triton kernels may use programmatic dependent launch."""
+        return self.kernels == "triton" and self.pdl == "1"
+
+    @property
     def gemv_on(self) -> bool:
         """Whether the skinny GEMV may replace cuBLAS at all (the mode then says where)."""
         return self.kernels == "triton" and self.gemv != "0"
@@ -74,7 +85,8 @@ DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 
 def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
-    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV from `env` (os.environ
+    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL from `env`
+    (os.environ
     when None) applied over them. An unknown value is an error naming the variable:
     it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""
     env = os.environ if env is None else env

@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
         """With `residual`, adds it first and also returns the sum (the next residual)."""
         if _fused_kernels_on(x, self.kernels):
             from folio.model.kernels.rmsnorm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, pdl=self.kernels.pdl_on)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -125,12 +125,13 @@ class RotaryEmbedding(nn.Module):
         before rotation (one fused launch on CUDA)."""
         if _fused_kernels_on(q, self.kernels):
             from folio.model.kernels.rotary import apply_rotary
+            pdl = self.kernels.pdl_on
             if q_norm is not None and q_norm.weight.dtype == q.dtype:
                 return apply_rotary(positions, q, k, self.cos, self.sin, q_norm.weight,
-                                    k_norm.weight, q_norm.eps)
+                                    k_norm.weight, q_norm.eps, pdl=pdl)
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
-            return apply_rotary(positions, q, k, self.cos, self.sin)
+            return apply_rotary(positions, q, k, self.cos, self.sin, pdl=pdl)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
@@ -180,7 +181,8 @@ class Linear(nn.Linear):
         x2 = _skinny_input(x, self)
         if x2 is not None:
             from folio.model.kernels.gemv import skinny_matmul
-            return skinny_matmul(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
+            return skinny_matmul(x2, self.weight, self.bias,
+                                 pdl=self.kernels.pdl_on).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -266,7 +268,8 @@ class GatedMLP(nn.Module):
             x2 = _skinny_input(x, self.gate_up_proj, fused=True)
             if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
                 from folio.model.kernels.gemv import skinny_gate_up_silu
-                act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias)
+                act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                          pdl=self.kernels.pdl_on)
                 return self.down_proj(act.view(*x.shape[:-1], -1))
         gate_up = self.gate_up_proj(x)
         if self.fused_silu and _fused_kernels_on(gate_up, self.kernels):

@@ -202,3 +202,31 @@ def test_mp_executor_matches_in_process(model_dir):
         # Autotuning results cached on disk: the worker process runs the kernel configs the
         # in-process engine picked, so the same arithmetic, so the same tokens.
         assert exact == len(expected)
+
+
+def test_pdl_gives_the_same_tokens(model_dir, monkeypatch):
+    """Programmatic dependent launch (KernelConfig.pdl, on by default on Hopper) only lets a
+    kernel launch while the one before it finishes; each waits for its inputs, so tokens and
+    logprobs are bit-identical to launching without it — a kernel reading its predecessor's
+    output early would show here. Batched decode and batch 1 (the skinny GEMV, CUDA graphs)."""
+    from folio.model.kernels._common import pdl_launch
+    prompts = _prompts(16, seed=7)
+
+    def run(llm):
+        return _run(llm, prompts) + _run(llm, prompts[:1]) + _run(llm, prompts[1:2])
+
+    monkeypatch.setenv("FOLIO_PDL", "0")
+    off = _llm(model_dir)
+    assert not off.llm_engine.engine_core.executor.worker.model.kernel_config.pdl_on
+    expected = run(off)
+    off.llm_engine.shutdown()
+    del off
+    monkeypatch.delenv("FOLIO_PDL")
+    on = _llm(model_dir)
+    worker = on.llm_engine.engine_core.executor.worker
+    assert worker.model.kernel_config.pdl_on
+    capable = torch.cuda.get_device_capability()[0] >= 9
+    assert pdl_launch(torch.zeros(1, device="cuda"), True) == capable
+    got = run(on)
+    assert worker.graph_runner.num_replays > 0
+    assert got == expected

@@ -16,7 +16,7 @@ import torch
 from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, KernelConfig,
                                        resolve_kernel_config)
 
-ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV")
+ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL")
 
 
 @pytest.fixture
@@ -29,19 +29,20 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_defaults() -> None:
     cfg = resolve_kernel_config({})
     assert cfg == KernelConfig() == DEFAULT_KERNEL_CONFIG
-    assert (cfg.kernels, cfg.attention, cfg.gemv) == ("triton", "triton", "1")
-    assert cfg.fused_kernels and cfg.triton_attention and cfg.gemv_on
+    assert (cfg.kernels, cfg.attention, cfg.gemv, cfg.pdl) == ("triton", "triton", "1", "1")
+    assert cfg.fused_kernels and cfg.triton_attention and cfg.gemv_on and cfg.pdl_on
 
 
 @pytest.mark.parametrize("var,value,field", [
     ("FOLIO_KERNELS", "torch", "kernels"), ("FOLIO_KERNELS", "triton", "kernels"),
     ("FOLIO_ATTENTION", "torch", "attention"),
     ("FOLIO_GEMV", "0", "gemv"), ("FOLIO_GEMV", "narrow", "gemv"), ("FOLIO_GEMV", "all", "gemv"),
+    ("FOLIO_PDL", "0", "pdl"),
 ])
 def test_env_overrides_one_field(var: str, value: str, field: str) -> None:
     cfg = resolve_kernel_config({var: value})
     assert getattr(cfg, field) == value
-    others = {f: getattr(DEFAULT_KERNEL_CONFIG, f) for f in ("kernels", "attention", "gemv")
+    others = {f: getattr(DEFAULT_KERNEL_CONFIG, f) for f in ("kernels", "attention", "gemv", "pdl")
               if f != field}
     assert all(getattr(cfg, f) == v for f, v in others.items())
 
@@ -61,6 +62,9 @@ def test_torch_kernels_turn_the_gemv_off() -> None:
     assert resolve_kernel_config({"FOLIO_GEMV": "narrow"}).gemv_on
     # ... and it never switched attention.
     assert resolve_kernel_config({"FOLIO_KERNELS": "torch"}).triton_attention
+    # PDL belongs to the Triton kernels: off with them, or on its own.
+    assert not resolve_kernel_config({"FOLIO_KERNELS": "torch"}).pdl_on
+    assert not resolve_kernel_config({"FOLIO_PDL": "0"}).pdl_on
 
 
 @pytest.mark.parametrize("var", ENV_VARS)
@@ -90,6 +94,8 @@ def test_selector_follows_the_config() -> None:
     pytest.importorskip("triton")
     from folio.model.attention.triton_backend import TritonPagedAttention
     assert isinstance(get_attention_backend(cuda, KernelConfig()), TritonPagedAttention)
+    assert get_attention_backend(cuda, KernelConfig()).pdl
+    assert not get_attention_backend(cuda, KernelConfig(pdl="0")).pdl
 
 
 def _kernels_of(model: torch.nn.Module) -> dict[str, KernelConfig]:

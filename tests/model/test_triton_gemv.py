@@ -22,6 +22,9 @@ from interpreter_harness import child_main, interpreter_results, rel_err
 FMA_SPLIT = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=3, DOT=0)
 DOT = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, DOT=1)
 DOT_SPLIT = dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=2, DOT=1)
+# K = 64 in three splits of two 16-wide tiles: the last split is empty (k_lo = K), and K is a
+# whole number of tiles, so only the split's own range masks its first (peeled) tile.
+EMPTY_SPLIT = dict(BLOCK_N=8, BLOCK_K=16, SPLIT_K=3, DOT=0)
 
 CASES: list[dict[str, Any]] = []
 for _dt in ("float32", "float16"):
@@ -48,6 +51,10 @@ CASES += [
          K=100, bias=True, config=FMA_SPLIT),
     dict(name="gu_float16_m6_i37_k100_dot", kind="gate_up", dtype="float16", M=6, N=37, K=100,
          bias=False, config=DOT),
+    dict(name="mm_float16_m1_n24_k64_empty_split", kind="mm", dtype="float16", M=1, N=24,
+         K=64, bias=True, config=EMPTY_SPLIT),
+    dict(name="gu_float32_m2_i24_k64_empty_split", kind="gate_up", dtype="float32", M=2, N=24,
+         K=64, bias=False, config=EMPTY_SPLIT),
     dict(name="gu_float32_m4_i40_k96_dot_split", kind="gate_up", dtype="float32", M=4, N=40,
          K=96, bias=True, config=DOT_SPLIT),
 ]

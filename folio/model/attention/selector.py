@@ -14,6 +14,6 @@ def get_attention_backend(device: torch.device,
     so the choice is fixed for the model's life."""
     if device.type == "cuda" and kernels.triton_attention:
         from folio.model.attention.triton_backend import TritonPagedAttention
-        return TritonPagedAttention()
+        return TritonPagedAttention(pdl=kernels.pdl_on)
     from folio.model.attention.torch_paged import TorchPagedAttention
     return TorchPagedAttention()

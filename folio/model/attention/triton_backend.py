@@ -41,7 +41,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 class TritonPagedAttention(AttentionBackend):
-    def __init__(self, max_splits: int = 32, min_tokens_per_split: int = 256) -> None:
+    def __init__(self, max_splits: int = 32, min_tokens_per_split: int = 256,
+                 pdl: bool = False) -> None:
+        """`pdl`: launch the decode path's kernels (cache write, attention, merge) with
+        programmatic dependent launch where the GPU has it (KernelConfig.pdl_on)."""
+        self.pdl = pdl
         self.max_splits = max_splits
         self.min_tokens_per_split = min_tokens_per_split
         self._sms: int | None = None
@@ -78,14 +82,14 @@ class TritonPagedAttention(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
         st = self.step_tensors(metadata)
         # Write first: a request may read, in this same step, blocks another request fills.
-        tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping)
+        tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping, pdl=self.pdl)
         if st.all_decode:
             splits = st.num_splits
             if splits is None:
                 splits = self.num_splits(st, kv_cache.shape[3], query.device)
             return tk.paged_attention_decode(
                 query, kv_cache, st.seq_lens, st.block_tables, scale, sliding_window,
-                num_splits=splits)
+                num_splits=splits, pdl=self.pdl)
         return tk.paged_attention_varlen(
             query, kv_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
             block_tables=st.block_tables, max_query_len=st.max_query_len,

@@ -26,8 +26,11 @@ import math
 
 import torch
 
-from folio.model.kernels._common import HAS_TRITON, INTERPRET, tl, triton  # noqa: F401
+from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, triton  # noqa: F401
 from folio.model.kernels._common import next_pow2 as _next_pow2
+
+if HAS_TRITON:
+    from folio.model.kernels._common import pdl_entry
 
 _LOG2E = 1.4426950408889634
 
@@ -66,8 +69,9 @@ if HAS_TRITON:
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_c0, stride_cblk, stride_coff, stride_ch,
         KVH: tl.constexpr, D: tl.constexpr, KVH_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_entry(USE_PDL)
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t).to(tl.int64)
         if slot < 0:  # padding token: nothing to write
@@ -214,8 +218,9 @@ if HAS_TRITON:
         num_splits, window, qk_scale,
         G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
-        USE_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
+        pdl_entry(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -267,8 +272,9 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
         O, M_PART, L_PART, ACC_PART, stride_ot, stride_oh, num_heads, num_splits,
-        D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+        D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        pdl_entry(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         sp = tl.arange(0, S_PAD)
@@ -297,9 +303,10 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """Write key/value [T, KVH, D] into kv_cache at slot_mapping [T] (block * bs + offset);
-    slots < 0 are padding and skipped. Casts to the cache dtype."""
+    slots < 0 are padding and skipped. Casts to the cache dtype. `pdl`: launch with
+    programmatic dependent launch where the GPU has it (kernels/_common.py)."""
     _require_triton()
     T = key.shape[0]
     if T == 0:
@@ -308,12 +315,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
     assert kv_cache.shape[3] == kvh and kv_cache.shape[4] == d
     s0, sblk, soff, sh = _cache_strides(kv_cache)
+    pdl = pdl_launch(key, pdl)
     _reshape_and_cache_kernel[(T,)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         s0, sblk, soff, sh,
         KVH=kvh, D=d, KVH_PAD=_next_pow2(kvh), D_PAD=_next_pow2(d),
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=kv_cache.shape[2], USE_PDL=pdl, launch_pdl=pdl,
     )
 
 
@@ -381,9 +389,10 @@ def choose_num_splits(num_reqs: int, kv_heads: int, max_seq_len: int, num_sms: i
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float,
                            sliding_window: int | None = None, num_splits: int = 1,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
-    With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel."""
+    With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel.
+    `pdl`: launch both with programmatic dependent launch where the GPU has it."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     B = query.shape[0]
@@ -406,6 +415,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                                dtype=torch.float32)
     else:  # unused by the kernel; any valid pointer will do
         m_part = l_part = acc_part = out
+    pdl = pdl_launch(query, pdl)
     _decode_kernel[(B, kvh, num_splits)](
         query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -413,11 +423,11 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         num_splits, sliding_window if sliding else 0, scale * _LOG2E,
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        USE_SPLITS=use_splits,
+        USE_SPLITS=use_splits, USE_PDL=pdl, launch_pdl=pdl,
     )
     if use_splits:
         _decode_merge_kernel[(B, num_heads)](
             out, m_part, l_part, acc_part, out.stride(0), out.stride(1), num_heads, num_splits,
-            D=d, D_PAD=d_pad, S_PAD=_next_pow2(num_splits),
+            D=d, D_PAD=d_pad, S_PAD=_next_pow2(num_splits), USE_PDL=pdl, launch_pdl=pdl,
         )
     return out

@@ -1,6 +1,8 @@
-"""Shared bits for folio's Triton kernels: optional import, interpreter-aware autotune configs."""
+"""Shared bits for folio's Triton kernels: optional import, interpreter-aware autotune configs,
+programmatic dependent launch."""
 from __future__ import annotations
 
+import functools
 import os
 
 try:
@@ -26,6 +28,37 @@ def warps_configs(warps: tuple[int, ...]) -> list:
     return [triton.Config({}, num_warps=w, num_stages=1) for w in warps]
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    import torch
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(x, allowed: bool) -> bool:
+    """Whether a kernel reading `x` launches with programmatic dependent launch (PDL): wanted
+    (`allowed`, the layers' KernelConfig.pdl_on), a CUDA tensor on a Hopper-or-newer GPU, not
+    the interpreter. Under PDL the next kernel in the stream is launched while this one still
+    runs and waits (griddepcontrol.wait) before touching memory, so the launch gap between
+    the many small kernels of a decode step is hidden; kernels launched this way must start
+    with `pdl_entry`."""
+    if not allowed or INTERPRET or not HAS_TRITON or not x.is_cuda:
+        return False
+    return _pdl_capable(x.device.index if x.device.index is not None else 0)
+
+
 def require_triton() -> None:
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_entry(USE_PDL: tl.constexpr):
+        """First statement of a kernel that may be launched with PDL: wait until the kernel
+        before it has finished and its writes are visible (its outputs are this one's
+        inputs), then let the next kernel launch (it waits the same way, so nothing reads
+        this one's outputs early). A no-op when launched without PDL."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG
-from folio.model.kernels._common import HAS_TRITON, INTERPRET, next_pow2, require_triton, tl, triton
+from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, pdl_launch,
+                                         require_triton, tl, triton)
 
 MAX_M = 8
 _MAX_SPLIT = 4
@@ -113,6 +114,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if HAS_TRITON:
+    from folio.model.kernels._common import pdl_entry
 
     @triton.jit
     def _acc_init(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -150,6 +152,18 @@ if HAS_TRITON:
             tile = tl.load(rows + offs_k[None, :])
         else:
             tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        return tile
+
+    @triton.jit
+    def _load_first(rows, k_lo, k_hi, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+        """The first [R, BLOCK_K] tile of this program's K range. A split may be empty
+        (k_lo >= K, when K_SPLIT rounds up), so split programs mask by their own range."""
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        if SPLIT_K == 1:
+            tile = _load_k(rows, offs_k, K, BLOCK_K)
+        else:
+            tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
         return tile
 
     @triton.jit
@@ -200,7 +214,8 @@ if HAS_TRITON:
     def _skinny_kernel(X, W, B, OUT, P, C, M, stride_xm, stride_om,
                        N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
+                       USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = _row_offsets(M_PAD, DOT)
@@ -210,8 +225,14 @@ if HAS_TRITON:
         x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
         w_rows = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
         k_lo, k_hi = _k_range(pid_k, K, BLOCK_K, SPLIT_K)
+        # The first weight tile is no kernel's output: under PDL it streams in while the
+        # kernel before this one finishes (at K <= BLOCK_K that is the whole weight).
+        w = _load_first(w_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
+        pdl_entry(USE_PDL)
         acc = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        acc = _mac(acc, _load_first(x_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K), w, M_PAD, DOT,
+                   PRECISION)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = _load_k(w_rows, offs_k, K, BLOCK_K)
             x = _load_k(x_rows, offs_k, K, BLOCK_K)
@@ -234,7 +255,7 @@ if HAS_TRITON:
                                N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
                                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SPLIT_K: tl.constexpr, DOT: tl.constexpr):
+                               SPLIT_K: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr):
         # N is the intermediate size I: gate rows [0, I) of W, up rows [I, 2I).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -244,9 +265,14 @@ if HAS_TRITON:
         g_rows = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
         u_rows = g_rows + N * K
         k_lo, k_hi = _k_range(pid_k, K, BLOCK_K, SPLIT_K)
-        acc_g = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
-        acc_u = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        # As in _skinny_kernel: the first weight tiles load before waiting for the inputs.
+        wg = _load_first(g_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
+        wu = _load_first(u_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
+        pdl_entry(USE_PDL)
+        x = _load_first(x_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
+        acc_g = _mac(_acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT), x, wg, M_PAD, DOT, PRECISION)
+        acc_u = _mac(_acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT), x, wu, M_PAD, DOT, PRECISION)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             wg = _load_k(g_rows, offs_k, K, BLOCK_K)
             wu = _load_k(u_rows, offs_k, K, BLOCK_K)
@@ -336,13 +362,16 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return x, M, next_pow2(M)
 
 
-def _launch(kernel, x, weight, bias, out, N: int, M: int, m_pad: int, config: dict | None):
+def _launch(kernel, x, weight, bias, out, N: int, M: int, m_pad: int, config: dict | None,
+            pdl: bool):
     partials, counters = _workspace(x.device)
+    pdl = pdl_launch(x, pdl)
     args = (x, weight, bias if bias is not None else weight, out, partials, counters, M,
             x.stride(0), out.stride(0))
     meta = dict(N=N, K=x.shape[1], M_PAD=m_pad, HAS_BIAS=bias is not None,
                 # fp32 stays exact in tl.dot (its default there is tf32)
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                USE_PDL=pdl, launch_pdl=pdl)
     if config is None:
         kernel[lambda c: (triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
     else:  # a fixed config, bypassing the autotuner (tests)
@@ -363,10 +392,11 @@ def _check_split(n: int, partial_cols: int, config: dict | None) -> None:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, *, _config: dict | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, pdl: bool = False,
+                  _config: dict | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_M, rows may be strided) @ weight [N, K]^T (+ bias [N]) ->
     [M, N] in x.dtype, accumulated in fp32. `out`, if given, is an [M, N] tensor whose rows
-    are contiguous."""
+    are contiguous. `pdl`: launch with programmatic dependent launch where the GPU has it."""
     x, M, m_pad = _prepare(x, weight, bias)
     N = weight.shape[0]
     if out is None:
@@ -374,12 +404,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     elif out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"out must be [{M}, {N}] with contiguous rows, got {tuple(out.shape)}")
     _check_split(N, N, _config)
-    _launch(_skinny_kernel, x, weight, bias, out, N, M, m_pad, _config)
+    _launch(_skinny_kernel, x, weight, bias, out, N, M, m_pad, _config, pdl)
     return out
 
 
 def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        *, _config: dict | None = None) -> torch.Tensor:
+                        *, pdl: bool = False, _config: dict | None = None) -> torch.Tensor:
     """x [M, K] with a merged gate|up weight [2I, K] (gate rows first) -> silu(gate) * up,
     [M, I] in x.dtype; gate and up are rounded to x.dtype first, as the unfused
     F.linear + silu_and_mul path rounds them."""
@@ -390,5 +420,5 @@ def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     inner = two_i // 2
     out = torch.empty((M, inner), dtype=x.dtype, device=x.device)
     _check_split(inner, two_i, _config)
-    _launch(_skinny_gate_up_kernel, x, weight, bias, out, inner, M, m_pad, _config)
+    _launch(_skinny_gate_up_kernel, x, weight, bias, out, inner, M, m_pad, _config, pdl)
     return out

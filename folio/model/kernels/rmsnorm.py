@@ -9,14 +9,19 @@ from __future__ import annotations
 import torch
 
 from folio.model.kernels._common import (
-    HAS_TRITON, next_pow2, require_triton, tl, triton, warps_configs)
+    HAS_TRITON, next_pow2, pdl_launch, require_triton, tl, triton, warps_configs)
+
+if HAS_TRITON:
+    from folio.model.kernels._common import pdl_entry
 
 if HAS_TRITON:
 
     @triton.autotune(configs=warps_configs((1, 2, 4, 8)), key=["BLOCK_D"])
     @triton.jit
     def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr):
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+        pdl_entry(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         mask = d < D
@@ -33,9 +38,10 @@ if HAS_TRITON:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None, pdl: bool = False):
     """x [..., D]. Without residual returns norm(x); with it returns (norm(x + residual),
-    x + residual), like `RMSNorm.forward`. Output dtype: the promotion of weight and x."""
+    x + residual), like `RMSNorm.forward`. Output dtype: the promotion of weight and x.
+    `pdl`: launch with programmatic dependent launch where the GPU has it (_common)."""
     require_triton()
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
@@ -52,8 +58,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         r2, res_out = x2, out  # unused by the kernel
     if x2.shape[0] > 0:
+        pdl = pdl_launch(x2, pdl)
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-            res_out.stride(0), eps, D=D, BLOCK_D=next_pow2(D), HAS_RES=has_res)
+            res_out.stride(0), eps, D=D, BLOCK_D=next_pow2(D), HAS_RES=has_res,
+            USE_PDL=pdl, launch_pdl=pdl)
     out = out.view(x.shape)
     return (out, res_out.view(x.shape)) if has_res else out

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 
 from folio.model.kernels._common import (
-    HAS_TRITON, next_pow2, require_triton, tl, triton, warps_configs)
+    HAS_TRITON, next_pow2, pdl_launch, require_triton, tl, triton, warps_configs)
+
+if HAS_TRITON:
+    from folio.model.kernels._common import pdl_entry
 
 _HEADS_PER_PROGRAM = 8
 
@@ -27,7 +30,8 @@ if HAS_TRITON:
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
                        H: tl.constexpr, KVH: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
-                       HAS_NORM: tl.constexpr):
+                       HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_entry(USE_PDL)
         # Program (token, block of HB heads): the first ceil(H / HB) blocks are query heads,
         # the rest key heads. A block of heads rather than one head per program: at decode
         # sizes a program per head was too little work for its launch slot.
@@ -83,10 +87,11 @@ if HAS_TRITON:
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int, q [T, H, D], k [T, KVH, D], cos/sin [P, R] (R even, <= D).
     Returns new (q, k); inputs may be strided views (e.g. slices of a fused qkv). With
-    q_norm_weight and k_norm_weight ([D] each), each head is RMS-normalized first."""
+    q_norm_weight and k_norm_weight ([D] each), each head is RMS-normalized first. `pdl`:
+    launch with programmatic dependent launch where the GPU has it (_common)."""
     require_triton()
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -106,10 +111,12 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     qw = q_norm_weight if has_norm else cos
     kw = k_norm_weight if has_norm else cos
     hb = min(_HEADS_PER_PROGRAM, next_pow2(max(H, KVH)))
+    pdl = pdl_launch(q, pdl)
     _rotary_kernel[(T, triton.cdiv(H, hb) + triton.cdiv(KVH, hb))](
         positions, q, k, q_out, k_out, cos, sin, qw, kw, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
         H=H, KVH=KVH, HB=hb, D=D, HALF=half, HALF_PAD=next_pow2(half),
-        REST_PAD=next_pow2(rest) if rest else 0, HAS_NORM=has_norm)
+        REST_PAD=next_pow2(rest) if rest else 0, HAS_NORM=has_norm, USE_PDL=pdl,
+        launch_pdl=pdl)
     return q_out, k_out
