@@ -15,6 +15,10 @@ _CUDAGRAPH_MODES = ("full", "full_decode_only")
 DEFAULT_MAX_NUM_SEQS_CUDA = 256
 DEFAULT_MAX_NUM_SEQS_CPU = 128
 _VALID_POLICIES = ("fcfs", "priority")
+# How weights are kept (vLLM's --quantization names): "gguf" = a GGUF file's quantized
+# matrices stay packed and the matmuls run on them (CPU); "none" = every weight dequantized to
+# the model dtype (the reference path). None = "gguf" for a GGUF model on the CPU, else "none".
+QUANTIZATION_METHODS = ("none", "gguf")
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:
@@ -43,6 +47,7 @@ class ModelConfig:
     # and mixed steps (prefill chunks) at padded token counts; "full_decode_only" = pure-decode
     # steps only, mixed steps run eagerly.
     cudagraph_mode: str = "full"
+    quantization: str | None = None   # one of QUANTIZATION_METHODS; None = by model and device
 
     def __post_init__(self) -> None:
         _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,
@@ -61,6 +66,9 @@ class ModelConfig:
                  and self.cudagraph_mode.lower() in _CUDAGRAPH_MODES, "cudagraph_mode",
                  f"must be one of {list(_CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
         self.cudagraph_mode = self.cudagraph_mode.lower()
+        _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+                 "quantization", f"must be one of {list(QUANTIZATION_METHODS)}, got "
+                 f"{self.quantization!r}")
 
 
 @dataclass

@@ -15,6 +15,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--revision", default=None, help="hub revision of the model")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
+    parser.add_argument("--quantization", "-q", default=None, choices=["none", "gguf"],
+                        help="how weights are kept: gguf = a GGUF model's quantized matrices "
+                             "stay packed (CPU); none = dequantized to --dtype (the reference); "
+                             "default: gguf for a GGUF model on the CPU, else none")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (prompt + output); default: the model's maximum")
@@ -92,6 +96,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),
         cudagraph_mode=getattr(args, "cudagraph_mode", "full"),
+        quantization=getattr(args, "quantization", None),
         async_scheduling=getattr(args, "async_scheduling", None),
         structured_outputs_config={
             "backend": getattr(args, "structured_outputs_backend", "auto"),

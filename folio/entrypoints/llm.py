@@ -25,7 +25,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, scheduling_policy: str = "fcfs",
                  device: str = "auto", revision: str | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 cudagraph_mode: str = "full",
+                 cudagraph_mode: str = "full", quantization: str | None = None,
                  async_scheduling: bool | None = None,
                  structured_outputs_config: StructuredOutputsConfig | dict | None = None,
                  max_logprobs: int | None = None,
@@ -44,7 +44,8 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,
-                              enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode),
+                              enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               num_gpu_blocks_override=num_gpu_blocks_override,

@@ -62,6 +62,9 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
             spec.hidden_size, spec.vocab_size, bias=False)
+        # The output matrix as packed planes (folio.model.quant, CPU), when it is kept
+        # quantized; None = the float weight.
+        self.lm_head_packed: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -75,34 +78,56 @@ class DecoderLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
 
     # ---- weights -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def weight_target(self, name: str) -> tuple[str, str | None, str] | None:
+        """Where checkpoint tensor `name` goes: (module path, shard of a merged module or None,
+        parameter name); None for what folio does not load (derived rotary buffers, a tied
+        lm_head)."""
+        if "rotary_emb" in name:
+            return None  # derived buffers some checkpoints carry
+        name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the output matrix
+        parts = name.split(".")
+        merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+        if merged is not None:
+            return ".".join(parts[:-2] + [merged[0]]), merged[1], parts[-1]
+        return ".".join(parts[:-1]), None, parts[-1]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     preloaded: Iterable[str] = ()) -> None:
+        """Copy checkpoint tensors into the parameters; `preloaded`: checkpoint names whose
+        weights were installed otherwise (packed planes), counted as loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        for name in preloaded:
+            target = self.weight_target(name)
+            if target is not None:
+                path, shard, attr = target
+                loaded.add(f"{path}.{attr}" + (f":{shard}" if shard else ""))
         unexpected: list[str] = []
         for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue  # derived buffers some checkpoints carry
-            name = name.removeprefix("model.") if not name.startswith("lm_head") else name
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the output matrix
-            parts = name.split(".")
-            merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
-            if merged is not None:
-                module_path = ".".join(parts[:-2] + [merged[0]])
-                target = f"{module_path}.{parts[-1]}"
-                if target not in params:
+            target = self.weight_target(name)
+            if target is None:
+                continue
+            module_path, shard, attr = target
+            if shard is not None:
+                full = f"{module_path}.{attr}"
+                if full not in params:
                     unexpected.append(name)
                     continue
                 module = self.get_submodule(module_path)
                 assert isinstance(module, MergedLinear)
-                module.load_shard(merged[1], parts[-1], tensor)
-                loaded.add(f"{target}:{merged[1]}")
+                module.load_shard(shard, attr, tensor)
+                loaded.add(f"{full}:{shard}")
                 continue
+            name = f"{module_path}.{attr}"
             if name not in params:
                 unexpected.append(name)
                 continue

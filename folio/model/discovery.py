@@ -22,6 +22,41 @@ class ModelSource:
     gguf_metadata: Any = field(default=None, repr=False)
 
 
+def gguf_file_of(source: ModelSource) -> str | None:
+    """The GGUF file a model's weights come from: the file itself, or the one a converted
+    directory (the default model's, default_model.py) was made from; None otherwise."""
+    if source.kind == "gguf":
+        return source.path
+    marker = os.path.join(source.path, "folio_source.json")
+    if os.path.isfile(marker):
+        import json
+        try:
+            with open(marker, encoding="utf-8") as f:
+                path = json.load(f).get("gguf_path")
+        except (OSError, ValueError):
+            return None
+        if isinstance(path, str) and os.path.isfile(path):
+            return path
+    return None
+
+
+def resolve_quantization(requested: str | None, source: ModelSource, device_type: str) -> str:
+    """The weight format a model runs with (config.QUANTIZATION_METHODS): by default a GGUF
+    model on the CPU keeps its quantized matrices packed; an explicit "gguf" without a GGUF
+    file or off the CPU is an error naming the field."""
+    gguf = gguf_file_of(source)
+    if requested is None:
+        return "gguf" if gguf is not None and device_type == "cpu" else "none"
+    if requested == "gguf":
+        if gguf is None:
+            raise ValueError("quantization 'gguf' needs a GGUF model (a .gguf file, or the "
+                             "default model)")
+        if device_type != "cpu":
+            raise ValueError("quantization 'gguf' runs on the CPU only so far; use "
+                             "quantization 'none' on CUDA")
+    return requested
+
+
 def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
     """Turn the user's `model` argument into a local directory or GGUF file."""
     if model is None:

@@ -2,7 +2,9 @@
 
 The config, chat template and tokenizer come from gguf_metadata.py (torch-free, read by the
 front end too); this module adds the weights: every tensor dequantized to float32 under its
-Hugging Face name, with llama.cpp's Q/K row reordering undone.
+Hugging Face name, with llama.cpp's Q/K row reordering undone — or, with `keep_planes`, the
+matrices of the 4-bit-plane types kept as planes (folio.model.quant.gguf_planes) for the CPU's
+packed matmul, the rest dequantized.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class GGUFCheckpoint:
     # generation_config.json), and the model's name.
     extra_eos_token_ids: list[int] = field(default_factory=list)
     name: str | None = None
+    # With keep_planes: HF name -> the weight's planes (those names are not in state_dict).
+    planes: dict[str, list] = field(default_factory=dict)
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -49,25 +53,49 @@ def _dequantize(t, path: str) -> torch.Tensor:
     return torch.from_numpy(dequantize_array(t, path))
 
 
-def read_gguf(path: str) -> GGUFCheckpoint:
-    """Parse `path` and return an HF-layout config and float32 state dict."""
-    return read_with(path, _build_checkpoint)
+def read_gguf(path: str, keep_planes: bool = False) -> GGUFCheckpoint:
+    """Parse `path` and return an HF-layout config and float32 state dict (with
+    `keep_planes`, the plane-typed matrices as planes instead)."""
+    return read_with(path, lambda *args: _build_checkpoint(*args, keep_planes=keep_planes))
 
 
-def _build_checkpoint(reader, path: str, arch: str, spec) -> GGUFCheckpoint:
+def _planes_of(t, n_heads: int | None):
+    """A plane-typed 2-D tensor's planes, rows un-permuted like the float weight's."""
+    import numpy as np
+
+    from folio.model.quant.gguf_planes import planes_from_blocks
+    k = int(t.shape[0])
+    n = int(np.prod([int(d) for d in t.shape[1:]]))
+    planes = planes_from_blocks(t.tensor_type.name, np.asarray(t.data), (n, k))
+    if n_heads is not None:
+        order = _unpermute_rows(torch.arange(n), n_heads).numpy()
+        planes = [p.take_rows(order) for p in planes]
+    return planes
+
+
+def _build_checkpoint(reader, path: str, arch: str, spec,
+                      keep_planes: bool = False) -> GGUFCheckpoint:
     # The config first: it also rejects tensors folio would silently drop.
     meta = metadata_from_reader(reader, path, arch, spec)
     cfg = meta.hf_config
     n_layers, n_heads, n_kv = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
                                cfg["num_key_value_heads"])
+    from folio.model.quant.gguf_planes import PLANE_TYPES
     state_dict: dict[str, torch.Tensor] = {}
+    planes: dict[str, list] = {}
     for name, t in {t.name: t for t in reader.tensors}.items():
         if name == ROPE_FREQS:
             continue
         hf = hf_tensor_name(name, n_layers)
+        permuted = spec.qk_permuted and (".attn_q." in name or ".attn_k." in name)
+        heads = (n_heads if ".attn_q." in name else n_kv) if permuted else None
+        if keep_planes and t.tensor_type.name in PLANE_TYPES and len(t.shape) == 2:
+            planes[hf] = _planes_of(t, heads)
+            continue
         w = _dequantize(t, path)
-        if spec.qk_permuted and (".attn_q." in name or ".attn_k." in name):
-            w = _unpermute_rows(w, n_heads if ".attn_q." in name else n_kv)
+        if permuted:
+            w = _unpermute_rows(w, heads)
         state_dict[hf] = w
     return GGUFCheckpoint(hf_config=cfg, state_dict=state_dict, chat_template=meta.chat_template,
-                          extra_eos_token_ids=meta.extra_eos_token_ids, name=meta.name)
+                          extra_eos_token_ids=meta.extra_eos_token_ids, name=meta.name,
+                          planes=planes)

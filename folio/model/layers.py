@@ -176,8 +176,13 @@ class Linear(nn.Linear):
                  dtype=None, *, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.kernels = kernels
+        # The weight kept quantized (folio.model.quant: packed int4 planes, CPU); its float
+        # `weight` is then empty.
+        self.packed: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         x2 = _skinny_input(x, self)
         if x2 is not None:
             from folio.model.kernels.gemv import skinny_matmul
@@ -264,7 +269,7 @@ class GatedMLP(nn.Module):
             raise ValueError(f"activation {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu:
+        if self.fused_silu and self.gate_up_proj.packed is None:
             x2 = _skinny_input(x, self.gate_up_proj, fused=True)
             if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
                 from folio.model.kernels.gemv import skinny_gate_up_silu

@@ -79,10 +79,12 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
 
 def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_model_len: int, *,
-               kernel_config: KernelConfig | None = None) -> tuple[DecoderLM, ArchSpec]:
+               kernel_config: KernelConfig | None = None,
+               quantization: str = "none") -> tuple[DecoderLM, ArchSpec]:
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
-    here once; the forward code never reads the environment)."""
+    here once; the forward code never reads the environment). `quantization` "gguf": the
+    GGUF file's plane-typed matrices stay packed (folio.model.quant, CPU)."""
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
@@ -92,8 +94,22 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         # device: no time on random init, and no float32 copy of the weights on the way.
         model = DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
                           kernels=kernel_config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor on the way
+    if quantization == "gguf":
+        from folio.model.discovery import gguf_file_of
+        from folio.model.gguf_loader import read_gguf
+        from folio.model.quant import gguf_install
+        ckpt = read_gguf(gguf_file_of(source), keep_planes=True)
+        plan, consumed = gguf_install.plan_packed(model, ckpt.planes)
+        gguf_install.shrink_packed_params(model, plan)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        gguf_install.install_packed(model, plan, dtype)
+        float_weights = list(ckpt.state_dict.items()) + [
+            (name, torch.from_numpy(sum(p.dequantize() for p in planes)))
+            for name, planes in ckpt.planes.items() if name not in consumed]
+        model.load_weights(float_weights, preloaded=consumed)
+    else:
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor
     # The rotary tables were meta buffers; build them for real, in float32 (positions need
     # the precision; they are cast to the activation dtype at each use, as transformers does).
     with torch.device(device):

@@ -10,7 +10,7 @@ import torch
 from folio.config import EngineConfig
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 from folio.model.families import ArchSpec
-from folio.model.discovery import ModelSource
+from folio.model.discovery import ModelSource, resolve_quantization
 from folio.model.loader import load_model, resolve_dtype
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes)
@@ -49,8 +49,13 @@ class Worker:
         self.timings: dict[str, float] = dict.fromkeys(STARTUP_STAGES, 0.0)
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
+        # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
+        # the device.
+        self.quantization = resolve_quantization(config.model.quantization, source,
+                                                 self.device.type)
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
-                                           config.model.max_model_len)
+                                           config.model.max_model_len,
+                                           quantization=self.quantization)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         self.load_seconds = time.perf_counter() - start

@@ -1,0 +1,86 @@
+"""Weights kept as packed 4-bit planes on the CPU (see gguf_planes.py), for matmuls and row
+lookups.
+
+Each plane's codes are stored two to a byte in ggml's order within a group of 32 (byte i holds
+element i in its low nibble and element i + 16 in its high one), with float32 scales and zeros
+per group: 4.5 bits per weight per plane instead of 32. The matmul is folio's C++ kernel
+(csrc/q4_matmul.cpp), float32 throughout.
+
+Why not torch's own CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`): it is fast only with
+bfloat16 activations, scales and output (on this project's 2-vCPU AVX-512 VM, 86 µs for a
+576 -> 1536 product at one row against ~2.2 ms fed float32), and those roundings cost ~0.3 % per
+matmul, which moved the default model's greedy answers (12 of 15 prompts kept their first 16
+tokens against the float path; the issue asks 13). The C++ kernel's error against
+dequantize-then-matmul is float32 summation order (~3e-7 relative).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from folio.model.quant.gguf_planes import GROUP, Plane
+
+
+def _ggml_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[N, K] codes 0..15 -> [N, K / 2] bytes, ggml's order within each group of 32."""
+    n, k = codes.shape
+    groups = codes.reshape(n, k // GROUP, GROUP)
+    two = groups[..., :GROUP // 2] | (groups[..., GROUP // 2:] << 4)
+    return np.ascontiguousarray(two.reshape(n, k // 2), dtype=np.uint8)
+
+
+class PackedInt4Weight(nn.Module):
+    """W [N, K] = the sum of the planes. forward(x [..., K]) = x @ W^T (+ bias), in x's
+    dtype; lookup(ids) = rows of W in float32."""
+
+    def __init__(self, planes: list[Plane]) -> None:
+        super().__init__()
+        if not planes:
+            raise ValueError("a packed weight needs at least one plane")
+        self.out_features, self.in_features = planes[0].codes.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of {GROUP}")
+        self.num_planes = len(planes)
+        for i, plane in enumerate(planes):
+            self.register_buffer(f"codes{i}", torch.from_numpy(_ggml_nibbles(plane.codes)),
+                                 persistent=False)
+            self.register_buffer(f"scale{i}", torch.from_numpy(
+                np.ascontiguousarray(plane.scale, dtype=np.float32)), persistent=False)
+            self.register_buffer(f"zero{i}", torch.from_numpy(
+                np.ascontiguousarray(plane.zero, dtype=np.float32)), persistent=False)
+        from folio.model.quant.cpu_kernels import q4_matmul_module
+        self._kernel = q4_matmul_module()
+
+    def _planes(self, name: str) -> list[torch.Tensor]:
+        return [getattr(self, f"{name}{i}") for i in range(self.num_planes)]
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        out = self._kernel.q4_matmul(x2, self._planes("codes"), self._planes("scale"),
+                                     self._planes("zero"))
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W, rebuilt exactly in float32 ([*ids.shape, K])."""
+        flat = ids.reshape(-1)
+        k = self.in_features
+        out = torch.zeros(flat.shape[0], k, dtype=torch.float32)
+        for two, scale, zero in zip(self._planes("codes"), self._planes("scale"),
+                                    self._planes("zero")):
+            b = two.index_select(0, flat).view(-1, k // GROUP, GROUP // 2)
+            codes = torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.float32) - 8.0
+            out += (codes * scale.index_select(0, flat).unsqueeze(-1)
+                    + zero.index_select(0, flat).unsqueeze(-1)).view(-1, k)
+        return out.view(*ids.shape, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """W in float32 (tests, reference)."""
+        return self.lookup(torch.arange(self.out_features))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"planes={self.num_planes}")

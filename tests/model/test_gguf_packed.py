@@ -1,0 +1,188 @@
+"""GGUF weights kept quantized on the CPU (folio/model/quant): the 4-bit planes of each type
+equal gguf-py's dequantization (random blocks and the default model's real ones), the packed
+matmul equals dequantize-then-matmul within float32 error, and the default model loads with
+every projection packed and gives the float path's logits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from folio.model.quant.gguf_planes import BLOCKS, planes_from_blocks
+from folio.model.quant.int4_packed import PackedInt4Weight
+
+# fp16 fields at the start of each block (d; d and m / d and dmin).
+_F16_FIELDS = {"Q4_0": 1, "Q5_0": 1, "Q8_0": 1, "Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2}
+
+
+def _random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes for every code and scale field, with finite fp16 block scales."""
+    elems, nbytes = BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    f16 = _F16_FIELDS[type_name]
+    scales = (rng.standard_normal((n, k // elems, f16)) * 0.02).astype(np.float16)
+    raw[..., :2 * f16] = scales.view(np.uint8).reshape(n, k // elems, 2 * f16)
+    return raw
+
+
+def _reference(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    qtype = getattr(GGMLQuantizationType, type_name)
+    return dequantize(raw.reshape(n, -1), qtype).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+def test_planes_equal_gguf_dequantization(type_name: str) -> None:
+    n, k = 7, 512
+    raw = _random_blocks(type_name, n, k, seed=len(type_name))
+    planes = planes_from_blocks(type_name, raw, (n, k))
+    assert all(p.codes.max() <= 15 for p in planes)
+    got = sum(p.dequantize() for p in planes)
+    np.testing.assert_allclose(got, _reference(type_name, raw, n, k), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_packed_matmul_equals_dequantized_matmul(type_name: str, rows: int) -> None:
+    n, k = 40, 256
+    raw = _random_blocks(type_name, n, k, seed=rows)
+    weight = torch.from_numpy(_reference(type_name, raw, n, k))
+    packed = PackedInt4Weight(planes_from_blocks(type_name, raw, (n, k)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(n)
+    ref = (x.double() @ weight.double().t() + bias.double())
+    out = packed(x, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # Other activation dtypes come back in their dtype; rows are rebuilt exactly.
+    assert packed(x.bfloat16()).dtype == torch.bfloat16
+    ids = torch.tensor([[0, n - 1], [5, 5]])
+    assert torch.equal(packed.lookup(ids), weight[ids])
+
+
+def test_bad_shapes_are_refused() -> None:
+    raw = _random_blocks("Q4_0", 2, 64, seed=0)
+    with pytest.raises(ValueError, match="whole Q4_0 blocks"):
+        planes_from_blocks("Q4_0", raw, (2, 48))
+    with pytest.raises(ValueError, match="no 4-bit plane form"):
+        planes_from_blocks("Q6_K", raw, (2, 64))
+
+
+def _default_gguf() -> str:
+    from folio.model.default_model import default_gguf_path
+    try:
+        return default_gguf_path()
+    except Exception as exc:  # noqa: BLE001 - the package is a test requirement
+        pytest.fail(f"the default model package is missing: {exc}")
+
+
+def test_real_blocks_of_the_default_model() -> None:
+    """The default model's Q4_1 projections and its Q8_0 embedding, as the file has them."""
+    from gguf import GGUFReader
+    reader = GGUFReader(_default_gguf())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        k, n = int(t.shape[0]), int(t.shape[1])
+        rows = min(n, 256)
+        raw = np.asarray(t.data)[:rows]
+        ref = dequantize(raw, t.tensor_type).reshape(rows, k)
+        planes = planes_from_blocks(t.tensor_type.name, raw, (rows, k))
+        np.testing.assert_allclose(sum(p.dequantize() for p in planes), ref, rtol=1e-6,
+                                   atol=1e-5, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def default_models():
+    from folio.model.discovery import load_hf_config, resolve_model_source
+    from folio.model.loader import load_model
+    source = resolve_model_source(None)
+    hf_config, _ = load_hf_config(source)
+    cpu = torch.device("cpu")
+    packed, _ = load_model(source, hf_config, torch.float32, cpu, 512, quantization="gguf")
+    plain, _ = load_model(source, hf_config, torch.float32, cpu, 512, quantization="none")
+    return packed, plain
+
+
+def test_default_model_loads_packed(default_models) -> None:
+    from folio.model.layers import Linear
+    packed, plain = default_models
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    assert packed.lm_head_packed is not None  # tied: the packed embedding
+    float_bytes = sum(p.numel() * p.element_size() for p in packed.parameters())
+    packed_bytes = sum(b.numel() * b.element_size() for b in packed.buffers())
+    plain_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    # Q4_1 projections (two 4-bit planes' worth at most) and the Q8_0 embedding: far below
+    # the float32 model.
+    assert float_bytes + packed_bytes < plain_bytes / 4
+    ids = torch.tensor([1, 5, 300, 49151])
+    assert torch.equal(packed.embed_tokens(ids), plain.embed_tokens(ids))
+
+
+def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    from folio.model.attention import AttentionMetadata
+    T, bs = len(ids), 16
+    blocks = -(-T // bs)
+    kv = [torch.zeros(2, blocks, bs, model.spec.num_kv_heads, model.spec.head_dim)
+          for _ in model.layers]
+    meta = AttentionMetadata(slot_mapping=torch.arange(T), query_start_loc=[0, T],
+                             seq_lens=[T], num_computed_tokens=[0],
+                             block_tables=torch.arange(blocks)[None], block_size=bs)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(T), kv, meta))
+
+
+def test_default_model_logits_match_the_float_path(default_models) -> None:
+    packed, plain = default_models
+    ids = torch.tensor([1, 504, 3120, 314, 2744, 28, 6394, 30])
+    a, b = _prefill_logits(packed, ids), _prefill_logits(plain, ids)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_perplexity_on_an_english_text_matches_the_float_path(default_models) -> None:
+    """Perplexity of the first 384 tokens of CPython's LICENSE.txt (a text that ships with
+    every Python): the packed path within 1 % of the float path (the issue's Q8_0 bound; the
+    Q4 one is 5 %), and a sane value (an English legal text, not noise)."""
+    import os
+    import sysconfig
+
+    from transformers import AutoTokenizer
+
+    from folio.model.default_model import default_model_path
+    packed, plain = default_models
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    ids = torch.tensor(tokenizer(text)["input_ids"][:384])
+    assert len(ids) == 384
+
+    def perplexity(model) -> float:
+        logits = _prefill_logits(model, ids)[:-1].double()
+        nll = torch.nn.functional.cross_entropy(logits, ids[1:])
+        return float(torch.exp(nll))
+
+    q, f = perplexity(packed), perplexity(plain)
+    assert 1.5 < f < 50, f
+    assert abs(q / f - 1) < 0.01, (q, f)
+
+
+def test_quantization_choice() -> None:
+    from folio.config import ModelConfig
+    from folio.model.discovery import ModelSource, resolve_model_source, resolve_quantization
+    default = resolve_model_source(None)
+    assert resolve_quantization(None, default, "cpu") == "gguf"
+    assert resolve_quantization(None, default, "cuda") == "none"
+    assert resolve_quantization("none", default, "cpu") == "none"
+    plain_dir = ModelSource("hf_dir", "/nonexistent-model-dir")
+    assert resolve_quantization(None, plain_dir, "cpu") == "none"
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
+        resolve_quantization("gguf", plain_dir, "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("gguf", default, "cuda")
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="int3")
