@@ -23,10 +23,17 @@ class ModelSource:
 
 
 def gguf_file_of(source: ModelSource) -> str | None:
-    """The GGUF file a model's weights come from: the file itself, or the one a converted
-    directory (the default model's, default_model.py) was made from; None otherwise."""
+    """The GGUF file a model's weights come from: the file itself, or the one a directory in
+    folio's conversion cache (the default model's, default_model.py) was made from; None
+    otherwise."""
     if source.kind == "gguf":
         return source.path
+    # Only folio's own conversions (the cache, default_model.py): a copy elsewhere is a user's
+    # Hugging Face directory, whose own weight files are what it means.
+    from folio.model.default_model import folio_cache_dir
+    cache = os.path.realpath(os.path.join(folio_cache_dir(), "hf"))
+    if not os.path.realpath(source.path).startswith(cache + os.sep):
+        return None
     marker = os.path.join(source.path, "folio_source.json")
     if os.path.isfile(marker):
         import json

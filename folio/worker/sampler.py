@@ -65,6 +65,7 @@ class RowLogprobs:
 
 
 _NEG_INF = float("-inf")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class Sampler:
@@ -405,7 +406,8 @@ def _apply_penalties(logits: torch.Tensor, columns: SamplingColumns,
         if pending is not None:
             pending.add_to(seen_counts, rep_rows)
         seen = seen_counts > 0
-        penalty = _column_tensor(columns.repetition_penalty[rep_rows], device).unsqueeze(1)
+        penalty = _column_tensor(columns.repetition_penalty[rep_rows], device,
+                                 torch.float32).unsqueeze(1)
         sub = logits[rep_rows]
         # Dividing a positive logit / multiplying a negative one both make the
         # token less likely when penalty > 1 (more likely when < 1).
@@ -418,8 +420,8 @@ def _apply_penalties(logits: torch.Tensor, columns: SamplingColumns,
         counts = _token_counts(columns.history(add_rows, True, vocab), vocab, device)
         if pending is not None:
             pending.add_to(counts, add_rows)
-        freq = _column_tensor(columns.frequency_penalty[add_rows], device)
-        pres = _column_tensor(columns.presence_penalty[add_rows], device)
+        freq = _column_tensor(columns.frequency_penalty[add_rows], device, torch.float32)
+        pres = _column_tensor(columns.presence_penalty[add_rows], device, torch.float32)
         logits[add_rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).float()
 
 
@@ -471,7 +473,9 @@ def _sample(logits: torch.Tensor, states: list[SamplingState],
     random_index = None if all_random else _column_tensor(random_rows, device, torch.int64)
     # Every row random (the common batch): work on the logits themselves, no gather.
     sub = logits if all_random else logits.index_select(0, random_index)
-    temperature = columns.temperature[random_rows]
+    # At most float32's largest value: an infinite divisor would turn the banned tokens'
+    # -inf into NaN (and the draw into token 0, banned or not).
+    temperature = np.minimum(columns.temperature[random_rows], _FLOAT32_MAX)
     if (temperature != 1.0).any():
         sub.div_(_column_tensor(temperature, device, torch.float32).unsqueeze(1))
     apply_min_p(sub, columns.min_p[random_rows])

@@ -19,15 +19,17 @@ import numpy as np
 from folio.sampling_params import SAMPLING_EPS, SamplingParams
 
 # Scalar knobs stored per row: name -> numpy dtype. The values are SamplingParams' own
-# (top_k 0 or -1 = off; temperature 0 = greedy).
+# (top_k 0 or -1 = off; temperature 0 = greedy), kept at Python's width (float64, int64) so
+# that a column compares exactly as the param does (top_p 0.99999999 is not 1.0) and no valid
+# value overflows; tensors are built from them in the dtype each op wants.
 SCALAR_COLUMNS: dict[str, type] = {
-    "temperature": np.float32,
-    "top_k": np.int32,
-    "top_p": np.float32,
-    "min_p": np.float32,
-    "repetition_penalty": np.float32,
-    "frequency_penalty": np.float32,
-    "presence_penalty": np.float32,
+    "temperature": np.float64,
+    "top_k": np.int64,
+    "top_p": np.float64,
+    "min_p": np.float64,
+    "repetition_penalty": np.float64,
+    "frequency_penalty": np.float64,
+    "presence_penalty": np.float64,
 }
 
 

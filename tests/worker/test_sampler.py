@@ -469,3 +469,12 @@ def test_greedy_fast_path_matches_general_path_and_keeps_logits():
     for row, entry in zip(logprobs.rows, logprobs.tensors.entries()):
         assert entry.token_id == sampled[row].item() and entry.rank == 1
         assert math.isclose(entry.logprob, ref[row, sampled[row]].item(), rel_tol=1e-5)
+
+
+def test_huge_temperature_keeps_banned_tokens_banned():
+    """A temperature past float32's range flattens the distribution over the allowed tokens;
+    it must not turn the banned ones' -inf into NaN (whose argmax is token 0)."""
+    logits = rand_logits(4, 30, seed=9)
+    params = SamplingParams(temperature=1e300, allowed_token_ids=[1, 7])
+    out = Sampler()(logits, [state(params) for _ in range(4)])
+    assert set(out.sampled_token_ids) <= {1, 7}
