@@ -38,7 +38,6 @@ class Plane:
     zero: np.ndarray    # float32 [N, K // 32]
 
     def dequantize(self) -> np.ndarray:
-        n, k = self.codes.shape
         s = np.repeat(self.scale, GROUP, axis=1)
         z = np.repeat(self.zero, GROUP, axis=1)
         return (self.codes.astype(np.float32) - 8.0) * s + z
@@ -98,7 +97,6 @@ def planes_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
     if k % elems:
         raise ValueError(f"rows of {k} elements do not hold whole {type_name} blocks")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // elems, nbytes)
-    groups = k // GROUP
 
     def rows(a: np.ndarray) -> np.ndarray:  # [n, blocks, per-block] -> [n, K or groups]
         return np.ascontiguousarray(a.reshape(n, -1))
@@ -135,6 +133,5 @@ def planes_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
         return [Plane(rows(codes), rows(scale), rows(offset + 8 * scale))]
     high = _k_fifth_bit(blocks[..., 16:48])
     codes = _k_nibbles(blocks[..., 48:176])
-    assert scale.shape[-1] * GROUP == elems and groups == scale.shape[1] * 8
     return [Plane(rows(codes), rows(scale), rows(offset + 8 * scale)),
             Plane(rows(high), rows(16 * scale), rows(128 * scale))]
