@@ -44,8 +44,8 @@ _ENV_OVERRIDES = {
 class KernelConfig:
     """`kernels`: the fused Triton RMSNorm / rotary / SiLU-and-mul kernels, or the eager torch
     code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
-    `attention`: the Triton paged-attention backend or the torch reference (CUDA only either
-    way: on CPU the torch reference serves). `gemv`: one of GEMV_MODES. `pdl`: one of
+    `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
+    CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
     PDL_CHOICES."""
 
     kernels: str = "triton"

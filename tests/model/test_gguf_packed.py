@@ -44,9 +44,11 @@ def test_planes_equal_gguf_dequantization(type_name: str) -> None:
 
 
 @pytest.mark.parametrize("type_name", sorted(BLOCKS))
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
 def test_packed_matmul_equals_dequantized_matmul(type_name: str, rows: int) -> None:
-    n, k = 40, 256
+    """Each of the kernel's paths: one row (rows of W four at a time, 42 leaving two over),
+    a few rows, and many (tiles of W rebuilt in float32 and multiplied by torch's GEMM)."""
+    n, k = 42, 256
     raw = _random_blocks(type_name, n, k, seed=rows)
     weight = torch.from_numpy(_reference(type_name, raw, n, k))
     packed = PackedInt4Weight(planes_from_blocks(type_name, raw, (n, k)))

@@ -19,6 +19,7 @@ import zlib
 from typing import Any
 
 import pytest
+from paged_cases import make_step, rel_err
 
 # (name, dtype, heads, kv_heads, head_dim, block_size, sliding_window, reqs, extra)
 # reqs: (num_computed_tokens, query_len) per request.
@@ -50,45 +51,6 @@ CASES: list[dict[str, Any]] = [
 
 
 # ---------------------------------------------------------------------- child-process side
-def _make_step(case: dict, gen: Any) -> tuple:
-    """Random query/key/value, a randomly filled cache and metadata with shuffled blocks."""
-    import torch
-    from folio.model.attention.backend import AttentionMetadata
-
-    dtype = getattr(torch, case["dtype"])
-    H, KVH, D, bs = case["H"], case["KVH"], case["D"], case["bs"]
-    reqs = case["reqs"]
-    ctx = [c + n for c, n in reqs]
-    blocks_per_req = [-(-L // bs) for L in ctx]
-    num_blocks = sum(blocks_per_req) + 3  # a few spare blocks the requests never own
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(blocks_per_req) + 1  # one padding column
-    tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int64)
-    pos = 0
-    for i, nb in enumerate(blocks_per_req):
-        tables[i, :nb] = torch.tensor(perm[pos:pos + nb])
-        pos += nb
-    qsl, slots = [0], []
-    for i, (c, n) in enumerate(reqs):
-        qsl.append(qsl[-1] + n)
-        for p in range(c, c + n):
-            slots.append(int(tables[i, p // bs]) * bs + p % bs)
-    T = qsl[-1]
-    q = torch.randn(T, H, D, generator=gen).to(dtype)
-    k = torch.randn(T, KVH, D, generator=gen).to(dtype)
-    v = torch.randn(T, KVH, D, generator=gen).to(dtype)
-    cache = torch.randn(2, num_blocks, bs, KVH, D, generator=gen).to(dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=qsl,
-        seq_lens=ctx, num_computed_tokens=[c for c, _ in reqs], block_tables=tables,
-        block_size=bs)
-    return q, k, v, cache, meta
-
-
-def _rel(out: Any, ref: Any) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
 def _run_case(case: dict) -> dict:
     import torch
     from folio.model.attention import triton_kernels as tk
@@ -97,7 +59,7 @@ def _run_case(case: dict) -> dict:
 
     # Fresh inputs per case, reproducible across runs (str hash() is salted per process).
     gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
-    q, k, v, cache, meta = _make_step(case, gen)
+    q, k, v, cache, meta = make_step(case, gen)
     scale = case["D"] ** -0.5
     win = case["win"]
     ref_cache = cache.clone()
@@ -106,7 +68,7 @@ def _run_case(case: dict) -> dict:
     result: dict[str, Any] = {"name": case["name"], "checks": {}}
 
     def record(label: str, out: torch.Tensor) -> None:
-        result["checks"][label] = {"rel_err": _rel(out, ref),
+        result["checks"][label] = {"rel_err": rel_err(out, ref),
                                    "all_written": bool(torch.isfinite(out).all())}
 
     backend = TritonPagedAttention()

@@ -4,7 +4,7 @@ lookups.
 Each plane's codes are stored two to a byte in ggml's order within a group of 32 (byte i holds
 element i in its low nibble and element i + 16 in its high one), with float32 scales and zeros
 per group: 4.5 bits per weight per plane instead of 32. The matmul is folio's C++ kernel
-(csrc/q4_matmul.cpp), float32 throughout.
+(folio/model/cpu_kernels/csrc/q4_matmul.cpp), float32 throughout.
 
 Why not torch's own CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`): it is fast only with
 bfloat16 activations, scales and output (on this project's 2-vCPU AVX-512 VM, 86 µs for a
@@ -14,6 +14,8 @@ tokens against the float path; the issue asks 13). The C++ kernel's error agains
 dequantize-then-matmul is float32 summation order (~3e-7 relative).
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -42,24 +44,27 @@ class PackedInt4Weight(nn.Module):
         if self.in_features % GROUP:
             raise ValueError(f"in_features {self.in_features} is not a multiple of {GROUP}")
         self.num_planes = len(planes)
-        for i, plane in enumerate(planes):
-            self.register_buffer(f"codes{i}", torch.from_numpy(_ggml_nibbles(plane.codes)),
-                                 persistent=False)
-            self.register_buffer(f"scale{i}", torch.from_numpy(
-                np.ascontiguousarray(plane.scale, dtype=np.float32)), persistent=False)
-            self.register_buffer(f"zero{i}", torch.from_numpy(
-                np.ascontiguousarray(plane.zero, dtype=np.float32)), persistent=False)
-        from folio.model.quant.cpu_kernels import q4_matmul_module
-        self._kernel = q4_matmul_module()
-
-    def _planes(self, name: str) -> list[torch.Tensor]:
-        return [getattr(self, f"{name}{i}") for i in range(self.num_planes)]
+        # The planes stacked ([P, N, ...]): the kernel takes three tensors, whatever P is.
+        self.register_buffer("codes", torch.from_numpy(
+            np.stack([_ggml_nibbles(p.codes) for p in planes])), persistent=False)
+        self.register_buffer("scale", torch.from_numpy(
+            np.stack([p.scale for p in planes]).astype(np.float32)), persistent=False)
+        self.register_buffer("zero", torch.from_numpy(
+            np.stack([p.zero for p in planes]).astype(np.float32)), persistent=False)
+        from folio.model.cpu_kernels import extension
+        self._kernel = extension()
+        # The kernel's arguments, bound once: a decode step makes ~120 of these calls, and a
+        # Module attribute lookup per buffer per call shows in its time. The buffers never
+        # move (CPU only).
+        self._matmul = functools.partial(self._kernel.q4_matmul, codes=self.codes,
+                                         scale=self.scale, zero=self.zero)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return self._matmul(x)  # the float32 model's usual case, with no reshaping
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = self._kernel.q4_matmul(x2, self._planes("codes"), self._planes("scale"),
-                                     self._planes("zero"))
+        out = self._matmul(x2)
         if bias is not None:
             out = out + bias.to(torch.float32)
         return out.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -69,8 +74,7 @@ class PackedInt4Weight(nn.Module):
         flat = ids.reshape(-1)
         k = self.in_features
         out = torch.zeros(flat.shape[0], k, dtype=torch.float32)
-        for two, scale, zero in zip(self._planes("codes"), self._planes("scale"),
-                                    self._planes("zero")):
+        for two, scale, zero in zip(self.codes, self.scale, self.zero):
             b = two.index_select(0, flat).view(-1, k // GROUP, GROUP // 2)
             codes = torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.float32) - 8.0
             out += (codes * scale.index_select(0, flat).unsqueeze(-1)

@@ -1,0 +1,56 @@
+"""folio's C++ CPU kernels (csrc/): the 4-bit-plane matmul of folio.model.quant and the paged
+attention of folio.model.attention.cpu_backend.
+
+One extension, compiled on first use with torch's extension builder and cached
+(TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions): the first start on a machine takes about
+a minute, later ones load the built library (ninja rebuilds only a changed source). Built for
+the machine it runs on (-march=native), with OpenMP so that at::parallel_for uses torch's
+threads.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_NAME = "folio_cpu_kernels"
+_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "paged_attention.cpp")
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _build() -> Any:
+    from torch.utils.cpp_extension import load
+    here = os.path.join(os.path.dirname(__file__), "csrc")
+    logger.info("building folio's CPU kernels (first use on this machine only)")
+    return load(name=_NAME, sources=[os.path.join(here, s) for s in _SOURCES], verbose=False,
+                extra_include_paths=[here], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
+
+
+def extension() -> Any:
+    """The compiled module (one build per process, under a lock: two threads must not race on
+    the build directory). Raises what the build raised (no compiler, a compile error)."""
+    with _lock:
+        return _build()
+
+
+def available() -> bool:
+    """Whether the kernels build and load here; a failure is logged once, and callers fall
+    back to their torch code."""
+    try:
+        extension()
+        return True
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        _warn_once(exc)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_once(exc: Exception) -> None:
+    logger.warning("folio's CPU kernels could not be built (%s: %s); using torch's ops",
+                   type(exc).__name__, exc)

@@ -1,0 +1,9 @@
+// The Python face of folio's C++ CPU kernels (loaded by folio/model/cpu_kernels/__init__.py).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_matmul", &q4_matmul, "4-bit-plane matmul, float32", py::arg("x"), py::arg("codes"),
+        py::arg("scale"), py::arg("zero"));
+  m.def("paged_attention", &paged_attention,
+        "write K/V into the paged cache, then causal attention over it, float32 queries");
+}

@@ -1,0 +1,208 @@
+// Paged attention on the CPU, for the whole flat batch in one call (decodes and prefill
+// chunks alike), as folio/model/attention/backend.py defines it:
+//   1. this step's K/V rows go into the cache at slot_mapping (converted to the cache's dtype);
+//   2. query token i of request b, at position p = seq_lens[b] - (its request's query count)
+//      + (i's index among them), attends the keys at positions [lo, p] of b's blocks, lo = 0,
+//      or p - sliding_window + 1 with a window.
+// One task per (query token, KV head): the query heads sharing a KV head read each key and
+// value row once. Scores for the task's keys go to a scratch row, then one softmax, then the
+// weighted sum of value rows; everything in float32, the cache in float32, bfloat16 or
+// float16. The kernel reads only visible slots, so the cache need not be zeroed.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+// A row of D cache elements as float32 (a copy unless the cache is float32).
+template <typename T>
+inline const float* row_as_float(const T* src, int64_t D, float* scratch) {
+  for (int64_t d = 0; d < D; ++d) scratch[d] = to_float(src[d]);
+  return scratch;
+}
+template <>
+inline const float* row_as_float<float>(const float* src, int64_t, float*) { return src; }
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+}
+
+template <typename T>
+void write_cache(const float* key, const float* value, T* cache, const int64_t* slots,
+                 int64_t T_tokens, int64_t slots_total, int64_t row) {
+  T* k_cache = cache;
+  T* v_cache = cache + slots_total * row;
+  at::parallel_for(0, T_tokens, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t slot = slots[t];
+      for (int64_t e = 0; e < row; ++e) {
+        k_cache[slot * row + e] = static_cast<T>(key[t * row + e]);
+        v_cache[slot * row + e] = static_cast<T>(value[t * row + e]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attend(float* out, const float* query, const T* cache, const int64_t* tables,
+            int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
+            int64_t T_tokens, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
+            int64_t block_size, float scale, int64_t window) {
+  const int64_t G = H / KVH;
+  const int64_t row = KVH * D;              // elements of one cache slot
+  const int64_t plane = num_blocks * block_size * row;  // K plane, then V plane
+  at::parallel_for(0, T_tokens * KVH, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / KVH, kvh = w % KVH;
+      const int64_t b = token_req[t], pos = token_pos[t];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t n = pos - lo + 1;
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = query + (t * H + kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;
+      }
+      scores.resize(G * n);
+      // Scores, block by block (one table lookup per block).
+      for (int64_t j = lo; j <= pos;) {
+        const int64_t block = table[j / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+        const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+        for (; j < end; ++j) {
+          const T* k = cache + (block * block_size + j % block_size) * row + kvh * D;
+          const float* kf = row_as_float(k, D, kv_row.data());
+          for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = std::exp(s[i] - m);
+          total += s[i];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = lo; j <= pos;) {
+        const int64_t block = table[j / block_size];
+        const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+        for (; j < end; ++j) {
+          const T* v = cache + plane + (block * block_size + j % block_size) * row + kvh * D;
+          const float* vf = row_as_float(v, D, kv_row.data());
+          for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (j - lo)], vf, acc.data() + g * D, D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D,
+                  out + (t * H + kvh * G + g) * D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key,
+         const torch::Tensor& value, torch::Tensor& kv_cache, const torch::Tensor& slots,
+         const torch::Tensor& tables, const std::vector<int64_t>& token_req,
+         const std::vector<int64_t>& token_pos, double scale, int64_t window) {
+  const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t KVH = kv_cache.size(3);
+  T* cache = kv_cache.data_ptr<T>();
+  write_cache<T>(key.data_ptr<float>(), value.data_ptr<float>(), cache,
+                 slots.data_ptr<int64_t>(), T_tokens, num_blocks * block_size, KVH * D);
+  attend<T>(out.data_ptr<float>(), query.data_ptr<float>(), cache, tables.data_ptr<int64_t>(),
+            tables.size(1), token_req.data(), token_pos.data(), T_tokens, H, KVH, D,
+            num_blocks, block_size, static_cast<float>(scale), window);
+}
+
+}  // namespace
+
+// out/query [T, H, D] float32; key/value [T, KVH, D] float32; kv_cache [2, num_blocks,
+// block_size, KVH, D] float32/bfloat16/float16; slot_mapping [T] int64; block_tables [B,
+// max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B] int64 (CPU tensors, all
+// contiguous); sliding_window <= 0 for none.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
+                     torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc,
+                     torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  for (const torch::Tensor* t : {&out, &query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3,
+                "query, key, value and out must be contiguous float32 [T, heads, head_dim]");
+  }
+  for (const torch::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(),
+                "slot_mapping, block_tables, query_start_loc and seq_lens must be contiguous int64");
+  }
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && key.size(1) == KVH && key.size(2) == D &&
+                  value.sizes() == key.sizes() && key.size(0) == T_tokens &&
+                  out.sizes() == query.sizes() && H % KVH == 0,
+              "head counts or head_dim disagree between query, key/value and the cache");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= B && slot_mapping.size(0) == T_tokens,
+              "batch layout tensors disagree in size");
+  const int64_t slots_total = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " out of range");
+  }
+  // Each token's request and position.
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_ctx = block_tables.size(1) * kv_cache.size(2);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T_tokens, "query_start_loc must run from 0 to T");
+  std::vector<int64_t> token_req(T_tokens), token_pos(T_tokens);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(n >= 0 && lens[b] >= n && lens[b] <= max_ctx,
+                "request ", b, ": seq_len ", lens[b], " does not hold its ", n, " query tokens");
+    for (int64_t i = 0; i < n; ++i) {
+      token_req[qsl[b] + i] = b;
+      token_pos[qsl[b] + i] = lens[b] - n + i;
+    }
+  }
+  switch (kv_cache.scalar_type()) {
+    case torch::kFloat32:
+      run<float>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
+                 token_pos, scale, sliding_window);
+      break;
+    case torch::kBFloat16:
+      run<c10::BFloat16>(out, query, key, value, kv_cache, slot_mapping, block_tables,
+                         token_req, token_pos, scale, sliding_window);
+      break;
+    case torch::kFloat16:
+      run<c10::Half>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
+                     token_pos, scale, sliding_window);
+      break;
+    default:
+      TORCH_CHECK(false, "the KV cache must be float32, bfloat16 or float16");
+  }
+}
