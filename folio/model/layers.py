@@ -26,6 +26,16 @@ def _fused_kernels_on(x: torch.Tensor, kernels: KernelConfig) -> bool:
     return HAS_TRITON
 
 
+def _cpu_kernels(x: torch.Tensor, kernels: KernelConfig) -> Any | None:
+    """folio's C++ ops (folio.model.cpu_kernels) for a float32 CPU tensor, one call where the
+    eager code below is a chain of small ops; None keeps the eager code (other dtypes, CUDA,
+    `kernels.kernels` "torch", or no compiler here)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not kernels.fused_kernels:
+        return None
+    from folio.model.cpu_kernels import loaded
+    return loaded()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6,
                  kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
@@ -47,6 +57,10 @@ class RMSNorm(nn.Module):
         if _fused_kernels_on(x, self.kernels):
             from folio.model.kernels.rmsnorm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual, pdl=self.kernels.pdl_on)
+        ops = _cpu_kernels(x, self.kernels) if x.dim() == 2 else None
+        if ops is not None and self.weight.dtype == torch.float32:
+            out = ops.rms_norm(x, self.weight, self.eps, residual)
+            return out[0] if residual is None else (out[0], out[1])
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -134,6 +148,10 @@ class RotaryEmbedding(nn.Module):
             return apply_rotary(positions, q, k, self.cos, self.sin, pdl=pdl)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
+        ops = _cpu_kernels(q, self.kernels)
+        if ops is not None and positions.dtype == torch.int64 and k.dtype == torch.float32:
+            q, k = ops.rotary_neox(positions, q, k, self.cos, self.sin, self.rotary_dim)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         r = self.rotary_dim
@@ -279,6 +297,10 @@ class GatedMLP(nn.Module):
                                           pdl=self.kernels.pdl_on)
                 return self.down_proj(act.view(*x.shape[:-1], -1))
         gate_up = self.gate_up_proj(x)
+        if self.fused_silu and gate_up.dim() == 2:
+            ops = _cpu_kernels(gate_up, self.kernels)
+            if ops is not None:
+                return self.down_proj(ops.silu_and_mul(gate_up))
         if self.fused_silu and _fused_kernels_on(gate_up, self.kernels):
             from folio.model.kernels.activation import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))

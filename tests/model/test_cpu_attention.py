@@ -93,3 +93,18 @@ def test_cpu_attention_refuses_out_of_range_slots_and_blocks() -> None:
     meta.block_tables[0, 0] = cache.shape[1] + 5
     with pytest.raises(RuntimeError, match="out of range"):
         backend.forward(q, k, v, cache, meta, scale=0.25)
+
+
+def test_cpu_attention_takes_views_of_the_fused_projection() -> None:
+    """q, k and v as the model hands them over: strided views into one qkv row per token."""
+    case = dict(name="views", dtype="float32", H=9, KVH=3, D=64, bs=16, win=None, reqs=MIXED)
+    q, k, v, cache, meta = make_step(case, torch.Generator().manual_seed(3))
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+    qv, kv, vv = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    views = qv.view(T, 9, 64), kv.view(T, 3, 64), vv.view(T, 3, 64)
+    assert not views[1].is_contiguous()
+    ref_cache, cpu_cache = cache.clone(), cache.clone()
+    ref = _backend().forward(q, k, v, ref_cache, meta, scale=0.125)
+    out = _backend().forward(*views, cpu_cache, meta, scale=0.125)
+    assert torch.equal(out, ref) and torch.equal(cpu_cache, ref_cache)

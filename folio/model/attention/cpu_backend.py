@@ -4,7 +4,7 @@ whole flat batch (decodes and prefill chunks alike) over the blocks in place, wh
 reference (torch_paged.py) gathers every request's blocks into new tensors first.
 
 Queries, keys and values go in as float32 (a bfloat16 model's are converted, and the output
-converted back); the cache may be float32, bfloat16 or float16.
+converted back), strided views as they are; the cache may be float32, bfloat16 or float16.
 """
 from __future__ import annotations
 
@@ -37,10 +37,16 @@ class CpuPagedAttention(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
         slots, tables, qsl, lens = self._layout(metadata)
         dtype = query.dtype
-        q = query.to(torch.float32).contiguous()
-        out = torch.empty_like(q)
-        self._kernel.paged_attention(
-            out, q, key.to(torch.float32).contiguous(), value.to(torch.float32).contiguous(),
-            kv_cache, slots, tables, qsl, lens, float(scale),
-            0 if sliding_window is None else int(sliding_window))
-        return out.to(dtype)
+        q, k, v = (_rows(x) for x in (query, key, value))
+        out = torch.empty(q.shape, dtype=torch.float32)
+        self._kernel.paged_attention(out, q, k, v, kv_cache, slots, tables, qsl, lens,
+                                     float(scale),
+                                     0 if sliding_window is None else int(sliding_window))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel takes it: float32, the last dimension contiguous (views into the qkv
+    projection's output pass as they are)."""
+    x = x.to(torch.float32)
+    return x if x.stride(-1) == 1 else x.contiguous()

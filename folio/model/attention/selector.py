@@ -18,7 +18,7 @@ def get_attention_backend(device: torch.device,
         return TritonPagedAttention(pdl=kernels.pdl_on)
     if device.type == "cpu" and kernels.triton_attention:
         from folio.model import cpu_kernels
-        if cpu_kernels.available():
+        if cpu_kernels.loaded() is not None:
             from folio.model.attention.cpu_backend import CpuPagedAttention
             return CpuPagedAttention()
     from folio.model.attention.torch_paged import TorchPagedAttention

@@ -1,5 +1,6 @@
-"""folio's C++ CPU kernels (csrc/): the 4-bit-plane matmul of folio.model.quant and the paged
-attention of folio.model.attention.cpu_backend.
+"""folio's C++ CPU kernels (csrc/): the 4-bit-plane matmul of folio.model.quant, the paged
+attention of folio.model.attention.cpu_backend, and the float32 RMSNorm / rotary /
+SiLU-and-mul of folio.model.layers.
 
 One extension, compiled on first use with torch's extension builder and cached
 (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions): the first start on a machine takes about
@@ -18,7 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _NAME = "folio_cpu_kernels"
-_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "paged_attention.cpp")
+_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
 _lock = threading.Lock()
 
 
@@ -39,18 +40,14 @@ def extension() -> Any:
         return _build()
 
 
-def available() -> bool:
-    """Whether the kernels build and load here; a failure is logged once, and callers fall
-    back to their torch code."""
-    try:
-        extension()
-        return True
-    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
-        _warn_once(exc)
-        return False
-
-
 @functools.lru_cache(maxsize=1)
-def _warn_once(exc: Exception) -> None:
-    logger.warning("folio's CPU kernels could not be built (%s: %s); using torch's ops",
-                   type(exc).__name__, exc)
+def loaded() -> Any | None:
+    """The compiled module, or None where the kernels cannot be built here (the failure is
+    logged once, and callers fall back to their torch code). Cached: layers ask on every
+    call."""
+    try:
+        return extension()
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        logger.warning("folio's CPU kernels could not be built (%s: %s); using torch's ops",
+                       type(exc).__name__, exc)
+        return None

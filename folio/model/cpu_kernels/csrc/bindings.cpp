@@ -6,4 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("zero"));
   m.def("paged_attention", &paged_attention,
         "write K/V into the paged cache, then causal attention over it, float32 queries");
+  m.def("rms_norm", &rms_norm, "RMSNorm (with the residual add), float32", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rotary_neox", &rotary_neox, "neox rotary embedding, float32");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32");
 }

@@ -15,3 +15,17 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window);
+
+// RMSNorm of each row of x (after adding residual when given: returns {out, x + residual}),
+// float32 (elementwise.cpp).
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual);
+
+// Neox rotary embedding of q [T, H, D] and k [T, KVH, D] (strided rows allowed) over their
+// first rotary_dim elements, into new contiguous tensors {q, k} (elementwise.cpp).
+std::vector<torch::Tensor> rotary_neox(torch::Tensor positions, torch::Tensor q,
+                                       torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+                                       int64_t rotary_dim);
+
+// silu(gate) * up for gate_up [T, 2I] = [gate | up] (elementwise.cpp).
+torch::Tensor silu_and_mul(torch::Tensor gate_up);

@@ -17,9 +17,18 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#endif
 
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
@@ -27,42 +36,139 @@ inline float to_float(T v) { return static_cast<float>(v); }
 // A row of D cache elements as float32 (a copy unless the cache is float32).
 template <typename T>
 inline const float* row_as_float(const T* src, int64_t D, float* scratch) {
-  for (int64_t d = 0; d < D; ++d) scratch[d] = to_float(src[d]);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // bfloat16 is float32's top half: widen and shift.
+    for (; d + kLanes <= D; d += kLanes) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+      _mm512_storeu_ps(scratch + d, _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; d + kLanes <= D; d += kLanes) {
+      _mm512_storeu_ps(scratch + d, _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+    }
+  }
+#endif
+  for (; d < D; ++d) scratch[d] = to_float(src[d]);
   return scratch;
 }
 template <>
 inline const float* row_as_float<float>(const float* src, int64_t, float*) { return src; }
 
 inline float dot(const float* a, const float* b, int64_t D) {
+  int64_t d = 0;
   float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; d + kLanes <= D; d += kLanes) {
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), v);
+  }
+  acc = _mm512_reduce_add_ps(v);
+#endif
+  for (; d < D; ++d) acc += a[d] * b[d];
   return acc;
 }
 
 inline void axpy(float w, const float* x, float* y, int64_t D) {
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 vw = _mm512_set1_ps(w);
+  for (; d + kLanes <= D; d += kLanes) {
+    _mm512_storeu_ps(y + d, _mm512_fmadd_ps(vw, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
+  }
+#endif
+  for (; d < D; ++d) y[d] += w * x[d];
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + f with |f| <= ln2 / 2, e^f by
+// its Taylor series to degree 7 (truncation below 1e-8 relative, under float32's rounding),
+// times 2^n by vscalefps.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[i] = softmax(s)[i] over n scores, in place.
+inline void softmax(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vt = _mm512_setzero_ps();
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    vt = _mm512_add_ps(vt, e);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    vt = _mm512_add_ps(vt, _mm512_maskz_mov_ps(k, e));
+    i = n;
+  }
+  total = _mm512_reduce_add_ps(vt);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    total += s[i];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+// A [T, heads, D] float32 tensor whose rows may be strided (q, k and v are views into the
+// fused qkv projection's output), its last dimension contiguous.
+struct Heads {
+  const float* data;
+  int64_t s0, s1;
+  const float* at(int64_t t, int64_t h) const { return data + t * s0 + h * s1; }
+};
+
 template <typename T>
-void write_cache(const float* key, const float* value, T* cache, const int64_t* slots,
-                 int64_t T_tokens, int64_t slots_total, int64_t row) {
+void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* slots,
+                 int64_t T_tokens, int64_t slots_total, int64_t KVH, int64_t D) {
+  const int64_t row = KVH * D;
   T* k_cache = cache;
   T* v_cache = cache + slots_total * row;
   at::parallel_for(0, T_tokens, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t slot = slots[t];
-      for (int64_t e = 0; e < row; ++e) {
-        k_cache[slot * row + e] = static_cast<T>(key[t * row + e]);
-        v_cache[slot * row + e] = static_cast<T>(value[t * row + e]);
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* k = key.at(t, h);
+        const float* v = value.at(t, h);
+        T* kc = k_cache + slot * row + h * D;
+        T* vc = v_cache + slot * row + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kc[d] = static_cast<T>(k[d]);
+          vc[d] = static_cast<T>(v[d]);
+        }
       }
     }
   });
 }
 
 template <typename T>
-void attend(float* out, const float* query, const T* cache, const int64_t* tables,
+void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
             int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
             int64_t T_tokens, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
             int64_t block_size, float scale, int64_t window) {
@@ -78,7 +184,7 @@ void attend(float* out, const float* query, const T* cache, const int64_t* table
       const int64_t n = pos - lo + 1;
       const int64_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < G; ++g) {
-        const float* src = query + (t * H + kvh * G + g) * D;
+        const float* src = query.at(t, kvh * G + g);
         for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;
       }
       scores.resize(G * n);
@@ -93,18 +199,7 @@ void attend(float* out, const float* query, const T* cache, const int64_t* table
           for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        float total = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-          s[i] = std::exp(s[i] - m);
-          total += s[i];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = lo; j <= pos;) {
         const int64_t block = table[j / block_size];
@@ -132,16 +227,20 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t KVH = kv_cache.size(3);
   T* cache = kv_cache.data_ptr<T>();
-  write_cache<T>(key.data_ptr<float>(), value.data_ptr<float>(), cache,
-                 slots.data_ptr<int64_t>(), T_tokens, num_blocks * block_size, KVH * D);
-  attend<T>(out.data_ptr<float>(), query.data_ptr<float>(), cache, tables.data_ptr<int64_t>(),
+  auto heads = [](const torch::Tensor& x) {
+    return Heads{x.data_ptr<float>(), x.stride(0), x.stride(1)};
+  };
+  write_cache<T>(heads(key), heads(value), cache, slots.data_ptr<int64_t>(), T_tokens,
+                 num_blocks * block_size, KVH, D);
+  attend<T>(out.data_ptr<float>(), heads(query), cache, tables.data_ptr<int64_t>(),
             tables.size(1), token_req.data(), token_pos.data(), T_tokens, H, KVH, D,
             num_blocks, block_size, static_cast<float>(scale), window);
 }
 
 }  // namespace
 
-// out/query [T, H, D] float32; key/value [T, KVH, D] float32; kv_cache [2, num_blocks,
+// out [T, H, D] float32 contiguous; query [T, H, D] and key/value [T, KVH, D] float32 with
+// a contiguous last dimension (rows may be strided); kv_cache [2, num_blocks,
 // block_size, KVH, D] float32/bfloat16/float16; slot_mapping [T] int64; block_tables [B,
 // max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B] int64 (CPU tensors, all
 // contiguous); sliding_window <= 0 for none.
@@ -149,9 +248,12 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window) {
-  for (const torch::Tensor* t : {&out, &query, &key, &value}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3,
-                "query, key, value and out must be contiguous float32 [T, heads, head_dim]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 3,
+              "out must be contiguous float32 [T, heads, head_dim]");
+  for (const torch::Tensor* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->stride(2) == 1,
+                "query, key and value must be float32 [T, heads, head_dim], the last "
+                "dimension contiguous");
   }
   for (const torch::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(),

@@ -1,0 +1,130 @@
+// The decoder layer's small float32 ops on the CPU, each one pass where torch's eager code
+// takes a chain of ops (and a dispatch per op, which is most of their time at decode sizes):
+// RMSNorm with the residual add, neox rotary embedding, SiLU-and-mul. They compute
+// what folio/model/layers.py's torch code computes, in the same order, so float32 results
+// differ only by summation order (the norm's sum of squares).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              name, " must be float32 [rows, features] with contiguous rows");
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+                  weight.numel() == D, "weight must be float32 [features]");
+  auto out = torch::empty({T, D}, x.options());
+  torch::Tensor sum;
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == D, "residual must match x");
+    sum = torch::empty({T, D}, x.options());
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = sum.defined() ? sum.data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), rs = residual.has_value() ? residual->stride(0) : 0;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = xp + t * xs;
+      float* o = op + t * D;
+      if (sp != nullptr) {
+        float* s = sp + t * D;
+        const float* r = rp + t * rs;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) s[d] = row[d] + r[d];
+        row = s;
+      }
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t d = 0; d < D; ++d) squares += row[d] * row[d];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(D) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = w[d] * (row[d] * inv);
+    }
+  });
+  if (sum.defined()) return {out, sum};
+  return {out};
+}
+
+std::vector<torch::Tensor> rotary_neox(torch::Tensor positions, torch::Tensor q,
+                                       torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+                                       int64_t rotary_dim) {
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                  positions.dim() == 1, "positions must be contiguous int64 [T]");
+  const int64_t T = positions.size(0);
+  for (const torch::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->stride(2) == 1 &&
+                    t->size(0) == T, "q and k must be float32 [T, heads, head_dim]");
+  }
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == rotary_dim &&
+                  rotary_dim % 2 == 0 && rotary_dim <= q.size(2) && rotary_dim <= k.size(2),
+              "cos and sin must be float32 [positions, rotary_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0), half = rotary_dim / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
+  }
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  auto rotate = [&](const torch::Tensor& x) {
+    const int64_t H = x.size(1), D = x.size(2), s0 = x.stride(0), s1 = x.stride(1);
+    auto out = torch::empty({T, H, D}, x.options());
+    const float* in = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = cp + pos[t] * rotary_dim;
+        const float* s = sp + pos[t] * rotary_dim;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* v = in + t * s0 + h * s1;
+          float* o = op + (t * H + h) * D;
+          // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the table repeating its halves.
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) {
+            o[d] = v[d] * c[d] - v[d + half] * s[d];
+            o[d + half] = v[d + half] * c[d + half] + v[d] * s[d + half];
+          }
+          for (int64_t d = rotary_dim; d < D; ++d) o[d] = v[d];
+        }
+      }
+    });
+    return out;
+  };
+  return {rotate(q), rotate(k)};
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = gate_up.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = in + t * s0;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
