@@ -29,13 +29,14 @@ import numpy as np
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
 from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
-                               release_device_memory, run_latency_peer)
+                               release_device_memory, run_latency_peer,
+                               run_llama_cpp_latency_peer)
 from folio.bench.random_model import RANDOM_CONFIGS, build_random_model_in_child
 from folio.bench.startup_report import format_startup, startup_breakdown
 
 __all__ = ["LATENCY_PEERS", "add_cli_args", "main", "run"]
 
-LATENCY_PEERS = ("none", "transformers")
+LATENCY_PEERS = ("none", "transformers", "llama.cpp")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +57,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     peer = parser.add_argument_group("peer")
     peer.add_argument("--peer", choices=LATENCY_PEERS, default="none",
                       help="also time transformers' generate (static KV cache, greedy, no "
-                           "torch.compile) on the same prompts, weights, dtype and device")
+                           "torch.compile) on the same prompts, weights, dtype and device; or "
+                           "llama.cpp (llama-cpp-python built by tools/build_llama_cpp.sh) on "
+                           "the same GGUF file with as many threads")
     add_peer_timeout_arg(peer)
     random_group = parser.add_argument_group("random weights")
     random_group.add_argument("--random-weights", action="store_true",
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype_name = str(dtype).replace("torch.", "") if dtype is not None else None
     model_source = {"kind": engine.model_source.kind, "path": engine.model_source.path}
     model_path = model_source["path"]
+    from folio.model.discovery import gguf_file_of
+    gguf_path = gguf_file_of(engine.model_source)
 
     report: dict[str, Any] = {
         # vLLM's bench latency keys.
@@ -198,7 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         free = describe_free_memory(release_device_memory())
         if free:
             print(free, flush=True)
-        report["peer"] = _run_peer(args, model_source, dtype_name, report["device"], schedule)
+        report["peer"] = _run_peer(args, model_source, dtype_name, report["device"], schedule,
+                                   gguf_path)
         report["folio_over_peer"] = _ratios(report, report["peer"])
 
     _print_summary(report)
@@ -254,9 +260,15 @@ def _latency_stats(latencies: list[float], prefill: list[float],
 
 
 def _run_peer(args: argparse.Namespace, model_source: dict[str, str], dtype: str | None,
-              device: str | None, schedule: list[tuple[str, int, list[list[int]]]]
-              ) -> dict[str, Any]:
-    peer = run_latency_peer(model_source, dtype, device, schedule, peer_timeout(args))
+              device: str | None, schedule: list[tuple[str, int, list[list[int]]]],
+              gguf_path: str | None) -> dict[str, Any]:
+    if args.peer == "llama.cpp":
+        import torch
+        n_ctx = args.input_len + args.output_len + 16
+        peer = run_llama_cpp_latency_peer(gguf_path, torch.get_num_threads(), n_ctx, schedule,
+                                          peer_timeout(args))
+    else:
+        peer = run_latency_peer(model_source, dtype, device, schedule, peer_timeout(args))
     if peer.get("error") is None:
         stats = _latency_stats(peer["latencies"], peer["prefill_latencies"], args.output_len)
         stats.pop("per_token_s")
@@ -341,7 +353,8 @@ def _print_summary(report: dict[str, Any]) -> None:
 
 
 def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) -> None:
-    name = f"peer {peer['engine']} (static KV cache, no torch.compile)"
+    name = f"peer {peer['engine']}" + (" (static KV cache, no torch.compile)"
+                                       if peer["engine"] == "transformers" else "")
     if peer.get("error") is not None:
         print(f"{name}: {peer['error']}")
         return

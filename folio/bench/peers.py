@@ -122,6 +122,29 @@ def describe_free_memory(free_total: tuple[int, int] | None) -> str | None:
     return f"GPU memory free for the peer: {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
 
 
+def run_llama_cpp_latency_peer(gguf_path: str | None, threads: int, n_ctx: int,
+                               schedule: LatencySchedule, timeout: float | None
+                               ) -> dict[str, Any]:
+    """Run `schedule` through llama.cpp (llama-cpp-python) on `gguf_path` in a child process;
+    the same result keys as run_latency_peer."""
+    from folio.bench.llama_cpp_peers import llama_cpp_latency_peer
+    base: dict[str, Any] = {"engine": "llama.cpp", "error": None}
+    if gguf_path is None:
+        return {**base, "error": "skipped: the model is not a GGUF file (llama.cpp reads GGUF)"}
+    print(f"running peer llama.cpp on cpu ({threads} threads"
+          + (f", timeout {timeout:g} s" if timeout else "") + ") ...", flush=True)
+    with tempfile.TemporaryDirectory(prefix="folio-peer-") as tmp:
+        progress_path = os.path.join(tmp, "progress.json")
+        try:
+            return in_child(llama_cpp_latency_peer, gguf_path, threads, n_ctx, schedule,
+                            progress_path, timeout=timeout)
+        except ChildTimeout as exc:
+            return {**base, "error": f"did not finish in {exc.timeout:g} s (killed)",
+                    "timed_out": True}
+        except Exception as exc:
+            return {**base, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def run_latency_peer(model_source: dict[str, str], dtype: str | None, device: str | None,
                      schedule: LatencySchedule, timeout: float | None) -> dict[str, Any]:
     """Run `schedule` through transformers' static-cache `generate` in a child process. Returns
