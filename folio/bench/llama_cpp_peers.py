@@ -19,6 +19,7 @@ from typing import Any
 
 from folio.bench.child_process import Progress
 from folio.bench.results import current_rss_bytes, peak_rss_bytes
+from folio.bench.transformers_peers import latency_result, replay_latency_schedule
 
 DEFAULT_BUILD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "folio", "llama.cpp",
                                  "build", "bin")
@@ -41,11 +42,7 @@ def import_llama_cpp() -> Any:
 
 def llama_cpp_latency_peer(gguf_path: str, threads: int, n_ctx: int, schedule: list,
                            progress_path: str | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"engine": "llama.cpp", "error": None, "load_s": 0.0,
-                           "warmup_latencies": [], "latencies": [],
-                           "prefill_warmup_latencies": [], "prefill_latencies": []}
-    keys = {"warmup": "warmup_latencies", "timed": "latencies",
-            "prefill_warmup": "prefill_warmup_latencies", "prefill": "prefill_latencies"}
+    out = latency_result("llama.cpp")
     progress = Progress(progress_path)
     try:
         progress.update(force=True, phase="loading")
@@ -71,13 +68,7 @@ def llama_cpp_latency_peer(gguf_path: str, threads: int, n_ctx: int, schedule: l
                 one(prompt, max_tokens)
             return time.perf_counter() - begin
 
-        progress.update(force=True, phase="running", load_s=out["load_s"], calls_done=0)
-        if not any(kind == "warmup" for kind, _, _ in schedule) and schedule:
-            _, max_tokens, prompts = next((e for e in schedule if e[0] == "timed"), schedule[0])
-            out["warmup_latencies"].append(call(prompts, max_tokens))
-        for done, (kind, max_tokens, prompts) in enumerate(schedule, 1):
-            out[keys[kind]].append(call(prompts, max_tokens))
-            progress.update(calls_done=done)
+        replay_latency_schedule(schedule, call, out, progress)
         out["device"] = "cpu"
         out["dtype"] = "GGUF as stored"
         out["attn_implementation"] = f"llama.cpp {llama_cpp.__version__}, {threads} threads"

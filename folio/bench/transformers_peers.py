@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 from folio.bench.child_process import Progress
 from folio.bench.results import EngineResult, current_rss_bytes, peak_rss_bytes
@@ -306,6 +306,26 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def latency_result(engine: str) -> dict[str, Any]:
+    """A latency peer's result before it runs: no error, no load time, empty time lists."""
+    return {"engine": engine, "error": None, "load_s": 0.0,
+            **{key: [] for key in _LATENCY_KEYS.values()}}
+
+
+def replay_latency_schedule(schedule: LatencySchedule,
+                            call: Callable[[list[list[int]], int], float],
+                            out: dict[str, Any], progress: Progress) -> None:
+    """Time `call(prompts, max_tokens)` for every schedule entry, in order, into out's lists
+    (at least one untimed warm-up first), reporting progress as it goes."""
+    progress.update(force=True, phase="running", load_s=out["load_s"], calls_done=0)
+    if not any(kind == "warmup" for kind, _, _ in schedule) and schedule:
+        _, max_tokens, prompts = next((e for e in schedule if e[0] == "timed"), schedule[0])
+        out["warmup_latencies"].append(call(prompts, max_tokens))
+    for done, (kind, max_tokens, prompts) in enumerate(schedule, 1):
+        out[_LATENCY_KEYS[kind]].append(call(prompts, max_tokens))
+        progress.update(calls_done=done)
+
+
 def transformers_latency_peer(model_dir: str, dtype_name: str, device: str,
                               schedule: LatencySchedule, progress_path: str | None = None
                               ) -> dict[str, Any]:
@@ -314,8 +334,7 @@ def transformers_latency_peer(model_dir: str, dtype_name: str, device: str,
     EOS disabled (the equivalent of ignore_eos). At least one untimed warm-up runs first."""
     import torch
     from transformers import GenerationConfig
-    out: dict[str, Any] = {"engine": "transformers", "error": None, "load_s": 0.0,
-                           **{key: [] for key in _LATENCY_KEYS.values()}}
+    out = latency_result("transformers")
     progress = Progress(progress_path)
     try:
         progress.update(force=True, phase="loading")
@@ -346,13 +365,7 @@ def transformers_latency_peer(model_dir: str, dtype_name: str, device: str,
                 raise RuntimeError(f"generate made {made} tokens per row, expected {max_tokens}")
             return elapsed
 
-        progress.update(force=True, phase="running", load_s=out["load_s"], calls_done=0)
-        if not any(kind == "warmup" for kind, _, _ in schedule) and schedule:
-            _, max_tokens, prompts = next((e for e in schedule if e[0] == "timed"), schedule[0])
-            out["warmup_latencies"].append(generate(prompts, max_tokens))
-        for done, (kind, max_tokens, prompts) in enumerate(schedule, 1):
-            out[_LATENCY_KEYS[kind]].append(generate(prompts, max_tokens))
-            progress.update(calls_done=done)
+        replay_latency_schedule(schedule, generate, out, progress)
         out["attn_implementation"] = model.config._attn_implementation
         out["cache_implementation"] = "static"
         out["torch_compile"] = False
