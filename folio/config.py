@@ -15,6 +15,13 @@ _CUDAGRAPH_MODES = ("full", "full_decode_only")
 DEFAULT_MAX_NUM_SEQS_CUDA = 256
 DEFAULT_MAX_NUM_SEQS_CPU = 128
 _VALID_POLICIES = ("fcfs", "priority")
+# KV cache dtypes (vLLM's --kv-cache-dtype): "auto" = the model's dtype. The aliases --dtype
+# accepts name the same three, and are normalized to these names.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16",
+                           "half": "float16", "fp16": "float16"}
+# vLLM's FP8 cache names: refused by name until an FP8 cache exists.
+_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # How weights are kept (vLLM's --quantization names): "gguf" = a GGUF file's quantized
 # matrices stay packed and the matmuls run on them (CPU); "none" = every weight dequantized to
 # the model dtype (the reference path). None = "gguf" for a GGUF model on the CPU, else "none".
@@ -24,6 +31,21 @@ QUANTIZATION_METHODS = ("none", "gguf")
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise ValueError(f"{field_name} {message}")
+
+
+def normalize_kv_cache_dtype(value: object) -> str:
+    """One of KV_CACHE_DTYPES for `value` (case-insensitive; "bf16", "fp16", "half", "float",
+    "fp32" become the full names), or a ValueError naming the field: vLLM's FP8 names with
+    their own message, since FP8 is a cache dtype vLLM users will ask for."""
+    name = value.lower() if isinstance(value, str) else value
+    if isinstance(name, str) and (name in _FP8_KV_CACHE_DTYPES or name.startswith("fp8")):
+        raise ValueError(f"cache_dtype {value!r}: an FP8 KV cache is not supported yet; use "
+                         f"one of {list(KV_CACHE_DTYPES)}")
+    name = _KV_CACHE_DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    _require(name in KV_CACHE_DTYPES, "cache_dtype",
+             f"must be one of {list(KV_CACHE_DTYPES)} (or an alias: "
+             f"{list(_KV_CACHE_DTYPE_ALIASES)}), got {value!r}")
+    return name
 
 
 @dataclass
@@ -73,7 +95,7 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """The paged KV cache: block geometry, size and prefix caching."""
+    """The paged KV cache: block geometry, size, dtype and prefix caching."""
 
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -82,8 +104,13 @@ class CacheConfig:
     # Fixes the number of blocks (vLLM's name), for tests and capacity planning.
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
+    # The KV cache's dtype (vLLM's name; --kv-cache-dtype): "auto" = the model's dtype, or
+    # one of KV_CACHE_DTYPES (aliases normalized). A 2-byte cache on a float32 model holds
+    # twice the tokens in the same memory.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
         _require(isinstance(self.block_size, int) and self.block_size >= 1
                  and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size!r}")

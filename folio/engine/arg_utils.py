@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from folio.config import KV_CACHE_DTYPES, normalize_kv_cache_dtype
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
     if model_positional:
@@ -33,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="memory for the KV cache on CPU (default: min(4 GiB, a quarter of free memory))")
+    parser.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype,
+                        choices=list(KV_CACHE_DTYPES),
+                        help="KV cache dtype; auto = the model's (--dtype); bfloat16 or float16 "
+                             "on a float32 model holds twice the tokens in the same memory "
+                             "(CPU; on CUDA only the model's dtype); fp8 is not supported yet")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="fix the number of KV cache blocks (testing, capacity planning)")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -83,6 +90,15 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                             default=getattr(RequestLimitsConfig, name), help=text)
 
 
+def _kv_cache_dtype(value: str) -> str:
+    """--kv-cache-dtype's value, aliases (bf16, fp16, half, float) normalized; fp8 and the
+    like get the config's own message rather than argparse's "invalid choice"."""
+    try:
+        return normalize_kv_cache_dtype(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=getattr(args, "model_flag", None) or getattr(args, "model", None),
@@ -92,6 +108,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),

@@ -13,6 +13,16 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 4 << 30
 
+# CacheConfig.cache_dtype's names (normalized by the config) -> torch dtypes.
+_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype: the model's for "auto", else the one named."""
+    if cache_dtype == "auto":
+        return model_dtype
+    return _CACHE_DTYPES[cache_dtype]
+
 
 def bytes_per_block(spec: ArchSpec, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()

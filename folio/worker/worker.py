@@ -9,11 +9,13 @@ import torch
 
 from folio.config import EngineConfig
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+from folio.model.attention.selector import check_kv_cache_dtype
 from folio.model.families import ArchSpec
 from folio.model.discovery import ModelSource, resolve_quantization
+from folio.model.kernel_config import resolve_kernel_config
 from folio.model.loader import load_model, resolve_dtype
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
-                                   gpu_kv_cache_bytes)
+                                   gpu_kv_cache_bytes, resolve_cache_dtype)
 from folio.worker.model_runner import ModelRunner, PendingRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,11 +39,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _format_bytes(num: int) -> str:
+    return f"{num / 2**30:.2f} GiB" if num >= 2**30 else f"{num / 2**20:.1f} MiB"
+
+
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
+        # The KV cache's dtype (--kv-cache-dtype; "auto" = the model's), checked against the
+        # attention backend the model will get before any weight is read.
+        self.kv_cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype)
+        kernel_config = resolve_kernel_config()
+        check_kv_cache_dtype(self.device, self.dtype, self.kv_cache_dtype, kernel_config)
         torch.manual_seed(config.model.seed)
         # Seconds spent in each start-up stage, for benchmarks' start-to-ready split. A stage that
         # did not run (profiling without CUDA or with a fixed KV size, graph capture on the CPU
@@ -55,6 +66,7 @@ class Worker:
                                                  self.device.type)
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len,
+                                           kernel_config=kernel_config,
                                            quantization=self.quantization)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
@@ -69,12 +81,12 @@ class Worker:
             self.timings["profile_s"] = time.perf_counter() - start
         start = time.perf_counter()
         self.num_blocks = determine_num_blocks(
-            self.spec, block_size=cache.block_size, dtype=self.dtype,
+            self.spec, block_size=cache.block_size, dtype=self.kv_cache_dtype,
             max_model_len=config.model.max_model_len,
             kv_cache_memory_bytes=kv_bytes,
             num_blocks_override=cache.num_gpu_blocks_override)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
-                                            self.dtype, self.device)
+                                            self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the allocation's memset, not the next stage's
         self.timings["kv_alloc_s"] = time.perf_counter() - start
@@ -94,9 +106,12 @@ class Worker:
         self.runner.mixed_graph_runner = self.mixed_graph_runner
         if self.device.type == "cuda":
             self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
-        logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens",
-                    self.load_seconds, self.dtype, self.device, self.num_blocks,
-                    cache.block_size, self.num_blocks * cache.block_size)
+        kv_total = self.num_blocks * bytes_per_block(self.spec, cache.block_size,
+                                                     self.kv_cache_dtype)
+        logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens "
+                    "(%s, %s)", self.load_seconds, self.dtype, self.device, self.num_blocks,
+                    cache.block_size, self.num_blocks * cache.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total))
 
     def _profile_run(self) -> int:
         """One forward pass at the largest step (max_num_batched_tokens tokens, logits for
@@ -104,11 +119,12 @@ class Worker:
         cache = self.config.cache
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         num_blocks = -(-num_tokens // cache.block_size)
-        scratch = allocate_kv_caches(self.spec, num_blocks, cache.block_size, self.dtype, self.device)
+        scratch = allocate_kv_caches(self.spec, num_blocks, cache.block_size,
+                                     self.kv_cache_dtype, self.device)
         runner = self._new_runner(scratch)
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
         del runner, scratch
-        return num_blocks * bytes_per_block(self.spec, cache.block_size, self.dtype)
+        return num_blocks * bytes_per_block(self.spec, cache.block_size, self.kv_cache_dtype)
 
     def _new_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
         sched = self.config.scheduler

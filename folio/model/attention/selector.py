@@ -23,3 +23,22 @@ def get_attention_backend(device: torch.device,
             return CpuPagedAttention()
     from folio.model.attention.torch_paged import TorchPagedAttention
     return TorchPagedAttention()
+
+
+def check_kv_cache_dtype(device: torch.device, model_dtype: torch.dtype,
+                         cache_dtype: torch.dtype,
+                         kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+    """Refuse, before any weight is loaded, a KV cache dtype that the backend
+    `get_attention_backend(device, kernels)` picks cannot read. The C++ CPU kernel converts to
+    and from a float32, bfloat16 or float16 cache whatever the model's dtype, and the torch
+    reference casts on write and read; the Triton kernels read the cache in the query's dtype
+    (triton_kernels._check_query), so on CUDA the cache must be in the model's dtype."""
+    if cache_dtype == model_dtype or device.type != "cuda" or not kernels.triton_attention:
+        return
+    name = str(cache_dtype).removeprefix("torch.")
+    model = str(model_dtype).removeprefix("torch.")
+    raise ValueError(
+        f"kv_cache_dtype {name} differs from the model's dtype {model}: the CUDA (Triton) "
+        f"attention kernels need the KV cache in the model's dtype; use kv_cache_dtype auto, "
+        f"or dtype {name} to run the model in it (FOLIO_ATTENTION=torch, the slow reference "
+        "backend, takes any cache dtype)")

@@ -4,6 +4,12 @@ Decodes (one query token) of the whole batch run as one padded, masked SDPA call
 gathered blocks. Requests with several query tokens (prefill chunks) run one SDPA each: with no
 cached prefix they attend over their own new K/V directly, otherwise over their gathered blocks
 with an offset causal mask.
+
+The cache may hold another dtype than the model's (--kv-cache-dtype): K/V are cast to it on
+write and back to the query's dtype on read. A fresh prefill, which attends over its own new
+K/V without reading the cache, rounds them through the cache's dtype too, so every query sees
+the keys and values the cache holds (as the C++ CPU kernel, which reads them back, does) and
+the result does not depend on how a prompt was chunked.
 """
 from __future__ import annotations
 
@@ -80,8 +86,8 @@ class TorchPagedAttention(AttentionBackend):
             s, e = entry["start"], entry["end"]
             q = query[s:e].transpose(0, 1)                      # [H, n, D]
             if entry["fresh"]:
-                k = key[s:e].transpose(0, 1)
-                v = value[s:e].transpose(0, 1)
+                k = key[s:e].transpose(0, 1).to(kv_cache.dtype)
+                v = value[s:e].transpose(0, 1).to(kv_cache.dtype)
             else:
                 blocks = entry["blocks"]
                 ctx = entry["ctx"]
