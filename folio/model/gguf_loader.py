@@ -2,9 +2,10 @@
 
 The config, chat template and tokenizer come from gguf_metadata.py (torch-free, read by the
 front end too); this module adds the weights: every tensor dequantized to float32 under its
-Hugging Face name, with llama.cpp's Q/K row reordering undone — or, with `keep_planes`, the
-matrices of the 4-bit-plane types kept as planes (folio.model.quant.gguf_planes) for the CPU's
-packed matmul, the rest dequantized.
+Hugging Face name, with llama.cpp's Q/K row reordering undone — or, with `keep_quantized`, the
+matrices of the types the CPU multiplies quantized kept so (4-bit planes: Q4_0/Q4_1/Q5_0/Q5_1/
+Q4_K/Q5_K, folio.model.quant.gguf_planes; int8 codes: Q8_0/Q6_K, gguf_int8), the rest
+dequantized.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class GGUFCheckpoint:
     # generation_config.json), and the model's name.
     extra_eos_token_ids: list[int] = field(default_factory=list)
     name: str | None = None
-    # With keep_planes: HF name -> the weight's planes (those names are not in state_dict).
-    planes: dict[str, list] = field(default_factory=dict)
+    # With keep_quantized: HF name -> the weight kept quantized, a PlaneSum or Int8Rows
+    # (folio.model.quant); those names are not in state_dict.
+    quantized: dict[str, Any] = field(default_factory=dict)
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -53,44 +55,49 @@ def _dequantize(t, path: str) -> torch.Tensor:
     return torch.from_numpy(dequantize_array(t, path))
 
 
-def read_gguf(path: str, keep_planes: bool = False) -> GGUFCheckpoint:
+def read_gguf(path: str, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Parse `path` and return an HF-layout config and float32 state dict (with
-    `keep_planes`, the plane-typed matrices as planes instead)."""
-    return read_with(path, lambda *args: _build_checkpoint(*args, keep_planes=keep_planes))
+    `keep_quantized`, the matrices of the types folio multiplies quantized kept so instead)."""
+    return read_with(path, lambda *args: _build_checkpoint(*args, keep_quantized=keep_quantized))
 
 
-def _planes_of(t, n_heads: int | None):
-    """A plane-typed 2-D tensor's planes, rows un-permuted like the float weight's."""
+def _quantized_of(t, n_heads: int | None):
+    """A 2-D tensor of a type kept quantized (KEPT_TYPES) as its PlaneSum or Int8Rows, rows
+    un-permuted like the float weight's."""
     import numpy as np
 
-    from folio.model.quant.gguf_planes import planes_from_blocks
+    from folio.model.quant.gguf_int8 import INT8_TYPES, int8_from_blocks
+    from folio.model.quant.gguf_planes import PlaneSum, planes_from_blocks
     k = int(t.shape[0])
     n = int(np.prod([int(d) for d in t.shape[1:]]))
-    planes = planes_from_blocks(t.tensor_type.name, np.asarray(t.data), (n, k))
+    name, raw = t.tensor_type.name, np.asarray(t.data)
+    matrix = (int8_from_blocks(name, raw, (n, k)) if name in INT8_TYPES
+              else PlaneSum(planes_from_blocks(name, raw, (n, k))))
     if n_heads is not None:
-        order = _unpermute_rows(torch.arange(n), n_heads).numpy()
-        planes = [p.take_rows(order) for p in planes]
-    return planes
+        matrix = matrix.take_rows(_unpermute_rows(torch.arange(n), n_heads).numpy())
+    return matrix
 
 
 def _build_checkpoint(reader, path: str, arch: str, spec,
-                      keep_planes: bool = False) -> GGUFCheckpoint:
+                      keep_quantized: bool = False) -> GGUFCheckpoint:
     # The config first: it also rejects tensors folio would silently drop.
     meta = metadata_from_reader(reader, path, arch, spec)
     cfg = meta.hf_config
     n_layers, n_heads, n_kv = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
                                cfg["num_key_value_heads"])
+    from folio.model.quant.gguf_int8 import INT8_TYPES
     from folio.model.quant.gguf_planes import PLANE_TYPES
+    kept_types = PLANE_TYPES | INT8_TYPES
     state_dict: dict[str, torch.Tensor] = {}
-    planes: dict[str, list] = {}
+    quantized: dict[str, Any] = {}
     for name, t in {t.name: t for t in reader.tensors}.items():
         if name == ROPE_FREQS:
             continue
         hf = hf_tensor_name(name, n_layers)
         permuted = spec.qk_permuted and (".attn_q." in name or ".attn_k." in name)
         heads = (n_heads if ".attn_q." in name else n_kv) if permuted else None
-        if keep_planes and t.tensor_type.name in PLANE_TYPES and len(t.shape) == 2:
-            planes[hf] = _planes_of(t, heads)
+        if keep_quantized and t.tensor_type.name in kept_types and len(t.shape) == 2:
+            quantized[hf] = _quantized_of(t, heads)
             continue
         w = _dequantize(t, path)
         if permuted:
@@ -98,4 +105,4 @@ def _build_checkpoint(reader, path: str, arch: str, spec,
         state_dict[hf] = w
     return GGUFCheckpoint(hf_config=cfg, state_dict=state_dict, chat_template=meta.chat_template,
                           extra_eos_token_ids=meta.extra_eos_token_ids, name=meta.name,
-                          planes=planes)
+                          quantized=quantized)

@@ -84,7 +84,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
-    GGUF file's plane-typed matrices stay packed (folio.model.quant, CPU)."""
+    GGUF file's quantized matrices stay packed (folio.model.quant, CPU)."""
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
@@ -98,14 +98,14 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         from folio.model.discovery import gguf_file_of
         from folio.model.gguf_loader import read_gguf
         from folio.model.quant import gguf_install
-        ckpt = read_gguf(gguf_file_of(source), keep_planes=True)
-        plan, consumed = gguf_install.plan_packed(model, ckpt.planes)
+        ckpt = read_gguf(gguf_file_of(source), keep_quantized=True)
+        plan, consumed = gguf_install.plan_packed(model, ckpt.quantized)
         gguf_install.shrink_packed_params(model, plan)
         model = model.to(dtype=dtype).to_empty(device=device)
         gguf_install.install_packed(model, plan, dtype)
         float_weights = list(ckpt.state_dict.items()) + [
-            (name, torch.from_numpy(sum(p.dequantize() for p in planes)))
-            for name, planes in ckpt.planes.items() if name not in consumed]
+            (name, torch.from_numpy(matrix.dequantize()))
+            for name, matrix in ckpt.quantized.items() if name not in consumed]
         model.load_weights(float_weights, preloaded=consumed)
     else:
         model = model.to(dtype=dtype).to_empty(device=device)

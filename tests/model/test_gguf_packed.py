@@ -1,7 +1,7 @@
-"""GGUF weights kept quantized on the CPU (folio/model/quant): the 4-bit planes of each type
-equal gguf-py's dequantization (random blocks and the default model's real ones), the packed
-matmul equals dequantize-then-matmul within float32 error, and the default model loads with
-every projection packed and gives the float path's logits."""
+"""GGUF weights kept quantized on the CPU (folio/model/quant): the 4-bit planes and int8 codes of
+each type equal gguf-py's dequantization (random blocks and the default model's real ones), the
+packed matmuls equal dequantize-then-matmul within float32 error, and the default model loads
+with every projection packed and gives the float path's logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,22 +10,35 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from folio.model.quant.gguf_planes import BLOCKS, planes_from_blocks
+from folio.model.quant.gguf_int8 import INT8_BLOCKS, Int8Rows, int8_from_blocks
+from folio.model.quant.gguf_planes import BLOCKS, PlaneSum, planes_from_blocks
+from folio.model.quant.gguf_install import packed_module
 from folio.model.quant.int4_packed import PackedInt4Weight
+from folio.model.quant.int8_packed import PackedInt8Weight, quantize_per_channel
+from folio.model.quant.packed import PackedConcat
 
-# fp16 fields at the start of each block (d; d and m / d and dmin).
-_F16_FIELDS = {"Q4_0": 1, "Q5_0": 1, "Q8_0": 1, "Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2}
+ALL_BLOCKS = {**BLOCKS, **INT8_BLOCKS}
+# (byte offset, count) of the fp16 fields of each block: d; d and m / d and dmin (at the start),
+# Q6_K's d at the end.
+_F16_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_1": (0, 2), "Q5_1": (0, 2),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}
 
 
 def _random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
     """Random bytes for every code and scale field, with finite fp16 block scales."""
-    elems, nbytes = BLOCKS[type_name]
+    elems, nbytes = ALL_BLOCKS[type_name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    f16 = _F16_FIELDS[type_name]
+    offset, f16 = _F16_FIELDS[type_name]
     scales = (rng.standard_normal((n, k // elems, f16)) * 0.02).astype(np.float16)
-    raw[..., :2 * f16] = scales.view(np.uint8).reshape(n, k // elems, 2 * f16)
+    raw[..., offset:offset + 2 * f16] = scales.view(np.uint8).reshape(n, k // elems, 2 * f16)
     return raw
+
+
+def _decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> PlaneSum | Int8Rows:
+    if type_name in INT8_BLOCKS:
+        return int8_from_blocks(type_name, raw, shape)
+    return PlaneSum(planes_from_blocks(type_name, raw, shape))
 
 
 def _reference(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -33,35 +46,49 @@ def _reference(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return dequantize(raw.reshape(n, -1), qtype).reshape(n, k).astype(np.float32)
 
 
-@pytest.mark.parametrize("type_name", sorted(BLOCKS))
-def test_planes_equal_gguf_dequantization(type_name: str) -> None:
+@pytest.mark.parametrize("type_name", sorted(ALL_BLOCKS))
+def test_quantized_forms_equal_gguf_dequantization(type_name: str) -> None:
     n, k = 7, 512
     raw = _random_blocks(type_name, n, k, seed=len(type_name))
-    planes = planes_from_blocks(type_name, raw, (n, k))
-    assert all(p.codes.max() <= 15 for p in planes)
-    got = sum(p.dequantize() for p in planes)
-    np.testing.assert_allclose(got, _reference(type_name, raw, n, k), rtol=1e-6, atol=1e-5)
+    matrix = _decode(type_name, raw, (n, k))
+    if isinstance(matrix, PlaneSum):
+        assert all(p.codes.max() <= 15 for p in matrix.planes)
+    else:
+        assert matrix.codes.dtype == np.int8 and matrix.group == (32 if type_name == "Q8_0" else 16)
+        if type_name == "Q6_K":
+            assert matrix.codes.min() >= -32 and matrix.codes.max() <= 31
+    ref = _reference(type_name, raw, n, k)
+    if type_name in INT8_BLOCKS:
+        # Rebuilt in gguf-py's order, one float32 rounding per value: bit for bit.
+        assert np.array_equal(matrix.dequantize(), ref)
+    np.testing.assert_allclose(matrix.dequantize(), ref, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("type_name", sorted(BLOCKS))
-@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("type_name", sorted(ALL_BLOCKS))
+@pytest.mark.parametrize("rows", [1, 3, 9, 16, 40])
 def test_packed_matmul_equals_dequantized_matmul(type_name: str, rows: int) -> None:
-    """Each of the kernel's paths: one row (rows of W four at a time, 42 leaving two over),
-    a few rows, and many (tiles of W rebuilt in float32 and multiplied by torch's GEMM)."""
+    """Each of the kernels' paths: the register-blocked kernel at 1, 3, 9 (a block of 8 and
+    one row over) and 16 rows of x (W's 42 rows leave rows over each block of 2 or 4), and
+    many rows (tiles of W rebuilt in float32 and multiplied by torch's GEMM)."""
     n, k = 42, 256
     raw = _random_blocks(type_name, n, k, seed=rows)
     weight = torch.from_numpy(_reference(type_name, raw, n, k))
-    packed = PackedInt4Weight(planes_from_blocks(type_name, raw, (n, k)))
+    packed = packed_module([_decode(type_name, raw, (n, k))])
+    assert isinstance(packed, PackedInt8Weight if type_name in INT8_BLOCKS else PackedInt4Weight)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n)
     ref = (x.double() @ weight.double().t() + bias.double())
     out = packed(x, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    # Other activation dtypes come back in their dtype; rows are rebuilt exactly.
+    # Other activation dtypes come back in their dtype; rows are rebuilt exactly (two planes'
+    # sum, Q5_x, rounds once more than gguf-py's formula: within float32 error there).
     assert packed(x.bfloat16()).dtype == torch.bfloat16
     ids = torch.tensor([[0, n - 1], [5, 5]])
-    assert torch.equal(packed.lookup(ids), weight[ids])
+    if type_name.startswith("Q5"):
+        torch.testing.assert_close(packed.lookup(ids), weight[ids], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(packed.lookup(ids), weight[ids])
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -70,6 +97,50 @@ def test_bad_shapes_are_refused() -> None:
         planes_from_blocks("Q4_0", raw, (2, 48))
     with pytest.raises(ValueError, match="no 4-bit plane form"):
         planes_from_blocks("Q6_K", raw, (2, 64))
+    with pytest.raises(ValueError, match="no int8 form"):
+        int8_from_blocks("Q4_0", raw, (2, 64))
+    with pytest.raises(ValueError, match="whole Q6_K blocks"):
+        int8_from_blocks("Q6_K", np.zeros((2, 210), np.uint8), (2, 128))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PackedInt8Weight(Int8Rows(np.zeros((2, 40), np.int8), np.ones((2, 5), np.float32)))
+
+
+def test_mixed_shards_are_concatenated() -> None:
+    """A merged projection whose shards come in different forms (Q4_K q, Q6_K v) multiplies
+    each part with its own kernel, outputs in the module's row order."""
+    k = 256
+    parts = [("Q4_K", 8), ("Q6_K", 5), ("Q8_0", 3)]
+    shards = [_decode(t, _random_blocks(t, n, k, seed=n), (n, k)) for t, n in parts]
+    packed = packed_module(shards)
+    assert isinstance(packed, PackedConcat) and packed.out_features == 16
+    weight = torch.from_numpy(np.concatenate([s.dequantize() for s in shards]))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ weight.double().t()
+    assert ((packed(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert torch.equal(packed.dequantize(), weight)
+    # Two int8 shards of one group size stack into one weight; different sizes do not.
+    assert isinstance(packed_module(shards[1:2] * 2), PackedInt8Weight)
+    assert isinstance(packed_module(shards[1:]), PackedConcat)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_per_channel_int8(rows: int) -> None:
+    """`--quantization int8`: symmetric per output channel; the matmul equals the
+    dequantized weight's, and the weight is within half a step of the float one."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 96, generator=gen)
+    weight[3] = 0.0                                   # an all-zero row: scale 0, no NaN
+    q = quantize_per_channel(weight)
+    assert q.scale.shape == (37, 1) and q.codes.dtype == np.int8
+    assert np.abs(q.codes).max() <= 127
+    packed = PackedInt8Weight(q)
+    deq = packed.dequantize()
+    step = torch.from_numpy(q.scale)
+    assert torch.all((deq - weight).abs() <= step / 2 + 1e-7)
+    assert torch.equal(deq[3], torch.zeros(96))
+    x = torch.randn(rows, 96, generator=gen)
+    ref = x.double() @ deq.double().t()
+    assert ((packed(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def _default_gguf() -> str:
@@ -91,9 +162,8 @@ def test_real_blocks_of_the_default_model() -> None:
         rows = min(n, 256)
         raw = np.asarray(t.data)[:rows]
         ref = dequantize(raw, t.tensor_type).reshape(rows, k)
-        planes = planes_from_blocks(t.tensor_type.name, raw, (rows, k))
-        np.testing.assert_allclose(sum(p.dequantize() for p in planes), ref, rtol=1e-6,
-                                   atol=1e-5, err_msg=name)
+        matrix = _decode(t.tensor_type.name, raw, (rows, k))
+        np.testing.assert_allclose(matrix.dequantize(), ref, rtol=1e-6, atol=1e-5, err_msg=name)
 
 
 @pytest.fixture(scope="module")

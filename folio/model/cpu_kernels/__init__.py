@@ -1,4 +1,4 @@
-"""folio's C++ CPU kernels (csrc/): the 4-bit-plane matmul of folio.model.quant, the paged
+"""folio's C++ CPU kernels (csrc/): the 4-bit-plane and int8 matmuls of folio.model.quant, the paged
 attention of folio.model.attention.cpu_backend, and the float32 RMSNorm / rotary /
 SiLU-and-mul of folio.model.layers.
 
@@ -19,7 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _NAME = "folio_cpu_kernels"
-_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
+_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
 _lock = threading.Lock()
 
 

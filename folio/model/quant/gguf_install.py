@@ -1,14 +1,18 @@
-"""Putting a GGUF file's plane-typed weights into a DecoderLM as packed modules (CPU).
+"""Putting a GGUF file's quantized matrices into a DecoderLM as packed modules (CPU).
 
 Two phases around `to_empty`, which would allocate (and then discard) a float tensor for every
 parameter: `shrink_packed_params` runs on the meta model and gives every weight that will be
 packed an empty shape, so no float copy of it is ever allocated; `install_packed` runs after
 and attaches the packed modules. A merged projection (qkv, gate_up) is packed only when all of
-its shards have planes; its shards are stacked in the module's order, a shard with fewer
-planes padded with a zero plane. Everything else (norms, biases, tensors of other GGUF types)
-stays float and is loaded by `DecoderLM.load_weights`.
+its shards are kept quantized; shards of one kind are stacked into one packed weight in the
+module's order (planes: a shard with fewer planes padded with a zero plane; int8: the same
+group size), shards of different kinds (a Q4_K q with a Q6_K v) become a PackedConcat.
+Everything else (norms, biases, tensors of other GGUF types) stays float and is loaded by
+`DecoderLM.load_weights`.
 """
 from __future__ import annotations
+
+from typing import Union
 
 import numpy as np
 import torch
@@ -16,17 +20,21 @@ from torch import nn
 
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Linear, MergedLinear
-from folio.model.quant.gguf_planes import GROUP, Plane
+from folio.model.quant.gguf_int8 import Int8Rows
+from folio.model.quant.gguf_planes import GROUP, Plane, PlaneSum
 from folio.model.quant.int4_packed import PackedInt4Weight
+from folio.model.quant.int8_packed import PackedInt8Weight
+from folio.model.quant.packed import PackedConcat, PackedWeight
 
 _EMBED = "embed_tokens"
+Quantized = Union[PlaneSum, Int8Rows]
 
 
 class PackedEmbedding(nn.Module):
     """nn.Embedding's face over a packed weight's rows, returning the model's dtype (a tied
     model's lm_head multiplies by the same packed weight)."""
 
-    def __init__(self, packed: PackedInt4Weight, dtype: torch.dtype) -> None:
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.packed = packed
         self.dtype = dtype
@@ -41,52 +49,70 @@ def _zero_plane(n: int, k: int) -> Plane:
                  np.zeros((n, groups), np.float32))
 
 
-def _stack(shards: list[list[Plane]]) -> list[Plane]:
-    depth = max(len(p) for p in shards)
+def _stack_planes(shards: list[PlaneSum]) -> PlaneSum:
+    depth = max(len(s.planes) for s in shards)
     out = []
     for level in range(depth):
-        parts = [p[level] if level < len(p) else _zero_plane(*p[0].codes.shape) for p in shards]
+        parts = [s.planes[level] if level < len(s.planes) else _zero_plane(*s.shape)
+                 for s in shards]
         out.append(Plane(np.concatenate([q.codes for q in parts]),
                          np.concatenate([q.scale for q in parts]),
                          np.concatenate([q.zero for q in parts])))
-    return out
+    return PlaneSum(out)
 
 
-def plan_packed(model: DecoderLM, planes: dict[str, list[Plane]]
-                ) -> tuple[dict[str, list[Plane]], set[str]]:
-    """(module path -> its stacked planes, the checkpoint names they consume). Module path
-    `embed_tokens` is the embedding; a tied model's lm_head is packed from the same planes."""
-    by_module: dict[str, dict[str | None, list[Plane]]] = {}
+def packed_module(shards: list[Quantized]) -> nn.Module:
+    """One packed module for a weight made of `shards` (rows, in order)."""
+    if all(isinstance(s, PlaneSum) for s in shards):
+        return PackedInt4Weight(_stack_planes(shards).planes)
+    if all(isinstance(s, Int8Rows) for s in shards) and len({s.group for s in shards}) == 1:
+        return PackedInt8Weight(Int8Rows(np.concatenate([s.codes for s in shards]),
+                                         np.concatenate([s.scale for s in shards])))
+    return PackedConcat([packed_module([s]) for s in shards])
+
+
+def _packable(shards: list[Quantized]) -> bool:
+    """The kernels need whole groups along K (32 for planes, 16 for int8)."""
+    return all(s.shape[1] % (GROUP if isinstance(s, PlaneSum) else 16) == 0 for s in shards)
+
+
+def plan_packed(model: DecoderLM, quantized: dict[str, Quantized]
+                ) -> tuple[dict[str, list[Quantized]], set[str]]:
+    """(module path -> its shards in the module's order, the checkpoint names they consume).
+    Module path `embed_tokens` is the embedding; a tied model's lm_head is packed from the
+    same weight."""
+    by_module: dict[str, dict[str | None, Quantized]] = {}
     names: dict[str, list[str]] = {}
-    for name, p in planes.items():
+    for name, matrix in quantized.items():
         target = model.weight_target(name)
         if target is None or target[2] != "weight":
             continue
         path, shard, _ = target
-        by_module.setdefault(path, {})[shard] = p
+        by_module.setdefault(path, {})[shard] = matrix
         names.setdefault(path, []).append(name)
-    plan: dict[str, list[Plane]] = {}
+    plan: dict[str, list[Quantized]] = {}
     consumed: set[str] = set()
     for path, shards in by_module.items():
-        if path == _EMBED or path == "lm_head":
-            if any(p[0].codes.shape[1] % GROUP for p in shards.values()):
-                continue
-            plan[path] = shards[None]
+        if path in (_EMBED, "lm_head"):
+            ordered = [shards[None]]
         else:
             module = model.get_submodule(path)
-            if not isinstance(module, Linear) or module.in_features % GROUP:
+            if not isinstance(module, Linear):
                 continue
             if isinstance(module, MergedLinear):
                 if set(shards) != set(module.shard_offsets):
                     continue  # a shard of another GGUF type: keep the module float
-                plan[path] = _stack([shards[s] for s in module.shard_offsets])
+                ordered = [shards[s] for s in module.shard_offsets]
             else:
-                plan[path] = shards[None]
+                ordered = [shards[None]]
+        if not _packable(ordered):
+            continue
+        plan[path] = ordered
         consumed.update(names[path])
     return plan, consumed
 
 
-def shrink_packed_params(model: DecoderLM, plan: dict[str, list[Plane]]) -> None:
+def shrink_packed_params(model: DecoderLM, plan: dict[str, list[Quantized]]) -> None:
     """On the meta model: the weights that will be packed take no memory."""
     for path in plan:
         module = model.get_submodule(path)
@@ -94,15 +120,16 @@ def shrink_packed_params(model: DecoderLM, plan: dict[str, list[Plane]]) -> None
                                      requires_grad=False)
 
 
-def install_packed(model: DecoderLM, plan: dict[str, list[Plane]], dtype: torch.dtype) -> None:
+def install_packed(model: DecoderLM, plan: dict[str, list[Quantized]],
+                   dtype: torch.dtype) -> None:
     """After to_empty: attach the packed modules."""
-    for path, planes in plan.items():
+    for path, shards in plan.items():
+        packed = packed_module(shards)
         if path == _EMBED:
-            packed = PackedInt4Weight(planes)
             model.embed_tokens = PackedEmbedding(packed, dtype)
             if model.lm_head is None:
                 model.lm_head_packed = packed
         elif path == "lm_head":
-            model.lm_head_packed = PackedInt4Weight(planes)
+            model.lm_head_packed = packed
         else:
-            model.get_submodule(path).packed = PackedInt4Weight(planes)
+            model.get_submodule(path).packed = packed

@@ -10,10 +10,10 @@ one or two such planes:
   * Q4_K  (super-blocks of 256: eight groups of 32 with 6-bit scale and min codes):
                                    d*sc * q - dmin*mn          one plane per group's s, z
   * Q5_0 / Q5_1 / Q5_K (a fifth bit h): the 4-bit plane plus a plane of h (0/1) at 16 s
-  * Q8_0  (d, int8 q):             q + 128 = 16 hi + lo        two planes: hi at 16 d, lo at d
 
-Decoding is numpy over whole tensors (no Python loop over blocks). Types not listed (Q6_K, the
-Q2/Q3 K-quants, the IQ types) are not planes: the loader keeps those tensors dequantized.
+Decoding is numpy over whole tensors (no Python loop over blocks). Q8_0 and Q6_K are int8
+codes instead (gguf_int8.py); the Q2/Q3 K-quants and the IQ types are neither: the loader keeps
+those tensors dequantized.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GROUP = 32
 
 # GGML type name -> (block elements, block bytes).
 BLOCKS = {
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q4_K": (256, 144), "Q5_K": (256, 176),
 }
 PLANE_TYPES = frozenset(BLOCKS)
@@ -44,6 +44,24 @@ class Plane:
 
     def take_rows(self, rows: np.ndarray) -> "Plane":
         return Plane(self.codes[rows], self.scale[rows], self.zero[rows])
+
+
+@dataclass
+class PlaneSum:
+    """A weight as the sum of its planes (one or two), with Int8Rows' face (gguf_int8.py):
+    shape, dequantize, take_rows."""
+
+    planes: list[Plane]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.planes[0].codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        return sum(p.dequantize() for p in self.planes)
+
+    def take_rows(self, rows: np.ndarray) -> "PlaneSum":
+        return PlaneSum([p.take_rows(rows) for p in self.planes])
 
 
 def _f16(block: np.ndarray, offset: int) -> np.ndarray:
@@ -116,13 +134,6 @@ def planes_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
         base = m if has_min else -16 * d
         return [Plane(rows(codes), rows(d), rows(base + 8 * d)),
                 Plane(rows(high), rows(16 * d), rows(128 * d))]
-    if type_name == "Q8_0":
-        d = _f16(blocks, 0)
-        u = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # 0..255
-        hi, lo = (u >> 4).astype(np.uint8), (u & 0x0F).astype(np.uint8)
-        # (hi - 8) 16d + (lo - 8) d = d (u - 136) = d q - 8d: the lo plane's zero adds it back.
-        return [Plane(rows(hi), rows(16 * d), rows(np.zeros_like(d))),
-                Plane(rows(lo), rows(d), rows(8 * d))]
     # Q4_K / Q5_K: per 32-element group, scale d*sc and offset -dmin*mn.
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k_scales(blocks[..., 4:16])

@@ -19,9 +19,9 @@ import functools
 
 import numpy as np
 import torch
-from torch import nn
 
 from folio.model.quant.gguf_planes import GROUP, Plane
+from folio.model.quant.packed import PackedWeight
 
 
 def _ggml_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -32,7 +32,7 @@ def _ggml_nibbles(codes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(two.reshape(n, k // 2), dtype=np.uint8)
 
 
-class PackedInt4Weight(nn.Module):
+class PackedInt4Weight(PackedWeight):
     """W [N, K] = the sum of the planes. forward(x [..., K]) = x @ W^T (+ bias), in x's
     dtype; lookup(ids) = rows of W in float32."""
 
@@ -52,25 +52,10 @@ class PackedInt4Weight(nn.Module):
         self.register_buffer("zero", torch.from_numpy(
             np.stack([p.zero for p in planes]).astype(np.float32)), persistent=False)
         from folio.model.cpu_kernels import extension
-        self._kernel = extension()
-        # The kernel's arguments, bound once: a decode step makes ~120 of these calls, and a
-        # Module attribute lookup per buffer per call shows in its time. The buffers never
-        # move (CPU only).
-        self._matmul = functools.partial(self._kernel.q4_matmul, codes=self.codes,
+        self._matmul = functools.partial(extension().q4_matmul, codes=self.codes,
                                          scale=self.scale, zero=self.zero)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return self._matmul(x)  # the float32 model's usual case, with no reshaping
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = self._matmul(x2)
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        return out.to(x.dtype).view(*shape[:-1], self.out_features)
-
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W, rebuilt exactly in float32 ([*ids.shape, K])."""
         flat = ids.reshape(-1)
         k = self.in_features
         out = torch.zeros(flat.shape[0], k, dtype=torch.float32)
@@ -80,10 +65,6 @@ class PackedInt4Weight(nn.Module):
             out += (codes * scale.index_select(0, flat).unsqueeze(-1)
                     + zero.index_select(0, flat).unsqueeze(-1)).view(-1, k)
         return out.view(*ids.shape, k)
-
-    def dequantize(self) -> torch.Tensor:
-        """W in float32 (tests, reference)."""
-        return self.lookup(torch.arange(self.out_features))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -4,6 +4,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "4-bit-plane matmul, float32", py::arg("x"), py::arg("codes"),
         py::arg("scale"), py::arg("zero"));
+  m.def("int8_matmul", &int8_matmul, "int8 weight-only matmul, float32", py::arg("x"),
+        py::arg("codes"), py::arg("scale"));
   m.def("paged_attention", &paged_attention,
         "write K/V into the paged cache, then causal attention over it, float32 queries");
   m.def("rms_norm", &rms_norm, "RMSNorm (with the residual add), float32", py::arg("x"),

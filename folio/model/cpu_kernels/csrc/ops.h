@@ -9,6 +9,10 @@
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
                         torch::Tensor zero);
 
+// y [M, N] = x [M, K] @ W^T for W = int8 codes [N, K] * float32 scales [N, G] per group of
+// K / G along K (int8_matmul.cpp).
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale);
+
 // Writes this step's K/V into the paged cache, then attends every query token over its
 // request's visible context (paged_attention.cpp).
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,

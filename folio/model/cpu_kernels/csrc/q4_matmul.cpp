@@ -6,19 +6,16 @@
 // (code - 8) * s + z values, indexed by the nibbles (group_table): one FMA builds the table,
 // two permutes read it, where converting codes to float would take a mask and two conversions
 // on the port the FMAs need. Activations, weights and accumulation stay float32, so the only
-// error against dequantize-then-matmul is float32 rounding order. Three paths by the number of
-// rows M of x, all splitting the rows of W over torch's threads (at::parallel_for):
-//   * M = 1 (decode): four rows of W at a time, so eight independent FMA chains hide the FMA
-//     latency and each group of x is loaded once for the four;
-//   * 1 < M < kTileRows: per row of W, its weights built once per group for up to kMaxRows
-//     rows of x (one chain each);
-//   * M >= kTileRows (prefill, large batches): each task rebuilds a tile of W's rows in float32
-//     (it stays in L2) and multiplies it with torch's GEMM, so the 4-bit bytes are read once
-//     and the product runs at GEMM speed.
+// error against dequantize-then-matmul is float32 rounding order. Two paths by the number of
+// rows M of x, both splitting the rows of W over torch's threads (at::parallel_for):
+//   * M < kTileRows (decode, batched decode): a register-blocked kernel (block_kernel) takes
+//     up to 8 rows of x against 2-4 rows of W at a time, so each group's weights are built
+//     once for every row of the block and 8-16 independent FMA chains hide the FMA latency;
+//   * M >= kTileRows (prefill): each task rebuilds a tile of W's rows in float32 (it stays in
+//     L2) and multiplies it with torch's GEMM (weight_tiles.h).
 // Written for AVX-512 where the build machine has it (-march=native), portable loops otherwise.
 #include "ops.h"
-
-#include <ATen/Parallel.h>
+#include "weight_tiles.h"
 
 #include <algorithm>
 #include <vector>
@@ -31,10 +28,7 @@ namespace {
 
 constexpr int kGroup = 32;
 constexpr int kHalf = 16;
-constexpr int kMaxRows = 16;   // rows of x per pass over a weight row (16 accumulators fit)
-constexpr int kRowBlock = 4;   // rows of W per pass at M = 1
-constexpr int64_t kTileRows = 8;       // from this many rows of x on, dequantize tiles + GEMM
-constexpr int64_t kTileBytes = 1 << 20;  // float32 bytes of one tile of W (fits L2)
+constexpr int kPrefetchRows = 16;  // how far ahead (rows of W) the blocked kernel prefetches
 
 struct PlaneView {
   const uint8_t* codes;  // [N, K/2]
@@ -65,103 +59,117 @@ inline void group_weights(const uint8_t* b, float s, float z, __m512& lo, __m512
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-// M = 1: rows [n, n + kRowBlock) of W against x.
-inline void gemv_rows4(const float* x, int64_t G, const PlaneView& p, int64_t n,
-                       int64_t row_bytes, float* out) {
-  __m512 acc_lo[kRowBlock], acc_hi[kRowBlock];
-  for (int r = 0; r < kRowBlock; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
-  const uint8_t* codes = p.codes + n * row_bytes;
-  const float* scale = p.scale + n * G;
-  const float* zero = p.zero + n * G;
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 xlo = _mm512_loadu_ps(x + g * kGroup);
-    const __m512 xhi = _mm512_loadu_ps(x + g * kGroup + kHalf);
-    for (int r = 0; r < kRowBlock; ++r) {
-      __m512 lo, hi;
-      group_weights(codes + r * row_bytes + g * kHalf, scale[r * G + g], zero[r * G + g], lo, hi);
-      acc_lo[r] = _mm512_fmadd_ps(lo, xlo, acc_lo[r]);
-      acc_hi[r] = _mm512_fmadd_ps(hi, xhi, acc_hi[r]);
+// Rows [n, n + NB) of W against MB rows of x (x points at the first, y at its row of the
+// output): each group's NB weight rows are built once and used for all MB rows of x. MB * NB
+// accumulators (at most 16, with the 2 * NB weight vectors and two of x: within the 32
+// registers) make as many independent FMA chains, enough to hide the FMA latency; the x block
+// (MB rows of K floats) stays in L1 while the W rows stream past it.
+template <int MB, int NB>
+inline void block_kernel(const float* x, int64_t K, const std::vector<PlaneView>& planes,
+                         int64_t n, float* y, int64_t N, bool prefetch) {
+  const int64_t G = K / kGroup, row_bytes = K / 2;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (const PlaneView& p : planes) {
+    const uint8_t* codes = p.codes + n * row_bytes;
+    const float* scale = p.scale + n * G;
+    const float* zero = p.zero + n * G;
+    for (int64_t g = 0; g < G; ++g) {
+      // The rows kPrefetchRows ahead, a cache line at a time as this block goes: the hardware
+      // prefetcher alone keeps a decode step's weight stream well under the memory's
+      // bandwidth (measured: spread out like this beats one burst per block here).
+      if (prefetch && (g & 3) == 0)
+        for (int r = 0; r < NB; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (r + kPrefetchRows) * row_bytes +
+                                                     g * kHalf), _MM_HINT_T0);
+      if (prefetch && (g & 15) == 0)
+        for (int r = 0; r < NB; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(scale + (r + kPrefetchRows) * G + g),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(zero + (r + kPrefetchRows) * G + g),
+                       _MM_HINT_T0);
+        }
+      __m512 lo[NB], hi[NB];
+      for (int r = 0; r < NB; ++r)
+        group_weights(codes + r * row_bytes + g * kHalf, scale[r * G + g], zero[r * G + g],
+                      lo[r], hi[r]);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xlo = _mm512_loadu_ps(x + m * K + g * kGroup);
+        const __m512 xhi = _mm512_loadu_ps(x + m * K + g * kGroup + kHalf);
+        for (int r = 0; r < NB; ++r)
+          acc[m][r] = _mm512_fmadd_ps(hi[r], xhi, _mm512_fmadd_ps(lo[r], xlo, acc[m][r]));
+      }
     }
   }
-  for (int r = 0; r < kRowBlock; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
-#endif
 
-// One row n of W against rows [m0, m0 + mb) of x: each group's weights are built once and
-// used for every row of x.
-inline void row_dot(const float* x, int64_t K, int64_t m0, int64_t mb, const PlaneView& p,
-                    int64_t n, float* total) {
-  const int64_t G = K / kGroup;
-  const uint8_t* row = p.codes + n * (K / 2);
-  const float* s_row = p.scale + n * G;
-  const float* z_row = p.zero + n * G;
-#if defined(__AVX512F__)
-  __m512 acc[kMaxRows];
-  for (int64_t j = 0; j < mb; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 lo, hi;
-    group_weights(row + g * kHalf, s_row[g], z_row[g], lo, hi);
-    for (int64_t j = 0; j < mb; ++j) {
-      const float* xg = x + (m0 + j) * K + g * kGroup;
-      acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + kHalf),
-                               _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[j]));
+// MB rows of x (1..kBlockRows) against W rows [n0, n1): blocks of NB rows, then single rows.
+template <int MB>
+void rows_block(const float* x, int64_t K, const std::vector<PlaneView>& planes, float* y,
+                int64_t N, int64_t n0, int64_t n1, bool prefetch) {
+  constexpr int NB = MB <= 4 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) block_kernel<MB, NB>(x, K, planes, n, y, N, prefetch);
+  for (; n < n1; ++n) block_kernel<MB, 1>(x, K, planes, n, y, N, prefetch);
+}
+
+constexpr int kBlockRows = 8;  // rows of x per block (MB)
+constexpr int64_t kRowChunk = 16;  // rows of W taken by every block of x in turn
+
+// Every row of x (M < kTileRows) against W rows [n0, n1): W in chunks of kRowChunk rows, each
+// chunk taken by every block of up to kBlockRows rows of x while it is in L1 (W is read from
+// memory once, whatever M is; the first block prefetches it).
+void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>& planes,
+              float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t c0 = n0; c0 < n1; c0 += kRowChunk) {
+    const int64_t c1 = std::min<int64_t>(n1, c0 + kRowChunk);
+    for (int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
+      const float* xb = x + m0 * K;
+      float* yb = y + m0 * N;
+      switch (std::min<int64_t>(kBlockRows, M - m0)) {
+        case 1: rows_block<1>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 2: rows_block<2>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 3: rows_block<3>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 4: rows_block<4>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 5: rows_block<5>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 6: rows_block<6>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        case 7: rows_block<7>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+        default: rows_block<8>(xb, K, planes, yb, N, c0, c1, m0 == 0); break;
+      }
     }
   }
-  for (int64_t j = 0; j < mb; ++j) total[j] = _mm512_reduce_add_ps(acc[j]);
+}
 #else
-  alignas(64) float acc[kMaxRows][kHalf] = {};
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* b = row + g * kHalf;
-    alignas(64) float lo[kHalf], hi[kHalf];
-    for (int i = 0; i < kHalf; ++i) {
-      lo[i] = (static_cast<float>(b[i] & 0x0F) - 8.0f) * s_row[g] + z_row[g];
-      hi[i] = (static_cast<float>(b[i] >> 4) - 8.0f) * s_row[g] + z_row[g];
-    }
-    for (int64_t j = 0; j < mb; ++j) {
-      const float* xg = x + (m0 + j) * K + g * kGroup;
-      float* a = acc[j];
-#pragma omp simd
-      for (int i = 0; i < kHalf; ++i) a[i] += lo[i] * xg[i] + hi[i] * xg[i + kHalf];
-    }
-  }
-  for (int64_t j = 0; j < mb; ++j) {
-    total[j] = 0.0f;
-    for (int i = 0; i < kHalf; ++i) total[j] += acc[j][i];
-  }
-#endif
-}
-
-// Rows [n0, n1) of y for every row of x (the M < kTileRows paths).
+// Portable: per row of W, each group's 32 weights built once and used for every row of x.
 void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>& planes,
               float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
-  int64_t n = n0;
-#if defined(__AVX512F__)
-  if (M == 1) {
-    for (; n + kRowBlock <= n1; n += kRowBlock) {
-      float total[kRowBlock] = {};
-      for (const PlaneView& p : planes) {
-        float part[kRowBlock];
-        gemv_rows4(x, G, p, n, row_bytes, part);
-        for (int r = 0; r < kRowBlock; ++r) total[r] += part[r];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = 0.0f;
+    for (const PlaneView& p : planes) {
+      const uint8_t* row = p.codes + n * row_bytes;
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = p.scale[n * G + g], z = p.zero[n * G + g];
+        const uint8_t* b = row + g * kHalf;
+        float w[kGroup];
+        for (int i = 0; i < kHalf; ++i) {
+          w[i] = (static_cast<float>(b[i] & 0x0F) - 8.0f) * s + z;
+          w[i + kHalf] = (static_cast<float>(b[i] >> 4) - 8.0f) * s + z;
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xg = x + m * K + g * kGroup;
+          float a = 0.0f;
+          for (int i = 0; i < kGroup; ++i) a += w[i] * xg[i];
+          y[m * N + n] += a;
+        }
       }
-      for (int r = 0; r < kRowBlock; ++r) y[n + r] = total[r];
-    }
-  }
-#endif
-  for (; n < n1; ++n) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int64_t mb = std::min<int64_t>(kMaxRows, M - m0);
-      float total[kMaxRows] = {};
-      for (const PlaneView& p : planes) {
-        float part[kMaxRows];
-        row_dot(x, K, m0, mb, p, n, part);
-        for (int64_t j = 0; j < mb; ++j) total[j] += part[j];
-      }
-      for (int64_t j = 0; j < mb; ++j) y[(m0 + j) * N + n] = total[j];
     }
   }
 }
+#endif
 
 // Rows [n0, n1) of W rebuilt in float32 into `w` ([n1 - n0, K]): the sum of the planes.
 void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0, int64_t n1,
@@ -228,33 +236,13 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int threads = at::get_num_threads();
-
-  if (M >= kTileRows) {
-    // Tiles of W's rows: each task rebuilds its tile and runs one single-threaded GEMM into
-    // its columns of y (torch's GEMM runs on the calling thread inside a parallel region).
-    const int64_t tile = std::max<int64_t>(
-        16, std::min<int64_t>(kTileBytes / (K * 4), (N + threads - 1) / threads) / 16 * 16);
-    at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
-      // Worker threads do not inherit the caller's inference mode; inside it, writing into
-      // y (an inference tensor when the caller is in inference mode) is allowed either way.
-      c10::InferenceMode inference;
-      std::vector<float> buffer(tile * K);
-      auto w = torch::from_blob(buffer.data(), {tile, K}, x.options());
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile, n1 = std::min<int64_t>(N, n0 + tile);
-        dequantize_rows(planes, K, n0, n1, buffer.data());
-        auto out = y.narrow(1, n0, n1 - n0);
-        at::mm_out(out, x, w.narrow(0, 0, n1 - n0).t());
-      }
+  if (M >= folio_cpu::kTileRows) {
+    folio_cpu::tiled_gemm(x, y, N, K, [&](int64_t n0, int64_t n1, float* w) {
+      dequantize_rows(planes, K, n0, n1, w);
     });
     return y;
   }
-
-  // Enough rows per task to amortize the split (a multiple of the M = 1 row block); at least
-  // one task per thread.
-  const int64_t grain = std::max<int64_t>(16, N / (4 * threads) / kRowBlock * kRowBlock);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  folio_cpu::split_rows(N, [&](int64_t n0, int64_t n1) {
     dot_rows(xp, M, K, planes, yp, N, n0, n1);
   });
   return y;

@@ -1,0 +1,72 @@
+// What the quantized matmuls (q4_matmul.cpp, int8_matmul.cpp) share: the many-row path that
+// rebuilds tiles of W in float32 and multiplies them with torch's GEMM, and the split of W's
+// rows over torch's threads for the few-row paths.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace folio_cpu {
+
+// Asks for `bytes` from `p` on into L1, a cache line at a time (a hint: addresses past the
+// end of an array are harmless).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+#if defined(__AVX512F__)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// From this many rows of x on, the matmuls rebuild tiles of W and run torch's GEMM; below it
+// their register-blocked kernels are faster (measured on the 2-vCPU AVX-512 VM: equal at
+// 32 rows, the blocked kernels 1.5-2x faster at 4-16).
+constexpr int64_t kTileRows = 33;
+constexpr int64_t kTileBytes = 1 << 20;  // float32 bytes of one tile of W (fits L2)
+constexpr int64_t kRowBlock = 4;         // tasks split W's rows in multiples of this
+
+// y [M, N] = x [M, K] @ W^T, W's rows [n0, n1) rebuilt into a float32 buffer by
+// dequantize(n0, n1, out) ([n1 - n0, K] row-major): each task rebuilds its tile and runs one
+// single-threaded GEMM into its columns of y (torch's GEMM runs on the calling thread inside
+// a parallel region), so the quantized bytes are read once and the product runs at GEMM speed.
+template <typename Dequantize>
+void tiled_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K,
+                const Dequantize& dequantize) {
+  const int threads = at::get_num_threads();
+  const int64_t tile = std::max<int64_t>(
+      16, std::min<int64_t>(kTileBytes / (K * 4), (N + threads - 1) / threads) / 16 * 16);
+  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+    // Worker threads do not inherit the caller's inference mode; inside it, writing into y
+    // (an inference tensor when the caller is in inference mode) is allowed either way.
+    c10::InferenceMode inference;
+    std::vector<float> buffer(tile * K);
+    auto w = torch::from_blob(buffer.data(), {tile, K}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min<int64_t>(N, n0 + tile);
+      dequantize(n0, n1, buffer.data());
+      auto out = y.narrow(1, n0, n1 - n0);
+      at::mm_out(out, x, w.narrow(0, 0, n1 - n0).t());
+    }
+  });
+}
+
+// rows(n0, n1) over W's rows, split over torch's threads: enough rows per task to amortize
+// the split (a multiple of kRowBlock), at least one task per thread.
+template <typename Rows>
+void split_rows(int64_t N, const Rows& rows) {
+  const int threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(16, N / (4 * threads) / kRowBlock * kRowBlock);
+  at::parallel_for(0, N, grain, rows);
+}
+
+}  // namespace folio_cpu
