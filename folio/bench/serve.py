@@ -12,6 +12,8 @@ capped by ``--max-concurrency``. Each streamed response yields:
 
 A failed request (HTTP error, error chunk, broken stream, timeout) is counted with its error
 message and never aborts the run. Works with any OpenAI-compatible server, not only folio's.
+`folio bench serve --peer llama-server` (folio.bench.serve_peers) starts `folio serve` and
+llama.cpp's peers itself and compares them on these requests.
 
     python -m folio.bench.serve --base-url http://127.0.0.1:8000 --num-prompts 100 \\
         --random-input-len 256 --random-output-len 128 --request-rate 8 --output-json out.json
@@ -376,8 +378,11 @@ async def benchmark(args: argparse.Namespace, requests: Sequence[BenchRequest],
         progress = tqdm(total=len(requests), desc="requests", file=sys.stderr)
 
     # limit=0: no connection-pool cap, so concurrency is set only by the arrivals and
-    # --max-concurrency (aiohttp's default of 100 would silently cap a burst).
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # --max-concurrency (aiohttp's default of 100 would silently cap a burst). --no-keep-alive:
+    # a new connection per request (llama-server closes a connection after each stream while
+    # advertising keep-alive; a reused one then fails with "Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0,
+                                     force_close=bool(getattr(args, "no_keep_alive", False)))
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
         if model is None:
@@ -526,6 +531,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=None,
                         help="Bearer token (default: $FOLIO_API_KEY, then $OPENAI_API_KEY)")
     server.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    server.add_argument("--no-keep-alive", action="store_true",
+                        help="open a new connection for every request (servers that close "
+                             "connections they advertised as kept alive, like llama-server)")
 
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS,
@@ -591,7 +599,21 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
     requests = build_requests(args, tokenizer, chat)
 
     results, duration, model, peak = asyncio.run(benchmark(args, requests))
+    report = build_report(args, requests, results, duration, model, peak, percentiles)
 
+    if not args.quiet:
+        print_report({**report, "request_rate": float(args.request_rate)}, percentiles)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def build_report(args: argparse.Namespace, requests: Sequence[BenchRequest],
+                 results: Sequence[RequestResult], duration: float, model: str, peak: int,
+                 percentiles: Sequence[float]) -> dict[str, Any]:
+    """The run's vLLM-style results: settings, metrics, then the per-request lists."""
+    chat = is_chat_endpoint(args.endpoint)
     report: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if chat else "openai",
@@ -619,12 +641,6 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
     report["e2els"] = [r.latency for r in results]
     report["send_times"] = [r.send_time for r in results]
     report["errors"] = [r.error for r in results]
-
-    if not args.quiet:
-        print_report({**report, "request_rate": float(args.request_rate)}, percentiles)
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
     return report
 
 

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     latency.set_defaults(func=lambda a: (latency_bench.run(a), 0)[1])
     serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL",
                                         formatter_class=FolioHelpFormatter)
-    from folio.bench import serve as serve_bench_module
+    # serve_peers: bench serve's flags plus --peer / --launch (servers started here).
+    from folio.bench import serve_peers as serve_bench_module
     serve_bench_module.add_cli_args(serve_bench)
     serve_bench.set_defaults(func=lambda a: (serve_bench_module.run(a), 0)[1])
     return parser
