@@ -4,11 +4,12 @@
 //   2. query token i of request b, at position p = seq_lens[b] - (its request's query count)
 //      + (i's index among them), attends the keys at positions [lo, p] of b's blocks, lo = 0,
 //      or p - sliding_window + 1 with a window.
-// One task per (query token, KV head): the query heads sharing a KV head read each key and
-// value row once. Scores for the task's keys go to a scratch row, then one softmax, then the
+// One task per (query token, KV head), shared out dynamically (parallel.h): the query heads
+// sharing a KV head read each key and value row once. Scores for the task's keys go to a scratch row, then one softmax, then the
 // weighted sum of value rows; everything in float32, the cache in float32, bfloat16 or
 // float16. The kernel reads only visible slots, so the cache need not be zeroed.
 #include "ops.h"
+#include "parallel.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -167,6 +168,89 @@ void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* 
   });
 }
 
+#if defined(__AVX512F__)
+// Sixteen cache elements from `src` as float32.
+template <typename T>
+inline __m512 load16(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+// Sixteen vectors -> one: lane i holds the sum of a[i]'s lanes. Halving in four rounds (256-,
+// 128-, 64-, 32-bit pieces of pairs added), 46 instructions for the sixteen sums where one
+// horizontal sum each takes about ten.
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                                 _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // e's element 4j + t holds the sum of a[4t + j].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// The attention of one (query token, KV head) task for head_dim D = 16 * NV: each query
+// head's scores sixteen keys at a time (sixteen independent FMA chains, one reduce16), then
+// the weighted sum of value rows with the accumulators of up to kHeadsPerPass heads held in
+// registers, each value row read once for them.
+template <typename T, int NV>
+void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
+                 const int64_t* offs, int64_t n, int64_t G, float scale, float* scores) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[NV];
+    for (int v = 0; v < NV; ++v)
+      q[v] = _mm512_mul_ps(_mm512_loadu_ps(q_heads[g] + 16 * v), _mm512_set1_ps(scale));
+    float* sg = scores + g * n;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t count = std::min<int64_t>(16, n - j0);
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i < count) {
+          const T* k = k_base + offs[j0 + i];
+          for (int v = 0; v < NV; ++v) acc[i] = _mm512_fmadd_ps(q[v], load16(k + 16 * v), acc[i]);
+        }
+      }
+      _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << count) - 1), reduce16(acc));
+    }
+    softmax(sg, n);
+  }
+  constexpr int kHeadsPerPass = NV <= 4 ? 3 : 1;  // accumulators: at most 12 registers
+  for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
+    const int heads = static_cast<int>(std::min<int64_t>(kHeadsPerPass, G - g0));
+    __m512 acc[kHeadsPerPass][NV];
+    for (int h = 0; h < kHeadsPerPass; ++h)
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = v_base + offs[j];
+      __m512 row[NV];
+      for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v);
+      for (int h = 0; h < kHeadsPerPass; ++h) {
+        if (h >= heads) break;
+        const __m512 w = _mm512_set1_ps(scores[(g0 + h) * n + j]);
+        for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
+      }
+    }
+    for (int h = 0; h < heads; ++h)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (g0 + h) * NV * 16 + 16 * v, acc[h][v]);
+  }
+}
+#endif
+
 template <typename T>
 void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
             int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
@@ -175,14 +259,38 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;              // elements of one cache slot
   const int64_t plane = num_blocks * block_size * row;  // K plane, then V plane
-  at::parallel_for(0, T_tokens * KVH, 1, [&](int64_t w0, int64_t w1) {
+  folio_cpu::parallel_tasks(T_tokens * KVH, [&](const auto& take) {
     std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
-    for (int64_t w = w0; w < w1; ++w) {
+    std::vector<int64_t> offs;
+    std::vector<const float*> q_heads(G);
+    for (int64_t w; (w = take()) >= 0;) {
       const int64_t t = w / KVH, kvh = w % KVH;
       const int64_t b = token_req[t], pos = token_pos[t];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t n = pos - lo + 1;
       const int64_t* table = tables + b * max_blocks;
+#if defined(__AVX512F__)
+      if (D == 64 || D == 128) {
+        // Each visible key's element offset in the cache plane, once for the K and V passes.
+        offs.resize(n);
+        for (int64_t j = lo; j <= pos;) {
+          const int64_t block = table[j / block_size];
+          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+          const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+          for (; j < end; ++j) offs[j - lo] = (block * block_size + j % block_size) * row + kvh * D;
+        }
+        for (int64_t g = 0; g < G; ++g) q_heads[g] = query.at(t, kvh * G + g);
+        scores.resize(G * n);
+        float* o = out + (t * H + kvh * G) * D;
+        if (D == 64)
+          attend_task<T, 4>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
+                            scores.data());
+        else
+          attend_task<T, 8>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
+                            scores.data());
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const float* src = query.at(t, kvh * G + g);
         for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;

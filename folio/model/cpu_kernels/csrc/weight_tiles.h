@@ -5,7 +5,7 @@
 
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <vector>
@@ -33,7 +33,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 // 32 rows, the blocked kernels 1.5-2x faster at 4-16).
 constexpr int64_t kTileRows = 33;
 constexpr int64_t kTileBytes = 1 << 20;  // float32 bytes of one tile of W (fits L2)
-constexpr int64_t kRowBlock = 4;         // tasks split W's rows in multiples of this
+constexpr int64_t kRowTask = 64;         // rows of W per task of the few-row paths
 
 // y [M, N] = x [M, K] @ W^T, W's rows [n0, n1) rebuilt into a float32 buffer by
 // dequantize(n0, n1, out) ([n1 - n0, K] row-major): each task rebuilds its tile and runs one
@@ -45,13 +45,13 @@ void tiled_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K,
   const int threads = at::get_num_threads();
   const int64_t tile = std::max<int64_t>(
       16, std::min<int64_t>(kTileBytes / (K * 4), (N + threads - 1) / threads) / 16 * 16);
-  at::parallel_for(0, (N + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks((N + tile - 1) / tile, [&](const auto& take) {
     // Worker threads do not inherit the caller's inference mode; inside it, writing into y
     // (an inference tensor when the caller is in inference mode) is allowed either way.
     c10::InferenceMode inference;
     std::vector<float> buffer(tile * K);
     auto w = torch::from_blob(buffer.data(), {tile, K}, x.options());
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = take()) >= 0;) {
       const int64_t n0 = t * tile, n1 = std::min<int64_t>(N, n0 + tile);
       dequantize(n0, n1, buffer.data());
       auto out = y.narrow(1, n0, n1 - n0);
@@ -60,13 +60,13 @@ void tiled_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K,
   });
 }
 
-// rows(n0, n1) over W's rows, split over torch's threads: enough rows per task to amortize
-// the split (a multiple of kRowBlock), at least one task per thread.
+// rows(n0, n1) over W's rows in tasks of kRowTask rows (a multiple of every kernel's row
+// block), shared out dynamically (parallel.h).
 template <typename Rows>
 void split_rows(int64_t N, const Rows& rows) {
-  const int threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(16, N / (4 * threads) / kRowBlock * kRowBlock);
-  at::parallel_for(0, N, grain, rows);
+  parallel_tasks((N + kRowTask - 1) / kRowTask, [&](const auto& take) {
+    for (int64_t t; (t = take()) >= 0;) rows(t * kRowTask, std::min<int64_t>(N, (t + 1) * kRowTask));
+  });
 }
 
 }  // namespace folio_cpu
