@@ -23,9 +23,11 @@ _KV_CACHE_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloa
 # vLLM's FP8 cache names: refused by name until an FP8 cache exists.
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # How weights are kept (vLLM's --quantization names): "gguf" = a GGUF file's quantized
-# matrices stay packed and the matmuls run on them (CPU); "none" = every weight dequantized to
-# the model dtype (the reference path). None = "gguf" for a GGUF model on the CPU, else "none".
-QUANTIZATION_METHODS = ("none", "gguf")
+# matrices stay packed and the matmuls run on them (CPU); "int8" = any checkpoint's projections
+# and output matrix quantized on load to int8 per output channel (CPU); "none" = every weight
+# dequantized to the model dtype (the reference path). None = "gguf" for a GGUF model on the
+# CPU, else "none".
+QUANTIZATION_METHODS = ("none", "gguf", "int8")
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from folio.config import KV_CACHE_DTYPES, normalize_kv_cache_dtype
+from folio.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, normalize_kv_cache_dtype
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -17,10 +17,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--revision", default=None, help="hub revision of the model")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
-    parser.add_argument("--quantization", "-q", default=None, choices=["none", "gguf"],
+    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                         help="how weights are kept: gguf = a GGUF model's quantized matrices "
-                             "stay packed (CPU); none = dequantized to --dtype (the reference); "
-                             "default: gguf for a GGUF model on the CPU, else none")
+                             "stay packed (CPU); int8 = any model's projections quantized on "
+                             "load to int8 per output channel (CPU); none = dequantized to "
+                             "--dtype (the reference); default: gguf for a GGUF model on the "
+                             "CPU, else none")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (prompt + output); default: the model's maximum")

@@ -103,14 +103,11 @@ class DecoderLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      preloaded: Iterable[str] = ()) -> None:
         """Copy checkpoint tensors into the parameters; `preloaded`: checkpoint names whose
-        weights were installed otherwise (packed planes), counted as loaded."""
+        weights were installed otherwise (packed planes, int8 codes), counted as loaded. It is
+        read once `weights` is consumed, so a loader that takes tensors out of the stream (int8
+        quantization on load) can fill it as it goes."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name in preloaded:
-            target = self.weight_target(name)
-            if target is not None:
-                path, shard, attr = target
-                loaded.add(f"{path}.{attr}" + (f":{shard}" if shard else ""))
         unexpected: list[str] = []
         for name, tensor in weights:
             target = self.weight_target(name)
@@ -138,6 +135,11 @@ class DecoderLM(nn.Module):
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
+        for name in preloaded:
+            target = self.weight_target(name)
+            if target is not None:
+                path, shard, attr = target
+                loaded.add(f"{path}.{attr}" + (f":{shard}" if shard else ""))
         if unexpected:
             raise ValueError(f"checkpoint has weights this model does not use: {unexpected[:5]}"
                              f"{' ...' if len(unexpected) > 5 else ''}")

@@ -50,7 +50,8 @@ def gguf_file_of(source: ModelSource) -> str | None:
 def resolve_quantization(requested: str | None, source: ModelSource, device_type: str) -> str:
     """The weight format a model runs with (config.QUANTIZATION_METHODS): by default a GGUF
     model on the CPU keeps its quantized matrices packed; an explicit "gguf" without a GGUF
-    file or off the CPU is an error naming the field."""
+    file or off the CPU, or "int8" off the CPU, is an error naming the field. "int8" takes any
+    checkpoint (a GGUF file's dequantized weights are re-quantized)."""
     gguf = gguf_file_of(source)
     if requested is None:
         return "gguf" if gguf is not None and device_type == "cpu" else "none"
@@ -61,6 +62,9 @@ def resolve_quantization(requested: str | None, source: ModelSource, device_type
         if device_type != "cpu":
             raise ValueError("quantization 'gguf' runs on the CPU only so far; use "
                              "quantization 'none' on CUDA")
+    if requested == "int8" and device_type != "cpu":
+        raise ValueError("quantization 'int8' runs on the CPU only so far; use "
+                         "quantization 'none' on CUDA")
     return requested
 
 

@@ -84,7 +84,12 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
-    GGUF file's quantized matrices stay packed (folio.model.quant, CPU)."""
+    GGUF file's quantized matrices stay packed (folio.model.quant, CPU); "int8": every
+    projection and the output matrix quantized per output channel as the checkpoint streams
+    in (folio.model.quant.int8_install, CPU)."""
+    if quantization == "int8":
+        from folio.model.quant import int8_install
+        int8_install.check_device(device)  # before anything is built
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
@@ -107,6 +112,8 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
             (name, torch.from_numpy(matrix.dequantize()))
             for name, matrix in ckpt.quantized.items() if name not in consumed]
         model.load_weights(float_weights, preloaded=consumed)
+    elif quantization == "int8":
+        model = int8_install.load_int8(model, iter_checkpoint_weights(source), dtype, device)
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor

@@ -16,6 +16,7 @@ from folio.model.quant.gguf_install import packed_module
 from folio.model.quant.int4_packed import PackedInt4Weight
 from folio.model.quant.int8_packed import PackedInt8Weight, quantize_per_channel
 from folio.model.quant.packed import PackedConcat
+from gguf_cases import CHAT_PROMPTS, license_ids, load_pair, perplexity, prefill_logits
 
 ALL_BLOCKS = {**BLOCKS, **INT8_BLOCKS}
 # (byte offset, count) of the fp16 fields of each block: d; d and m / d and dmin (at the start),
@@ -168,14 +169,7 @@ def test_real_blocks_of_the_default_model() -> None:
 
 @pytest.fixture(scope="module")
 def default_models():
-    from folio.model.discovery import load_hf_config, resolve_model_source
-    from folio.model.loader import load_model
-    source = resolve_model_source(None)
-    hf_config, _ = load_hf_config(source)
-    cpu = torch.device("cpu")
-    packed, _ = load_model(source, hf_config, torch.float32, cpu, 512, quantization="gguf")
-    plain, _ = load_model(source, hf_config, torch.float32, cpu, 512, quantization="none")
-    return packed, plain
+    return load_pair(None)
 
 
 def test_default_model_loads_packed(default_models) -> None:
@@ -194,23 +188,10 @@ def test_default_model_loads_packed(default_models) -> None:
     assert torch.equal(packed.embed_tokens(ids), plain.embed_tokens(ids))
 
 
-def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    from folio.model.attention import AttentionMetadata
-    T, bs = len(ids), 16
-    blocks = -(-T // bs)
-    kv = [torch.zeros(2, blocks, bs, model.spec.num_kv_heads, model.spec.head_dim)
-          for _ in model.layers]
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), query_start_loc=[0, T],
-                             seq_lens=[T], num_computed_tokens=[0],
-                             block_tables=torch.arange(blocks)[None], block_size=bs)
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(T), kv, meta))
-
-
 def test_default_model_logits_match_the_float_path(default_models) -> None:
     packed, plain = default_models
     ids = torch.tensor([1, 504, 3120, 314, 2744, 28, 6394, 30])
-    a, b = _prefill_logits(packed, ids), _prefill_logits(plain, ids)
+    a, b = prefill_logits(packed, ids), prefill_logits(plain, ids)
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
@@ -219,26 +200,9 @@ def test_perplexity_on_an_english_text_matches_the_float_path(default_models) ->
     """Perplexity of the first 384 tokens of CPython's LICENSE.txt (a text that ships with
     every Python): the packed path within 1 % of the float path (the issue's Q8_0 bound; the
     Q4 one is 5 %), and a sane value (an English legal text, not noise)."""
-    import os
-    import sysconfig
-
-    from transformers import AutoTokenizer
-
-    from folio.model.default_model import default_model_path
     packed, plain = default_models
-    path = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    ids = torch.tensor(tokenizer(text)["input_ids"][:384])
-    assert len(ids) == 384
-
-    def perplexity(model) -> float:
-        logits = _prefill_logits(model, ids)[:-1].double()
-        nll = torch.nn.functional.cross_entropy(logits, ids[1:])
-        return float(torch.exp(nll))
-
-    q, f = perplexity(packed), perplexity(plain)
+    ids = license_ids(384)
+    q, f = perplexity(packed, ids), perplexity(plain, ids)
     assert 1.5 < f < 50, f
     assert abs(q / f - 1) < 0.01, (q, f)
 
@@ -269,15 +233,6 @@ def test_quantization_choice(tmp_path) -> None:
     assert resolve_quantization(None, ModelSource("hf_dir", str(copy)), "cpu") == "none"
 
 
-_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-            "Explain photosynthesis in one sentence.", "List three prime numbers.",
-            "Who wrote Romeo and Juliet?", "What is 12 times 7?", "Give me a synonym for happy.",
-            "Describe a cat to a child.", "What is the boiling point of water?",
-            "Name a planet in our solar system.", "How do I make a cup of tea?",
-            "Translate 'good morning' into Spanish.", "What color is the sky on a clear day?",
-            "Tell me a fun fact about octopuses.", "Why do leaves change color in autumn?"]
-
-
 @pytest.mark.slow
 def test_default_model_greedy_answers_match_the_float_path() -> None:
     """The issue's bar: the first 16 greedy tokens of 15 chat prompts equal the dequantized
@@ -285,7 +240,7 @@ def test_default_model_greedy_answers_match_the_float_path() -> None:
     whole engine (LLM.chat)."""
     from folio import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    chats = [[{"role": "user", "content": text}] for text in _PROMPTS]
+    chats = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
     answers = {}
     for quantization in ("none", "gguf"):
         llm = LLM(quantization=quantization, max_model_len=512, device="cpu")
@@ -296,4 +251,4 @@ def test_default_model_greedy_answers_match_the_float_path() -> None:
         finally:
             llm.llm_engine.shutdown()
     same = sum(a == b for a, b in zip(answers["none"], answers["gguf"]))
-    assert same >= 13, f"{same} of {len(_PROMPTS)}"
+    assert same >= 13, f"{same} of {len(CHAT_PROMPTS)}"

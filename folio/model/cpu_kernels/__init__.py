@@ -1,5 +1,5 @@
-"""folio's C++ CPU kernels (csrc/): the 4-bit-plane and int8 matmuls of folio.model.quant, the paged
-attention of folio.model.attention.cpu_backend, and the float32 RMSNorm / rotary /
+"""folio's C++ CPU kernels (csrc/): the 4-bit-plane and int8 matmuls of folio.model.quant, the
+paged attention of folio.model.attention.cpu_backend, and the float32 RMSNorm / rotary /
 SiLU-and-mul of folio.model.layers.
 
 One extension, compiled on first use with torch's extension builder and cached
