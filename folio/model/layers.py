@@ -194,8 +194,8 @@ class Linear(nn.Linear):
                  dtype=None, *, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.kernels = kernels
-        # The weight kept quantized (folio.model.quant: packed int4 planes, CPU); its float
-        # `weight` is then empty.
+        # The weight kept quantized (folio.model.quant: 4-bit planes or int8 rows, CPU); its
+        # float `weight` is then empty.
         self.packed: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

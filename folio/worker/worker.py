@@ -48,9 +48,15 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
-        # The KV cache's dtype (--kv-cache-dtype; "auto" = the model's), checked against the
-        # attention backend the model will get before any weight is read.
-        self.kv_cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype)
+        # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
+        # the device.
+        self.quantization = resolve_quantization(config.model.quantization, source,
+                                                 self.device.type)
+        # The KV cache's dtype (--kv-cache-dtype; "auto" = the model's, float16 for GGUF
+        # weights on the CPU), checked against the attention backend the model will get before
+        # any weight is read.
+        self.kv_cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype,
+                                                  self.quantization)
         kernel_config = resolve_kernel_config()
         check_kv_cache_dtype(self.device, self.dtype, self.kv_cache_dtype, kernel_config)
         torch.manual_seed(config.model.seed)
@@ -60,10 +66,6 @@ class Worker:
         self.timings: dict[str, float] = dict.fromkeys(STARTUP_STAGES, 0.0)
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
-        # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
-        # the device.
-        self.quantization = resolve_quantization(config.model.quantization, source,
-                                                 self.device.type)
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len,
                                            kernel_config=kernel_config,

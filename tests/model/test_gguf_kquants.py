@@ -284,7 +284,7 @@ def test_modules_get_their_packed_forms(kquant_models) -> None:
         blk = f"blk.{i}."
         qkv = _packed_kind(linears[f"layers.{i}.self_attn.qkv_proj"].packed)
         if types[blk + "attn_v.weight"] in int8:
-            assert qkv == "concat(int4,int4,int8)", (i, qkv)
+            assert qkv == "concat(int4,int8)", (i, qkv)  # q and k stacked: one int4 part
         else:
             assert qkv == "int4"
         down = linears[f"layers.{i}.mlp.down_proj"].packed

@@ -108,6 +108,13 @@ def test_resolve_cache_dtype():
     assert resolve_cache_dtype("bfloat16", torch.float32) is torch.bfloat16
     assert resolve_cache_dtype("float16", torch.float32) is torch.float16
     assert resolve_cache_dtype("float32", torch.bfloat16) is torch.float32
+    # GGUF weights on the CPU: "auto" is float16, llama.cpp's default for the same file; an
+    # explicit dtype, or the dequantized float path, keep theirs.
+    assert resolve_cache_dtype("auto", torch.float32, "gguf") is torch.float16
+    assert resolve_cache_dtype("float32", torch.float32, "gguf") is torch.float32
+    assert resolve_cache_dtype("auto", torch.float32, "none") is torch.float32
+    assert resolve_cache_dtype("auto", torch.float32, "int8") is torch.float32
+    assert resolve_cache_dtype("auto", torch.bfloat16, "gguf") is torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype, blocks", [(torch.float32, 64), (torch.bfloat16, 128),

@@ -61,14 +61,34 @@ def _stack_planes(shards: list[PlaneSum]) -> PlaneSum:
     return PlaneSum(out)
 
 
-def packed_module(shards: list[Quantized]) -> nn.Module:
-    """One packed module for a weight made of `shards` (rows, in order)."""
-    if all(isinstance(s, PlaneSum) for s in shards):
+def _same_form(a: Quantized, b: Quantized) -> bool:
+    """Two shards one packed weight can hold: both planes, or int8 of one group size."""
+    if isinstance(a, PlaneSum) and isinstance(b, PlaneSum):
+        return True
+    return isinstance(a, Int8Rows) and isinstance(b, Int8Rows) and a.group == b.group
+
+
+def _stacked(shards: list[Quantized]) -> PackedWeight:
+    """One packed weight for shards of one form."""
+    if isinstance(shards[0], PlaneSum):
         return PackedInt4Weight(_stack_planes(shards).planes)
-    if all(isinstance(s, Int8Rows) for s in shards) and len({s.group for s in shards}) == 1:
-        return PackedInt8Weight(Int8Rows(np.concatenate([s.codes for s in shards]),
-                                         np.concatenate([s.scale for s in shards])))
-    return PackedConcat([packed_module([s]) for s in shards])
+    return PackedInt8Weight(Int8Rows(np.concatenate([s.codes for s in shards]),
+                                     np.concatenate([s.scale for s in shards])))
+
+
+def packed_module(shards: list[Quantized]) -> nn.Module:
+    """One packed module for a weight made of `shards` (rows, in order): one packed weight
+    when all are of one form, else a PackedConcat of the runs of neighbours that are (a Q4_K
+    q and k stacked, then a Q6_K v)."""
+    runs: list[list[Quantized]] = []
+    for shard in shards:
+        if runs and _same_form(runs[-1][-1], shard):
+            runs[-1].append(shard)
+        else:
+            runs.append([shard])
+    if len(runs) == 1:
+        return _stacked(runs[0])
+    return PackedConcat([_stacked(run) for run in runs])
 
 
 def _packable(shards: list[Quantized]) -> bool:

@@ -203,6 +203,18 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, e);
 }
 
+// Asks for the cache rows (16 * NV elements each) at offs[0..count) into L1.
+template <typename T, int NV>
+inline void prefetch_rows_n(const T* base, const int64_t* offs, int64_t count) {
+  constexpr int64_t kRowBytes = 16 * NV * sizeof(T);
+  for (int64_t i = 0; i < count; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + offs[i]);
+    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+constexpr int64_t kValueAhead = 8;  // value rows prefetched this many keys ahead
+
 // The attention of one (query token, KV head) task for head_dim D = 16 * NV: each query
 // head's scores sixteen keys at a time (sixteen independent FMA chains, one reduce16), then
 // the weighted sum of value rows with the accumulators of up to kHeadsPerPass heads held in
@@ -210,13 +222,20 @@ inline __m512 reduce16(const __m512* a) {
 template <typename T, int NV>
 void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
                  const int64_t* offs, int64_t n, int64_t G, float scale, float* scores) {
+  const auto prefetch_rows = prefetch_rows_n<T, NV>;
   for (int64_t g = 0; g < G; ++g) {
     __m512 q[NV];
     for (int v = 0; v < NV; ++v)
       q[v] = _mm512_mul_ps(_mm512_loadu_ps(q_heads[g] + 16 * v), _mm512_set1_ps(scale));
     float* sg = scores + g * n;
+    if (g == 0) prefetch_rows(k_base, offs, std::min<int64_t>(16, n));
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t count = std::min<int64_t>(16, n - j0);
+      // The next sixteen key rows while these are scored: a request's blocks lie anywhere in
+      // the cache, so the hardware prefetcher misses every block's start. (The first head
+      // brings them in; the others find them in cache.)
+      if (g == 0 && j0 + 16 < n)
+        prefetch_rows(k_base, offs + j0 + 16, std::min<int64_t>(16, n - j0 - 16));
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) {
         acc[i] = _mm512_setzero_ps();
@@ -235,7 +254,9 @@ void attend_task(float* out, const float* const* q_heads, const T* k_base, const
     __m512 acc[kHeadsPerPass][NV];
     for (int h = 0; h < kHeadsPerPass; ++h)
       for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+    if (g0 == 0) prefetch_rows(v_base, offs, std::min<int64_t>(kValueAhead, n));
     for (int64_t j = 0; j < n; ++j) {
+      if (g0 == 0 && j + kValueAhead < n) prefetch_rows(v_base, offs + j + kValueAhead, 1);
       const T* vr = v_base + offs[j];
       __m512 row[NV];
       for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v);
