@@ -22,6 +22,15 @@ class ChildTimeout(TimeoutError):
         self.timeout = timeout
 
 
+class ChildDied(RuntimeError):
+    """The child died before answering (a crash: exitcode -N for signal N)."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        super().__init__(f"the child process died (exit code {exitcode}) before returning a "
+                         "result")
+        self.exitcode = exitcode
+
+
 class ChildTraceback(Exception):
     """The child's traceback, chained as the cause of the exception it raised."""
 
@@ -54,8 +63,7 @@ def in_child(fn: Callable[..., Any], *fn_args: Any, timeout: float | None = None
             process.kill()
         process.join()
     if message is None:
-        raise RuntimeError(f"the child process died (exit code {process.exitcode}) before "
-                           "returning a result")
+        raise ChildDied(process.exitcode)
     status, payload, child_tb = message
     if status == "ok":
         return payload

@@ -40,13 +40,32 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def _without_repacking(llama_cpp: Any) -> None:
+    """Model parameters without llama.cpp's extra CPU buffer types (its weight repacking, the
+    AMX one included), as `--no-repack` gives the llama.cpp binaries: llama-cpp-python builds
+    its Llama's parameters from its low-level module's llama_model_default_params, so that
+    default is changed here, in the peer's own child process."""
+    lowlevel = llama_cpp.llama_cpp
+    defaults = lowlevel.llama_model_default_params
+
+    def no_extra_bufts() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lowlevel.llama_model_default_params = no_extra_bufts
+
+
 def llama_cpp_latency_peer(gguf_path: str, threads: int, n_ctx: int, schedule: list,
-                           progress_path: str | None = None) -> dict[str, Any]:
+                           progress_path: str | None = None,
+                           repack: bool = True) -> dict[str, Any]:
     out = latency_result("llama.cpp")
     progress = Progress(progress_path)
     try:
         progress.update(force=True, phase="loading")
         llama_cpp = import_llama_cpp()
+        if not repack:
+            _without_repacking(llama_cpp)
         out["baseline_rss_bytes"] = current_rss_bytes()
         start = time.perf_counter()
         llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_ubatch=512,
@@ -71,7 +90,8 @@ def llama_cpp_latency_peer(gguf_path: str, threads: int, n_ctx: int, schedule: l
         replay_latency_schedule(schedule, call, out, progress)
         out["device"] = "cpu"
         out["dtype"] = "GGUF as stored"
-        out["attn_implementation"] = f"llama.cpp {llama_cpp.__version__}, {threads} threads"
+        out["attn_implementation"] = (f"llama.cpp {llama_cpp.__version__}, {threads} threads"
+                                      + ("" if repack else ", no weight repacking"))
         out["sequential_batch"] = len(schedule[0][2]) > 1 if schedule else False
     except Exception as exc:  # noqa: BLE001 - reported as the peer's error
         out["error"] = f"{type(exc).__name__}: {exc}"

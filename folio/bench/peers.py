@@ -19,7 +19,7 @@ import os
 import tempfile
 from typing import Any, Callable
 
-from folio.bench.child_process import ChildTimeout, in_child, read_progress
+from folio.bench.child_process import ChildDied, ChildTimeout, in_child, read_progress
 from folio.bench.datasets import SampleRequest
 from folio.bench.results import EngineResult
 from folio.bench.transformers_peers import (LatencySchedule, transformers_cb_peer,
@@ -133,16 +133,34 @@ def run_llama_cpp_latency_peer(gguf_path: str | None, threads: int, n_ctx: int,
         return {**base, "error": "skipped: the model is not a GGUF file (llama.cpp reads GGUF)"}
     print(f"running peer llama.cpp on cpu ({threads} threads"
           + (f", timeout {timeout:g} s" if timeout else "") + ") ...", flush=True)
-    with tempfile.TemporaryDirectory(prefix="folio-peer-") as tmp:
-        progress_path = os.path.join(tmp, "progress.json")
-        try:
-            return in_child(llama_cpp_latency_peer, gguf_path, threads, n_ctx, schedule,
-                            progress_path, timeout=timeout)
-        except ChildTimeout as exc:
-            return {**base, "error": f"did not finish in {exc.timeout:g} s (killed)",
-                    "timed_out": True}
-        except Exception as exc:
-            return {**base, "error": f"{type(exc).__name__}: {exc}"}
+    from folio.bench.llama_cpp_tools import crash_signal, repack_attempts
+    crashed = None
+    for repack in repack_attempts("auto"):
+        with tempfile.TemporaryDirectory(prefix="folio-peer-") as tmp:
+            progress_path = os.path.join(tmp, "progress.json")
+            try:
+                out = in_child(llama_cpp_latency_peer, gguf_path, threads, n_ctx, schedule,
+                               progress_path, repack, timeout=timeout)
+            except ChildTimeout as exc:
+                return {**base, "error": f"did not finish in {exc.timeout:g} s (killed)",
+                        "timed_out": True}
+            except ChildDied as exc:
+                signal_name = crash_signal(exc.exitcode)
+                if signal_name is None or not repack:
+                    return {**base, "error": str(exc)}
+                # llama.cpp's AMX matmul crashes on some AMX machines (llama_cpp_tools.py):
+                # once more without its repacked weight buffers, as `--no-repack` does.
+                crashed = signal_name
+                print(f"peer llama.cpp died of {signal_name} with weight repacking on; "
+                      "running it again without", flush=True)
+                continue
+            except Exception as exc:
+                return {**base, "error": f"{type(exc).__name__}: {exc}"}
+        if crashed:
+            out["note"] = (f"the first run (weight repacking on) died of {crashed}: ran again "
+                           "without repacking")
+        return out
+    return {**base, "error": "no run finished"}
 
 
 def run_latency_peer(model_source: dict[str, str], dtype: str | None, device: str | None,
