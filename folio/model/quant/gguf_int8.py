@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from folio.model.quant.gguf_planes import f16_field
+
 # GGML type name -> (block elements, block bytes).
 INT8_BLOCKS = {"Q8_0": (32, 34), "Q6_K": (256, 210)}
 INT8_TYPES = frozenset(INT8_BLOCKS)
@@ -42,10 +44,6 @@ class Int8Rows:
         return Int8Rows(self.codes[rows], self.scale[rows])
 
 
-def _f16(block: np.ndarray, offset: int) -> np.ndarray:
-    return block[..., offset:offset + 2].copy().view(np.float16).astype(np.float32)
-
-
 def _q6k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
     """Q6_K ql [..., 128] (low 4 bits) and qh [..., 64] (high 2 bits) -> [..., 256] codes
     0..63. Each 128-element half h reads ql[64h:64h+64] and qh[32h:32h+32]; its element
@@ -70,10 +68,10 @@ def int8_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // elems, nbytes)
     if type_name == "Q8_0":
         codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return Int8Rows(codes, np.ascontiguousarray(_f16(blocks, 0).reshape(n, -1)))
+        return Int8Rows(codes, np.ascontiguousarray(f16_field(blocks, 0).reshape(n, -1)))
     # Q6_K: ql[128] qh[64] scales[16] (int8) d (fp16).
     q = _q6k_codes(blocks[..., :128], blocks[..., 128:192]).astype(np.int16) - 32
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)    # [n, blocks, 16]
-    scale = _f16(blocks, 208) * sc
+    scale = f16_field(blocks, 208) * sc
     return Int8Rows(q.astype(np.int8).reshape(n, k),
                     np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32))

@@ -64,7 +64,7 @@ class PlaneSum:
         return PlaneSum([p.take_rows(rows) for p in self.planes])
 
 
-def _f16(block: np.ndarray, offset: int) -> np.ndarray:
+def f16_field(block: np.ndarray, offset: int) -> np.ndarray:
     """[..., 1] float32 of the little-endian fp16 at `offset` of each block."""
     return block[..., offset:offset + 2].copy().view(np.float16).astype(np.float32)
 
@@ -120,9 +120,9 @@ def planes_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
         return np.ascontiguousarray(a.reshape(n, -1))
 
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        d = _f16(blocks, 0)
+        d = f16_field(blocks, 0)
         has_min = type_name.endswith("_1")
-        m = _f16(blocks, 2) if has_min else np.zeros_like(d)
+        m = f16_field(blocks, 2) if has_min else np.zeros_like(d)
         off = 4 if has_min else 2
         five = type_name.startswith("Q5")
         codes = _nibbles_32(blocks[..., off + (4 if five else 0):])
@@ -135,7 +135,7 @@ def planes_from_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) 
         return [Plane(rows(codes), rows(d), rows(base + 8 * d)),
                 Plane(rows(high), rows(16 * d), rows(128 * d))]
     # Q4_K / Q5_K: per 32-element group, scale d*sc and offset -dmin*mn.
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    d, dmin = f16_field(blocks, 0), f16_field(blocks, 2)
     sc, mn = _k_scales(blocks[..., 4:16])
     scale = d * sc                        # [n, blocks, 8]
     offset = -dmin * mn
