@@ -299,9 +299,9 @@ def test_modules_get_their_packed_forms(kquant_models) -> None:
     # Q6_K down_proj (all int8, groups of 16) in the layers llama.cpp gives more bits.
     assert linears["layers.5.mlp.down_proj"].packed.group == 16
     if variant == "q4_k_m_wide":
-        assert linears["layers.5.self_attn.qkv_proj"].packed.parts[2].group == 16   # Q6_K v
+        assert linears["layers.5.self_attn.qkv_proj"].packed.parts[1].group == 16   # Q6_K v (q and k stacked in part 0)
     else:
-        assert linears["layers.5.self_attn.qkv_proj"].packed.parts[2].group == 32   # Q8_0 v
+        assert linears["layers.5.self_attn.qkv_proj"].packed.parts[1].group == 32   # Q8_0 v
     assert isinstance(packed.embed_tokens, PackedEmbedding)
     assert isinstance(packed.embed_tokens.packed, PackedInt8Weight)
     assert packed.lm_head_packed is packed.embed_tokens.packed
