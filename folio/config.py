@@ -16,18 +16,24 @@ DEFAULT_MAX_NUM_SEQS_CUDA = 256
 DEFAULT_MAX_NUM_SEQS_CPU = 128
 _VALID_POLICIES = ("fcfs", "priority")
 # KV cache dtypes (vLLM's --kv-cache-dtype): "auto" = the model's dtype. The aliases --dtype
-# accepts name the same three, and are normalized to these names.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# accepts name the same three float dtypes, and are normalized to these names. The FP8 names
+# are vLLM's and stay as given: "fp8" is e4m3 (float8_e4m3fn), as vLLM makes it on CUDA.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", *FP8_KV_CACHE_DTYPES)
 _KV_CACHE_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16",
                            "half": "float16", "fp16": "float16"}
-# vLLM's FP8 cache names: refused by name until an FP8 cache exists.
-_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # How weights are kept (vLLM's --quantization names): "gguf" = a GGUF file's quantized
-# matrices stay packed and the matmuls run on them (CPU); "int8" = any checkpoint's projections
-# and output matrix quantized on load to int8 per output channel (CPU); "none" = every weight
-# dequantized to the model dtype (the reference path). None = "gguf" for a GGUF model on the
-# CPU, else "none".
-QUANTIZATION_METHODS = ("none", "gguf", "int8")
+# matrices stay packed and the matmuls run on them (CPU: all of them; CUDA: the projections); "int8" = any checkpoint's projections
+# and output matrix quantized on load to int8 per output channel (CPU); "fp8" = an FP8
+# checkpoint, or a float one whose projections are quantized to FP8 on load;
+# "compressed-tensors", "awq", "gptq" = checkpoints quantized in those formats (read from
+# config.json's quantization_config, which also picks them when the field is None); "none" =
+# every weight dequantized to the model dtype (the reference path). None = the checkpoint's
+# method, else "gguf" for a GGUF model, else "none". vLLM's kernel-specific names
+# awq_marlin and gptq_marlin are accepted for awq and gptq.
+QUANTIZATION_METHODS = ("none", "gguf", "int8", "fp8", "compressed-tensors", "awq", "gptq")
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq",
+                        "compressed_tensors": "compressed-tensors"}
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:
@@ -37,12 +43,12 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 
 def normalize_kv_cache_dtype(value: object) -> str:
     """One of KV_CACHE_DTYPES for `value` (case-insensitive; "bf16", "fp16", "half", "float",
-    "fp32" become the full names), or a ValueError naming the field: vLLM's FP8 names with
-    their own message, since FP8 is a cache dtype vLLM users will ask for."""
+    "fp32" become the full names), or a ValueError naming the field. vLLM's other FP8 cache
+    names (fp8_inc, fp8_ds_mla: other hardware, other layouts) get their own message."""
     name = value.lower() if isinstance(value, str) else value
-    if isinstance(name, str) and (name in _FP8_KV_CACHE_DTYPES or name.startswith("fp8")):
-        raise ValueError(f"cache_dtype {value!r}: an FP8 KV cache is not supported yet; use "
-                         f"one of {list(KV_CACHE_DTYPES)}")
+    if isinstance(name, str) and name.startswith("fp8") and name not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"cache_dtype {value!r} is not supported: the FP8 KV cache dtypes are "
+                         f"{list(FP8_KV_CACHE_DTYPES)}")
     name = _KV_CACHE_DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
     _require(name in KV_CACHE_DTYPES, "cache_dtype",
              f"must be one of {list(KV_CACHE_DTYPES)} (or an alias: "
@@ -90,6 +96,9 @@ class ModelConfig:
                  and self.cudagraph_mode.lower() in _CUDAGRAPH_MODES, "cudagraph_mode",
                  f"must be one of {list(_CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
         self.cudagraph_mode = self.cudagraph_mode.lower()
+        if isinstance(self.quantization, str):
+            self.quantization = QUANTIZATION_ALIASES.get(self.quantization.lower(),
+                                                         self.quantization.lower())
         _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
                  "quantization", f"must be one of {list(QUANTIZATION_METHODS)}, got "
                  f"{self.quantization!r}")
@@ -108,11 +117,18 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # The KV cache's dtype (vLLM's name; --kv-cache-dtype): "auto" = the model's dtype, or
     # one of KV_CACHE_DTYPES (aliases normalized). A 2-byte cache on a float32 model holds
-    # twice the tokens in the same memory.
+    # twice the tokens in the same memory; an FP8 cache (1 byte, scaled per layer and KV
+    # head: folio.model.attention.fp8) twice those of a 2-byte one.
     cache_dtype: str = "auto"
+    # FP8 cache only (vLLM's --calculate-kv-scales): each layer's K and V scales are computed
+    # once, from the first step's K/V (amax / 200 and amax / 100, vLLM's), replacing the
+    # checkpoint's or the default 1.0, then stay fixed.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
+        _require(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales",
+                 f"must be a bool, got {self.calculate_kv_scales!r}")
         _require(isinstance(self.block_size, int) and self.block_size >= 1
                  and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size!r}")

@@ -32,6 +32,7 @@ LAYER_OF = {
     "folio.model.families": "model_info",
     "folio.model.default_model": "model_info",
     "folio.model.gguf_metadata": "model_info",
+    "folio.model.quant.scheme": "model_info",
     "folio.core": "core",                   # scheduler, KV cache manager, requests
     # The data types every layer shares.
     "folio.config": "shared",

@@ -31,7 +31,8 @@ from folio.bench.datasets import special_token_ids
 from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
                                release_device_memory, run_latency_peer,
                                run_llama_cpp_latency_peer)
-from folio.bench.random_model import RANDOM_CONFIGS, build_random_model_in_child
+from folio.bench.random_model import (RANDOM_CONFIGS, RANDOM_QUANTIZATIONS,
+                                      build_random_model_in_child)
 from folio.bench.startup_report import format_startup, startup_breakdown
 
 __all__ = ["LATENCY_PEERS", "add_cli_args", "main", "run"]
@@ -67,6 +68,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     random_group.add_argument("--config", choices=sorted(RANDOM_CONFIGS), default=None,
                               help="the shapes for --random-weights")
     random_group.add_argument("--random-num-layers", type=int, default=None, help=argparse.SUPPRESS)
+    random_group.add_argument("--random-quantization", choices=list(RANDOM_QUANTIZATIONS),
+                              default=None,
+                              help="store the random projections quantized: w4a16 = random "
+                                   "4-bit codes in compressed-tensors' pack-quantized layout "
+                                   "(group 128); for FP8 give --quantization fp8 instead")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
 
 
@@ -99,7 +105,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     random_model = None
     if args.random_weights:
         # In a child process, as throughput does: the builder's peak memory stays out of ours.
-        random_model = build_random_model_in_child(args.config, args.random_num_layers)
+        random_model = build_random_model_in_child(args.config, args.random_num_layers,
+                                                   args.random_quantization)
         kwargs["model"] = random_model["path"]
 
     start = time.perf_counter()
@@ -295,14 +302,19 @@ def _median(values: list[float]) -> float:
 
 def _roofline(args: argparse.Namespace, model_path: str, device: Any, dtype: Any,
               per_token_s: float) -> dict[str, Any]:
+    from folio.bench import quant_bytes
     dtype_bytes = int(getattr(dtype, "itemsize", 2))
+    bits = quant_bytes.projection_bits(model_path, getattr(args, "quantization", None))
+    kv_bytes = quant_bytes.kv_dtype_bytes(getattr(args, "kv_cache_dtype", None), dtype_bytes)
     # Decode steps see contexts from input_len + 1 to input_len + output_len - 1; bytes are
     # linear in the context, so the mean step reads the KV of the midpoint context.
     context = args.input_len + args.output_len // 2
-    step_bytes = roofline.decode_bytes_per_step(model_path, args.batch_size, context, dtype_bytes)
+    step_bytes = roofline.decode_bytes_per_step(model_path, args.batch_size, context, dtype_bytes,
+                                                projection_bits=bits, kv_dtype_bytes=kv_bytes)
     bandwidth = roofline.measure_copy_bandwidth(device)
     floor_s = step_bytes / bandwidth  # one step yields one token for every sequence
     return {"bytes_per_step": step_bytes, "context_len": context, "dtype_bytes": dtype_bytes,
+            "projection_bits": bits, "kv_dtype_bytes": kv_bytes,
             "bandwidth_bytes_per_s": bandwidth, "floor_ms_per_token": floor_s * 1e3,
             "fraction_of_roofline": floor_s / per_token_s,
             "line": roofline.roofline_line(floor_s, bandwidth, per_token_s)}

@@ -49,9 +49,21 @@ _SHARD_BYTES = 2 << 30            # keeps the builder's peak memory near one sha
 _STAMP_KEYS = ("name", "seed", "config")  # what makes it a different *model* (vs. a stale build)
 
 
-def random_model_dir(name: str, num_layers: int | None = None) -> str:
+# `--random-quantization`: the projections stored quantized instead of bf16. "w4a16": random
+# 4-bit codes with bf16 scales per group of 128 input channels, in compressed-tensors'
+# pack-quantized layout (what llmcompressor writes for W4A16), so the INT4 kernels can be
+# timed at real shapes without quantizing 8B random weights first. (FP8 needs no variant:
+# `--quantization fp8` quantizes the bf16 random weights on load.)
+RANDOM_QUANTIZATIONS = ("w4a16",)
+_W4A16_GROUP = 128
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_model_dir(name: str, num_layers: int | None = None,
+                     quantization: str | None = None) -> str:
     from folio.model.default_model import folio_cache_dir
     suffix = f"-L{num_layers}" if num_layers is not None else ""
+    suffix += f"-{quantization}" if quantization else ""
     return os.path.join(folio_cache_dir(), "random", f"{name}{suffix}")
 
 
@@ -78,7 +90,8 @@ def build_random_model(name: str, out_dir: str | None = None,
 
 def build_random_model_info(name: str, out_dir: str | None = None,
                             num_layers: int | None = None,
-                            device: str | None = None) -> dict[str, Any]:
+                            device: str | None = None,
+                            quantization: str | None = None) -> dict[str, Any]:
     """`build_random_model`, reporting what it did: {"path", "built" (False: the cached
     directory was reused), "build_s" (seconds spent building; 0.0 when cached), "generator"}.
     `device` ("cuda" | "cpu") overrides where the weights are drawn (default: `generator_device`)."""
@@ -89,12 +102,17 @@ def build_random_model_info(name: str, out_dir: str | None = None,
         if num_layers < 1:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
         spec["num_hidden_layers"] = num_layers
+    if quantization is not None and quantization not in RANDOM_QUANTIZATIONS:
+        raise ValueError(f"unknown random quantization {quantization!r}; known: "
+                         f"{list(RANDOM_QUANTIZATIONS)}")
     device = device or generator_device()
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    final = out_dir or random_model_dir(name, num_layers)
+    final = out_dir or random_model_dir(name, num_layers, quantization)
     marker = os.path.join(final, _RANDOM_MARKER)
     stamp = {"name": name, "seed": _RANDOM_WEIGHTS_SEED, "config": spec, "generator": device}
+    if quantization is not None:
+        stamp["quantization"] = quantization
     stamp = json.loads(json.dumps(stamp))  # as it reads back from the marker
     stale = False
     if os.path.isfile(marker):
@@ -116,7 +134,7 @@ def build_random_model_info(name: str, out_dir: str | None = None,
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
     start = time.perf_counter()
     try:
-        _write_random_model(spec, tmp, device, label=name)
+        _write_random_model(spec, tmp, device, label=name, quantization=quantization)
         with open(os.path.join(tmp, _RANDOM_MARKER), "w", encoding="utf-8") as f:
             json.dump(stamp, f, indent=2)
         if stale:
@@ -135,12 +153,13 @@ def build_random_model_info(name: str, out_dir: str | None = None,
     return {"path": final, "built": True, "build_s": build_s, "generator": device}
 
 
-def build_random_model_in_child(name: str, num_layers: int | None) -> dict[str, Any]:
+def build_random_model_in_child(name: str, num_layers: int | None,
+                                quantization: str | None = None) -> dict[str, Any]:
     """`build_random_model_info` in a spawned child (the builder's peak memory and CUDA context
     stay out of the benchmark process), plus "wall_s": the child's whole time, spawn included.
     Prints one line about the model."""
     start = time.perf_counter()
-    info = in_child(build_random_model_info, name, None, num_layers)
+    info = in_child(build_random_model_info, name, None, num_layers, None, quantization)
     info["wall_s"] = time.perf_counter() - start
     how = (f"built in {info['build_s']:.1f} s (generator: {info['generator']})" if info["built"]
            else "cached")
@@ -164,7 +183,7 @@ def _replace_dir(new: str, final: str) -> None:
 
 
 def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
-                        label: str = "") -> None:
+                        label: str = "", quantization: str | None = None) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -188,18 +207,23 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
     shapes = [(name, tuple(t.shape)) for name, t in meta_model.state_dict().items()
               if not (config.tie_word_embeddings and name == "lm_head.weight")]
     del meta_model
+    fixed: dict[str, torch.Tensor] = {}
+    if quantization == "w4a16":
+        shapes, fixed = _w4a16_shapes(shapes)
+        config.quantization_config = _w4a16_config()
 
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     shard_bytes = 0
     for name, shape in shapes:
-        size = math.prod(shape) * 2  # bf16
+        size = math.prod(shape) * (4 if name.endswith("weight_packed") else 2)
         if shards[-1] and shard_bytes + size > _SHARD_BYTES:
             shards.append([])
             shard_bytes = 0
         shards[-1].append((name, shape))
         shard_bytes += size
 
-    total_bytes = sum(math.prod(shape) * 2 for _, shape in shapes)
+    total_bytes = sum(math.prod(shape) * (4 if name.endswith("weight_packed") else 2)
+                      for name, shape in shapes)
     weight_map: dict[str, str] = {}
     total = 0
     start = time.perf_counter()
@@ -211,10 +235,11 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
                 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for name, shape in shard:
-            tensor = _random_tensor(name, shape, config.initializer_range, device)
+            tensor = fixed[name] if name in fixed else \
+                _random_tensor(name, shape, config.initializer_range, device)
             tensors[name] = tensor
             weight_map[name] = file
-            total += tensor.numel() * 2
+            total += tensor.numel() * tensor.element_size()
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
         del tensors
         print(f"random weights: shard {index + 1}/{len(shards)} written "
@@ -227,10 +252,51 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
     tokenizer.save_pretrained(out)
 
 
+def _w4a16_shapes(shapes: list[tuple[str, tuple[int, ...]]]
+                  ) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    """The projections' bf16 weights replaced by compressed-tensors' pack-quantized tensors;
+    and the `weight_shape` tensors, whose values are the original shapes."""
+    import torch
+    out, fixed = [], {}
+    for name, shape in shapes:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in _PROJECTIONS:
+            n, k = shape
+            out += [(f"{module}.weight_packed", (n, k // 8)),
+                    (f"{module}.weight_scale", (n, k // _W4A16_GROUP)),
+                    (f"{module}.weight_shape", (2,))]
+            fixed[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        else:
+            out.append((name, shape))
+    return out, fixed
+
+
+def _w4a16_config() -> dict[str, Any]:
+    """compressed-tensors' quantization_config of a W4A16 (group 128, symmetric) model, as
+    llmcompressor's W4A16 scheme writes it."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": None, "output_activations": None,
+                "format": "pack-quantized",
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                            "strategy": "group", "group_size": _W4A16_GROUP,
+                            "dynamic": False, "actorder": None, "observer": "minmax"}}}}
+
+
 def _random_tensor(name: str, shape: tuple[int, ...], std: float, device: str) -> "torch.Tensor":
     """Tensor `name` as saved (bf16, on the CPU): RMSNorm gains are ones, biases zeros, every
-    other tensor N(0, std) drawn by its own generator on `device`, seeded by `tensor_seed`."""
+    other tensor N(0, std) drawn by its own generator on `device`, seeded by `tensor_seed`.
+    W4A16 tensors: uniformly random codes, scales such that the weights' spread is about
+    `std` (codes' spread around 8 is ~4.6 steps), the shape as compressed-tensors stores it."""
     import torch
+    if name.endswith("weight_packed"):
+        generator = torch.Generator(device=device).manual_seed(
+            tensor_seed(_RANDOM_WEIGHTS_SEED, name))
+        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device,
+                             generator=generator).cpu()
+    if name.endswith("weight_scale"):
+        return torch.full(shape, std / 4.6, dtype=torch.bfloat16)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)   # RMSNorm gains
     if name.endswith(".bias"):

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 __all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
            "matmul_peak_flops", "measure_copy_bandwidth", "offline_floor", "prefill_flops",
-           "roofline_line"]
+           "projection_params", "roofline_line", "weight_bytes"]
 
 
 def load_config(model_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -78,6 +78,29 @@ def count_params(cfg: Mapping[str, Any]) -> int:
     return embed + layers * per_layer + hidden + lm_head  # + final norm
 
 
+def projection_params(cfg: Mapping[str, Any]) -> int:
+    """Weights of the decoder layers' projections (q, k, v, o, gate, up, down): the matrices a
+    quantized checkpoint stores in fewer bits (biases, norms, embeddings and the lm_head stay
+    in the model dtype)."""
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    q_out = int(cfg["num_attention_heads"]) * _head_dim(cfg)
+    kv_out = _num_kv_heads(cfg) * _head_dim(cfg)
+    per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
+    return int(cfg["num_hidden_layers"]) * per_layer
+
+
+def weight_bytes(cfg: Mapping[str, Any], dtype_bytes: int = 2,
+                 projection_bits: float | None = None) -> float:
+    """Bytes of the stored weights: every parameter in `dtype_bytes`, except the projections
+    at `projection_bits` per weight when given (a quantized model: the codes plus their share
+    of scales and zero points, e.g. 4 + 16/128 for INT4 with bf16 scales per group of 128)."""
+    params = count_params(cfg)
+    if projection_bits is None:
+        return float(params * dtype_bytes)
+    proj = projection_params(cfg)
+    return (params - proj) * dtype_bytes + proj * projection_bits / 8
+
+
 def prefill_flops(model_dir_or_config: str | os.PathLike | Mapping[str, Any], batch: int,
                   prompt_len: int) -> int:
     """FLOPs of prefilling `batch` prompts of `prompt_len` tokens and taking one token's
@@ -102,25 +125,31 @@ def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:
 
 
 def decode_bytes_per_step(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
-                          batch: int, context_len: int, dtype_bytes: int = 2) -> int:
-    """Bytes one decode step must read: all weights once (shared by the batch) plus the KV
-    cache of `context_len` tokens for each of `batch` sequences."""
+                          batch: int, context_len: int, dtype_bytes: int = 2,
+                          projection_bits: float | None = None,
+                          kv_dtype_bytes: int | None = None) -> int:
+    """Bytes one decode step must read: all weights once (shared by the batch; `weight_bytes`)
+    plus the KV cache of `context_len` tokens for each of `batch` sequences, in
+    `kv_dtype_bytes` per element (default: the model's)."""
     cfg = load_config(model_dir_or_config)
-    return count_params(cfg) * dtype_bytes + batch * context_len * kv_bytes_per_token(cfg, dtype_bytes)
+    kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
+    return int(weight_bytes(cfg, dtype_bytes, projection_bits) + batch * context_len * kv)
 
 
 def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
                   prompt_lens: list[int], output_lens: list[int], bandwidth: float,
-                  flops: float, dtype_bytes: int = 2) -> dict[str, float]:
+                  flops: float, dtype_bytes: int = 2, projection_bits: float | None = None,
+                  kv_dtype_bytes: int | None = None) -> dict[str, float]:
     """The floor of an offline batch, by the reference script's model: every request runs from
     the start (a lower bound when fewer fit at once); decode step s reads all weights once plus
     the KV of each request still generating (its prompt + s tokens) and costs
     max(bytes / bandwidth, 2·params·running / flops); the prompts' prefill adds 2·params per
-    prompt token at `flops`. Returns the floor in seconds and its parts."""
+    prompt token at `flops`. Returns the floor in seconds and its parts. `projection_bits` and
+    `kv_dtype_bytes`: a quantized model's weights and KV cache (decode_bytes_per_step)."""
     cfg = load_config(model_dir_or_config)
     params = count_params(cfg)
-    weight_bytes = params * dtype_bytes
-    kv_token = kv_bytes_per_token(cfg, dtype_bytes)
+    stored = weight_bytes(cfg, dtype_bytes, projection_bits)
+    kv_token = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
     # Requests leave in order of output length; keep the running count and prompt-token sum.
     by_output = sorted(zip(output_lens, prompt_lens))
     running, prompt_sum = len(by_output), sum(prompt_lens)
@@ -131,7 +160,7 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
             running -= 1
             prompt_sum -= by_output[nxt][1]
             nxt += 1
-        mem = (weight_bytes + (prompt_sum + step * running) * kv_token) / bandwidth
+        mem = (stored + (prompt_sum + step * running) * kv_token) / bandwidth
         memory_s += mem
         decode_s += max(mem, 2 * params * running / flops)
     prefill_s = 2 * params * sum(prompt_lens) / flops
@@ -145,16 +174,24 @@ def _device(device: Any) -> Any:
 
 
 def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters: int = 7) -> float:
-    """Achievable memory bandwidth in bytes/s: bytes read + written by a large copy, median
-    of `iters` timed runs after a warm-up.
+    """Achievable memory bandwidth in bytes/s: bytes read + written by a large copy.
 
-    CUDA: device-to-device copy timed with CUDA events (host timers would include launch
-    overhead). CPU: a tensor clone timed with perf_counter. The buffer must be far larger than
-    the last-level cache, or we would measure cache bandwidth."""
+    CUDA: the best of `iters` device-to-device copies of 4 GiB (less if the device has not the
+    room for two such buffers; never below 1 GiB), timed with CUDA events. The best, not the
+    median, of large copies: on an H200 the median of 1 GiB copies read 3.63-3.76 TB/s where
+    the best 4 GiB copies read 4.26-4.28 TB/s, the rate the hardware sustains and so the
+    roof a decode step's kernels can reach; the smaller figure overstated every "% of
+    roofline" by ~12 %. CPU: a 256 MiB tensor clone timed with perf_counter, median of
+    `iters`. The buffer must be far larger than the last-level cache, or we would measure
+    cache bandwidth."""
     import torch
     dev = _device(device)
     if nbytes is None:
-        nbytes = (1 << 30) if dev.type == "cuda" else (256 << 20)
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            nbytes = max(1 << 30, min(4 << 30, int(free * 0.45) >> 20 << 20))
+        else:
+            nbytes = 256 << 20
     numel = nbytes // 4
     src = torch.empty(numel, dtype=torch.float32, device=dev).fill_(1.0)
     dst = torch.empty_like(src)
@@ -170,14 +207,16 @@ def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
+        best = min(times)
     else:
         dst = src.clone()                            # warm-up: faults in the pages
         for _ in range(iters):
             t0 = time.perf_counter()
             dst = src.clone()
             times.append(time.perf_counter() - t0)
+        best = statistics.median(times)
     del src, dst
-    return moved / statistics.median(times)
+    return moved / best
 
 
 def matmul_peak_flops(device: Any = "cpu", dtype: Any = None, n: int | None = None,

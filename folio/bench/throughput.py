@@ -27,7 +27,7 @@ from folio.bench.datasets import SampleRequest, sample_random_requests, special_
 from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
                                describe_free_memory, peer_timeout, release_device_memory,
                                run_peer)
-from folio.bench.random_model import (RANDOM_CONFIGS, build_random_model,
+from folio.bench.random_model import (RANDOM_CONFIGS, RANDOM_QUANTIZATIONS, build_random_model,
                                       build_random_model_in_child, random_model_dir)
 from folio.bench.results import EngineResult, current_rss_bytes, peak_rss_bytes
 from folio.bench.startup_report import format_startup, startup_breakdown
@@ -72,6 +72,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                               help="the shapes for --random-weights")
     # Test-only: a shallower model with otherwise real shapes, so creation can be smoke-tested.
     random_group.add_argument("--random-num-layers", type=int, default=None, help=argparse.SUPPRESS)
+    random_group.add_argument("--random-quantization", choices=list(RANDOM_QUANTIZATIONS),
+                              default=None,
+                              help="store the random projections quantized: w4a16 = random "
+                                   "4-bit codes in compressed-tensors' pack-quantized layout "
+                                   "(group 128); for FP8 give --quantization fp8 instead")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip measuring copy bandwidth and matmul peak and the roofline "
                              "comparison")
@@ -113,11 +118,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = _engine_kwargs(args)
     random_model = None
     if args.random_weights:
-        random_model = build_random_model_in_child(args.config, args.random_num_layers)
+        random_model = build_random_model_in_child(args.config, args.random_num_layers,
+                                                   args.random_quantization)
         kwargs["model"] = random_model["path"]
 
     folio_result, info = _run_folio(args, kwargs)
     info["random_model"] = random_model
+    info["quantization"] = args.quantization
+    info["kv_cache_dtype"] = args.kv_cache_dtype
     requests: list[SampleRequest] = info.pop("requests")
     info["roofline"] = None if args.no_roofline else _roofline(info, requests, folio_result)
     results = [folio_result]
@@ -212,20 +220,25 @@ def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult) ->
     from folio.bench import roofline
     if not info.get("device") or not folio.elapsed_s:
         return None
+    from folio.bench import quant_bytes
     release_device_memory()  # the engine is gone; the probes need room on the device
     dtype_bytes = 4 if info.get("dtype") == "float32" else 2
+    bits = quant_bytes.projection_bits(info["model_source"]["path"], info.get("quantization"))
+    kv_bytes = quant_bytes.kv_dtype_bytes(info.get("kv_cache_dtype"), dtype_bytes)
     bandwidth = roofline.measure_copy_bandwidth(info["device"])
     flops = roofline.matmul_peak_flops(info["device"])
     floor = roofline.offline_floor(info["model_source"]["path"],
                                    [r.prompt_len for r in requests],
                                    [r.expected_output_len for r in requests],
-                                   bandwidth, flops, dtype_bytes)
+                                   bandwidth, flops, dtype_bytes, projection_bits=bits,
+                                   kv_dtype_bytes=kv_bytes)
     fraction = floor["floor_s"] / folio.elapsed_s
     line = (f"roofline: floor {floor['floor_s']:.2f} s for this workload at "
             f"{bandwidth / 1e9:.1f} GB/s and {flops / 1e12:.1f} TFLOP/s measured "
             f"(ceiling {floor['output_tokens'] / floor['floor_s']:,.0f} out tok/s) → folio "
             f"achieved {100 * fraction:.1f}% of roofline")
     return {**floor, "bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": flops,
+            "projection_bits": bits, "kv_dtype_bytes": kv_bytes,
             "fraction_of_roofline": fraction, "line": line}
 
 

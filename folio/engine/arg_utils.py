@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from folio.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, normalize_kv_cache_dtype
+from folio.config import (KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS,
+                          normalize_kv_cache_dtype)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -17,12 +18,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--revision", default=None, help="hub revision of the model")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight and activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)")
-    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                        help="how weights are kept: gguf = a GGUF model's quantized matrices "
-                             "stay packed (CPU); int8 = any model's projections quantized on "
-                             "load to int8 per output channel (CPU); none = dequantized to "
-                             "--dtype (the reference); default: gguf for a GGUF model on the "
-                             "CPU, else none")
+    parser.add_argument("--quantization", "-q", default=None, type=_quantization,
+                        choices=list(QUANTIZATION_METHODS),
+                        help="how weights are kept: fp8 = FP8 W8A8, from an FP8 checkpoint or "
+                             "quantized on load per output channel; compressed-tensors, awq, "
+                             "gptq = checkpoints in those formats (FP8/INT8 W8A8, INT4 W4A16; "
+                             "picked from config.json's quantization_config by default); gguf "
+                             "= a GGUF model's quantized matrices stay packed; int8 = any "
+                             "model's projections quantized on load to int8 per output channel "
+                             "(CPU); none = dequantized to --dtype (the reference); default: the "
+                             "checkpoint's method, gguf for a GGUF model, else none")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (prompt + output); default: the model's maximum")
@@ -41,7 +46,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         choices=list(KV_CACHE_DTYPES),
                         help="KV cache dtype; auto = the model's (--dtype); bfloat16 or float16 "
                              "on a float32 model holds twice the tokens in the same memory "
-                             "(CPU; on CUDA only the model's dtype); fp8 is not supported yet")
+                             "(CPU; on CUDA only the model's dtype); fp8 (= fp8_e4m3) or "
+                             "fp8_e5m2: 1 byte per element, twice the tokens of a 16-bit cache, "
+                             "scaled per layer by the checkpoint's k/v scales (1.0 without "
+                             "them, or see --calculate-kv-scales); fp8_e4m3 on CUDA needs "
+                             "compute capability 8.9+")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="with an fp8 KV cache: compute each layer's K and V scales once, "
+                             "from the first step's keys and values (amax / 200 and amax / "
+                             "100, as vLLM), instead of the checkpoint's or 1.0")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="fix the number of KV cache blocks (testing, capacity planning)")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -92,9 +105,15 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                             default=getattr(RequestLimitsConfig, name), help=text)
 
 
+def _quantization(value: str) -> str:
+    """--quantization's value, vLLM's kernel-specific aliases (awq_marlin, gptq_marlin)
+    normalized to the method they read."""
+    return QUANTIZATION_ALIASES.get(value.lower(), value.lower())
+
+
 def _kv_cache_dtype(value: str) -> str:
-    """--kv-cache-dtype's value, aliases (bf16, fp16, half, float) normalized; fp8 and the
-    like get the config's own message rather than argparse's "invalid choice"."""
+    """--kv-cache-dtype's value, aliases (bf16, fp16, half, float) normalized; vLLM's other
+    fp8 names get the config's own message rather than argparse's "invalid choice"."""
     try:
         return normalize_kv_cache_dtype(value)
     except ValueError as exc:
@@ -111,6 +130,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),

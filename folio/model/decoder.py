@@ -16,6 +16,19 @@ _MERGED_SHARDS = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
+# Checkpoint names of the FP8 KV cache scales, past "self_attn.", and the Attention buffer each
+# loads (Attention.load_kv_scale): compressed-tensors' kv_cache_scheme (vLLM's own names),
+# older FP8 checkpoints' k/v_proj output_scale, ModelOpt's, and the deprecated single kv_scale
+# (both scales, as vLLM reads it).
+_KV_SCALE_NAMES = {
+    "k_scale": "k_scale", "v_scale": "v_scale", "kv_scale": "kv_scale",
+    "k_proj.output_scale": "k_scale", "v_proj.output_scale": "v_scale",
+    "k_proj.k_scale": "k_scale", "v_proj.v_scale": "v_scale",
+}
+_KV_SCALE_ATTRS = frozenset(_KV_SCALE_NAMES.values())
+# Scales of quantized attention arithmetic (FP8 queries, probabilities): folio's attention
+# keeps both in the model's dtype, so a checkpoint's are not read.
+_UNUSED_ATTN_SCALES = ("q_scale", "prob_scale")
 
 
 class DecoderLayer(nn.Module):
@@ -65,6 +78,8 @@ class DecoderLM(nn.Module):
         # The output matrix as packed planes (folio.model.quant, CPU), when it is kept
         # quantized; None = the float weight.
         self.lm_head_packed: nn.Module | None = None
+        # Whether the checkpoint held FP8 KV cache scales (load_weights), for the start-up log.
+        self.kv_scales_loaded = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -88,12 +103,18 @@ class DecoderLM(nn.Module):
     def weight_target(self, name: str) -> tuple[str, str | None, str] | None:
         """Where checkpoint tensor `name` goes: (module path, shard of a merged module or None,
         parameter name); None for what folio does not load (derived rotary buffers, a tied
-        lm_head)."""
+        lm_head, attention scales it does not use). A KV cache scale goes to its Attention:
+        (path, None, "k_scale" / "v_scale" / "kv_scale")."""
         if "rotary_emb" in name:
             return None  # derived buffers some checkpoints carry
         name = name.removeprefix("model.") if not name.startswith("lm_head") else name
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the output matrix
+        layer, sep, rest = name.partition(".self_attn.")
+        if sep and rest in _KV_SCALE_NAMES:
+            return f"{layer}.self_attn", None, _KV_SCALE_NAMES[rest]
+        if sep and rest in _UNUSED_ATTN_SCALES:
+            return None
         parts = name.split(".")
         merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
         if merged is not None:
@@ -105,8 +126,13 @@ class DecoderLM(nn.Module):
         """Copy checkpoint tensors into the parameters; `preloaded`: checkpoint names whose
         weights were installed otherwise (packed planes, int8 codes), counted as loaded. It is
         read once `weights` is consumed, so a loader that takes tensors out of the stream (int8
-        quantization on load) can fill it as it goes."""
+        quantization on load) can fill it as it goes. The FP8 KV cache scales are optional:
+        1.0 unless the checkpoint has them (vLLM's default)."""
         params = dict(self.named_parameters())
+        attentions = {name: m for name, m in self.named_modules() if isinstance(m, Attention)}
+        for attention in attentions.values():
+            attention.reset_kv_scales(self.norm.weight.device)
+        self.kv_scales_loaded = False
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
@@ -114,6 +140,13 @@ class DecoderLM(nn.Module):
             if target is None:
                 continue
             module_path, shard, attr = target
+            if attr in _KV_SCALE_ATTRS and shard is None:
+                if module_path not in attentions:
+                    unexpected.append(name)
+                    continue
+                attentions[module_path].load_kv_scale(attr, tensor, name)
+                self.kv_scales_loaded = True
+                continue
             if shard is not None:
                 full = f"{module_path}.{attr}"
                 if full not in params:

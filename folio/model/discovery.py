@@ -47,24 +47,39 @@ def gguf_file_of(source: ModelSource) -> str | None:
     return None
 
 
-def resolve_quantization(requested: str | None, source: ModelSource, device_type: str) -> str:
-    """The weight format a model runs with (config.QUANTIZATION_METHODS): by default a GGUF
-    model on the CPU keeps its quantized matrices packed; an explicit "gguf" without a GGUF
-    file or off the CPU, or "int8" off the CPU, is an error naming the field. "int8" takes any
-    checkpoint (a GGUF file's dequantized weights are re-quantized)."""
+def resolve_quantization(requested: str | None, source: ModelSource, device_type: str,
+                         hf_config: Any = None) -> str:
+    """The weight format a model runs with (config.QUANTIZATION_METHODS). A checkpoint quantized
+    in a supported format (config.json's quantization_config: fp8, compressed-tensors, awq,
+    gptq) runs with that method, and asking for another is an error naming both. Otherwise by
+    default a GGUF model keeps its quantized matrices packed (CPU and CUDA); an explicit "gguf"
+    without a GGUF file, "int8" off the CPU, or a checkpoint format without such a checkpoint, is an error naming the field. "int8" and "fp8" take any float checkpoint (a
+    GGUF file's dequantized weights are re-quantized)."""
+    from folio.model.quant.scheme import (CHECKPOINT_METHODS, checkpoint_method,
+                                          parse_quant_config)
+    found = checkpoint_method(hf_config) if hf_config is not None else None
+    if found is not None and found != "gguf":
+        if found not in CHECKPOINT_METHODS:
+            raise ValueError(f"quantization_config.quant_method {found!r} is not supported; "
+                             f"supported: {list(CHECKPOINT_METHODS)}")
+        if requested not in (None, found):
+            raise ValueError(f"quantization {requested!r} does not match the checkpoint's "
+                             f"quantization_config.quant_method {found!r}; leave quantization "
+                             "unset to use the checkpoint's")
+        parse_quant_config(hf_config, found)   # a config folio cannot run fails here
+        return found
+    if requested in ("compressed-tensors", "awq", "gptq"):
+        raise ValueError(f"quantization {requested!r} needs a checkpoint quantized with it "
+                         "(config.json's quantization_config); this model has none")
     gguf = gguf_file_of(source)
     if requested is None:
-        return "gguf" if gguf is not None and device_type == "cpu" else "none"
-    if requested == "gguf":
-        if gguf is None:
-            raise ValueError("quantization 'gguf' needs a GGUF model (a .gguf file, or the "
-                             "default model)")
-        if device_type != "cpu":
-            raise ValueError("quantization 'gguf' runs on the CPU only so far; use "
-                             "quantization 'none' on CUDA")
+        return "gguf" if gguf is not None else "none"
+    if requested == "gguf" and gguf is None:
+        raise ValueError("quantization 'gguf' needs a GGUF model (a .gguf file, or the "
+                         "default model)")
     if requested == "int8" and device_type != "cpu":
         raise ValueError("quantization 'int8' runs on the CPU only so far; use "
-                         "quantization 'none' on CUDA")
+                         "quantization 'fp8' on CUDA")
     return requested
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.model.attention import AttentionBackend, AttentionMetadata
+from folio.model.attention.fp8 import CALCULATED_K_RANGE, CALCULATED_V_RANGE, is_fp8
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 
 
@@ -252,6 +253,49 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
+        # The FP8 KV cache's scales (vLLM's k_scale / v_scale; the cache holds K / k_scale,
+        # V / v_scale: folio/model/attention/fp8.py): float32, one per KV head (a per-tensor
+        # scale repeated), 1.0 unless the checkpoint has them (load_kv_scale) or
+        # --calculate-kv-scales sets them on the first step. Buffers, changed only in place
+        # after loading, so captured CUDA graphs read the values they hold. Other cache dtypes
+        # ignore them.
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32))
+
+    def reset_kv_scales(self, device: torch.device) -> None:
+        """The scales as built: 1.0, float32, on `device`. The loader builds the model on the
+        meta device and casts it to the model's dtype, which leaves buffers empty and in that
+        dtype; DecoderLM.load_weights calls this before reading the checkpoint."""
+        self.k_scale = torch.ones(self.num_kv_heads, dtype=torch.float32, device=device)
+        self.v_scale = torch.ones(self.num_kv_heads, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def load_kv_scale(self, which: str, tensor: torch.Tensor, name: str) -> None:
+        """Checkpoint tensor `name` into k_scale or v_scale (`which`; "kv_scale", a deprecated
+        single scale, into both, as vLLM reads it): one element (per tensor) or one per KV head
+        in any shape (compressed-tensors' attn_head strategy stores [kv_heads, 1, 1])."""
+        if tensor.numel() not in (1, self.num_kv_heads):
+            raise ValueError(f"KV cache scale {name} has shape {tuple(tensor.shape)}: expected "
+                             f"one element, or one per KV head ({self.num_kv_heads})")
+        values = tensor.detach().reshape(-1).to(torch.float32)
+        if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+            raise ValueError(f"KV cache scale {name} must be positive and finite, got "
+                             f"{values.tolist()}")
+        for target in ((self.k_scale, self.v_scale) if which == "kv_scale"
+                       else (getattr(self, which),)):
+            target.copy_(values.expand(self.num_kv_heads))
+
+    @torch.no_grad()
+    def calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """vLLM's --calculate-kv-scales: k_scale / v_scale = this step's amax of K / V, per
+        tensor, over CALCULATED_K_RANGE / CALCULATED_V_RANGE (200 / 100, vLLM's: headroom
+        under e4m3's 448 for later steps' larger values). In place, on the device (no host
+        sync)."""
+        for target, x, fp8_range in ((self.k_scale, k, CALCULATED_K_RANGE),
+                                     (self.v_scale, v, CALCULATED_V_RANGE)):
+            # An all-zero K would give scale 0 and 0 / 0 on write; any positive floor keeps
+            # such values exact, since x <= amax <= floor * range.
+            target.copy_((x.abs().amax().to(torch.float32) / fp8_range).clamp(min=1e-12))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -262,8 +306,11 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        if metadata.calculate_kv_scales and is_fp8(kv_cache.dtype):
+            self.calculate_kv_scales(k, v)
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(t, q_size))
 
 

@@ -17,6 +17,7 @@ from folio.model.decoder import DecoderLM
 from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
+from folio.model.quant.scheme import CHECKPOINT_METHODS, parse_quant_config
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -84,12 +85,17 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
-    GGUF file's quantized matrices stay packed (folio.model.quant, CPU); "int8": every
+    GGUF file's quantized matrices stay packed (folio.model.quant: C++ kernels on the CPU, the
+    group-quantized Triton kernel for the projections on CUDA); "int8": every
     projection and the output matrix quantized per output channel as the checkpoint streams
-    in (folio.model.quant.int8_install, CPU)."""
+    in (folio.model.quant.int8_install, CPU); "fp8", "compressed-tensors", "awq", "gptq": the
+    checkpoint's quantized projections (or, for "fp8" on a float checkpoint, its projections
+    quantized on load) run on quantized kernels (folio.model.quant.checkpoint_install)."""
     if quantization == "int8":
         from folio.model.quant import int8_install
         int8_install.check_device(device)  # before anything is built
+    if quantization in CHECKPOINT_METHODS:
+        parse_quant_config(hf_config, quantization)  # a bad config fails before any weight
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
@@ -104,16 +110,26 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         from folio.model.gguf_loader import read_gguf
         from folio.model.quant import gguf_install
         ckpt = read_gguf(gguf_file_of(source), keep_quantized=True)
-        plan, consumed = gguf_install.plan_packed(model, ckpt.quantized)
+        gpu = device.type == "cuda"
+        plan, consumed = gguf_install.plan_packed(model, ckpt.quantized, gpu=gpu)
         gguf_install.shrink_packed_params(model, plan)
         model = model.to(dtype=dtype).to_empty(device=device)
-        gguf_install.install_packed(model, plan, dtype)
+        if gpu:
+            from folio.model.quant.gguf_gpu import install_packed_gpu
+            install_packed_gpu(model, plan, device)
+        else:
+            gguf_install.install_packed(model, plan, dtype)
         float_weights = list(ckpt.state_dict.items()) + [
             (name, torch.from_numpy(matrix.dequantize()))
             for name, matrix in ckpt.quantized.items() if name not in consumed]
         model.load_weights(float_weights, preloaded=consumed)
     elif quantization == "int8":
         model = int8_install.load_int8(model, iter_checkpoint_weights(source), dtype, device)
+    elif quantization in CHECKPOINT_METHODS:
+        from folio.model.quant.checkpoint_install import load_quantized
+        config = parse_quant_config(hf_config, quantization)
+        model = load_quantized(model, config, iter_checkpoint_weights(source), dtype, device,
+                               kernel_config)
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor

@@ -13,8 +13,11 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 4 << 30
 
-# CacheConfig.cache_dtype's names (normalized by the config) -> torch dtypes.
-_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CacheConfig.cache_dtype's names (normalized by the config) -> torch dtypes. vLLM's "fp8" is
+# e4m3 on CUDA: 3 mantissa bits where e5m2 has 2, ample range once scaled.
+_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype,
@@ -65,7 +68,8 @@ def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
 def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer. Zeroed, so padded
-    reads of never-written slots hold finite values (0 * NaN would poison masked attention)."""
+    reads of never-written slots hold finite values (0 * NaN would poison masked attention);
+    a float8 zero is all zero bits too."""
     shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
         return [_lazily_zeroed(shape, dtype) for _ in range(spec.num_layers)]

@@ -27,8 +27,13 @@ if TYPE_CHECKING:
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, *, max_num_seqs: int, max_model_len: int,
-                 max_num_tokens: int, graph_runner: DecodeGraphRunner | None = None) -> None:
+                 max_num_tokens: int, graph_runner: DecodeGraphRunner | None = None,
+                 calculate_kv_scales: bool = False) -> None:
         self.model = model
+        # Set until the first real step has run: that step, eager, sets each layer's FP8 KV
+        # cache scales from its keys and values (--calculate-kv-scales); warm-up, profiling and
+        # graph capture run dummy data and leave them alone.
+        self.calculate_kv_scales = calculate_kv_scales
         # Replays captured CUDA graphs for pure-decode steps; None = always eager.
         self.graph_runner = graph_runner
         # Replays captured CUDA graphs for the other steps that fit its buffers; None = eager.
@@ -169,6 +174,8 @@ class ModelRunner:
         if not order:
             return PendingRunnerOutput()
         graphs, mixed = self.graph_runner, self.mixed_graph_runner
+        if self.calculate_kv_scales:
+            graphs = mixed = None  # the scales are set eagerly; the graphs only read them
         if graphs is not None and graphs.can_run(step):
             hidden, query_start_loc = graphs.run(step, batch, self._prev_rows,
                                                  self._fill_pending_inputs)
@@ -177,6 +184,8 @@ class ModelRunner:
                                                 self._fill_pending_inputs)
         else:
             input_ids, positions, meta = self._eager_inputs(step)
+            meta.calculate_kv_scales = self.calculate_kv_scales
+            self.calculate_kv_scales = False   # once
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
         requests = batch.requests

@@ -9,6 +9,7 @@ import torch
 
 from folio.config import EngineConfig
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+from folio.model.attention.fp8 import fp8_max, is_fp8
 from folio.model.attention.selector import check_kv_cache_dtype
 from folio.model.families import ArchSpec
 from folio.model.discovery import ModelSource, resolve_quantization
@@ -51,7 +52,7 @@ class Worker:
         # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
         # the device.
         self.quantization = resolve_quantization(config.model.quantization, source,
-                                                 self.device.type)
+                                                 self.device.type, hf_config)
         # The KV cache's dtype (--kv-cache-dtype; "auto" = the model's, float16 for GGUF
         # weights on the CPU), checked against the attention backend the model will get before
         # any weight is read.
@@ -92,7 +93,10 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the allocation's memset, not the next stage's
         self.timings["kv_alloc_s"] = time.perf_counter() - start
-        self.runner = self._new_runner(self.kv_caches)
+        # --calculate-kv-scales: the runner's first real step sets the FP8 cache's scales.
+        self.runner = self._new_runner(
+            self.kv_caches,
+            calculate_kv_scales=cache.calculate_kv_scales and is_fp8(self.kv_cache_dtype))
         if self.device.type == "cuda":
             start = time.perf_counter()
             logger.info("warming up kernels (Triton compiles and autotunes on a first start)")
@@ -114,6 +118,19 @@ class Worker:
                     "(%s, %s)", self.load_seconds, self.dtype, self.device, self.num_blocks,
                     cache.block_size, self.num_blocks * cache.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total))
+        if is_fp8(self.kv_cache_dtype):
+            self._log_kv_scales()
+
+    def _log_kv_scales(self) -> None:
+        """Where the FP8 cache's scales come from; vLLM warns of 1.0 too."""
+        if self.config.cache.calculate_kv_scales:
+            logger.info("FP8 KV cache: scales computed from the first step's keys and values")
+        elif self.model.kv_scales_loaded:
+            logger.info("FP8 KV cache: scales from the checkpoint")
+        else:
+            logger.warning("FP8 KV cache with scales 1.0 (the checkpoint has none): keys and "
+                           "values past %g saturate; calculate_kv_scales computes scales from "
+                           "the first step", fp8_max(self.kv_cache_dtype))
 
     def _profile_run(self) -> int:
         """One forward pass at the largest step (max_num_batched_tokens tokens, logits for
@@ -128,12 +145,14 @@ class Worker:
         del runner, scratch
         return num_blocks * bytes_per_block(self.spec, cache.block_size, self.kv_cache_dtype)
 
-    def _new_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+    def _new_runner(self, kv_caches: list[torch.Tensor],
+                    calculate_kv_scales: bool = False) -> ModelRunner:
         sched = self.config.scheduler
         return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device,
                            max_num_seqs=sched.max_num_seqs,
                            max_model_len=self.config.model.max_model_len,
-                           max_num_tokens=sched.max_num_batched_tokens)
+                           max_num_tokens=sched.max_num_batched_tokens,
+                           calculate_kv_scales=calculate_kv_scales)
 
     def _capture_decode_graphs(self):
         """CUDA graphs for pure-decode steps, captured once the KV cache exists (they bake in

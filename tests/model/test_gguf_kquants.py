@@ -368,3 +368,48 @@ def test_greedy_answers_match_the_float_path(variant: str, kquant_files) -> None
     same = sum(a == b for a, b in zip(answers["none"], answers["gguf"]))
     print(f"{variant}: {same} of {len(CHAT_PROMPTS)} greedy answers equal the float path's")
     assert same >= 13, f"{same} of {len(CHAT_PROMPTS)}"
+
+
+# --------------------------------------------------------------------------- #
+# The GPU layout (folio.model.quant.gguf_gpu), built here on CPU tensors
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("variant", ["q4_k_m", "q4_k_m_wide"])
+def test_gpu_layout_is_the_files_weights(variant: str, kquant_files) -> None:
+    """What a CUDA model keeps of the file, built on CPU tensors: every projection whose form
+    the GPU kernel reads (one 4-bit plane: Q4_0/Q4_1/Q4_K; int8 rows: Q8_0/Q6_K) becomes a
+    GroupQuantLinear (a PackedConcat where a qkv mixes Q4_K and Q6_K), and its weights are
+    exactly the file's (4-bit codes with float32 scales and minimums, int8 codes with float32
+    group scales); Q5's two planes, the embedding and the lm_head are left to the float path.
+    The Triton kernel's arithmetic on these forms is tests/model/test_quant_kernels.py's, the
+    GPU run tests/gpu/test_gpu_quant.py's."""
+    from folio.model.gguf_loader import read_gguf
+    from folio.model.quant import gguf_install
+    from folio.model.quant.gguf_gpu import install_packed_gpu
+    from folio.model.quant.gguf_planes import PlaneSum
+    from folio.model.quant.group_linear import GroupQuantLinear
+    from folio.model.quant.packed import PackedConcat
+    path, types = kquant_files(variant)
+    packed, plain = load_pair(path)   # the CPU's packed model, and the float one
+    ckpt = read_gguf(path, keep_quantized=True)
+    plan, consumed = gguf_install.plan_packed(packed, ckpt.quantized, gpu=True)
+    assert "embed_tokens" not in plan and "lm_head" not in plan
+    for shards in plan.values():
+        assert all(not isinstance(q, PlaneSum) or len(q.planes) == 1 for q in shards)
+    has_two_planes = any(t in ("Q5_K", "Q5_0", "Q5_1") for t in types.values())
+    cpu_plan, _ = gguf_install.plan_packed(packed, ckpt.quantized)
+    assert (len(plan) < len(cpu_plan) - 1) == has_two_planes   # -1: the embedding
+    install_packed_gpu(plain, plan, torch.device("cpu"))
+    kinds = set()
+    for name in plan:
+        module = plain.get_submodule(name).packed
+        kinds.add(type(module).__name__)
+        parts = module.parts if isinstance(module, PackedConcat) else [module]
+        assert all(isinstance(p, GroupQuantLinear) for p in parts)
+        # the CPU packed model holds the file's weights exactly: the GPU forms must equal them
+        want = packed.get_submodule(name).packed.dequantize()
+        got = module.dequantize()
+        assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max())), name
+    assert "GroupQuantLinear" in kinds
+    if variant == "q4_k_m_wide":
+        assert "PackedConcat" in kinds   # Q4_K q/k with a Q6_K v

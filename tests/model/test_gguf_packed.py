@@ -218,14 +218,14 @@ def test_quantization_choice(tmp_path) -> None:
     from folio.model.discovery import ModelSource, resolve_model_source, resolve_quantization
     default = resolve_model_source(None)
     assert resolve_quantization(None, default, "cpu") == "gguf"
-    assert resolve_quantization(None, default, "cuda") == "none"
+    # CUDA keeps the projections quantized too (folio.model.quant.gguf_gpu)
+    assert resolve_quantization(None, default, "cuda") == "gguf"
+    assert resolve_quantization("gguf", default, "cuda") == "gguf"
     assert resolve_quantization("none", default, "cpu") == "none"
     plain_dir = ModelSource("hf_dir", "/nonexistent-model-dir")
     assert resolve_quantization(None, plain_dir, "cpu") == "none"
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
         resolve_quantization("gguf", plain_dir, "cpu")
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quantization("gguf", default, "cuda")
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int3")
     # A copy of the converted directory outside folio's cache is a user's HF directory: its

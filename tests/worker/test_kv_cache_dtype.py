@@ -1,5 +1,5 @@
 """--kv-cache-dtype (CacheConfig.cache_dtype): the values and aliases the config takes (and
-vLLM's FP8 names it refuses), the flag, the worker sizing and allocating the cache in that
+vLLM's FP8 names it does not: the FP8 cache's own tests are test_fp8_kv_cache.py), the flag, the worker sizing and allocating the cache in that
 dtype, the CUDA (Triton) refusal, and greedy generation on a tiny float32 model with a
 bfloat16 / float16 cache against the model-dtype cache, on the C++ CPU backend and the torch
 reference."""
@@ -38,9 +38,10 @@ def test_config_default_is_the_model_dtype():
     assert EngineConfig().cache.cache_dtype == "auto"
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "FP8"])
-def test_config_refuses_fp8_by_name(value):
-    with pytest.raises(ValueError, match=r"cache_dtype .*FP8 KV cache is not supported yet"):
+@pytest.mark.parametrize("value", ["fp8_inc", "fp8_ds_mla", "FP8_E4M3FN"])
+def test_config_refuses_other_fp8_names_by_name(value):
+    with pytest.raises(ValueError, match=r"cache_dtype .* is not supported: the FP8 KV cache "
+                                         r"dtypes are \['fp8', 'fp8_e4m3', 'fp8_e5m2'\]"):
         CacheConfig(cache_dtype=value)
 
 
@@ -73,9 +74,9 @@ def test_flag_default_and_values_reach_llm_kwargs_and_the_server_config():
         assert _serve_config("--kv-cache-dtype", value).cache.cache_dtype == expected
 
 
-@pytest.mark.parametrize("value, message", [("fp8", "FP8 KV cache is not supported yet"),
+@pytest.mark.parametrize("value, message", [("fp8_inc", "the FP8 KV cache dtypes are"),
                                             ("int4", "cache_dtype must be one of")])
-def test_flag_refuses_fp8_and_garbage(value, message, capsys):
+def test_flag_refuses_other_fp8_names_and_garbage(value, message, capsys):
     with pytest.raises(SystemExit) as exc:
         _engine_kwargs("--kv-cache-dtype", value)
     assert exc.value.code == 2
@@ -88,7 +89,8 @@ def test_flag_is_in_every_engine_command_help(capsys):
         with pytest.raises(SystemExit):
             main([*command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "--kv-cache-dtype {auto,float32,bfloat16,float16}" in text, command
+        assert ("--kv-cache-dtype {auto,float32,bfloat16,float16,fp8,fp8_e4m3,fp8_e5m2}"
+                in text), command
 
 
 # ---------------------------------------------------------------------------------------------

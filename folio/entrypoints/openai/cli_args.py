@@ -69,6 +69,7 @@ def build_engine_config(args: argparse.Namespace):
         cache=CacheConfig(block_size=kw["block_size"], enable_prefix_caching=kw["enable_prefix_caching"],
                           kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
                           cache_dtype=kw["kv_cache_dtype"],
+                          calculate_kv_scales=kw["calculate_kv_scales"],
                           num_gpu_blocks_override=kw["num_gpu_blocks_override"]),
         scheduler=SchedulerConfig(max_num_seqs=kw["max_num_seqs"],
                                   max_num_batched_tokens=kw["max_num_batched_tokens"],

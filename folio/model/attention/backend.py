@@ -27,6 +27,10 @@ class AttentionMetadata:
     num_computed_tokens: list[int]    # [B]: context length before this step
     block_tables: torch.Tensor        # [B, max_blocks] int64, padded with 0
     block_size: int
+    # The first real step of an engine with --calculate-kv-scales (FP8 cache): each layer sets
+    # its K/V scales from this step's keys and values before writing them (Attention.forward).
+    # Always an eager step: the captured CUDA graphs only read the scales.
+    calculate_kv_scales: bool = False
     # Backend-specific precomputed tensors (masks, gather indices), filled lazily and reused
     # by all layers of the step.
     cache: dict[str, Any] = field(default_factory=dict)
@@ -44,7 +48,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D].
-        Returns [T, H, D]."""
+        Returns [T, H, D]. An FP8 cache (fp8.py) holds key / k_scale and value / v_scale,
+        the scales float32 [KVH] (or one element; None = 1.0); other caches ignore them."""
 

@@ -4,13 +4,17 @@ whole flat batch (decodes and prefill chunks alike) over the blocks in place, wh
 reference (torch_paged.py) gathers every request's blocks into new tensors first.
 
 Queries, keys and values go in as float32 (a bfloat16 model's are converted, and the output
-converted back), strided views as they are; the cache may be float32, bfloat16 or float16.
+converted back), strided views as they are; the cache may be float32, bfloat16, float16 or
+FP8 (e4m3fn / e5m2, fp8.py): the kernel converts float8 to float32 itself (e5m2 is float16's
+top byte, e4m3fn float16's bits shifted, sixteen elements at a time) and scales it, so an FP8
+cache is read in place like the others, at half a 2-byte cache's memory traffic.
 """
 from __future__ import annotations
 
 import torch
 
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
+from folio.model.attention.fp8 import per_head_scales
 
 _LAYOUT_KEY = "cpu_layout"
 
@@ -34,14 +38,18 @@ class CpuPagedAttention(AttentionBackend):
             meta.cache[_LAYOUT_KEY] = layout
         return layout
 
-    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
+    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
+                k_scale=None, v_scale=None):
         slots, tables, qsl, lens = self._layout(metadata)
         dtype = query.dtype
         q, k, v = (_rows(x) for x in (query, key, value))
         out = torch.empty(q.shape, dtype=torch.float32)
+        kv_heads = kv_cache.shape[3]
         self._kernel.paged_attention(out, q, k, v, kv_cache, slots, tables, qsl, lens,
                                      float(scale),
-                                     0 if sliding_window is None else int(sliding_window))
+                                     0 if sliding_window is None else int(sliding_window),
+                                     per_head_scales(k_scale, kv_heads, kv_cache.device),
+                                     per_head_scales(v_scale, kv_heads, kv_cache.device))
         return out if dtype == torch.float32 else out.to(dtype)
 
 

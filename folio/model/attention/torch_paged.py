@@ -10,6 +10,10 @@ write and back to the query's dtype on read. A fresh prefill, which attends over
 K/V without reading the cache, rounds them through the cache's dtype too, so every query sees
 the keys and values the cache holds (as the C++ CPU kernel, which reads them back, does) and
 the result does not depend on how a prompt was chunked.
+
+An FP8 cache (fp8.py) holds K / k_scale and V / v_scale: quantized on write, and on read
+dequantized to float32 times the scale, then cast to the query's dtype, element by element:
+exactly the arithmetic of attending over a cache that holds the dequantized values.
 """
 from __future__ import annotations
 
@@ -17,14 +21,39 @@ import torch
 import torch.nn.functional as F
 
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
+from folio.model.attention.fp8 import dequantize_kv, is_fp8, per_head_scales, quantize_kv
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., KVH, D] as the cache holds them (`scale` only for FP8)."""
+    return quantize_kv(x, scale, cache_dtype) if is_fp8(cache_dtype) else x.to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """Cache rows [..., KVH, D] back in `dtype` (`scale` only for FP8)."""
+    return dequantize_kv(x, scale, dtype) if is_fp8(x.dtype) else x.to(dtype)
+
+
+def _rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index]; for FP8 through the bytes, as the write goes (torch's float8 support
+    varies by op and device: index_copy_ has none on the CPU)."""
+    if not is_fp8(cache.dtype):
+        return cache[index]
+    return cache.view(torch.uint8)[index].view(cache.dtype)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    num_blocks, block_size, kv_heads = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    k_scale = per_head_scales(k_scale, kv_heads, kv_cache.device)
+    v_scale = per_head_scales(v_scale, kv_heads, kv_cache.device)
+    key, value = to_cache(key, kv_cache.dtype, k_scale), to_cache(value, kv_cache.dtype, v_scale)
+    if is_fp8(kv_cache.dtype):  # index_copy_ has no float8 kernels: copy the bytes
+        flat, key, value = (x.view(torch.uint8) for x in (flat, key, value))
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -75,25 +104,30 @@ class TorchPagedAttention(AttentionBackend):
         meta.cache[key] = plan
         return plan
 
-    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None):
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        plan = self._plan(metadata, sliding_window)
-        out = torch.empty_like(query)
+    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
+                k_scale=None, v_scale=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        k_scale = per_head_scales(k_scale, kv_heads, kv_cache.device)
+        v_scale = per_head_scales(v_scale, kv_heads, kv_cache.device)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        plan = self._plan(metadata, sliding_window)
+        out = torch.empty_like(query)
+        dtype = query.dtype
 
         for entry in plan["prefills"]:
             s, e = entry["start"], entry["end"]
             q = query[s:e].transpose(0, 1)                      # [H, n, D]
-            if entry["fresh"]:
-                k = key[s:e].transpose(0, 1).to(kv_cache.dtype)
-                v = value[s:e].transpose(0, 1).to(kv_cache.dtype)
+            if entry["fresh"]:  # the new K/V as the cache holds them
+                k = to_cache(key[s:e], kv_cache.dtype, k_scale)
+                v = to_cache(value[s:e], kv_cache.dtype, v_scale)
             else:
                 blocks = entry["blocks"]
                 ctx = entry["ctx"]
-                k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-                v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+                k = _rows(k_cache, blocks).reshape(-1, kv_heads, head_dim)[:ctx]
+                v = _rows(v_cache, blocks).reshape(-1, kv_heads, head_dim)[:ctx]
+            k = from_cache(k, dtype, k_scale).transpose(0, 1)  # [KVH, ctx, D]
+            v = from_cache(v, dtype, v_scale).transpose(0, 1)
             mask = entry["mask"]
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
@@ -107,9 +141,11 @@ class TorchPagedAttention(AttentionBackend):
             # Grouped layout: the G query heads sharing a KV head become G "query positions"
             # of that KV head, so K/V are never repeated across heads.
             q = query[tokens].view(batch, kv_heads, num_heads // kv_heads, head_dim)
-            k = k_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
-            v = v_cache[tables].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+            k = _rows(k_cache, tables).reshape(batch, -1, kv_heads, head_dim)
+            v = _rows(v_cache, tables).reshape(batch, -1, kv_heads, head_dim)
+            k = from_cache(k, dtype, k_scale).transpose(1, 2)
+            v = from_cache(v, dtype, v_scale).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan["decode_mask"], scale=scale)
+                q, k, v, attn_mask=plan["decode_mask"], scale=scale)
             out[tokens] = o.reshape(batch, num_heads, head_dim)
         return out

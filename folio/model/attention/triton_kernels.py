@@ -16,6 +16,14 @@ GQA: the G = H // KVH query heads sharing a KV head are folded into the rows of 
 
 Softmax runs in the log2 domain (exp2 with scale * log2(e) folded into the scores) in fp32.
 
+FP8 cache (--kv-cache-dtype fp8, folio/model/attention/fp8.py): it holds K / k_scale and
+V / v_scale, one float32 scale per KV head. The cache write divides, clamps to the format's
+largest value and casts; the attention kernels load the float8 tile, convert it to the query's
+dtype (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and keep the scales out
+of the tiles: a program serves one KV head, so k_scale folds into the score scale and v_scale
+into the output (the split-K partials), one multiply per program instead of one per element.
+The scales are read from their tensors, so a captured CUDA graph sees the values they hold.
+
 Importing this module needs no GPU: `triton.jit` only records the function; compilation happens
 at the first launch. Autotuning is cut to one config under TRITON_INTERPRET=1 (read at import)
 so the CPU interpreter runs each kernel once.
@@ -26,6 +34,7 @@ import math
 
 import torch
 
+from folio.model.attention.fp8 import fp8_max, is_fp8, per_head_scales
 from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, triton  # noqa: F401
 from folio.model.kernels._common import next_pow2 as _next_pow2
 
@@ -65,11 +74,12 @@ if HAS_TRITON:
     )
     @triton.jit
     def _reshape_and_cache_kernel(
-        K, V, KV, SLOTS,
+        K, V, KV, SLOTS, K_SCALE, V_SCALE,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_c0, stride_cblk, stride_coff, stride_ch,
         KVH: tl.constexpr, D: tl.constexpr, KVH_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         t = tl.program_id(0)
@@ -84,6 +94,14 @@ if HAS_TRITON:
         t64 = t.to(tl.int64)
         k = tl.load(K + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(V + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        if FP8:
+            # x / scale by IEEE division (the torch reference's bytes), clamped before the cast.
+            ks = tl.load(K_SCALE + h, mask=h < KVH, other=1.0)[:, None]
+            vs = tl.load(V_SCALE + h, mask=h < KVH, other=1.0)[:, None]
+            k = tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(ks, (KVH_PAD, D_PAD)))
+            v = tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(vs, (KVH_PAD, D_PAD)))
+            k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
         dst = KV + blk * stride_cblk + off * stride_coff + h[:, None] * stride_ch + d[None, :]
         tl.store(dst, k.to(KV.dtype.element_ty), mask=mask)
         tl.store(dst + stride_c0, v.to(KV.dtype.element_ty), mask=mask)
@@ -97,14 +115,16 @@ if HAS_TRITON:
         SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
-        Keys past `kv_end`, after the query (causal) or outside the window are masked."""
+        Keys past `kv_end`, after the query (causal) or outside the window are masked. K/V
+        tiles are used in the query's dtype (an FP8 cache's converted; its scales are the
+        caller's)."""
         d = tl.arange(0, D_PAD)
         in_ctx = k_pos < kv_end
         # Per-key page lookup: a tile may span several pages, or part of one.
         page = tl.load(BT_row + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
         row = page * stride_cblk + (k_pos % BLOCK_SIZE) * stride_coff + kvh * stride_ch
         kv_mask = in_ctx[:, None] & (d[None, :] < D)
-        k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0)       # [N, D]
+        k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale            # [M, N] fp32
         visible = in_ctx[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -116,7 +136,8 @@ if HAS_TRITON:
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(KV + stride_c0 + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(KV + stride_c0 + row[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return acc, m_new, l_i
 
@@ -136,13 +157,13 @@ if HAS_TRITON:
     # another compile, paid in the middle of serving.
     @triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window", "q_bucket"])
     def _varlen_kernel(
-        Q, KV, O, QSL, SEQ, BT,
+        Q, KV, O, QSL, SEQ, BT, K_SCALE, V_SCALE,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
         num_reqs, window, qk_scale, q_bucket,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
         pid = tl.program_id(0)
@@ -166,6 +187,8 @@ if HAS_TRITON:
             return
         seq_len = tl.load(SEQ + b)
         ctx_off = seq_len - q_len  # absolute position of the request's first query token
+        if FP8:  # scores of the stored K / k_scale, times k_scale
+            qk_scale = qk_scale * tl.load(K_SCALE + kvh)
 
         offs_m = tl.arange(0, BLOCK_M)
         tok = tile * BLOCK_Q + offs_m // G_PAD
@@ -197,6 +220,8 @@ if HAS_TRITON:
                 stride_c0, stride_cblk, stride_coff, stride_ch,
                 D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
 
+        if FP8:  # the weighted sum of the stored V / v_scale, times v_scale
+            acc = acc * tl.load(V_SCALE + kvh)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptr = O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_mask)
@@ -212,19 +237,22 @@ if HAS_TRITON:
     )
     @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
     def _decode_kernel(
-        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT,
+        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT, K_SCALE, V_SCALE,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
         num_splits, window, qk_scale,
         G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
-        USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP8: tl.constexpr, USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ + b)
+        if FP8:  # scores of the stored K / k_scale, times k_scale
+            qk_scale = qk_scale * tl.load(K_SCALE + kvh)
         # Rows = the G query heads of this KV head, padded to G_M >= 16 for tl.dot; the pad rows
         # are masked on load and store, so they cost registers, not memory traffic.
         hd = tl.arange(0, G_M)
@@ -256,6 +284,8 @@ if HAS_TRITON:
                 stride_c0, stride_cblk, stride_coff, stride_ch,
                 D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
 
+        if FP8:  # the weighted sum of the stored V / v_scale, times v_scale (before the merge)
+            acc = acc * tl.load(V_SCALE + kvh)
         if USE_SPLITS:
             # Partials [B, H, S] (m, l) and [B, H, S, D_PAD] (unnormalized acc); an empty split
             # writes m = -inf, l = 0, acc = 0, which the merge weighs as 0.
@@ -302,11 +332,26 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
+def _kv_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(fp8, k_scale, v_scale) as the kernels take them: for an FP8 cache the [KVH] float32
+    scales (None = 1.0); otherwise the cache stands in for the pointers, never read."""
+    if not is_fp8(kv_cache.dtype):
+        return False, kv_cache, kv_cache
+    kvh = kv_cache.shape[3]
+    return (True, per_head_scales(k_scale, kvh, kv_cache.device),
+            per_head_scales(v_scale, kvh, kv_cache.device))
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, pdl: bool = False) -> None:
+                      slot_mapping: torch.Tensor, pdl: bool = False,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Write key/value [T, KVH, D] into kv_cache at slot_mapping [T] (block * bs + offset);
-    slots < 0 are padding and skipped. Casts to the cache dtype. `pdl`: launch with
-    programmatic dependent launch where the GPU has it (kernels/_common.py)."""
+    slots < 0 are padding and skipped. Casts to the cache dtype; an FP8 cache gets
+    key / k_scale and value / v_scale ([KVH] float32 or one element; None = 1.0), clamped to
+    the format's range. `pdl`: launch with programmatic dependent launch where the GPU has it
+    (kernels/_common.py)."""
     _require_triton()
     T = key.shape[0]
     if T == 0:
@@ -315,13 +360,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
     assert kv_cache.shape[3] == kvh and kv_cache.shape[4] == d
     s0, sblk, soff, sh = _cache_strides(kv_cache)
+    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     pdl = pdl_launch(key, pdl)
     _reshape_and_cache_kernel[(T,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         s0, sblk, soff, sh,
         KVH=kvh, D=d, KVH_PAD=_next_pow2(kvh), D_PAD=_next_pow2(d),
-        BLOCK_SIZE=kv_cache.shape[2], USE_PDL=pdl, launch_pdl=pdl,
+        BLOCK_SIZE=kv_cache.shape[2], FP8=fp8,
+        FP8_MAX=fp8_max(kv_cache.dtype) if fp8 else 0.0, USE_PDL=pdl, launch_pdl=pdl,
     )
 
 
@@ -330,7 +377,8 @@ def _check_query(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int,
     num_heads, d = query.shape[1], query.shape[2]
     kvh = kv_cache.shape[3]
     assert kv_cache.shape[4] == d and num_heads % kvh == 0
-    assert kv_cache.dtype == query.dtype, "cache and query dtypes must match"
+    assert kv_cache.dtype == query.dtype or is_fp8(kv_cache.dtype), \
+        "the cache must be in the query's dtype, or FP8"
     assert _next_pow2(kv_cache.shape[2]) == kv_cache.shape[2], "block_size must be a power of 2"
     return num_heads, kvh, d
 
@@ -339,9 +387,12 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
                            scale: float, sliding_window: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a mixed batch in one launch. query [T, H, D]; query i of
-    request b sits at absolute position seq_lens[b] - q_len_b + i. Returns out [T, H, D]."""
+    request b sits at absolute position seq_lens[b] - q_len_b + i. An FP8 cache is read with
+    its scales (reshape_and_cache). Returns out [T, H, D]."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     T = query.shape[0]
@@ -355,6 +406,7 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     g_pad = _next_pow2(g)
     assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
     s0, sblk, soff, sh = _cache_strides(kv_cache)
+    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     sliding = sliding_window is not None and sliding_window > 0
     # Autotune per coarse bucket of the longest query (decode-heavy / short chunks / long
     # prefills): a few buckets, so a server autotunes a few times, not at every new length.
@@ -365,12 +417,13 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
         return (T // block_q + num_reqs, kvh)
 
     _varlen_kernel[grid](
-        query, kv_cache, out, query_start_loc, seq_lens, block_tables,
+        query, kv_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_reqs, sliding_window if sliding else 0, scale * _LOG2E, q_bucket,
         G=g, G_PAD=g_pad, D=d, D_PAD=max(16, _next_pow2(d)),
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
+        FP8=fp8,
     )
     return out
 
@@ -389,10 +442,13 @@ def choose_num_splits(num_reqs: int, kv_heads: int, max_seq_len: int, num_sms: i
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float,
                            sliding_window: int | None = None, num_splits: int = 1,
-                           out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                           out: torch.Tensor | None = None, pdl: bool = False,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
     With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel.
-    `pdl`: launch both with programmatic dependent launch where the GPU has it."""
+    An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch both with
+    programmatic dependent launch where the GPU has it."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     B = query.shape[0]
@@ -405,6 +461,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     g = num_heads // kvh
     d_pad = max(16, _next_pow2(d))
     s0, sblk, soff, sh = _cache_strides(kv_cache)
+    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     sliding = sliding_window is not None and sliding_window > 0
     num_splits = max(1, int(num_splits))
     use_splits = num_splits > 1
@@ -417,13 +474,13 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         m_part = l_part = acc_part = out
     pdl = pdl_launch(query, pdl)
     _decode_kernel[(B, kvh, num_splits)](
-        query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables,
+        query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_splits, sliding_window if sliding else 0, scale * _LOG2E,
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        USE_SPLITS=use_splits, USE_PDL=pdl, launch_pdl=pdl,
+        FP8=fp8, USE_SPLITS=use_splits, USE_PDL=pdl, launch_pdl=pdl,
     )
     if use_splits:
         _decode_merge_kernel[(B, num_heads)](

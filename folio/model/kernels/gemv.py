@@ -131,7 +131,8 @@ if HAS_TRITON:
     def _mac(acc, x, w, M_PAD: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
         """acc += x [rows, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T, in the shape _acc_init gave."""
         if DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            # 8-bit weights (fp8 e4m3, int8) widen exactly to the activations' 16-bit dtype.
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         elif M_PAD == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -188,7 +189,7 @@ if HAS_TRITON:
         return offs_m
 
     @triton.jit
-    def _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N_P: tl.constexpr,
+    def _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N_P,
                       SPLIT_K: tl.constexpr):
         """Store this program's partial; the last of the SPLIT_K programs of this column
         block gets the sum over splits in split order. Returns (is_last, total)."""
@@ -211,9 +212,10 @@ if HAS_TRITON:
     @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_kernel(X, W, B, OUT, P, C, M, stride_xm, stride_om,
+    def _skinny_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,
                        N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
                        USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -242,6 +244,8 @@ if HAS_TRITON:
         if SPLIT_K > 1:
             is_last, acc = _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N, SPLIT_K)
         if is_last:
+            if HAS_SCALE:  # 8-bit weights: one scale per output row, applied once
+                acc *= tl.load(S + cols, mask=cols < N, other=0.0)[None, :]
             if HAS_BIAS:
                 acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             o_mask = (offs_m[:, None] < M) & (cols[None, :] < N)
@@ -251,9 +255,10 @@ if HAS_TRITON:
     @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_gate_up_kernel(X, W, B, OUT, P, C, M, stride_xm, stride_om,
+    def _skinny_gate_up_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,
                                N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               PRECISION: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr):
         # N is the intermediate size I: gate rows [0, I) of W, up rows [I, 2I).
@@ -297,6 +302,9 @@ if HAS_TRITON:
                     acc_u += tl.load(P + s * (M * 2 * N) + p_off, mask=p_mask, other=0.0,
                                      cache_modifier=".cg")
         if is_last:
+            if HAS_SCALE:
+                acc_g *= tl.load(S + cols, mask=cols < N, other=0.0)[None, :]
+                acc_u *= tl.load(S + N + cols, mask=cols < N, other=0.0)[None, :]
             if HAS_BIAS:
                 c_mask = cols < N
                 acc_g += tl.load(B + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
@@ -330,14 +338,20 @@ def skinny_preferred(m: int, n: int, k: int, fused: bool = False,
     return mode == "narrow" and (fused or n <= 2048)
 
 
+# Weights stored in 8 bits with one float32 scale per output row (folio.model.quant): the
+# kernel widens them to the activations' dtype, exactly (W8A16 arithmetic).
+EIGHT_BIT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_matmul(x.reshape(-1, K), weight)` should serve this call: CUDA, triton,
-    fp16/bf16 of one dtype, 1..MAX_M rows, a contiguous 2-D weight, no autograd. Capability
-    only: whether it is wanted at all (FOLIO_GEMV=0, FOLIO_KERNELS=torch) is the layers'
-    KernelConfig's to say."""
+    fp16/bf16 activations and a weight of their dtype (or 8-bit, with scales), 1..MAX_M rows,
+    a contiguous 2-D weight, no autograd. Capability only: whether it is wanted at all
+    (FOLIO_GEMV=0, FOLIO_KERNELS=torch) is the layers' KernelConfig's to say."""
     if not (HAS_TRITON and x.is_cuda) or x.dtype not in _DTYPES:
         return False
-    if weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous() \
+    if weight.dim() != 2 or weight.dtype not in (x.dtype, *EIGHT_BIT_DTYPES) \
+            or not weight.is_contiguous() \
             or weight.device != x.device or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -345,8 +359,16 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_M
 
 
-def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             scale: torch.Tensor | None = None):
     require_triton()
+    if (weight.dtype in EIGHT_BIT_DTYPES) != (scale is not None):
+        raise ValueError("an 8-bit weight needs its per-row float32 scale, and only an 8-bit "
+                         "weight takes one")
+    if scale is not None and (scale.shape != (weight.shape[0],) or scale.dtype != torch.float32
+                              or not scale.is_contiguous()):
+        raise ValueError(f"scale must be contiguous float32 [{weight.shape[0]}], got "
+                         f"{tuple(scale.shape)} {scale.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny matmul needs x [M, K] and weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -362,13 +384,15 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return x, M, next_pow2(M)
 
 
-def _launch(kernel, x, weight, bias, out, N: int, M: int, m_pad: int, config: dict | None,
-            pdl: bool):
+def _launch(kernel, x, weight, scale, bias, out, N: int, M: int, m_pad: int,
+            config: dict | None, pdl: bool):
     partials, counters = _workspace(x.device)
     pdl = pdl_launch(x, pdl)
-    args = (x, weight, bias if bias is not None else weight, out, partials, counters, M,
+    args = (x, weight, scale if scale is not None else weight,
+            bias if bias is not None else weight, out, partials, counters, M,
             x.stride(0), out.stride(0))
-    meta = dict(N=N, K=x.shape[1], M_PAD=m_pad, HAS_BIAS=bias is not None,
+    meta = dict(N=N, K=x.shape[1], M_PAD=m_pad, HAS_SCALE=scale is not None,
+                HAS_BIAS=bias is not None,
                 # fp32 stays exact in tl.dot (its default there is tf32)
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 USE_PDL=pdl, launch_pdl=pdl)
@@ -392,33 +416,37 @@ def _check_split(n: int, partial_cols: int, config: dict | None) -> None:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, *, pdl: bool = False,
-                  _config: dict | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None,
+                  pdl: bool = False, _config: dict | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_M, rows may be strided) @ weight [N, K]^T (+ bias [N]) ->
-    [M, N] in x.dtype, accumulated in fp32. `out`, if given, is an [M, N] tensor whose rows
-    are contiguous. `pdl`: launch with programmatic dependent launch where the GPU has it."""
-    x, M, m_pad = _prepare(x, weight, bias)
+    [M, N] in x.dtype, accumulated in fp32. An 8-bit weight (EIGHT_BIT_DTYPES) comes with
+    `scale`, float32 [N]: the product is then x @ (weight * scale[:, None])^T. `out`, if
+    given, is an [M, N] tensor whose rows are contiguous. `pdl`: launch with programmatic
+    dependent launch where the GPU has it."""
+    x, M, m_pad = _prepare(x, weight, bias, scale)
     N = weight.shape[0]
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"out must be [{M}, {N}] with contiguous rows, got {tuple(out.shape)}")
     _check_split(N, N, _config)
-    _launch(_skinny_kernel, x, weight, bias, out, N, M, m_pad, _config, pdl)
+    _launch(_skinny_kernel, x, weight, scale, bias, out, N, M, m_pad, _config, pdl)
     return out
 
 
 def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        *, pdl: bool = False, _config: dict | None = None) -> torch.Tensor:
+                        *, scale: torch.Tensor | None = None, pdl: bool = False,
+                        _config: dict | None = None) -> torch.Tensor:
     """x [M, K] with a merged gate|up weight [2I, K] (gate rows first) -> silu(gate) * up,
     [M, I] in x.dtype; gate and up are rounded to x.dtype first, as the unfused
-    F.linear + silu_and_mul path rounds them."""
-    x, M, m_pad = _prepare(x, weight, bias)
+    F.linear + silu_and_mul path rounds them. `scale` as in skinny_matmul."""
+    x, M, m_pad = _prepare(x, weight, bias, scale)
     two_i = weight.shape[0]
     if two_i % 2:
         raise ValueError(f"a merged gate|up weight needs an even row count, got {two_i}")
     inner = two_i // 2
     out = torch.empty((M, inner), dtype=x.dtype, device=x.device)
     _check_split(inner, two_i, _config)
-    _launch(_skinny_gate_up_kernel, x, weight, bias, out, inner, M, m_pad, _config, pdl)
+    _launch(_skinny_gate_up_kernel, x, weight, scale, bias, out, inner, M, m_pad, _config,
+            pdl)
     return out

@@ -96,11 +96,12 @@ def _packable(shards: list[Quantized]) -> bool:
     return all(s.shape[1] % (GROUP if isinstance(s, PlaneSum) else 16) == 0 for s in shards)
 
 
-def plan_packed(model: DecoderLM, quantized: dict[str, Quantized]
+def plan_packed(model: DecoderLM, quantized: dict[str, Quantized], gpu: bool = False
                 ) -> tuple[dict[str, list[Quantized]], set[str]]:
     """(module path -> its shards in the module's order, the checkpoint names they consume).
     Module path `embed_tokens` is the embedding; a tied model's lm_head is packed from the
-    same weight."""
+    same weight. `gpu`: only what the GPU kernels take (gguf_gpu.py): the decoder layers'
+    projections, as int8 codes or single 4-bit planes (not Q5's two)."""
     by_module: dict[str, dict[str | None, Quantized]] = {}
     names: dict[str, list[str]] = {}
     for name, matrix in quantized.items():
@@ -113,6 +114,9 @@ def plan_packed(model: DecoderLM, quantized: dict[str, Quantized]
     plan: dict[str, list[Quantized]] = {}
     consumed: set[str] = set()
     for path, shards in by_module.items():
+        if gpu and (path in (_EMBED, "lm_head") or any(
+                isinstance(q, PlaneSum) and len(q.planes) != 1 for q in shards.values())):
+            continue
         if path in (_EMBED, "lm_head"):
             ordered = [shards[None]]
         else:

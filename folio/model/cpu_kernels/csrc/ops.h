@@ -14,11 +14,12 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale);
 
 // Writes this step's K/V into the paged cache, then attends every query token over its
-// request's visible context (paged_attention.cpp).
+// request's visible context; an FP8 cache scaled by k_scale / v_scale (paged_attention.cpp).
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
-                     torch::Tensor seq_lens, double scale, int64_t sliding_window);
+                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                     torch::Tensor k_scale, torch::Tensor v_scale);
 
 // RMSNorm of each row of x (after adding residual when given: returns {out, x + residual}),
 // float32 (elementwise.cpp).

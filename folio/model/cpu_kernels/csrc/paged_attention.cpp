@@ -6,13 +6,20 @@
 //      or p - sliding_window + 1 with a window.
 // One task per (query token, KV head), shared out dynamically (parallel.h): the query heads
 // sharing a KV head read each key and value row once. Scores for the task's keys go to a scratch row, then one softmax, then the
-// weighted sum of value rows; everything in float32, the cache in float32, bfloat16 or
-// float16. The kernel reads only visible slots, so the cache need not be zeroed.
+// weighted sum of value rows; everything in float32, the cache in float32, bfloat16, float16
+// or FP8 (e4m3fn / e5m2: folio/model/attention/fp8.py). An FP8 cache holds K / k_scale and
+// V / v_scale (one scale per KV head): written as the float32 quotient clamped to the format's
+// largest value and rounded by c10's conversion, read as the exact float8 value times the
+// scale, element by element: the arithmetic of a float32 cache holding the dequantized values,
+// and the torch reference's. The kernel reads only visible slots, so the cache need not be
+// zeroed.
 #include "ops.h"
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -32,14 +39,43 @@ constexpr int64_t kLanes = 16;
 #endif
 
 template <typename T>
+constexpr bool kIsFp8 =
+    std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
-// A row of D cache elements as float32 (a copy unless the cache is float32).
+#if defined(__AVX512F__)
+// Sixteen float8 elements as float32, exactly, through float16's bits. e5m2 is float16's top
+// byte. e4m3fn's exponent (bias 7) and mantissa shifted into float16's places (bias 15) make
+// the value / 2^8, subnormals included, which times 256 restores exactly. (e4m3fn's NaN, never
+// written, would read as 480.)
 template <typename T>
-inline const float* row_as_float(const T* src, int64_t D, float* scratch) {
+inline __m512 fp8x16_to_float(const T* src) {
+  const __m256i w =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  } else {
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
+  }
+}
+#endif
+
+// A row of D cache elements as float32 (a copy unless the cache is float32); an FP8 row times
+// `scale` (dequantized), which the other dtypes ignore.
+template <typename T>
+inline const float* row_as_float(const T* src, int64_t D, float* scratch, float scale) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kIsFp8<T>) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (; d + kLanes <= D; d += kLanes) {
+      _mm512_storeu_ps(scratch + d, _mm512_mul_ps(fp8x16_to_float(src + d), vs));
+    }
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // bfloat16 is float32's top half: widen and shift.
     for (; d + kLanes <= D; d += kLanes) {
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
@@ -53,11 +89,17 @@ inline const float* row_as_float(const T* src, int64_t D, float* scratch) {
     }
   }
 #endif
-  for (; d < D; ++d) scratch[d] = to_float(src[d]);
+  if constexpr (kIsFp8<T>) {
+    for (; d < D; ++d) scratch[d] = to_float(src[d]) * scale;
+  } else {
+    for (; d < D; ++d) scratch[d] = to_float(src[d]);
+  }
   return scratch;
 }
 template <>
-inline const float* row_as_float<float>(const float* src, int64_t, float*) { return src; }
+inline const float* row_as_float<float>(const float* src, int64_t, float*, float) {
+  return src;
+}
 
 inline float dot(const float* a, const float* b, int64_t D) {
   int64_t d = 0;
@@ -145,9 +187,22 @@ struct Heads {
   const float* at(int64_t t, int64_t h) const { return data + t * s0 + h * s1; }
 };
 
+// An FP8 cache element: x / scale, clamped to the format's largest finite value (a cast of a
+// larger one may give NaN or infinity), rounded to nearest even.
+template <typename T>
+inline T to_cache(float x, float scale) {
+  if constexpr (kIsFp8<T>) {
+    const float limit = static_cast<float>(std::numeric_limits<T>::max());
+    return static_cast<T>(std::clamp(x / scale, -limit, limit));
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
 template <typename T>
 void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* slots,
-                 int64_t T_tokens, int64_t slots_total, int64_t KVH, int64_t D) {
+                 int64_t T_tokens, int64_t slots_total, int64_t KVH, int64_t D,
+                 const float* k_scale, const float* v_scale) {
   const int64_t row = KVH * D;
   T* k_cache = cache;
   T* v_cache = cache + slots_total * row;
@@ -159,9 +214,10 @@ void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* 
         const float* v = value.at(t, h);
         T* kc = k_cache + slot * row + h * D;
         T* vc = v_cache + slot * row + h * D;
+        const float ks = k_scale[h], vs = v_scale[h];
         for (int64_t d = 0; d < D; ++d) {
-          kc[d] = static_cast<T>(k[d]);
-          vc[d] = static_cast<T>(v[d]);
+          kc[d] = to_cache<T>(k[d], ks);
+          vc[d] = to_cache<T>(v[d], vs);
         }
       }
     }
@@ -169,10 +225,13 @@ void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* 
 }
 
 #if defined(__AVX512F__)
-// Sixteen cache elements from `src` as float32.
+// Sixteen cache elements from `src` as float32; FP8 ones dequantized (times `scale`, which the
+// other dtypes ignore).
 template <typename T>
-inline __m512 load16(const T* src) {
-  if constexpr (std::is_same_v<T, float>) {
+inline __m512 load16(const T* src, __m512 scale) {
+  if constexpr (kIsFp8<T>) {
+    return _mm512_mul_ps(fp8x16_to_float(src), scale);
+  } else if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(src);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -221,8 +280,10 @@ constexpr int64_t kValueAhead = 8;  // value rows prefetched this many keys ahea
 // registers, each value row read once for them.
 template <typename T, int NV>
 void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
-                 const int64_t* offs, int64_t n, int64_t G, float scale, float* scores) {
+                 const int64_t* offs, int64_t n, int64_t G, float scale, float k_scale,
+                 float v_scale, float* scores) {
   const auto prefetch_rows = prefetch_rows_n<T, NV>;
+  const __m512 ks = _mm512_set1_ps(k_scale), vs = _mm512_set1_ps(v_scale);
   for (int64_t g = 0; g < G; ++g) {
     __m512 q[NV];
     for (int v = 0; v < NV; ++v)
@@ -241,7 +302,9 @@ void attend_task(float* out, const float* const* q_heads, const T* k_base, const
         acc[i] = _mm512_setzero_ps();
         if (i < count) {
           const T* k = k_base + offs[j0 + i];
-          for (int v = 0; v < NV; ++v) acc[i] = _mm512_fmadd_ps(q[v], load16(k + 16 * v), acc[i]);
+          for (int v = 0; v < NV; ++v) {
+            acc[i] = _mm512_fmadd_ps(q[v], load16(k + 16 * v, ks), acc[i]);
+          }
         }
       }
       _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << count) - 1), reduce16(acc));
@@ -259,7 +322,7 @@ void attend_task(float* out, const float* const* q_heads, const T* k_base, const
       if (g0 == 0 && j + kValueAhead < n) prefetch_rows(v_base, offs + j + kValueAhead, 1);
       const T* vr = v_base + offs[j];
       __m512 row[NV];
-      for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v);
+      for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v, vs);
       for (int h = 0; h < kHeadsPerPass; ++h) {
         if (h >= heads) break;
         const __m512 w = _mm512_set1_ps(scores[(g0 + h) * n + j]);
@@ -276,7 +339,8 @@ template <typename T>
 void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
             int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
             int64_t T_tokens, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
-            int64_t block_size, float scale, int64_t window) {
+            int64_t block_size, float scale, int64_t window, const float* k_scale,
+            const float* v_scale) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;              // elements of one cache slot
   const int64_t plane = num_blocks * block_size * row;  // K plane, then V plane
@@ -290,6 +354,7 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t n = pos - lo + 1;
       const int64_t* table = tables + b * max_blocks;
+      const float ks = k_scale[kvh], vs = v_scale[kvh];
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
         // Each visible key's element offset in the cache plane, once for the K and V passes.
@@ -305,10 +370,10 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         float* o = out + (t * H + kvh * G) * D;
         if (D == 64)
           attend_task<T, 4>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            scores.data());
+                            ks, vs, scores.data());
         else
           attend_task<T, 8>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            scores.data());
+                            ks, vs, scores.data());
         continue;
       }
 #endif
@@ -324,7 +389,7 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
         for (; j < end; ++j) {
           const T* k = cache + (block * block_size + j % block_size) * row + kvh * D;
-          const float* kf = row_as_float(k, D, kv_row.data());
+          const float* kf = row_as_float(k, D, kv_row.data(), ks);
           for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
         }
       }
@@ -335,7 +400,7 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
         for (; j < end; ++j) {
           const T* v = cache + plane + (block * block_size + j % block_size) * row + kvh * D;
-          const float* vf = row_as_float(v, D, kv_row.data());
+          const float* vf = row_as_float(v, D, kv_row.data(), vs);
           for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (j - lo)], vf, acc.data() + g * D, D);
         }
       }
@@ -351,32 +416,37 @@ template <typename T>
 void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key,
          const torch::Tensor& value, torch::Tensor& kv_cache, const torch::Tensor& slots,
          const torch::Tensor& tables, const std::vector<int64_t>& token_req,
-         const std::vector<int64_t>& token_pos, double scale, int64_t window) {
+         const std::vector<int64_t>& token_pos, double scale, int64_t window,
+         const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
   const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t KVH = kv_cache.size(3);
-  T* cache = kv_cache.data_ptr<T>();
+  T* cache = static_cast<T*>(kv_cache.data_ptr());
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
   auto heads = [](const torch::Tensor& x) {
     return Heads{x.data_ptr<float>(), x.stride(0), x.stride(1)};
   };
   write_cache<T>(heads(key), heads(value), cache, slots.data_ptr<int64_t>(), T_tokens,
-                 num_blocks * block_size, KVH, D);
+                 num_blocks * block_size, KVH, D, ks, vs);
   attend<T>(out.data_ptr<float>(), heads(query), cache, tables.data_ptr<int64_t>(),
             tables.size(1), token_req.data(), token_pos.data(), T_tokens, H, KVH, D,
-            num_blocks, block_size, static_cast<float>(scale), window);
+            num_blocks, block_size, static_cast<float>(scale), window, ks, vs);
 }
 
 }  // namespace
 
 // out [T, H, D] float32 contiguous; query [T, H, D] and key/value [T, KVH, D] float32 with
 // a contiguous last dimension (rows may be strided); kv_cache [2, num_blocks,
-// block_size, KVH, D] float32/bfloat16/float16; slot_mapping [T] int64; block_tables [B,
-// max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B] int64 (CPU tensors, all
-// contiguous); sliding_window <= 0 for none.
+// block_size, KVH, D] float32/bfloat16/float16/float8_e4m3fn/float8_e5m2; slot_mapping [T]
+// int64; block_tables [B, max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B]
+// int64 (CPU tensors, all contiguous); sliding_window <= 0 for none; k_scale / v_scale [KVH]
+// float32, read for an FP8 cache only.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
-                     torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                     torch::Tensor k_scale, torch::Tensor v_scale) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 3,
               "out must be contiguous float32 [T, heads, head_dim]");
   for (const torch::Tensor* t : {&query, &key, &value}) {
@@ -396,6 +466,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                   value.sizes() == key.sizes() && key.size(0) == T_tokens &&
                   out.sizes() == query.sizes() && H % KVH == 0,
               "head counts or head_dim disagree between query, key/value and the cache");
+  for (const torch::Tensor* t : {&k_scale, &v_scale}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == KVH,
+                "k_scale and v_scale must be contiguous float32 [kv_heads]");
+  }
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.dim() == 2 &&
                   block_tables.size(0) >= B && slot_mapping.size(0) == T_tokens,
@@ -423,17 +497,26 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
   switch (kv_cache.scalar_type()) {
     case torch::kFloat32:
       run<float>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
-                 token_pos, scale, sliding_window);
+                 token_pos, scale, sliding_window, k_scale, v_scale);
       break;
     case torch::kBFloat16:
       run<c10::BFloat16>(out, query, key, value, kv_cache, slot_mapping, block_tables,
-                         token_req, token_pos, scale, sliding_window);
+                         token_req, token_pos, scale, sliding_window, k_scale, v_scale);
       break;
     case torch::kFloat16:
       run<c10::Half>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
-                     token_pos, scale, sliding_window);
+                     token_pos, scale, sliding_window, k_scale, v_scale);
+      break;
+    case torch::kFloat8_e4m3fn:
+      run<c10::Float8_e4m3fn>(out, query, key, value, kv_cache, slot_mapping, block_tables,
+                              token_req, token_pos, scale, sliding_window, k_scale, v_scale);
+      break;
+    case torch::kFloat8_e5m2:
+      run<c10::Float8_e5m2>(out, query, key, value, kv_cache, slot_mapping, block_tables,
+                            token_req, token_pos, scale, sliding_window, k_scale, v_scale);
       break;
     default:
-      TORCH_CHECK(false, "the KV cache must be float32, bfloat16 or float16");
+      TORCH_CHECK(false, "the KV cache must be float32, bfloat16, float16, float8_e4m3fn or "
+                         "float8_e5m2");
   }
 }

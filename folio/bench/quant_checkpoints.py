@@ -1,0 +1,887 @@
+"""Quantized checkpoints in the formats users download, made from a float one, without a download.
+
+Each writer reads a Llama-family Hugging Face directory of float safetensors, quantizes the seven
+projections of every layer (`model.layers.N.self_attn.{q,k,v,o}_proj.weight`,
+`model.layers.N.mlp.{gate,up,down}_proj.weight`, nn.Linear layout [out_features, in_features])
+and writes a directory in one published checkpoint format:
+
+* `write_compressed_tensors`: what llm-compressor writes (FP8, W8A8-INT8, W4A16), packed and
+  described by the compressed-tensors library itself;
+* `write_fp8`: vLLM's "fp8" format as AutoFP8 writes it (per-tensor FP8 weights);
+* `write_awq`: AutoAWQ's GEMM format (int4, packed along the output dim, interleaved);
+* `write_gptq`: the AutoGPTQ / GPTQModel format (int4, packed along the input dim, g_idx).
+
+Everything else (embeddings, norms, lm_head, biases) is copied unchanged in its own dtype, with
+config.json (plus the format's `quantization_config`), generation_config.json and the tokenizer
+files.
+
+How the values are chosen (`calibration`):
+* "rtn" (every writer; the default): round-to-nearest with min-max scales, no data. Fast, and
+  all a loader or kernel test needs, but far from what users run at 4 bits.
+* "gptq" (`write_gptq`; `write_compressed_tensors` for w4a16 and w8a8-int8): GPTQ (Frantar et
+  al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+  Transformers"), as GPTQ checkpoints and llm-compressor's GPTQModifier are made. The float
+  model runs (transformers, CPU) over calibration text, English that ships with Python and is
+  not CPython's LICENSE.txt (the perplexity tests' text): the pydoc topic texts
+  (`pydoc_data.topics`), `calibration_tokens` windows of it. The projections are quantized in
+  the order the forward pass reaches them, each from the inputs it receives with everything
+  before it already quantized (layer by layer, and q/k/v -> o -> gate/up -> down within a
+  layer: "true sequential"); each one's columns are quantized in blocks with the error fed back
+  into the columns not yet quantized through the inverse Hessian of the layer-wise squared error
+  (H = 2 X^T X / n, dampened), group scales taken from the columns as the quantization reaches
+  each group (static_groups false), and optionally in act-order (desc_act: columns by decreasing
+  diag(H), g_idx recording each column's group). The code is written here from the paper.
+
+Every writer can also write `dequantized_dir`: the same model as a plain float checkpoint whose
+projections are exactly the dequantized values of what was written (float32, computed from the
+stored integers/FP8 values and scales), so tests can run transformers on "the same model
+dequantized" as the reference for a quantized loader.
+
+The whole model is held in memory (it is written as one `model.safetensors`; GPTQ's calibration
+runs all its samples as one batch): fine for the tiny and benchmark-sized models this is for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CALIBRATIONS",
+    "CT_SCHEMES",
+    "calibration_tokens",
+    "write_awq",
+    "write_compressed_tensors",
+    "write_fp8",
+    "write_gptq",
+]
+
+# The tensors every writer quantizes: the attention and MLP projections of each layer.
+PROJECTION_RE = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Copied as they are: what a loader or a chat front end reads besides config.json and weights.
+_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+               "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json")
+_FP8_MAX = 448.0   # largest finite float8_e4m3fn
+CT_SCHEMES = ("fp8", "fp8-tensor", "w8a8-int8", "w4a16")
+CALIBRATIONS = ("rtn", "gptq")
+# The compressed-tensors schemes GPTQ can calibrate (integer weights).
+_CT_GPTQ_SCHEMES = ("w8a8-int8", "w4a16")
+# GPTQ's calibration set by default: windows of the pydoc topic texts (a few hundred KB of
+# English that ships with CPython), this many of this many tokens.
+CALIBRATION_SAMPLES = 64
+CALIBRATION_LEN = 256
+_SKIP = int(os.environ.get("GQ_SKIP", "0"))
+_MSE = bool(int(os.environ.get("GQ_MSE", "0")))
+# AutoAWQ's GEMM packing: nibble slot i (bits 4i..4i+3) of each int32 holds output column
+# _AWQ_ORDER[i] of its 8-column block (AutoAWQ's `order_map` in WQLinear_GEMM.from_linear; its
+# unpacker undoes it with the inverse order (0, 4, 1, 5, 2, 6, 3, 7)).
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the source and writing directories
+# ----------------------------------------------------------------------------------------------
+
+def _read_source(src: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and every tensor of `src` (one file or an indexed set of shards)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if "quantization_config" in config:
+        raise ValueError(f"{src} is already quantized (its config.json has a "
+                         "quantization_config); the source must be a float checkpoint")
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights in {src}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(src, name)))
+    if not any(PROJECTION_RE.match(n) for n in tensors):
+        raise ValueError(f"{src} has no Llama-style projection weights "
+                         "(model.layers.N.self_attn.q_proj.weight, ...)")
+    return config, tensors
+
+
+def _projections(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in tensors if PROJECTION_RE.match(n)]
+
+
+def _check_shape(name: str, weight: torch.Tensor, *, group_size: int | None = None,
+                 in_multiple: int = 1, out_multiple: int = 1) -> None:
+    """Refuse (ValueError naming the field) a projection the format cannot hold."""
+    if weight.ndim != 2 or not weight.is_floating_point():
+        raise ValueError(f"{name}: expected a 2-D float weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    out_features, in_features = weight.shape
+    if group_size is not None and in_features % group_size:
+        raise ValueError(f"{name}: in_features {in_features} is not divisible by "
+                         f"group_size {group_size}")
+    if in_features % in_multiple:
+        raise ValueError(f"{name}: in_features {in_features} is not divisible by {in_multiple} "
+                         "(the format packs the input dim)")
+    if out_features % out_multiple:
+        raise ValueError(f"{name}: out_features {out_features} is not divisible by "
+                         f"{out_multiple} (the format packs the output dim)")
+
+
+def _check_group_size(group_size: int) -> None:
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+
+
+def _write_dir(src: str, dst: str, config: dict[str, Any],
+               tensors: dict[str, torch.Tensor]) -> None:
+    """dst/: `config` as config.json, the side files of `src`, `tensors` as model.safetensors."""
+    from safetensors.torch import save_file
+
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError("the destination must differ from the source directory")
+    os.makedirs(dst, exist_ok=True)
+    for name in _SIDE_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    # transformers writes config.json this way (sorted keys, indent 2).
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_dequantized(src: str, dst: str | None, config: dict[str, Any],
+                       tensors: dict[str, torch.Tensor],
+                       dequantized: dict[str, torch.Tensor]) -> None:
+    """The float reference: the source with each projection replaced by its float32 dequantized
+    value; `config` is the source's (no quantization_config)."""
+    if dst is None:
+        return
+    import torch
+
+    for name, w in dequantized.items():
+        assert w.dtype == torch.float32 and w.shape == tensors[name].shape, name
+    _write_dir(src, dst, config, {**tensors, **dequantized})
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words holding 32-bit patterns -> int32 with the same bits (two's complement)."""
+    import torch
+
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Integer grids, round-to-nearest and GPTQ
+# ----------------------------------------------------------------------------------------------
+
+class _GptqGrid:
+    """AutoGPTQ's quantizer conventions, codes 0..15 (the range always includes 0): sym: s =
+    2 * absmax / 15 and zero 8; asym: s = (max - min) / 15 and zero = round(-min / s); s rounded
+    to float16 (the packers quantize with the stored float16 scales); q = clamp(round(w / s) +
+    zero, 0, 15). v1 ("gptq") cannot store a zero of 0 (zero - 1 = -1 does not fit a nibble;
+    readers would get 16), so such a group and column gets zero 1 and s = max / 14 instead,
+    which still covers its range."""
+
+    def __init__(self, sym: bool, checkpoint_format: str) -> None:
+        self.sym, self.v1 = sym, checkpoint_format == "gptq"
+
+    def params(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        if self.sym:
+            hi = torch.maximum(hi, -lo)
+            lo = -hi
+        span = torch.where(hi - lo > 0, hi - lo, torch.full_like(hi, 2.0))  # all-zero: [-1, 1]
+        scales = (span / 15).to(torch.float16).float()
+        if self.sym:
+            return scales, torch.full_like(scales, 8.0)
+        zeros = torch.round(-lo / scales).clamp(0, 15)
+        if self.v1:
+            unstorable = zeros == 0
+            stretched = (hi.clamp(min=1e-5) / 14).to(torch.float16).float()
+            scales = torch.where(unstorable, stretched, scales)
+            zeros = torch.where(unstorable, torch.ones_like(zeros), zeros)
+        return scales, zeros
+
+    def codes(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return (torch.round(w / scale) + zero).clamp(0, 15)
+
+
+class _CtGrid:
+    """compressed-tensors' conventions for integer weights (`args`: the scheme's weight
+    QuantizationArgs): scale and zero point from the library's `calculate_qparams` (see
+    `_minmax_qparams`), codes as its quantizer makes them: round(clamp(w / s + zero, qmin,
+    qmax)), qmin..qmax = -2^(bits-1)..2^(bits-1) - 1. So the library's compressor, handed the
+    dequantized weight and these qparams, reproduces the codes exactly. The scale is rounded
+    to `dtype`, the weight's (the dtype llm-compressor stores it in)."""
+
+    def __init__(self, args: Any, dtype: torch.dtype) -> None:
+        from compressed_tensors.quantization.utils import calculate_range
+
+        self.args, self.dtype = args, dtype
+        qmin, qmax = calculate_range(args, "cpu")
+        self.qmin, self.qmax = float(qmin), float(qmax)
+
+    def params(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        scale, zero = calculate_qparams(lo.to(self.dtype), hi.to(self.dtype), self.args)
+        return scale.float(), zero.float()
+
+    def codes(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return torch.round((w / scale + zero).clamp(self.qmin, self.qmax))
+
+
+_Grid = _GptqGrid | _CtGrid
+
+
+@dataclass
+class _Solved:
+    """One quantized weight [N, K]: integer `codes` (float tensor), `scale` and `zero`
+    [N, n_groups], `g_idx` [K] (int64) the group of each input channel;
+    w[n, k] = (codes[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.codes - self.zero[:, self.g_idx]) * self.scale[:, self.g_idx]
+
+    def rows(self, start: int, stop: int) -> _Solved:
+        return _Solved(self.codes[start:stop], self.scale[start:stop], self.zero[start:stop],
+                       self.g_idx)
+
+
+# The range search of `_range_params` (as the original GPTQ code's and llm-compressor's "mse"
+# observer do): shrink min and max by 1, 1 - 1/100, ..., down to 1 - _SHRINK_MAX, keeping per
+# row the shrink whose |error|^_SHRINK_NORM summed over the group is smallest.
+_SHRINK_STEPS = 100
+_SHRINK_MAX = 0.2
+_SHRINK_NORM = 2.4
+
+
+def _range_params(grid: _Grid, slab: torch.Tensor, search: bool,
+                  dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of each row of `slab` (the group's values along `dim`) from its min and
+    max, or (search) from the shrunk range that quantizes the group with the least error."""
+    import torch
+
+    lo, hi = slab.amin(dim=dim), slab.amax(dim=dim)
+    best_s, best_z = grid.params(lo, hi)
+    if not search:
+        return best_s, best_z
+    best = None
+    for i in range(int(_SHRINK_MAX * _SHRINK_STEPS) + 1):
+        p = 1 - i / _SHRINK_STEPS
+        s, z = grid.params(lo * p, hi * p)
+        sx, zx = s.unsqueeze(dim), z.unsqueeze(dim)
+        err = ((grid.codes(slab, sx, zx) - zx) * sx - slab).abs_().pow_(_SHRINK_NORM).sum(dim)
+        if best is None:
+            best = err
+            continue
+        better = err < best
+        best = torch.where(better, err, best)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return best_s, best_z
+
+
+def _groups_of(order: torch.Tensor, group_size: int) -> torch.Tensor:
+    """g_idx when the input channels are taken in `order` (a permutation of 0..K-1), the first
+    group_size of them forming group 0 and so on."""
+    import torch
+
+    g_idx = torch.empty(len(order), dtype=torch.int64)
+    g_idx[order] = torch.arange(len(order)) // group_size
+    return g_idx
+
+
+def _rtn_solve(weight: torch.Tensor, grid: _Grid, group_size: int,
+               order: torch.Tensor) -> _Solved:
+    """Round-to-nearest: each group's scale and zero from its min and max."""
+    w = weight.float()
+    n, k = w.shape
+    grouped = w[:, order].view(n, k // group_size, group_size)
+    scale, zero = grid.params(grouped.amin(dim=2), grouped.amax(dim=2))
+    g_idx = _groups_of(order, group_size)
+    return _Solved(grid.codes(w, scale[:, g_idx], zero[:, g_idx]), scale, zero, g_idx)
+
+
+def _inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
+    """The upper triangular U with U^T U = H^-1 (float64 in, float64 out). A Hessian that is
+    not numerically positive definite gets ten times more dampening until it is."""
+    import torch
+
+    damp = 0.0
+    mean_diag = float(hessian.diagonal().mean())
+    for _ in range(8):
+        h = hessian + damp * torch.eye(len(hessian), dtype=hessian.dtype)
+        lower, info = torch.linalg.cholesky_ex(h)
+        if int(info) == 0:
+            # (cholesky_solve against I: much faster on the CPU than cholesky_inverse)
+            inverse = torch.cholesky_solve(torch.eye(len(h), dtype=h.dtype), lower)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper
+        damp = max(damp * 10, mean_diag * 1e-3)
+    raise ValueError("the calibration Hessian is not positive definite even after dampening")
+
+
+def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_size: int,
+                *, act_order: bool, damp_percent: float, block_size: int = 128) -> _Solved:
+    """GPTQ on one weight W [N, K] (rows quantized independently, all with the same H [K, K]).
+
+    The layer-wise objective is ||W X - Q X||^2 with H = 2 X^T X. Columns are quantized one at
+    a time (act_order: in order of decreasing diag(H), the most active inputs first); the
+    error e of column c, divided by U[c, c] (U upper triangular, U^T U = H^-1), is fed back
+    into every later column j as -e * U[c, j]: the optimal update of the weights not yet
+    quantized (Optimal Brain Surgeon's; the rows of U are the rows of the successive inverse
+    Hessians, all computed by one Cholesky factorization). Within a block of columns a column
+    receives the errors of the block's earlier columns when its turn comes; the columns after
+    the block receive the whole block's at once (lazy batching). A group's scale and zero are
+    taken, as the quantization reaches its first column, from its columns' current (updated)
+    values; blocks hold whole groups, so those values are final. Dampening adds
+    damp_percent * mean(diag H) to the diagonal; an input channel the calibration never saw
+    (H[c, c] = 0) is quantized on its own (no feedback through it)."""
+    import torch
+
+    n, k = weight.shape
+    h = hessian.double().clone()
+    dead = h.diagonal() <= 0
+    h[dead, dead] = 1.0
+    order = (torch.argsort(h.diagonal(), descending=True, stable=True) if act_order
+             else torch.arange(k))
+    # W's columns as rows (W^T, contiguous) in processing order.
+    wt = weight.float().t()[order].contiguous()
+    h = h[order][:, order]
+    h.diagonal().add_(damp_percent * float(h.diagonal().mean()))
+    u = _inverse_cholesky(h).float()
+
+    n_groups = k // group_size
+    codes = torch.empty(k, n)
+    scale, zero = torch.empty(n_groups, n), torch.empty(n_groups, n)
+    block = group_size * max(1, block_size // group_size) if group_size <= 4 * block_size \
+        else block_size
+    s = z = None
+    for start in range(0, k, block):
+        stop = min(start + block, k)
+        errors = torch.empty(stop - start, n)
+        for j in range(stop - start):
+            c = start + j
+            if c % group_size == 0:
+                g = c // group_size
+                slab = wt[c:c + group_size] - u[start:c, c:c + group_size].t() @ errors[:j]
+                s, z = _range_params(grid, slab, _MSE, dim=0)
+                scale[g], zero[g] = s, z
+            column = wt[c] - u[start:c, c] @ errors[:j]
+            q = grid.codes(column, s, z)
+            codes[c] = q
+            errors[j] = (column - (q - z) * s) / u[c, c]
+        wt[stop:].addmm_(u[start:stop, stop:].t(), errors, alpha=-1.0)
+
+    unpermuted = torch.empty_like(codes)
+    unpermuted[order] = codes
+    return _Solved(unpermuted.t(), scale.t(), zero.t(), _groups_of(order, group_size))
+
+
+def calibration_tokens(src: str, samples: int = CALIBRATION_SAMPLES,
+                       seq_len: int = CALIBRATION_LEN) -> torch.Tensor:
+    """GPTQ's default calibration set: int64 [samples, seq_len], windows evenly spaced over the
+    pydoc topic texts (`pydoc_data.topics`, in sorted order, joined by blank lines) tokenized
+    with `src`'s tokenizer (no special tokens)."""
+    import torch
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    if samples < 1 or seq_len < 2:
+        raise ValueError(f"need at least one calibration sample of 2 tokens, got {samples} x "
+                         f"{seq_len}")
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if len(ids) < samples * seq_len // 4 or len(ids) < seq_len:
+        raise ValueError(f"the calibration text is {len(ids)} tokens, too few for {samples} x "
+                         f"{seq_len}")
+    ids = torch.tensor(ids, dtype=torch.int64)
+    starts = torch.linspace(0, len(ids) - seq_len, samples).round().long()
+    return torch.stack([ids[int(i):int(i) + seq_len] for i in starts])
+
+
+# Projections that read the same input: q/k/v (the attention's normed input), gate/up (the
+# MLP's); o_proj and down_proj read their own.
+_INPUT_GROUP_RE = re.compile(r"^(model\.layers\.\d+\.)(?:self_attn\.([qkv]|o)_proj|"
+                             r"mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def _input_group(name: str) -> str:
+    m = _INPUT_GROUP_RE.match(name)
+    assert m is not None, name
+    kind = m.group(2) or m.group(3)
+    return m.group(1) + {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up",
+                         "up": "gate_up"}.get(kind, kind)
+
+
+def _calibrate(src: str, names: list[str], solve: Callable[[torch.Tensor, torch.Tensor], _Solved],
+               tokens: torch.Tensor | None) -> dict[str, _Solved]:
+    """Projection -> its solved weight, every projection of `names` quantized by
+    solve(weight [N, K], H [K, K]) from the inputs it receives in one forward pass of the model
+    over `tokens` (default: calibration_tokens(src)) with every projection before it quantized.
+
+    transformers runs the model; a forward pre-hook on each projection, on the first call of
+    the projections that share its input, computes H = 2 X^T X / n from that input, solves them
+    together (their rows stacked: one H) and replaces their weights by the dequantized ones,
+    so what follows sees the quantized model's activations."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if tokens is None:
+        tokens = calibration_tokens(src)
+    if tokens.ndim != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"calibration tokens must be int64 [samples, seq_len], got "
+                         f"{tuple(tokens.shape)} {tokens.dtype}")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.eval()
+    modules = {n: model.get_submodule(n.removesuffix(".weight")) for n in names}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_input_group(name), []).append(name)
+    solved: dict[str, _Solved] = {}
+    inputs: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        key = _input_group(name)
+
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            seen = (x.data_ptr(), tuple(x.shape))
+            if key in inputs:  # solved with the first of its group; the same input, or a model
+                if inputs[key] != seen:  # this grouping does not describe
+                    raise ValueError(f"{name} does not read the same input as the other "
+                                     f"projections of {key}")
+                return
+            inputs[key] = seen
+            x = x[:, _SKIP:].reshape(-1, x.shape[-1]).float()
+            hessian = (x.t() @ x) * (2.0 / x.shape[0])
+            members = groups[key]
+            result = solve(torch.cat([modules[m].weight.float() for m in members]), hessian)
+            start = 0
+            for member in members:
+                weight = modules[member].weight
+                part = result.rows(start, start + weight.shape[0])
+                weight.copy_(part.dequantize().to(weight.dtype))
+                solved[member] = part
+                start += weight.shape[0]
+
+        return pre_hook
+
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        with torch.no_grad():
+            model.get_decoder()(input_ids=tokens, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(set(names) - set(solved))
+    if missing:
+        raise ValueError(f"the calibration forward pass never reached {missing}")
+    return solved
+
+
+def _check_calibration(calibration: str) -> None:
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {calibration!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# compressed-tensors (llm-compressor's output)
+# ----------------------------------------------------------------------------------------------
+
+def _ct_scheme(scheme: str, group_size: int, symmetric: bool) -> tuple[Any, str]:
+    """The QuantizationScheme of `scheme` (targets: every Linear, as llm-compressor's presets)
+    and the compressed-tensors format name its weights are stored in."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    def fp8_token() -> Any:  # dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC)
+        return QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True,
+                                dynamic=True)
+
+    if scheme in ("fp8", "fp8-tensor"):
+        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=False,
+                                   strategy="channel" if scheme == "fp8" else "tensor")
+        inputs, fmt = fp8_token(), "float-quantized"
+    elif scheme == "w8a8-int8":
+        weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True,
+                                   dynamic=False)
+        inputs = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True,
+                                  dynamic=True)
+        fmt = "int-quantized"
+    elif scheme == "w4a16":
+        weights = QuantizationArgs(num_bits=4, type="int", strategy="group",
+                                   group_size=group_size, symmetric=symmetric, dynamic=False)
+        inputs, fmt = None, "pack-quantized"
+    else:
+        raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; known: {CT_SCHEMES}")
+    if not symmetric and scheme != "w4a16":
+        raise ValueError(f"symmetric=False is only offered for w4a16, not {scheme!r}")
+    return (QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs,
+                               format=fmt), fmt)
+
+
+def _minmax_qparams(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of `weight` for `args` from its min and max (a memoryless min-max
+    observer) over the strategy's reduction, turned into qparams by the library's own
+    `calculate_qparams` so the conventions are llm-compressor's: symmetric int s = absmax /
+    ((2^bits - 1) / 2) (so +-absmax round or clip to the ends of [-2^(bits-1), 2^(bits-1) - 1]),
+    asymmetric s = (max - min) / (2^bits - 1) with a rounded zero point, FP8 s = absmax / 448."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = weight.float()
+    if args.strategy == "tensor":
+        lo, hi = w.amin(), w.amax()
+    elif args.strategy == "channel":
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    elif args.strategy == "group":
+        grouped = w.unflatten(1, (w.shape[1] // args.group_size, args.group_size))
+        lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)
+    else:
+        raise AssertionError(args.strategy)
+    return calculate_qparams(lo, hi, args)
+
+
+def _ct_dequantize(compressed: dict[str, torch.Tensor], scheme: Any,
+                   shape: tuple[int, int]) -> torch.Tensor:
+    """float32 scale * (q - zero) of one compressed module, read back from what was written."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    args = scheme.weights
+    scale = compressed["weight_scale"].float()
+    if "weight_packed" in compressed:
+        q = unpack_from_int32(compressed["weight_packed"], args.num_bits, shape).float()
+        zero = torch.zeros_like(scale)
+        if "weight_zero_point" in compressed:
+            zero = unpack_from_int32(compressed["weight_zero_point"], args.num_bits,
+                                     scale.shape, packed_dim=0).float()
+    else:
+        q = compressed["weight"].float()
+        zero = compressed.get("weight_zero_point", torch.zeros_like(scale)).float()
+    if args.strategy == "group":
+        scale = scale.repeat_interleave(args.group_size, dim=1)
+        zero = zero.repeat_interleave(args.group_size, dim=1)
+    return scale * (q - zero)
+
+
+def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int = 128,
+                             symmetric: bool = True, ignore: Iterable[str] = ("lm_head",),
+                             dequantized_dir: str | None = None, calibration: str = "rtn",
+                             calibration_ids: torch.Tensor | None = None,
+                             damp_percent: float = 0.01) -> None:
+    """`src` quantized with compressed-tensors `scheme` into `dst`, as llm-compressor saves it.
+
+    scheme: "fp8" (FP8 e4m3 weights, per-channel scales, dynamic per-token FP8 activations;
+    format float-quantized), "fp8-tensor" (the same with one per-tensor weight scale),
+    "w8a8-int8" (int8 per-channel symmetric weights, dynamic per-token int8 activations;
+    int-quantized) or "w4a16" (int4 weights, groups of `group_size` along in_features,
+    symmetric or, with symmetric=False, with zero points; pack-quantized: weight_packed,
+    weight_scale, weight_zero_point, weight_shape).
+
+    calibration "rtn": min-max scales, round-to-nearest. "gptq" (w4a16 and w8a8-int8, as
+    llm-compressor's GPTQModifier makes them, without act-order): GPTQ over `calibration_ids`
+    (default calibration_tokens(src)) with dampening `damp_percent` chooses the values and the
+    scales / zero points (the library's conventions, _CtGrid; w8a8-int8's per-channel scales
+    from each whole row before any update); the library then packs exactly those values.
+
+    The library does the rest as in llm-compressor's save: its lifecycle creates each Linear's
+    qparams (`initialize_module_for_quantization`), its compressor quantizes and packs
+    (`compress_module`), and `ModelCompressor.update_config` writes config.json's
+    quantization_config. Every nn.Linear of the model is a target (targets ["Linear"]);
+    `ignore` (module names, or "re:" regexes) lists those kept float, and must name lm_head
+    (the default), which is never quantized here.
+    """
+    import torch
+    from compressed_tensors.compressors import ModelCompressor, compress_module
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
+                                                 initialize_module_for_quantization)
+    from compressed_tensors.utils.match import match_name
+
+    ignore = list(ignore)
+    if not any(match_name("lm_head", pattern) for pattern in ignore):
+        raise ValueError(f"ignore must name lm_head (kept float by this writer), got {ignore}")
+    if scheme == "w4a16":
+        _check_group_size(group_size)
+    _check_calibration(calibration)
+    qscheme, fmt = _ct_scheme(scheme, group_size, symmetric)
+    if calibration == "gptq" and scheme not in _CT_GPTQ_SCHEMES:
+        raise ValueError(f"calibration 'gptq' is offered for {_CT_GPTQ_SCHEMES}, not "
+                         f"{scheme!r}")
+    config, tensors = _read_source(src)
+    quantized = [n for n in _projections(tensors)
+                 if not any(match_name(n.removesuffix(".weight"), p) for p in ignore)]
+    for name in quantized:
+        _check_shape(name, tensors[name],
+                     group_size=group_size if scheme == "w4a16" else None)
+
+    solved: dict[str, _Solved] = {}
+    if calibration == "gptq" and quantized:
+        dtypes = {tensors[name].dtype for name in quantized}
+        if len(dtypes) != 1:
+            raise ValueError(f"the projections have several dtypes {sorted(map(str, dtypes))}")
+        grid = _CtGrid(qscheme.weights, dtypes.pop())
+        solved = _calibrate(src, quantized, lambda w, h: _gptq_solve(
+            w, h, grid, group_size if scheme == "w4a16" else w.shape[1], act_order=False,
+            damp_percent=damp_percent), calibration_ids)
+
+    out = dict(tensors)
+    dequantized: dict[str, torch.Tensor] = {}
+    for name in quantized:
+        weight = tensors[name]
+        prefix = name.removesuffix("weight")
+        # A bare Linear holding the source weight: the lifecycle registers its qparams with the
+        # shapes and dtypes llm-compressor's model would have (scale in the weight's dtype).
+        with torch.device("meta"):
+            module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        if name in solved:  # GPTQ's values: the compressor re-quantizes them to its codes
+            result = solved[name]
+            module.weight = torch.nn.Parameter(result.dequantize().to(weight.dtype),
+                                               requires_grad=False)
+            scale, zero = result.scale, result.zero
+        else:
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            scale, zero = _minmax_qparams(weight, qscheme.weights)
+        initialize_module_for_quantization(module, qscheme)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+        compress_module(module)
+        compressed = {k: v.detach() for k, v in module.state_dict().items()}
+        del out[name]
+        out.update({prefix + k: v for k, v in compressed.items()})
+        dequantized[name] = _ct_dequantize(compressed, qscheme, tuple(weight.shape))
+        if name in solved and not torch.equal(dequantized[name], solved[name].dequantize()):
+            raise AssertionError(f"{name}: the library's packing changed GPTQ's values")
+
+    _write_dir(src, dst, config, out)
+    qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, format=fmt,
+                                 quantization_status=QuantizationStatus.COMPRESSED,
+                                 ignore=ignore)
+    ModelCompressor(quantization_config=qconfig).update_config(dst)
+    _write_dequantized(src, dequantized_dir, config, tensors, dequantized)
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM "fp8" (AutoFP8)
+# ----------------------------------------------------------------------------------------------
+
+def write_fp8(src: str, dst: str, *, dequantized_dir: str | None = None) -> None:
+    """`src` in vLLM's "fp8" checkpoint format, as AutoFP8 writes it with dynamic activations.
+
+    config.json: quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}.
+    Per projection: `weight` float8_e4m3fn [out, in] and `weight_scale` a float32 0-d tensor
+    (one scale per tensor: absmax / 448; AutoFP8 stores the reciprocal of its multiplier as a
+    0-d parameter, and vLLM's per-tensor scale loader reshapes a 0-d scale to [1]);
+    dequantized w = weight.float() * weight_scale. No input_scale (dynamic activations).
+    """
+    import torch
+
+    config, tensors = _read_source(src)
+    names = _projections(tensors)
+    for name in names:
+        _check_shape(name, tensors[name])
+    out = dict(tensors)
+    dequantized: dict[str, torch.Tensor] = {}
+    for name in names:
+        w = tensors[name].float()
+        # Guard an all-zero tensor (a zero scale would divide by zero).
+        scale = (w.abs().amax() / _FP8_MAX).clamp(min=1e-12)
+        q = (w / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        out[name] = q
+        out[name.removesuffix("weight") + "weight_scale"] = scale.reshape(())
+        dequantized[name] = q.float() * scale
+    _write_dir(src, dst, {**config, "quantization_config":
+                          {"quant_method": "fp8", "activation_scheme": "dynamic"}}, out)
+    _write_dequantized(src, dequantized_dir, config, tensors, dequantized)
+
+
+# ----------------------------------------------------------------------------------------------
+# AutoAWQ GEMM
+# ----------------------------------------------------------------------------------------------
+
+def _awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] nibbles (0..15) -> int32 [rows, cols // 8], AutoAWQ's interleaved order."""
+    import torch
+
+    rows, cols = values.shape
+    blocks = values.to(torch.int64).view(rows, cols // 8, 8)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for slot, column in enumerate(_AWQ_ORDER):
+        words |= blocks[:, :, column] << (4 * slot)
+    return _to_int32(words)
+
+
+def write_awq(src: str, dst: str, *, group_size: int = 128,
+              dequantized_dir: str | None = None) -> None:
+    """`src` in AutoAWQ's GEMM format (4-bit, zero point, version "gemm").
+
+    config.json: quantization_config = {"quant_method": "awq", "bits": 4, "group_size": G,
+    "zero_point": true, "version": "gemm", "modules_to_not_convert": null}.
+    Per projection (K = in_features, N = out_features), stored transposed relative to
+    nn.Linear (K rows, N columns) and without the `weight`:
+      qweight int32 [K, N // 8]: q[k, n] in 0..15, packed along N; nibble slot i of word
+        (k, c) holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i];
+      qzeros  int32 [K // G, N // 8]: the zero points (0..15), packed the same way;
+      scales  float16 [K // G, N].
+    Dequantized w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+
+    Asymmetric min-max RTN per group of G input channels and output column, with AutoAWQ's
+    convention: s = (max - min) / 15, z = -round(min / s) (s rounded to float16 first, as
+    AutoAWQ packs with its float16 scales). The range always includes 0 (min <= 0 <= max), so
+    a one-signed group never has its z clipped at 0 or 15 and every element is within half a
+    step of its float value.
+    """
+    import torch
+
+    _check_group_size(group_size)
+    config, tensors = _read_source(src)
+    names = _projections(tensors)
+    for name in names:
+        _check_shape(name, tensors[name], group_size=group_size, out_multiple=8)
+    out = dict(tensors)
+    dequantized: dict[str, torch.Tensor] = {}
+    for name in names:
+        w = tensors[name].float().t()                      # [K, N]
+        k, n = w.shape
+        grouped = w.view(k // group_size, group_size, n)
+        lo = grouped.amin(dim=1).clamp(max=0.0)
+        hi = grouped.amax(dim=1).clamp(min=0.0)
+        scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16)
+        s = scales.float()
+        zeros = (-torch.round(lo / s)).clamp(0, 15)
+        s_full = s.repeat_interleave(group_size, dim=0)
+        z_full = zeros.repeat_interleave(group_size, dim=0)
+        q = (torch.round(w / s_full) + z_full).clamp(0, 15)
+        prefix = name.removesuffix("weight")
+        del out[name]
+        out[prefix + "qweight"] = _awq_pack(q)
+        out[prefix + "qzeros"] = _awq_pack(zeros)
+        out[prefix + "scales"] = scales
+        dequantized[name] = ((q - z_full) * s_full).t().contiguous()
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+               "version": "gemm", "modules_to_not_convert": None}
+    _write_dir(src, dst, {**config, "quantization_config": qconfig}, out)
+    _write_dequantized(src, dequantized_dir, config, tensors, dequantized)
+
+
+# ----------------------------------------------------------------------------------------------
+# AutoGPTQ / GPTQModel
+# ----------------------------------------------------------------------------------------------
+
+def _pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] nibbles -> int32 [rows // 8, cols]: word w holds rows 8w..8w+7, row 8w+i in
+    bits 4i..4i+3 (lowest bits first)."""
+    import torch
+
+    rows, cols = values.shape
+    blocks = values.to(torch.int64).view(rows // 8, 8, cols)
+    words = torch.zeros(rows // 8, cols, dtype=torch.int64)
+    for i in range(8):
+        words |= blocks[:, i, :] << (4 * i)
+    return _to_int32(words)
+
+
+def _pack_cols(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] nibbles -> int32 [rows, cols // 8], columns in order (no interleave)."""
+    return _pack_rows(values.t().contiguous()).t().contiguous()
+
+
+def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
+               desc_act: bool = False, dequantized_dir: str | None = None,
+               checkpoint_format: str = "gptq", seed: int = 0, calibration: str = "rtn",
+               calibration_ids: torch.Tensor | None = None, damp_percent: float = 0.01) -> None:
+    """`src` in the AutoGPTQ / GPTQModel 4-bit format.
+
+    config.json: quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": G,
+    "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
+    "static_groups": false, "true_sequential": true, "damp_percent": damp_percent}.
+    Per projection (K = in_features, N = out_features, n_groups = K // G), without `weight`:
+      qweight int32 [K // 8, N]: q[k, n] in 0..15 packed along K, nibble i of word row w is
+        input row 8w + i, lowest bits first;
+      qzeros  int32 [n_groups, N // 8]: zero points packed along N in order; checkpoint_format
+        "gptq" (v1) stores zero - 1 (a symmetric model stores 7 for its zero 8), "gptq_v2"
+        (GPTQModel's internal format) stores the zero itself;
+      scales  float16 [n_groups, N];
+      g_idx   int32 [K]: the group of each input channel. desc_act=False: k // G. desc_act=True:
+        the channels in act-order (the first G of the order in group 0 and so on), so g_idx is
+        not monotone.
+    Dequantized w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
+
+    Scales and zeros follow GPTQ's quantizer (see _GptqGrid: sym s = 2 * absmax / 15 and zero
+    8; asym s = (max - min) / 15 and zero = round(-min / s), the range including 0; v1's
+    unstorable zero 0 moved to 1 with a stretched scale).
+
+    calibration "rtn": each group's min and max, round-to-nearest; act-order is simulated by a
+    random permutation of the input channels (seeded by `seed`). "gptq": GPTQ (see the module
+    docstring and _gptq_solve) over `calibration_ids` (int64 [samples, seq_len]; default
+    calibration_tokens(src)) with dampening `damp_percent`; act-order is the real one
+    (decreasing diag(H)), `seed` unused.
+    """
+    import torch
+
+    _check_group_size(group_size)
+    _check_calibration(calibration)
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got "
+                         f"{checkpoint_format!r}")
+    config, tensors = _read_source(src)
+    names = _projections(tensors)
+    for name in names:
+        _check_shape(name, tensors[name], group_size=group_size, in_multiple=8, out_multiple=8)
+    grid = _GptqGrid(sym, checkpoint_format)
+    if calibration == "gptq":
+        solved = _calibrate(src, names, lambda w, h: _gptq_solve(
+            w, h, grid, group_size, act_order=desc_act, damp_percent=damp_percent),
+            calibration_ids)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        solved = {}
+        for name in names:
+            k = tensors[name].shape[1]
+            order = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
+            solved[name] = _rtn_solve(tensors[name], grid, group_size, order)
+    out = dict(tensors)
+    dequantized: dict[str, torch.Tensor] = {}
+    for name in names:
+        result = solved[name]
+        zeros = result.zero.t()                               # [n_groups, N]
+        stored_zeros = zeros - 1 if checkpoint_format == "gptq" else zeros
+        prefix = name.removesuffix("weight")
+        del out[name]
+        out[prefix + "qweight"] = _pack_rows(result.codes.t().contiguous())
+        out[prefix + "qzeros"] = _pack_cols(stored_zeros)
+        out[prefix + "scales"] = result.scale.t().to(torch.float16)
+        out[prefix + "g_idx"] = result.g_idx.to(torch.int32)
+        dequantized[name] = result.dequantize().contiguous()
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+               "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
+               "static_groups": False, "true_sequential": True, "damp_percent": damp_percent}
+    _write_dir(src, dst, {**config, "quantization_config": qconfig}, out)
+    _write_dequantized(src, dequantized_dir, config, tensors, dequantized)

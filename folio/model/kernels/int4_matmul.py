@@ -1,0 +1,289 @@
+"""Weight-quantized matmul with group scales: y = x @ W^T (+ b), W stored as 4-bit codes eight
+to an int32 along K (BITS=4) or as int8 codes (BITS=8), with a scale and an offset per group of
+G input channels, in one of three forms (ZERO_MODE):
+  0: W = (q - 8) * s               symmetric 4-bit (GPTQ/compressed-tensors sym), or q * s at
+                                   8 bits (GGUF Q8_0, Q6_K)
+  1: W = (q - z) * s               integer zero points (AWQ, GPTQ and compressed-tensors asym)
+  2: W = q * s + m                 a float offset per group (GGUF Q4_0 / Q4_1 / Q4_K, whose
+                                   minimums are no integer number of steps)
+(folio.model.quant.formats.Int4Weight, GroupInt8Weight).
+
+One Triton kernel serves every row count. Each program owns BLOCK_N output columns (rows of W)
+and BLOCK_M rows of x, streams its slice of the packed weight in [BLOCK_N, BLOCK_K / 8] int32
+tiles, widens each to [BLOCK_N, BLOCK_K] 16-bit weights in registers (shift, mask, subtract the
+zero, scale: float32, then the activations' dtype) and multiplies on the tensor cores with the
+operands swapped, acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T: the widened weight tile is the
+dot's left operand straight from registers and x, the small operand at decode, is the one
+transposed. At decode (a few rows) x is padded to 16 rows, tl.dot's minimum; the tensor cores
+would idle anyway, and the work that bounds the kernel is the unpacking, the same in any form.
+
+When the output is narrow (few column blocks to spread over the SMs) the K range is split over
+SPLIT_K programs, reduced in split order through the skinny GEMV's workspace and ticket
+counters (kernels/gemv.py: deterministic, whatever order the programs ran in).
+
+`dequantize_int4` writes W in the activations' dtype, for the large-M path that hands a
+compute-bound product to cuBLAS (`group_linear.GroupQuantLinear` picks by row count).
+"""
+from __future__ import annotations
+
+import torch
+
+from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, require_triton, tl,
+                                         triton)
+from folio.model.kernels import gemv
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Few on purpose: every config is
+# one more compile at start-up (N and K are runtime arguments, so a config compiles once for
+# all of a model's shapes, not once per shape).
+_SMALL_M = [  # 1..16 rows: a pass over the weight
+    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
+    (16, 32, 128, 2, 4, 4), (16, 32, 128, 4, 4, 4),
+]
+_MID_M = [  # 17..128 rows
+    (32, 64, 128, 1, 4, 4), (64, 128, 64, 1, 4, 4), (64, 64, 128, 1, 4, 4),
+]
+_LARGE_M = [  # compute-bound
+    (128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 4),
+]
+_INTERPRET_CONFIG = (16, 16, 32, 1, 4, 1)
+_MAX_M_BUCKET = 256
+
+
+def _m_bucket(m: int) -> int:
+    return min(max(next_pow2(m), 16), _MAX_M_BUCKET)
+
+
+def _configs() -> list:
+    if INTERPRET:
+        chosen = [_INTERPRET_CONFIG]
+    else:
+        chosen = _SMALL_M + _MID_M + _LARGE_M
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
+                          num_warps=w, num_stages=s) for bm, bn, bk, sk, w, s in chosen]
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """Tiles fitting the shape: BLOCK_K dividing K and (when wider than a group) a multiple
+    of G, BLOCK_M matching the row bucket's class, split-K only where the GEMV workspace takes
+    it (one row block, a narrow output) and each split keeps whole tiles."""
+    args = {**named_args, **kwargs}
+    n, k, g, bucket = args["N"], args["K"], args["G"], args["M_BUCKET"]
+    kept = []
+    for c in configs:
+        bm, bn, bk, sk = (c.kwargs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+        if k % bk or (bk > g and bk % g) or (bk < g and g % bk):
+            continue
+        if not INTERPRET:
+            if bucket <= 16 and bm != 16:
+                continue
+            if 16 < bucket <= 128 and (bm, bn, bk, sk, c.num_warps) not in \
+                    [(a, b, cc, d, e) for a, b, cc, d, e, _ in _MID_M]:
+                continue
+            if bucket > 128 and (bm, bn, bk, sk, c.num_warps) not in \
+                    [(a, b, cc, d, e) for a, b, cc, d, e, _ in _LARGE_M]:
+                continue
+        if sk > 1 and (bucket > 16 or n > gemv._SPLIT_MAX_N or (k // bk) < sk
+                       or (k // bk) % sk):
+            continue
+        kept.append(c)
+    if not kept:
+        raise ValueError(f"no int4 tile fits K={k} with groups of {g}")
+    return kept
+
+
+if HAS_TRITON:
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "G", "M_BUCKET", "BITS"],
+                     prune_configs_by={"early_config_prune": _prune})
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
+    def _int4_kernel(X, QW, SC, ZP, B, OUT, P, C, M, stride_xm, stride_om, N, K, M_BUCKET,
+                     G: tl.constexpr, BITS: tl.constexpr, ZERO_MODE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows of x past M and columns past N read clamped (valid) memory and are never stored.
+        x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
+        cols_c = tl.minimum(cols, N - 1).to(tl.int64)
+        if BITS == 4:
+            w_rows = QW + cols_c[:, None] * (K // 8)
+        else:
+            w_rows = QW + cols_c[:, None] * K
+        s_rows = SC + cols_c[:, None] * (K // G)
+        z_rows = ZP + cols_c[:, None] * (K // G)
+        shifts = tl.arange(0, 8) * 4
+        k_split = K // SPLIT_K
+        k_lo = pid_k * k_split
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])
+            if BITS == 4:
+                packed = tl.load(w_rows + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+                q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+                q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+            else:
+                q = tl.load(w_rows + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
+            if BLOCK_K <= G:  # the tile lies in one group: one scale (and offset) per row
+                s = tl.load(s_rows + k0 // G).to(tl.float32)
+                if ZERO_MODE == 2:
+                    w = q * s + tl.load(z_rows + k0 // G).to(tl.float32)
+                elif ZERO_MODE == 1:
+                    w = (q - tl.load(z_rows + k0 // G).to(tl.float32)) * s
+                elif BITS == 4:
+                    w = (q - 8.0) * s
+                else:
+                    w = q * s
+            else:
+                GPT: tl.constexpr = BLOCK_K // G
+                offs_g = k0 // G + tl.arange(0, GPT)
+                s = tl.load(s_rows + offs_g[None, :]).to(tl.float32)[:, :, None]
+                q3 = tl.reshape(q, (BLOCK_N, GPT, G))
+                if ZERO_MODE == 2:
+                    w = q3 * s + tl.load(z_rows + offs_g[None, :]).to(tl.float32)[:, :, None]
+                elif ZERO_MODE == 1:
+                    w = (q3 - tl.load(z_rows + offs_g[None, :]).to(tl.float32)[:, :, None]) * s
+                elif BITS == 4:
+                    w = (q3 - 8.0) * s
+                else:
+                    w = q3 * s
+                w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        is_last = True
+        if SPLIT_K > 1:
+            # One row block (the prune allows splits at <= 16 rows only): partials as [M, N].
+            is_last, acc_t = gemv._split_reduce(tl.trans(acc), P, C, pid_n, pid_k, offs_m,
+                                                cols, M, N, SPLIT_K)
+            acc = tl.trans(acc_t)
+        if is_last:
+            if HAS_BIAS:
+                acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+            o_mask = (cols[:, None] < N) & (offs_m[None, :] < M)
+            tl.store(OUT + offs_m[None, :].to(tl.int64) * stride_om + cols[:, None],
+                     acc.to(OUT.dtype.element_ty), mask=o_mask)
+
+    @triton.jit
+    def _dequant_kernel(QW, SC, ZP, OUT, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+                        BITS: tl.constexpr, ZERO_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if BITS == 4:
+            packed = tl.load(QW + rows_c[:, None] * (K // 8)
+                             + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+            q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        else:
+            q = tl.load(QW + rows_c[:, None] * K + offs_k[None, :]).to(tl.float32)
+        groups = offs_k // G
+        s = tl.load(SC + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)
+        if ZERO_MODE == 2:
+            w = q * s + tl.load(ZP + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)
+        elif ZERO_MODE == 1:
+            w = (q - tl.load(ZP + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)) * s
+        elif BITS == 4:
+            w = (q - 8.0) * s
+        else:
+            w = q * s
+        tl.store(OUT + rows_c[:, None] * K + offs_k[None, :], w.to(OUT.dtype.element_ty),
+                 mask=rows[:, None] < N)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+ZERO_NONE, ZERO_INT, ZERO_MIN = 0, 1, 2
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+           offsets: torch.Tensor | None, group_size: int, bits: int) -> tuple[int, int]:
+    require_triton()
+    if bits == 4:
+        if codes.dtype != torch.int32:
+            raise ValueError("4-bit codes come packed eight to an int32 [N, K / 8]")
+        n, k = codes.shape[0], codes.shape[1] * 8
+    elif bits == 8:
+        if codes.dtype != torch.int8:
+            raise ValueError("8-bit codes come as int8 [N, K]")
+        n, k = codes.shape
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if x is not None and (x.dim() != 2 or x.shape[1] != k or x.dtype not in _DTYPES):
+        raise ValueError(f"the quantized matmul needs x [M, {k}] in fp16/bf16, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if not codes.is_contiguous():
+        raise ValueError("the codes must be contiguous")
+    if k % group_size or scales.shape != (n, k // group_size) or not scales.is_contiguous():
+        raise ValueError(f"scales must be contiguous [{n}, {k // group_size}], got "
+                         f"{tuple(scales.shape)}")
+    if offsets is not None and (offsets.shape != scales.shape or not offsets.is_contiguous()):
+        raise ValueError("zeros / minimums must be shaped as the scales")
+    return n, k
+
+
+def _zero_mode(zeros: torch.Tensor | None, mins: torch.Tensor | None) -> int:
+    if zeros is not None and mins is not None:
+        raise ValueError("give zero points or minimums, not both")
+    return ZERO_INT if zeros is not None else ZERO_MIN if mins is not None else ZERO_NONE
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, group_size: int,
+                bias: torch.Tensor | None = None, *, mins: torch.Tensor | None = None,
+                bits: int = 4, _config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x.dtype, accumulated in fp32; W as in the module
+    docstring: `zeros` (form 1) or `mins` (form 2) or neither (form 0); `bits` 8 takes int8
+    codes [N, K] in `packed`. `_config` (tests) forces one tile config past the autotuner."""
+    n, k = _check(x, packed, scales, zeros if zeros is not None else mins, group_size, bits)
+    mode = _zero_mode(zeros, mins)
+    offsets = zeros if zeros is not None else mins
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    partials, counters = gemv._workspace(x.device)
+    args = (x, packed, scales, offsets if offsets is not None else scales,
+            bias if bias is not None else scales, out, partials, counters, m,
+            x.stride(0), out.stride(0))
+    meta = dict(N=n, K=k, M_BUCKET=_m_bucket(m), G=group_size, BITS=bits, ZERO_MODE=mode,
+                HAS_BIAS=bias is not None)
+    if _config is None:
+        _int4_kernel[lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),
+                                c["SPLIT_K"])](*args, **meta)
+    else:
+        config = dict(_config)
+        if config["SPLIT_K"] > 1 and (m > config["BLOCK_M"] or n > gemv._SPLIT_MAX_N
+                                      or m > 16):
+            raise ValueError(f"split-K config {config} exceeds the workspace")
+        warps, stages = config.pop("num_warps", 4), config.pop("num_stages", 1)
+        _int4_kernel.fn[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),
+                         config["SPLIT_K"])](*args, **meta, **config, num_warps=warps,
+                                             num_stages=stages)
+    return out
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int, dtype: torch.dtype, *, mins: torch.Tensor | None = None,
+                    bits: int = 4) -> torch.Tensor:
+    """W [N, K] in `dtype` (one pass over the codes)."""
+    n, k = _check(None, packed, scales, zeros if zeros is not None else mins, group_size, bits)
+    mode = _zero_mode(zeros, mins)
+    offsets = zeros if zeros is not None else mins
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    block_k = min(128, k)
+    while k % block_k:
+        block_k //= 2
+    block_n = 16 if INTERPRET else 64
+    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        packed, scales, offsets if offsets is not None else scales, out, N=n, K=k,
+        G=group_size, BITS=bits, ZERO_MODE=mode, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out

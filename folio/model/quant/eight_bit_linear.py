@@ -1,0 +1,115 @@
+"""A projection whose weight is stored in 8 bits (FP8 e4m3 or int8) with one float32 scale per
+output row: FP8 W8A8, INT8 W8A8, INT8 W8A16 (formats.EightBitWeight).
+
+On CUDA, by row count:
+- one row (batch-1 decode; up to gemv.MAX_M rows under the GEMV modes that say so, as for bf16):
+  folio's skinny GEMV reads the 8-bit weight and widens it in registers (W8A16 arithmetic: the
+  activations are not quantized, so decode is as exact as the weights allow, and the bytes read
+  are halved all the same);
+- more rows: the activations are quantized (per token, or with the checkpoint's static scale;
+  kernels/act_quant.py) and the product runs on the tensor cores in 8 bits: FP8 through
+  torch._scaled_mm (cuBLASLt, row-wise scales), INT8 through torch._int_mm with the scales
+  applied after. A weight-only INT8 model widens the weight for cuBLAS instead.
+Elsewhere (CPU tensors, tests) `reference` does the same arithmetic in float32 torch ops: the
+activations fake-quantized as the W8A8 kernels quantize them, the weight dequantized.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
+from folio.model.kernels.act_quant import quantize_activations_reference
+from folio.model.quant.formats import FP8_DTYPE, EightBitWeight
+from folio.model.quant.scheme import ACT_FP8, ACT_INT8
+
+# torch._int_mm takes more than 16 rows (cuBLASLt's int8 kernels); fewer are padded.
+_INT_MM_MIN_ROWS = 17
+
+
+class EightBitLinear(nn.Module):
+    def __init__(self, weight: EightBitWeight, activation: str | None,
+                 act_per_tensor: bool = False,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__()
+        if activation not in (None, ACT_FP8, ACT_INT8):
+            raise ValueError(f"activation {activation!r}")
+        if activation == ACT_FP8 and weight.codes.dtype != FP8_DTYPE:
+            raise ValueError("FP8 activations need FP8 weights")
+        self.out_features, self.in_features = weight.codes.shape
+        self.activation = activation
+        self.act_per_tensor = act_per_tensor
+        self.kernels = kernels
+        self.register_buffer("codes", weight.codes.contiguous(), persistent=False)
+        self.register_buffer("scale", weight.scale.to(torch.float32).contiguous(),
+                             persistent=False)
+        self.register_buffer("input_scale", weight.input_scale, persistent=False)
+
+    @property
+    def act_dtype(self) -> torch.dtype | None:
+        return {ACT_FP8: FP8_DTYPE, ACT_INT8: torch.int8}.get(self.activation)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.to(torch.float32) * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda:
+            out = self._cuda(x2, bias)
+        else:
+            out = self.reference(x2, bias).to(x.dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+    def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from folio.model.kernels import gemv
+        m = x.shape[0]
+        # The GEMV where the bf16 one is used (by default one row: each further row bucket is
+        # more compiling and autotuning at start-up for a few percent).
+        if self.kernels.gemv_on and gemv.skinny_supported(x, self.codes) and \
+                gemv.skinny_preferred(m, self.out_features, self.in_features,
+                                      mode=self.kernels.gemv):
+            return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
+                                      pdl=self.kernels.pdl_on)
+        if self.activation is None:
+            w = (self.codes.to(torch.float32) * self.scale[:, None]).to(x.dtype)
+            return F.linear(x, w, bias)
+        codes, x_scale = self._quantize_input(x)
+        if self.activation == ACT_FP8:
+            # Row-wise scaling in cuBLASLt gives bfloat16 out; other dtypes are cast after.
+            out = torch._scaled_mm(codes, self.codes.t(), scale_a=x_scale,
+                                   scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16)
+            out = out.to(x.dtype)
+        else:
+            pad = max(0, _INT_MM_MIN_ROWS - m)
+            if pad:
+                codes = F.pad(codes, (0, 0, 0, pad))
+            acc = torch._int_mm(codes, self.codes.t())[:m]
+            out = (acc.to(torch.float32) * x_scale * self.scale.view(1, -1)).to(x.dtype)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.act_per_tensor and self.input_scale is None:
+            # dynamic per-tensor: one amax over the batch, then the static path
+            return quantize_activations_reference(x, self.act_dtype, per_tensor=True)
+        from folio.model.kernels.act_quant import quantize_activations
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        return quantize_activations(x, self.act_dtype, self.input_scale)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32: the W8A8 arithmetic in torch ops (any device)."""
+        w = self.dequantize()
+        if self.activation is None:
+            xq = x.to(torch.float32)
+        else:
+            codes, scale = quantize_activations_reference(
+                x, self.act_dtype, self.input_scale, per_tensor=self.act_per_tensor)
+            xq = codes.to(torch.float32) * scale
+        out = xq @ w.t()
+        return out if bias is None else out + bias.to(torch.float32)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={self.codes.dtype}, activation={self.activation}")

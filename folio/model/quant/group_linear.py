@@ -1,0 +1,80 @@
+"""A projection whose weight is integer codes with a scale (and an offset) per group of input
+channels: W4A16 (AWQ, GPTQ, compressed-tensors pack-quantized; formats.Int4Weight) and, from a
+GGUF file kept quantized on the GPU, Q4_0 / Q4_1 / Q4_K as 4-bit codes with float minimums and
+Q8_0 / Q6_K as int8 codes with group scales (formats.GroupInt8Weight).
+
+On CUDA the Triton kernel (kernels/int4_matmul.py) multiplies straight from the codes up to
+`DEQUANT_MIN_ROWS` rows; from there the product is compute-bound and the weight is widened once
+per call for cuBLAS instead (one pass over the codes writing 16-bit weights is small next to a
+GEMM of that many rows). Act-order (GPTQ desc_act) weights gather the input's columns by `perm`
+first. Elsewhere `reference` dequantizes and multiplies in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.model.quant.formats import GroupInt8Weight, Int4Weight
+
+# From this many rows on, dequantize + cuBLAS (measured on an H200: docs/benchmarks.md).
+DEQUANT_MIN_ROWS = 1024
+
+
+class GroupQuantLinear(nn.Module):
+    def __init__(self, weight: Int4Weight | GroupInt8Weight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        if isinstance(weight, GroupInt8Weight):
+            self.bits = 8
+            codes, zeros, mins, perm = weight.codes, None, None, None
+        else:
+            self.bits = 4
+            codes, zeros, mins, perm = weight.packed, weight.zeros, weight.mins, weight.perm
+        self.register_buffer("codes", codes.contiguous(), persistent=False)
+        self.register_buffer("scales", weight.scales.contiguous(), persistent=False)
+        self.register_buffer("zeros", None if zeros is None else zeros.contiguous(),
+                             persistent=False)
+        self.register_buffer("mins", None if mins is None else mins.contiguous(),
+                             persistent=False)
+        self.register_buffer("perm", perm, persistent=False)
+
+    def weight(self) -> Int4Weight | GroupInt8Weight:
+        if self.bits == 8:
+            return GroupInt8Weight(self.codes, self.scales, self.group_size)
+        return Int4Weight(self.codes, self.scales, self.zeros, self.group_size, self.perm,
+                          self.mins)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight().dequantize()
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_cuda:
+            out = self.reference(x2, bias).to(x.dtype)
+            return out.view(*shape[:-1], self.out_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        from folio.model.kernels import int4_matmul
+        kw = dict(mins=self.mins, bits=self.bits)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS:
+            w = int4_matmul.dequantize_int4(self.codes, self.scales, self.zeros,
+                                            self.group_size, x.dtype, **kw)
+            out = F.linear(x2, w, bias)
+        else:
+            out = int4_matmul.int4_matmul(x2, self.codes, self.scales, self.zeros,
+                                          self.group_size, bias, **kw)
+        return out.view(*shape[:-1], self.out_features)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.to(torch.float32) @ self.dequantize().t()
+        return out if bias is None else out + bias.to(torch.float32)
+
+    def extra_repr(self) -> str:
+        offsets = "zeros" if self.zeros is not None else "mins" if self.mins is not None \
+            else "symmetric"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.bits}-bit, groups of {self.group_size}, {offsets}, "
+                f"act_order={self.perm is not None}")

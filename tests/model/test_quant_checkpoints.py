@@ -1,0 +1,460 @@
+"""folio.bench.quant_checkpoints: quantized checkpoints in the formats users download, written
+from a tiny random Llama. Each format's files have the published names, dtypes and shapes and its
+config.json the published quantization_config; the dequantized reference directory holds exactly
+the dequantized values of what was written (compressed-tensors: as transformers itself
+decompresses the directory; AWQ / GPTQ / fp8: as an unpacker written here from the layout
+descriptions reads it), within the method's rounding error of the float weights; everything
+else is copied unchanged; bad shapes are refused; tools/make_quant_checkpoint.py drives them."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from folio.bench.quant_checkpoints import (PROJECTION_RE, write_awq, write_compressed_tensors,
+                                           write_fp8, write_gptq)
+
+ROOT = Path(__file__).resolve().parents[2]
+_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
+_LAYOUT = {  # projection -> (out_features, in_features) of the tiny model
+    "self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256),
+    "self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256),
+    "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256), "mlp.down_proj": (256, 512),
+}
+_PROJECTIONS = [f"model.layers.{i}.{p}" for i in range(2) for p in _LAYOUT]
+# The refusal names the tensor and the field (whichever projection is checked first).
+_NOT_DIVISIBLE_96 = r"proj\.weight: in_features (256|512) is not divisible by group_size 96"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random float32 Llama saved by transformers, with a small word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("quant_src") / "model")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 1000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def _config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _check_copies(src: str, dst: str, deq: str, quantized_names: set[str]) -> None:
+    """Side files copied; every tensor but the projections' unchanged (values and dtype), in both
+    directories; the reference has the source's config and keys, its projections float32."""
+    for name in _SIDE_FILES:
+        assert os.path.isfile(os.path.join(src, name)), name
+        for out in (dst, deq):
+            assert Path(out, name).read_bytes() == Path(src, name).read_bytes(), (out, name)
+    source, quant, ref = _tensors(src), _tensors(dst), _tensors(deq)
+    plain = {n for n in source if not PROJECTION_RE.match(n)}
+    assert plain == {n for n in source if n.removesuffix(".weight") not in _PROJECTIONS}
+    assert "lm_head.weight" in plain and "model.embed_tokens.weight" in plain
+    for n in plain:
+        for out in (quant, ref):
+            assert out[n].dtype == source[n].dtype and torch.equal(out[n], source[n]), n
+    assert set(ref) == set(source)
+    for n in quantized_names:
+        assert ref[n].dtype == torch.float32 and ref[n].shape == source[n].shape
+    with_q = _config(dst)
+    assert with_q.pop("quantization_config")
+    assert with_q == _config(src) == _config(deq)
+
+
+def _unsigned(words: torch.Tensor) -> torch.Tensor:
+    """int32 words as their 32-bit unsigned patterns (int64)."""
+    return words.to(torch.int64) & 0xFFFFFFFF
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """[..., W] int32 -> [..., W, 8]: nibble i (bits 4i..4i+3) of each word."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    return (_unsigned(words).unsqueeze(-1) >> shifts) & 0xF
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors
+# ---------------------------------------------------------------------------------------------
+
+CT_CASES = [  # scheme, symmetric, format, weight strategy
+    ("fp8", True, "float-quantized", "channel"),
+    ("fp8-tensor", True, "float-quantized", "tensor"),
+    ("w8a8-int8", True, "int-quantized", "channel"),
+    ("w4a16", True, "pack-quantized", "group"),
+    ("w4a16", False, "pack-quantized", "group"),
+]
+
+
+def _ct_expected_files(scheme: str, symmetric: bool, out: int, inp: int,
+                       group: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    if scheme.startswith("fp8"):
+        scale = (out, 1) if scheme == "fp8" else (1,)
+        return {"weight": (torch.float8_e4m3fn, (out, inp)), "weight_scale": (torch.float32, scale)}
+    if scheme == "w8a8-int8":
+        return {"weight": (torch.int8, (out, inp)), "weight_scale": (torch.float32, (out, 1))}
+    files = {"weight_packed": (torch.int32, (out, inp // 8)),
+             "weight_scale": (torch.float32, (out, inp // group)),
+             "weight_shape": (torch.int64, (2,))}
+    if not symmetric:  # zero points packed 8 per int32 along the output dim
+        files["weight_zero_point"] = (torch.int32, (out // 8, inp // group))
+    return files
+
+
+@pytest.mark.parametrize("scheme,symmetric,fmt,strategy", CT_CASES,
+                         ids=[f"{c[0]}-{'sym' if c[1] else 'asym'}" for c in CT_CASES])
+def test_compressed_tensors(src: str, tmp_path: Path, scheme: str, symmetric: bool, fmt: str,
+                            strategy: str) -> None:
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    group = 128
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_compressed_tensors(src, dst, scheme, group_size=group, symmetric=symmetric,
+                             dequantized_dir=deq)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+
+    # config.json: what llm-compressor's save writes through the library.
+    qc = _config(dst)["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    assert qc["format"] == fmt and qc["quantization_status"] == "compressed"
+    assert qc["ignore"] == ["lm_head"] and qc["version"] == "0.20.1"
+    assert list(qc["config_groups"]) == ["group_0"]
+    group_0 = qc["config_groups"]["group_0"]
+    assert group_0["targets"] == ["Linear"] and group_0["format"] == fmt
+    weights, inputs = group_0["weights"], group_0["input_activations"]
+    assert weights["strategy"] == strategy and weights["symmetric"] == symmetric
+    assert weights["num_bits"] == (4 if scheme == "w4a16" else 8)
+    assert weights["type"] == ("float" if scheme.startswith("fp8") else "int")
+    assert weights["group_size"] == (group if scheme == "w4a16" else None)
+    if scheme == "w4a16":
+        assert inputs is None
+    else:
+        assert inputs["strategy"] == "token" and inputs["dynamic"] is True
+        assert inputs["num_bits"] == 8 and inputs["type"] == weights["type"]
+
+    # Files: the library's names, dtypes and shapes.
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    for proj in _PROJECTIONS:
+        out, inp = _LAYOUT[proj.split(".", 3)[3]]
+        expected = _ct_expected_files(scheme, symmetric, out, inp, group)
+        found = {k.removeprefix(proj + "."): v for k, v in quant.items()
+                 if k.startswith(proj + ".")}
+        assert {k: (v.dtype, tuple(v.shape)) for k, v in found.items()} == expected, proj
+        if "weight_shape" in found:
+            assert found["weight_shape"].tolist() == [out, inp]
+
+    # transformers decompresses the directory to exactly the reference's weights...
+    model = AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32)
+    loaded = model.state_dict()
+    for name in names:
+        torch.testing.assert_close(loaded[name], ref[name], rtol=1e-6, atol=1e-7)
+    # ... and runs as the float reference does.
+    plain = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    ids = torch.tensor([[1, 17, 250, 999, 3, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+    # The reference is within the method's rounding error of the float weights.
+    for name in names:
+        w, d = source[name], ref[name]
+        err = (d - w).abs()
+        scale = quant[name.removesuffix("weight") + "weight_scale"].float()
+        if strategy == "group":
+            scale = scale.repeat_interleave(group, dim=1)
+        scale = scale.expand_as(w)
+        if scheme.startswith("fp8"):
+            # e4m3: 3 mantissa bits (half an ulp is 2^-4 relative), subnormals below 2^-6.
+            assert (err <= w.abs() * 2**-4 + scale * 2**-10 + 1e-7).all(), name
+        else:
+            # int: symmetric s = absmax / ((2^bits - 1) / 2) with q in [-2^(bits-1),
+            # 2^(bits-1) - 1] (llm-compressor's convention: +-absmax land half a step outside
+            # and round or clip back by half a step); asymmetric s = (max - min) / (2^bits - 1)
+            # with a rounded zero point: every element within half a step.
+            assert (err <= scale * 0.5 * (1 + 1e-4)).all(), name  # float32 rounding of w / s
+
+
+def test_compressed_tensors_refuses(src: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=_NOT_DIVISIBLE_96):
+        write_compressed_tensors(src, str(tmp_path / "a"), "w4a16", group_size=96)
+    with pytest.raises(ValueError, match="lm_head"):
+        write_compressed_tensors(src, str(tmp_path / "b"), "fp8", ignore=())
+    with pytest.raises(ValueError, match="scheme"):
+        write_compressed_tensors(src, str(tmp_path / "c"), "int3")
+    with pytest.raises(ValueError, match="symmetric"):
+        write_compressed_tensors(src, str(tmp_path / "d"), "fp8", symmetric=False)
+    assert not os.listdir(tmp_path)  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM fp8 (AutoFP8)
+# ---------------------------------------------------------------------------------------------
+
+def test_fp8(src: str, tmp_path: Path) -> None:
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_fp8(src, dst, dequantized_dir=deq)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+    assert _config(dst)["quantization_config"] == {"quant_method": "fp8",
+                                                   "activation_scheme": "dynamic"}
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    for proj in _PROJECTIONS:
+        w, s = quant[proj + ".weight"], quant[proj + ".weight_scale"]
+        assert w.dtype == torch.float8_e4m3fn and w.shape == _LAYOUT[proj.split(".", 3)[3]]
+        assert s.dtype == torch.float32 and s.shape == ()
+        assert {k for k in quant if k.startswith(proj + ".")} == {proj + ".weight",
+                                                                 proj + ".weight_scale"}
+        assert torch.equal(ref[proj + ".weight"], w.float() * s)
+        orig = source[proj + ".weight"]
+        assert w.float().abs().max() == 448.0  # the scale maps absmax to e4m3's largest value
+        err = (ref[proj + ".weight"] - orig).abs()
+        assert (err <= orig.abs() * 2**-4 + s * 2**-10 + 1e-7).all(), proj
+
+
+# ---------------------------------------------------------------------------------------------
+# AutoAWQ GEMM
+# ---------------------------------------------------------------------------------------------
+
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble slot i holds column _AWQ_ORDER[i] of its block
+
+
+def _awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """[R, C // 8] int32 -> [R, C]: column 8c + _AWQ_ORDER[i] is nibble i of word c."""
+    nib = _nibbles(words)                                   # [R, C // 8, 8] by slot
+    out = torch.empty_like(nib)
+    out[:, :, _AWQ_ORDER] = nib
+    return out.flatten(1)
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq(src: str, tmp_path: Path, group: int) -> None:
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_awq(src, dst, group_size=group, dequantized_dir=deq)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+    assert _config(dst)["quantization_config"] == {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None}
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    for proj in _PROJECTIONS:
+        n, k = _LAYOUT[proj.split(".", 3)[3]]
+        qweight, qzeros, scales = (quant[f"{proj}.{x}"] for x in ("qweight", "qzeros", "scales"))
+        assert {x for x in quant if x.startswith(proj + ".")} == {
+            f"{proj}.qweight", f"{proj}.qzeros", f"{proj}.scales"}
+        assert qweight.dtype == torch.int32 and qweight.shape == (k, n // 8)
+        assert qzeros.dtype == torch.int32 and qzeros.shape == (k // group, n // 8)
+        assert scales.dtype == torch.float16 and scales.shape == (k // group, n)
+        q, z = _awq_unpack(qweight).float(), _awq_unpack(qzeros).float()   # [K, N], [G, N]
+        s = scales.float()
+        rows = torch.arange(k) // group
+        w_kn = (q - z[rows]) * s[rows]
+        torch.testing.assert_close(ref[proj + ".weight"], w_kn.t(), rtol=0, atol=0)
+        err = (w_kn.t() - source[proj + ".weight"]).abs()
+        # half a step, plus what rounding the scale to float16 can add at the top of the range
+        assert (err <= 0.5 * s[rows].t() * (1 + 2**-6)).all(), proj
+
+
+# ---------------------------------------------------------------------------------------------
+# AutoGPTQ / GPTQModel
+# ---------------------------------------------------------------------------------------------
+
+def _gptq_unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """[K // 8, N] int32 -> [K, N]: row 8w + i is nibble i of word row w."""
+    return _nibbles(words).permute(0, 2, 1).flatten(0, 1)
+
+
+def _gptq_unpack_cols(words: torch.Tensor) -> torch.Tensor:
+    """[G, N // 8] int32 -> [G, N]: column 8c + i is nibble i of word c."""
+    return _nibbles(words).flatten(1)
+
+
+GPTQ_CASES = [  # sym, desc_act, checkpoint_format, group
+    (True, False, "gptq", 128),
+    (False, False, "gptq", 64),
+    (True, True, "gptq", 128),
+    (False, True, "gptq", 64),
+    (False, False, "gptq_v2", 128),
+]
+
+
+@pytest.mark.parametrize("sym,desc_act,fmt,group", GPTQ_CASES,
+                         ids=[f"{'sym' if c[0] else 'asym'}-{'act' if c[1] else 'seq'}-{c[2]}-"
+                              f"g{c[3]}" for c in GPTQ_CASES])
+def test_gptq(src: str, tmp_path: Path, sym: bool, desc_act: bool, fmt: str,
+              group: int) -> None:
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_gptq(src, dst, group_size=group, sym=sym, desc_act=desc_act, dequantized_dir=deq,
+               checkpoint_format=fmt, seed=3)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+    assert _config(dst)["quantization_config"] == {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+        "sym": sym, "checkpoint_format": fmt, "static_groups": False, "true_sequential": True,
+        "damp_percent": 0.01}
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    for proj in _PROJECTIONS:
+        n, k = _LAYOUT[proj.split(".", 3)[3]]
+        g = k // group
+        parts = {x: quant[f"{proj}.{x}"] for x in ("qweight", "qzeros", "scales", "g_idx")}
+        assert {x for x in quant if x.startswith(proj + ".")} == {f"{proj}.{x}" for x in parts}
+        assert parts["qweight"].dtype == torch.int32 and parts["qweight"].shape == (k // 8, n)
+        assert parts["qzeros"].dtype == torch.int32 and parts["qzeros"].shape == (g, n // 8)
+        assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (g, n)
+        g_idx = parts["g_idx"]
+        assert g_idx.dtype == torch.int32 and g_idx.shape == (k,)
+        assert torch.bincount(g_idx.long(), minlength=g).tolist() == [group] * g
+        monotone = bool((g_idx[1:] >= g_idx[:-1]).all())
+        if desc_act:
+            assert not monotone
+        else:
+            assert torch.equal(g_idx.long(), torch.arange(k) // group)
+        q = _gptq_unpack_rows(parts["qweight"]).float()                    # [K, N]
+        stored = _gptq_unpack_cols(parts["qzeros"]).float()                # [G, N]
+        zeros = stored + 1 if fmt == "gptq" else stored
+        if sym:
+            assert (zeros == 8).all() and (stored == (7 if fmt == "gptq" else 8)).all()
+        s = parts["scales"].float()
+        rows = g_idx.long()
+        w_kn = (q - zeros[rows]) * s[rows]
+        torch.testing.assert_close(ref[proj + ".weight"], w_kn.t(), rtol=0, atol=0)
+        err = (w_kn.t() - source[proj + ".weight"]).abs()
+        assert (err <= 0.5 * s[rows].t() * (1 + 2**-6)).all(), proj
+    if desc_act:  # the seed picks the permutation
+        again = str(tmp_path / "again")
+        write_gptq(src, again, group_size=group, sym=sym, desc_act=True, seed=3,
+                   checkpoint_format=fmt)
+        other = str(tmp_path / "other")
+        write_gptq(src, other, group_size=group, sym=sym, desc_act=True, seed=4,
+                   checkpoint_format=fmt)
+        key = _PROJECTIONS[0] + ".g_idx"
+        assert torch.equal(_tensors(again)[key], quant[key])
+        assert not torch.equal(_tensors(other)[key], quant[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes the formats cannot hold, and the command line
+# ---------------------------------------------------------------------------------------------
+
+def _one_projection(path: Path, weight: torch.Tensor) -> str:
+    """A checkpoint of one projection (enough for the writers, not for a model)."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"model.layers.0.mlp.down_proj.weight": weight}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _odd_model(path: Path, out_features: int, in_features: int) -> str:
+    return _one_projection(path, torch.randn(out_features, in_features))
+
+
+def test_one_signed_groups(tmp_path: Path) -> None:
+    """Groups whose weights are all >= 0 have a min-max zero point of 0: AWQ stores it as is;
+    GPTQ v1 cannot (it stores zero - 1), so the writer moves such a group to zero 1 with a
+    stretched scale, and every element still dequantizes to within half a step."""
+    torch.manual_seed(1)
+    weight = torch.randn(16, 64)
+    weight[:8, :32] = weight[:8, :32].abs()      # one-signed groups: rows 0..7 of group 0
+    src = _one_projection(tmp_path / "src", weight)
+    name = "model.layers.0.mlp.down_proj"
+
+    write_awq(src, str(tmp_path / "awq"), group_size=32, dequantized_dir=str(tmp_path / "awq_d"))
+    awq = _tensors(str(tmp_path / "awq"))
+    z = _awq_unpack(awq[name + ".qzeros"]).float()
+    assert (z[0, :8] == 0).all()
+    s = awq[name + ".scales"].float().repeat_interleave(32, dim=0).t()
+    err = (_tensors(str(tmp_path / "awq_d"))[name + ".weight"] - weight).abs()
+    assert (err <= 0.5 * s * (1 + 2**-6)).all()
+
+    for fmt, zero in (("gptq", 1), ("gptq_v2", 0)):
+        out, deq = str(tmp_path / fmt), str(tmp_path / (fmt + "_d"))
+        write_gptq(src, out, group_size=32, sym=False, checkpoint_format=fmt,
+                   dequantized_dir=deq)
+        gptq = _tensors(out)
+        stored = _gptq_unpack_cols(gptq[name + ".qzeros"]).float()
+        zeros = stored + 1 if fmt == "gptq" else stored
+        assert (zeros[0, :8] == zero).all(), fmt
+        q = _gptq_unpack_rows(gptq[name + ".qweight"]).float()
+        s = gptq[name + ".scales"].float()
+        rows = gptq[name + ".g_idx"].long()
+        w = ((q - zeros[rows]) * s[rows]).t()
+        assert torch.equal(w, _tensors(deq)[name + ".weight"])
+        assert ((w - weight).abs() <= 0.5 * s[rows].t() * (1 + 2**-6)).all(), fmt
+
+
+def test_refuses_shapes(src: str, tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=_NOT_DIVISIBLE_96):
+        write_awq(src, out, group_size=96)
+    with pytest.raises(ValueError, match=_NOT_DIVISIBLE_96):
+        write_gptq(src, out, group_size=96)
+    with pytest.raises(ValueError, match="group_size"):
+        write_gptq(src, out, group_size=0)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        write_gptq(src, out, checkpoint_format="marlin")
+    odd_out = _odd_model(tmp_path / "odd_out", 12, 256)
+    with pytest.raises(ValueError, match="down_proj.weight: out_features 12 is not divisible by 8"):
+        write_awq(odd_out, out)
+    with pytest.raises(ValueError, match="out_features 12 is not divisible by 8"):
+        write_gptq(odd_out, out)
+    odd_in = _odd_model(tmp_path / "odd_in", 16, 12)
+    with pytest.raises(ValueError, match="in_features 12 is not divisible by 8"):
+        write_gptq(odd_in, out, group_size=4)
+    with pytest.raises(ValueError, match="in_features 12 is not divisible by group_size 8"):
+        write_compressed_tensors(odd_in, out, "w4a16", group_size=8)
+    write_fp8(src, out)
+    with pytest.raises(ValueError, match="already quantized"):
+        write_fp8(out, str(tmp_path / "twice"))
+    assert not os.path.exists(tmp_path / "twice")
+
+
+def _cli() -> Any:
+    spec = importlib.util.spec_from_file_location("make_quant_checkpoint",
+                                                  ROOT / "tools" / "make_quant_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli(src: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli = _cli()
+    dst, deq = tmp_path / "gptq", tmp_path / "deq"
+    assert cli.main([src, str(dst), "--method", "gptq", "--group-size", "64", "--asym",
+                     "--desc-act", "--dequantized", str(deq)]) == 0
+    qc = _config(str(dst))["quantization_config"]
+    assert (qc["group_size"], qc["sym"], qc["desc_act"]) == (64, False, True)
+    assert os.path.isfile(deq / "model.safetensors")
+    assert cli.main([src, str(tmp_path / "ct"), "--method", "ct-w4a16", "--asym"]) == 0
+    group_0 = _config(str(tmp_path / "ct"))["quantization_config"]["config_groups"]["group_0"]
+    assert group_0["weights"]["symmetric"] is False
+    assert cli.main([src, str(tmp_path / "t"), "--method", "fp8-tensor"]) == 0
+    weights = _config(str(tmp_path / "t"))["quantization_config"]["config_groups"]["group_0"]
+    assert weights["weights"]["strategy"] == "tensor"
+    assert "wrote" in capsys.readouterr().out
+    assert cli.main([src, str(tmp_path / "bad"), "--method", "awq", "--group-size", "96"]) == 2
+    assert "group_size 96" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([src, str(tmp_path / "bad"), "--method", "fp8", "--asym"])
+    assert not os.path.exists(tmp_path / "bad")

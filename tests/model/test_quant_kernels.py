@@ -1,0 +1,173 @@
+"""The quantized linears' Triton kernels under the interpreter, against torch references:
+the W4A16 matmul (kernels/int4_matmul.py) at decode and prefill row counts, groups wider and
+narrower than a tile, with and without zero points and bias, split-K forced; the W4A16
+dequantizer; the skinny GEMV reading 8-bit weights with per-row scales (int8 and FP8 e4m3);
+int8 activation quantization. The interpreter's float32 -> FP8 conversion rounds wrongly (a
+value of 124 became 64), so FP8 activation quantization is checked on the GPU only
+(tests/gpu/test_gpu_quant.py).
+
+As in test_triton_gemv.py, the cases run in a child process with TRITON_INTERPRET=1 and
+report one JSON line each. Reference: float64 products of the dequantized weight.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from interpreter_harness import child_main, interpreter_results, rel_err
+
+CASES: list[dict[str, Any]] = []
+for _m, _n, _k, _g, _zero, _bias in [(1, 48, 64, 32, False, False), (3, 40, 128, 64, True, True),
+                                     (20, 24, 256, 128, True, False), (5, 16, 64, 64, False, True),
+                                     (2, 36, 64, 16, True, True), (40, 24, 96, 8, False, False)]:
+    CASES.append(dict(name=f"int4_m{_m}_n{_n}_k{_k}_g{_g}_z{int(_zero)}_b{int(_bias)}",
+                      kind="int4", M=_m, N=_n, K=_k, G=_g, zero=_zero, bias=_bias))
+CASES += [
+    dict(name="int4_split2", kind="int4", M=3, N=40, K=128, G=32, zero=True, bias=True,
+         config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)),
+    dict(name="int4_split4_m1", kind="int4", M=1, N=24, K=128, G=64, zero=False, bias=False,
+         config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=4)),
+    dict(name="int4_mins_g32", kind="int4", M=4, N=40, K=128, G=32, zero="mins", bias=True),
+    dict(name="int4_mins_g32_m1", kind="int4", M=1, N=24, K=64, G=32, zero="mins", bias=False),
+    dict(name="int8_group16", kind="int8g", M=3, N=40, K=96, G=16),
+    dict(name="int8_group32_m1", kind="int8g", M=1, N=24, K=128, G=32),
+    dict(name="int8_group32_m20", kind="int8g", M=20, N=24, K=64, G=32),
+    dict(name="dequant_int8_group16", kind="dequant8", N=24, K=64, G=16),
+    dict(name="dequant_int4_mins", kind="dequant", N=24, K=64, G=32, zero="mins"),
+    dict(name="dequant_int4_zero", kind="dequant", N=40, K=128, G=32, zero=True),
+    dict(name="dequant_int4_sym", kind="dequant", N=24, K=64, G=64, zero=False),
+]
+for _dt in ("int8", "float8_e4m3fn"):
+    for _m in (1, 3, 8):
+        CASES.append(dict(name=f"gemv8_{_dt}_m{_m}", kind="gemv8", wdtype=_dt, M=_m, N=37,
+                          K=96, bias=_m == 3))
+    CASES.append(dict(name=f"gateup8_{_dt}", kind="gateup8", wdtype=_dt, M=2, N=24, K=64))
+CASES.append(dict(name="act_int8", kind="act", M=7, K=100))
+CASES.append(dict(name="act_int8_static", kind="act", M=3, K=64, static=True))
+
+
+def _int4_weight(n: int, k: int, g: int, zero: bool | str) -> Any:
+    """`zero`: False (symmetric), True (integer zero points) or "mins" (GGUF's float
+    minimums, float32 scales as the GGUF planes keep them)."""
+    from folio.model.quant.formats import Int4Weight, pack_rows
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    if zero == "mins":
+        s = torch.rand(n, k // g) * 0.05 + 0.01
+        return Int4Weight(pack_rows(q), s, None, g, mins=-torch.rand(n, k // g) * 0.4)
+    s = (torch.rand(n, k // g) * 0.05 + 0.01).to(torch.float16)
+    z = torch.randint(0, 16, (n, k // g)).to(torch.float16) if zero else None
+    return Int4Weight(pack_rows(q), s, z, g)
+
+
+def _int8_weight(n: int, k: int, g: int) -> Any:
+    from folio.model.quant.formats import GroupInt8Weight
+    return GroupInt8Weight(torch.randint(-128, 128, (n, k), dtype=torch.int8),
+                           torch.rand(n, k // g) * 0.01 + 0.001, g)
+
+
+def _run(case: dict) -> dict:
+    from folio.model.kernels import act_quant, gemv, int4_matmul
+    torch.manual_seed(0)
+    kind = case["kind"]
+    if kind == "int4":
+        w = _int4_weight(case["N"], case["K"], case["G"], case["zero"])
+        # a strided row view of x: the kernel takes rows with any stride
+        x = torch.randn(case["M"], case["K"] + 8, dtype=torch.float16)[:, 4:case["K"] + 4]
+        bias = torch.randn(case["N"], dtype=torch.float16) if case["bias"] else None
+        out = int4_matmul.int4_matmul(x, w.packed, w.scales, w.zeros, w.group_size, bias,
+                                      mins=w.mins, _config=case.get("config"))
+        ref = x.double() @ w.dequantize().double().t()
+        if bias is not None:
+            ref = ref + bias.double()
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "nan": bool(torch.isnan(out).any())}
+    if kind == "int8g":
+        w = _int8_weight(case["N"], case["K"], case["G"])
+        x = torch.randn(case["M"], case["K"], dtype=torch.float16)
+        out = int4_matmul.int4_matmul(x, w.codes, w.scales, None, w.group_size, bits=8)
+        ref = x.double() @ w.dequantize().double().t()
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "nan": bool(torch.isnan(out).any())}
+    if kind == "dequant8":
+        w = _int8_weight(case["N"], case["K"], case["G"])
+        out = int4_matmul.dequantize_int4(w.codes, w.scales, None, w.group_size,
+                                          torch.float16, bits=8)
+        ref = w.dequantize().to(torch.float16)
+        return {"name": case["name"], "err": float((out.float() - ref.float()).abs().max()),
+                "nan": bool(torch.isnan(out).any())}
+    if kind == "dequant":
+        w = _int4_weight(case["N"], case["K"], case["G"], case["zero"])
+        out = int4_matmul.dequantize_int4(w.packed, w.scales, w.zeros, w.group_size,
+                                          torch.float16, mins=w.mins)
+        ref = w.dequantize().to(torch.float16)
+        return {"name": case["name"], "err": float((out.float() - ref.float()).abs().max()),
+                "nan": bool(torch.isnan(out).any())}
+    if kind in ("gemv8", "gateup8"):
+        dtype = getattr(torch, case["wdtype"])
+        rows = case["N"] * (2 if kind == "gateup8" else 1)
+        w = torch.randn(rows, case["K"])
+        qmax = 127.0 if dtype == torch.int8 else 448.0
+        scale = w.abs().amax(dim=1) / qmax
+        scaled = w / scale[:, None]
+        codes = scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
+        deq = codes.double() * scale.double()[:, None]
+        x = torch.randn(case["M"], case["K"], dtype=torch.float16)
+        if kind == "gemv8":
+            bias = torch.randn(rows, dtype=torch.float16) if case["bias"] else None
+            out = gemv.skinny_matmul(x, codes, bias, scale=scale.float().contiguous())
+            ref = x.double() @ deq.t() + (bias.double() if bias is not None else 0)
+        else:
+            out = gemv.skinny_gate_up_silu(x, codes, scale=scale.float().contiguous())
+            gu = (x.double() @ deq.t()).to(torch.float16).double()
+            gate, up = gu[:, :case["N"]], gu[:, case["N"]:]
+            ref = torch.nn.functional.silu(gate) * up
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "nan": bool(torch.isnan(out).any())}
+    if kind == "act":
+        x = torch.randn(case["M"], case["K"], dtype=torch.float16) * 3
+        static = torch.tensor(0.05) if case.get("static") else None
+        codes, scale = act_quant.quantize_activations(x, torch.int8, static)
+        ref_codes, ref_scale = act_quant.quantize_activations_reference(x, torch.int8, static)
+        return {"name": case["name"],
+                "code_diff": float((codes.float() - ref_codes.float()).abs().max()),
+                "scale_err": float(((scale - ref_scale).abs() / ref_scale).max()),
+                "nan": False}
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return interpreter_results(__file__)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
+    res = results.get(case["name"])
+    assert res is not None, f"no result for {case['name']}:\n{results['_stderr']}"
+    assert "error" not in res, res["error"]
+    assert not res["nan"], "unwritten (NaN) outputs"
+    if case["kind"] == "act":
+        # the kernel multiplies by 1/scale where the reference divides: a tie may round apart
+        assert res["code_diff"] <= 1.0 and res["scale_err"] < 1e-6, res
+    elif case["kind"] in ("dequant", "dequant8"):
+        assert res["err"] == 0.0, res
+    else:
+        # fp16 activations and fp16-rounded weights in the tensor-core product
+        assert res["err"] < 2e-3, res
+
+
+def test_int4_refuses_bad_shapes() -> None:
+    pytest.importorskip("triton")
+    from folio.model.kernels.int4_matmul import int4_matmul
+    packed = torch.zeros(8, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="x \\[M, 64\\]"):
+        int4_matmul(torch.zeros(1, 32, dtype=torch.float16), packed,
+                    torch.ones(8, 2, dtype=torch.float16), None, 32)
+    with pytest.raises(ValueError, match="scales"):
+        int4_matmul(torch.zeros(1, 64, dtype=torch.float16), packed,
+                    torch.ones(8, 3, dtype=torch.float16), None, 32)
+
+
+if __name__ == "__main__":
+    child_main(CASES, _run)

@@ -1,0 +1,331 @@
+"""Quantized checkpoints as users have them (compressed-tensors FP8 / INT8 / W4A16, AutoFP8,
+AWQ, GPTQ with and without act-order, v1 and v2 zeros), written by folio.bench.quant_checkpoints
+(the compressed-tensors library itself for its formats) from a tiny random Llama and from the
+real SmolLM2, read by folio's loader:
+
+- every projection folio loads equals the writer's dequantized copy exactly (the format read
+  right: packing order, zero-point conventions, act-order permutations, merged shards);
+- through the engine (LLM.generate, CPU), greedy tokens equal transformers' on the same model
+  dequantized, up to near-ties;
+- SmolLM2's perplexity within the issue's bounds of the float model's (FP8 and INT8 1 %,
+  INT4 5 %);
+- the W8A8 reference arithmetic (activations fake-quantized per token) within FP8's / INT8's
+  error of the float product;
+- a config folio cannot run is refused naming the method and the field; a checkpoint missing a
+  quantized tensor is refused naming it; --quantization must match the checkpoint's.
+The GPU kernels' side is tests/gpu/test_gpu_quant.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from folio.model.discovery import ModelSource, load_hf_config, resolve_quantization
+from folio.model.layers import Linear
+from folio.model.loader import load_model
+from model_utils import (check_greedy_close, folio_position_dict, hf_greedy_batch,
+                         top_k_dict, torch_threads)
+
+CPU = torch.device("cpu")
+GROUP = 32   # the tiny model's K is 64 or 128
+
+
+def _writers(group: int) -> dict[str, Callable[[str, str, str], None]]:
+    from folio.bench import quant_checkpoints as qc
+    return {
+        "ct-fp8": lambda s, d, q: qc.write_compressed_tensors(s, d, "fp8", dequantized_dir=q),
+        "ct-fp8-tensor": lambda s, d, q: qc.write_compressed_tensors(s, d, "fp8-tensor",
+                                                                     dequantized_dir=q),
+        "ct-w8a8-int8": lambda s, d, q: qc.write_compressed_tensors(s, d, "w8a8-int8",
+                                                                    dequantized_dir=q),
+        "ct-w4a16": lambda s, d, q: qc.write_compressed_tensors(s, d, "w4a16", group_size=group,
+                                                                dequantized_dir=q),
+        "ct-w4a16-asym": lambda s, d, q: qc.write_compressed_tensors(
+            s, d, "w4a16", group_size=group, symmetric=False, dequantized_dir=q),
+        "fp8": lambda s, d, q: qc.write_fp8(s, d, dequantized_dir=q),
+        "awq": lambda s, d, q: qc.write_awq(s, d, group_size=group, dequantized_dir=q),
+        "gptq": lambda s, d, q: qc.write_gptq(s, d, group_size=group, dequantized_dir=q),
+        "gptq-asym": lambda s, d, q: qc.write_gptq(s, d, group_size=group, sym=False,
+                                                   dequantized_dir=q),
+        "gptq-act-order": lambda s, d, q: qc.write_gptq(s, d, group_size=group, desc_act=True,
+                                                        dequantized_dir=q),
+        "gptq-v2": lambda s, d, q: qc.write_gptq(s, d, group_size=group, sym=False,
+                                                 checkpoint_format="gptq_v2",
+                                                 dequantized_dir=q),
+    }
+
+
+FORMATS = list(_writers(GROUP))
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_model_dir: Callable[[str], str],
+                   tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, str]]:
+    """Factory: format -> (quantized dir, dequantized float dir) of the tiny llama."""
+    src = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("quantized")
+    built: dict[str, tuple[str, str]] = {}
+
+    def get(fmt: str) -> tuple[str, str]:
+        if fmt not in built:
+            dst, deq = str(root / fmt), str(root / f"{fmt}-dequantized")
+            _writers(GROUP)[fmt](src, dst, deq)
+            built[fmt] = (dst, deq)
+        return built[fmt]
+
+    return get
+
+
+def _load(path: str, quantization: str | None = None, max_len: int = 256) -> nn.Module:
+    source = ModelSource("hf_dir", path)
+    hf_config, _ = load_hf_config(source)
+    method = resolve_quantization(quantization, source, "cpu", hf_config)
+    return load_model(source, hf_config, torch.float32, CPU, max_len, quantization=method)[0]
+
+
+def _weight(module: Linear) -> torch.Tensor:
+    return module.packed.dequantize() if module.packed is not None else module.weight.float()
+
+
+_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_read_exactly(quantized_dirs, fmt: str) -> None:
+    """Each projection (merged ones as their shards stacked) equals the dequantized copy; the
+    CPU keeps 4-bit weights as 4-bit planes and int8 as int8 rows (C++ kernels), FP8
+    dequantized."""
+    qdir, deq = quantized_dirs(fmt)
+    with torch_threads(1):
+        model = _load(qdir)
+    ref = load_file(os.path.join(deq, "model.safetensors"))
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, leaf = name.rsplit(".", 1)
+        parts = _SHARDS.get(leaf, (leaf,))
+        want = torch.cat([ref[f"model.{prefix}.{p}.weight"].float() for p in parts])
+        got = _weight(module)
+        scale = want.abs().max()
+        assert float((got - want).abs().max()) <= 1e-6 * float(scale), (fmt, name)
+        if "w4a16" in fmt or fmt.startswith(("awq", "gptq")) or "int8" in fmt:
+            assert module.packed is not None and module.weight.numel() == 0, (fmt, name)
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w8a8-int8", "ct-w4a16-asym", "awq",
+                                 "gptq-act-order"])
+def test_engine_greedy_matches_transformers(quantized_dirs, fmt: str) -> None:
+    """LLM.generate on the quantized directory against transformers on the same weights
+    dequantized: equal greedy tokens up to near-ties (vLLM's rule)."""
+    from folio import LLM, SamplingParams
+    qdir, deq = quantized_dirs(fmt)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 19, 45)]
+    with torch_threads(1):
+        llm = LLM(model=qdir, dtype="float32", device="cpu", max_model_len=256,
+                  num_gpu_blocks_override=64)
+        try:
+            expected = json.load(open(os.path.join(qdir, "config.json")))[
+                "quantization_config"]["quant_method"]
+            assert llm.llm_engine.engine_core.executor.worker.quantization == expected
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+            outs = [o.outputs[0] for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+        ref = hf_greedy_batch(deq, prompts, 12)
+    equal = 0
+    for i, (a, b) in enumerate(zip(outs, ref)):
+        parted = check_greedy_close(a.token_ids, b.token_ids,
+                                    [folio_position_dict(p) for p in a.logprobs],
+                                    [top_k_dict(row) for row in b.logprobs],
+                                    name=f"{fmt} prompt {i}")
+        equal += parted is None
+    assert equal >= 2, f"{fmt}: {equal} of 3 answers equal"
+
+
+# ---- the W8A8 reference arithmetic ------------------------------------------------------------
+
+@pytest.mark.parametrize("act", ["fp8", "int8"])
+def test_w8a8_reference_error(act: str) -> None:
+    """EightBitLinear.reference: activations quantized per token (or with a static scale),
+    the weight per channel: the product within the formats' error of the float one (FP8 e4m3:
+    3 mantissa bits, ~2^-5 relative per operand; INT8: half a step of max/127)."""
+    from folio.model.quant.eight_bit_linear import EightBitLinear
+    from folio.model.quant.formats import EightBitWeight, quantize_fp8_per_channel
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    x = torch.randn(7, 128)
+    if act == "fp8":
+        q = quantize_fp8_per_channel(w)
+    else:
+        scale = w.abs().amax(dim=1) / 127
+        q = EightBitWeight(torch.round(w / scale[:, None]).to(torch.int8), scale)
+    layer = EightBitLinear(q, act)
+    ref = x @ w.t()
+    err = float((layer.reference(x) - ref).norm() / ref.norm())
+    assert err < (0.05 if act == "fp8" else 0.01), err
+    # the same through forward (CPU: the reference), with a bias and 3-D input
+    bias = torch.randn(96)
+    out = layer(x.view(1, 7, 128), bias)
+    assert out.shape == (1, 7, 96)
+    assert torch.allclose(out[0], layer.reference(x, bias))
+    # static activation scale: every row quantized with it
+    static = EightBitLinear(EightBitWeight(q.codes, q.scale, x.abs().max() / 100),
+                            act)
+    err = float((static.reference(x) - ref).norm() / ref.norm())
+    assert err < (0.05 if act == "fp8" else 0.02), err
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+class _Config:
+    def __init__(self, qc: dict | None) -> None:
+        if qc is not None:
+            self.quantization_config = qc
+
+
+_CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
+           "quantization_status": "compressed", "ignore": ["lm_head"],
+           "config_groups": {"group_0": {
+               "targets": ["Linear"],
+               "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                           "symmetric": True, "dynamic": False},
+               "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                     "symmetric": True, "dynamic": True}}}}
+
+
+def _ct(**changes: Any) -> dict:
+    qc = json.loads(json.dumps(_CT_FP8))
+    group = qc["config_groups"]["group_0"]
+    for key, value in changes.items():
+        if key in ("weights", "input_activations"):
+            group[key].update(value)
+        else:
+            qc[key] = value
+    return qc
+
+
+@pytest.mark.parametrize("qc, field", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "quantization_config.bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "quantization_config.group_size"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+     "quantization_config.checkpoint_format"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "quantization_config.version"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "quantization_config.bits"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+     "quantization_config.weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "sometimes"},
+     "quantization_config.activation_scheme"),
+    ({"quant_method": "bitsandbytes"}, "quantization_config.quant_method"),
+    (_ct(weights={"strategy": "block"}), "config_groups.group_0.weights.strategy"),
+    (_ct(weights={"num_bits": 4}), "config_groups.group_0.weights.num_bits"),
+    (_ct(input_activations={"strategy": "group"}),
+     "config_groups.group_0.input_activations.strategy"),
+    (_ct(format="pack-quantized"), "quantization_config.format"),
+    (_ct(quantization_status="initialized"), "quantization_config.quantization_status"),
+])
+def test_unsupported_config_is_refused(qc: dict, field: str) -> None:
+    source = ModelSource("hf_dir", "/nonexistent")
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
+        resolve_quantization(None, source, "cuda", _Config(qc))
+    method = qc["quant_method"]
+    if method != "bitsandbytes":
+        assert repr(method) in str(info.value)
+
+
+def test_method_must_match_the_checkpoint() -> None:
+    source = ModelSource("hf_dir", "/nonexistent")
+    assert resolve_quantization(None, source, "cuda", _Config(_CT_FP8)) == "compressed-tensors"
+    assert resolve_quantization("compressed-tensors", source, "cpu",
+                                _Config(_CT_FP8)) == "compressed-tensors"
+    with pytest.raises(ValueError, match="does not match the checkpoint's quantization_config"):
+        resolve_quantization("fp8", source, "cuda", _Config(_CT_FP8))
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert resolve_quantization("gptq", source, "cuda", _Config(gptq)) == "gptq"
+    for method in ("awq", "gptq", "compressed-tensors"):
+        with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
+            resolve_quantization(method, source, "cuda", _Config(None))
+    assert resolve_quantization("fp8", source, "cuda", _Config(None)) == "fp8"  # on load
+
+
+def test_vllm_method_aliases() -> None:
+    import argparse
+
+    from folio.config import ModelConfig
+    from folio.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+    assert ModelConfig(quantization="awq_marlin").quantization == "awq"
+    assert ModelConfig(quantization="GPTQ_Marlin").quantization == "gptq"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs_from_args(parser.parse_args(["-q", "gptq_marlin"]))[
+        "quantization"] == "gptq"
+    assert engine_kwargs_from_args(parser.parse_args(["-q", "fp8"]))["quantization"] == "fp8"
+
+
+def test_missing_quantized_tensor_is_named(quantized_dirs, monkeypatch) -> None:
+    from folio.model import loader
+    qdir, _ = quantized_dirs("awq")
+    read = loader.iter_checkpoint_weights
+
+    def without(source):
+        return ((n, t) for n, t in read(source)
+                if n != "model.layers.1.self_attn.k_proj.qzeros")
+
+    monkeypatch.setattr(loader, "iter_checkpoint_weights", without)
+    with pytest.raises(ValueError, match=r"lacks quantized tensors: "
+                                         r"\['model\.layers\.1\.self_attn\.k_proj\.\{qzeros\}"):
+        _load(qdir)
+
+
+def test_on_load_fp8(tiny_model_dir: Callable[[str], str]) -> None:
+    """--quantization fp8 on a float checkpoint: each projection per-channel FP8 (on the CPU
+    kept dequantized), within e4m3's half-step of the float weight."""
+    path = tiny_model_dir("llama")
+    with torch_threads(1):
+        plain, q = _load(path, "none"), _load(path, "fp8")
+    for name, module in q.named_modules():
+        if isinstance(module, Linear):
+            ref = plain.get_submodule(name).weight
+            step = ref.abs().amax(dim=1, keepdim=True) / 448 * 32  # e4m3's widest step
+            assert torch.all((module.weight - ref).abs() <= step / 2 + 1e-8), name
+            assert not torch.equal(module.weight, ref), name
+
+
+# ---- SmolLM2: perplexity of real weights --------------------------------------------------------
+
+# Bounds from the issue: FP8 and INT8 within 1 % of the float model's perplexity, INT4 within
+# 5 %. SmolLM2's hidden size 576 is not a multiple of 128: INT4 uses groups of 64.
+_PPL_BOUNDS = {"ct-fp8": 0.01, "ct-w8a8-int8": 0.01, "ct-w4a16": 0.05, "gptq": 0.05}
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("smollm2_quantized")
+    writers = _writers(64)
+
+    def get(fmt: str) -> str:
+        dst = str(root / fmt)
+        if not os.path.isdir(dst):
+            writers[fmt](smollm2_dir, dst, None)
+        return dst
+
+    return get
+
+
+@pytest.mark.parametrize("fmt", list(_PPL_BOUNDS))
+def test_smollm2_perplexity(smollm2_dir: str, smollm2_quantized, fmt: str) -> None:
+    from gguf_cases import license_ids, perplexity
+    ids = license_ids()
+    plain = _load(smollm2_dir, "none", 512)
+    q = _load(smollm2_quantized(fmt), None, 512)
+    got, ref = perplexity(q, ids), perplexity(plain, ids)
+    assert 1.5 < ref < 50, ref
+    assert abs(got / ref - 1) < _PPL_BOUNDS[fmt], (fmt, got, ref)

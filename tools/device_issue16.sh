@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
+#   PART=first|second|kernels bash tools/device_issue16.sh
+# Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
+# `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
+# models). Logs and JSON go to $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD FOLIO_CACHE_DIR=/tmp/folio-cache HF_HUB_OFFLINE=1
+export FOLIO_RANDOM_TOKENIZER=$PWD/device_tokenizer PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+step() {  # step SECONDS NAME CMD...: the command (at most SECONDS) into $OUT/NAME.log, and
+          # its summary lines here
+  local limit=$1 name=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"
+  grep -E "latency:|decode:|roofline|Throughput|output tok/s|TTFT|prefill|passed|failed|Error|error" \
+      "$OUT/$name.log" | tail -12
+}
+LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128 --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
+THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
+TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
+case "${PART:-tests}" in
+first)  # the quantized linears' GPU tests, then batch-1 decode bf16 / FP8 / W4A16
+  step 270 gpu_quant_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py
+  step 170 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
+  step 120 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
+second)  # the engine tests again, the FP8 KV cache's GPU tests, W4A16 decode, offline
+         # throughput, 8k TTFT, the copy-bandwidth probe
+  python3 - <<'PY'
+import torch
+for gib in (1, 4, 8):
+    n = (gib << 30) // 4
+    a = torch.empty(n, device="cuda").fill_(1); b = torch.empty_like(a)
+    best = {}
+    for kind in ("copy_", "add"):
+        ts = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a) if kind == "copy_" else torch.add(a, 0.0, out=b)
+            e.record(); e.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+        best[kind] = 2 * n * 4 / min(ts) / 1e12
+    print(f"copy bandwidth {gib} GiB: " + ", ".join(f"{k} {v:.3f} TB/s" for k, v in best.items()))
+    del a, b
+PY
+  step 80 gpu_fp8_kv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      $(ls tests/gpu/test_fp8_kv_cache*.py 2>/dev/null)
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 110 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
+  step 90 thr_fp8 $THR --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/thr_fp8.json"
+  step 45 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 45 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
+  step 100 gpu_engine_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -s \
+      tests/gpu/test_gpu_quant.py -k engine
+  grep "before the first difference" "$OUT/gpu_engine_tests.log" ;;
+kernels)
+  step 300 kernels python3 tools/gpu_check_quant.py --m 1,16,64,4096 --json "$OUT/kernels.json"
+  cut -c1-220 "$OUT/kernels.log" ;;
+esac

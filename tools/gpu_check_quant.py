@@ -1,0 +1,127 @@
+"""GPU timing of the quantized linears against bf16, at Llama-3-8B's projection shapes.
+
+Run on the GPU machine from the repository root:
+    python tools/gpu_check_quant.py [--m 1,4,8,16,64,256,4096] [--json OUT]
+
+For each projection (qkv, o, gate_up, down) and row count M, the time per call of:
+  bf16      folio's Linear (skinny GEMV at M=1, cuBLAS otherwise)
+  fp8       EightBitLinear, FP8 W8A8 (skinny GEMV to M=8; per-token activation quantization +
+            torch._scaled_mm beyond)
+  fp8-mm    torch._scaled_mm alone (activations already quantized: cuBLASLt's share)
+  int8      EightBitLinear, INT8 W8A8 (skinny GEMV to M=8; torch._int_mm beyond)
+  int4      GroupQuantLinear, W4A16 group 128 (folio's Triton kernel; dequantize + cuBLAS from
+            DEQUANT_MIN_ROWS rows)
+  int4-tri  the Triton kernel alone at every M (to place DEQUANT_MIN_ROWS)
+  tinygemm  torch's _weight_int4pack_mm (group 128), the issue's baseline, where it runs
+Each time is a CUDA graph of back-to-back calls, each on its own copy of the weights (larger
+than the L2 together, as a model's layers are). Prints µs and the weight bytes per second as a
+fraction of the best large-copy bandwidth (folio.bench.roofline.measure_copy_bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from folio.bench.roofline import measure_copy_bandwidth  # noqa: E402
+from folio.model.layers import Linear  # noqa: E402
+from folio.model.quant.eight_bit_linear import EightBitLinear  # noqa: E402
+from folio.model.quant.formats import (EightBitWeight, Int4Weight, pack_rows,  # noqa: E402
+                                       quantize_fp8_per_channel)
+from folio.model.quant.group_linear import GroupQuantLinear  # noqa: E402
+from folio.model.kernels.int4_matmul import int4_matmul  # noqa: E402
+from tools.gpu_check_gemv import graph_time_us  # noqa: E402
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336)]
+CUDA = torch.device("cuda")
+
+
+def _copies(n: int, k: int, bytes_per_weight: float) -> int:
+    """Enough copies of a weight to overflow the L2 (several hundred MB in all)."""
+    return max(2, min(16, int(600e6 // (n * k * bytes_per_weight))))
+
+
+def _int4(n: int, k: int) -> Int4Weight:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=CUDA)
+    s = (torch.rand(n, k // 128, device=CUDA) * 0.004 + 0.001).to(torch.bfloat16)
+    return Int4Weight(pack_rows(q), s, None, 128)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", default="1,4,8,16,64,256,4096")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    bandwidth = measure_copy_bandwidth("cuda")
+    print(f"copy bandwidth (best of 4 GiB copies): {bandwidth / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, device=CUDA) * 0.02
+        c16, c8, c4 = _copies(n, k, 2), _copies(n, k, 1), _copies(n, k, 0.5)
+        bf16 = [Linear(k, n, bias=False, device=CUDA, dtype=torch.bfloat16) for _ in range(c16)]
+        fp8 = [EightBitLinear(quantize_fp8_per_channel(w), "fp8") for _ in range(c8)]
+        scale = w.abs().amax(dim=1) / 127
+        int8 = [EightBitLinear(EightBitWeight(torch.round(w / scale[:, None]).to(torch.int8),
+                                              scale), "int8") for _ in range(c8)]
+        int4 = [GroupQuantLinear(_int4(n, k)) for _ in range(c4)]
+        tiny = []
+        try:
+            wq = torch.randint(0, 16, (n, k), dtype=torch.int32, device=CUDA)
+            packed = torch._convert_weight_to_int4pack(
+                (wq[:, ::2] << 4 | wq[:, 1::2]).to(torch.uint8), 8)
+            sz = torch.rand(k // 128, n, 2, device=CUDA, dtype=torch.bfloat16)
+            tiny = [(packed.clone(), sz) for _ in range(c4)]
+        except Exception as exc:  # noqa: BLE001 - a baseline only
+            print(f"tinygemm unavailable: {exc!r}", flush=True)
+        del w
+        for m in ms:
+            x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+            xq = torch.randn(m, k, device=CUDA).to(torch.float8_e4m3fn)
+            xs = torch.ones(m, 1, device=CUDA)
+            cases = {
+                "bf16": ([lambda l=l: l(x) for l in bf16], 2.0),
+                "fp8": ([lambda l=l: l(x) for l in fp8], 1.0),
+                "fp8-mm": ([lambda l=l: torch._scaled_mm(xq, l.codes.t(), scale_a=xs,
+                                                         scale_b=l.scale.view(1, -1),
+                                                         out_dtype=torch.bfloat16)
+                            for l in fp8], 1.0) if m >= 16 else None,
+                "int8": ([lambda l=l: l(x) for l in int8], 1.0),
+                "int4": ([lambda l=l: l(x) for l in int4], 0.5 + 2 / 128),
+                "int4-tri": ([lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128)
+                              for l in int4], 0.5 + 2 / 128),
+                "tinygemm": ([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
+                              for p in tiny], 0.5 + 4 / 128) if tiny else None,
+            }
+            line = [f"{name:8s} M={m:5d}"]
+            for label, case in cases.items():
+                if case is None:
+                    continue
+                fns, bpw = case
+                try:
+                    us = graph_time_us(fns)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    line.append(f"{label} ERR {type(exc).__name__}")
+                    continue
+                frac = n * k * bpw / (us * 1e-6) / bandwidth
+                flops = 2 * m * n * k / (us * 1e-6)
+                rows.append({"proj": name, "N": n, "K": k, "M": m, "kind": label, "us": us,
+                             "fraction_of_copy_bw": frac, "tflops": flops / 1e12})
+                line.append(f"{label} {us:8.1f}us {100 * frac:5.1f}% {flops / 1e12:6.1f}TF")
+            print(" | ".join(line), flush=True)
+        del bf16, fp8, int8, int4, tiny
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

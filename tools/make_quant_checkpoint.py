@@ -1,0 +1,82 @@
+"""Write a quantized copy of a float Hugging Face checkpoint in a format users download, with no
+download and no calibration (round-to-nearest; see folio/bench/quant_checkpoints.py):
+
+    python tools/make_quant_checkpoint.py SRC DST --method METHOD [--group-size N] [--asym]
+        [--desc-act] [--dequantized DIR]
+
+Methods:
+  fp8             vLLM "fp8" as AutoFP8 writes it (per-tensor FP8 weights, dynamic activations)
+  fp8-tensor      the same as ct-fp8-tensor
+  ct-fp8          compressed-tensors FP8, per-channel weight scales, dynamic per-token FP8 inputs
+  ct-fp8-tensor   compressed-tensors FP8, one weight scale per tensor, dynamic per-token inputs
+  ct-w8a8-int8    compressed-tensors int8 per-channel weights, dynamic per-token int8 inputs
+  ct-w4a16        compressed-tensors int4 group weights (--asym: with zero points)
+  awq             AutoAWQ GEMM int4 (always with zero points)
+  gptq            AutoGPTQ int4 (--asym: with zero points; --desc-act: act-order g_idx)
+
+--dequantized DIR also writes the same model as a plain float checkpoint whose projections are
+the dequantized values of what was written (a reference for comparing loaders).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from folio.bench.quant_checkpoints import (write_awq, write_compressed_tensors, write_fp8,
+                                           write_gptq)
+
+METHODS = ("fp8", "fp8-tensor", "ct-fp8", "ct-fp8-tensor", "ct-w8a8-int8", "ct-w4a16", "awq",
+           "gptq")
+# Group size is a knob of the int4 methods only; --asym of ct-w4a16 and gptq.
+_GROUPED = ("ct-w4a16", "awq", "gptq")
+_ASYM = ("ct-w4a16", "gptq")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Write a quantized checkpoint (compressed-tensors, fp8, AWQ, GPTQ) from a "
+                    "float Hugging Face directory.")
+    parser.add_argument("src", help="float Hugging Face model directory (safetensors)")
+    parser.add_argument("dst", help="directory to write the quantized checkpoint to")
+    parser.add_argument("--method", required=True, choices=METHODS)
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="input channels per scale group (ct-w4a16, awq, gptq; default 128)")
+    parser.add_argument("--asym", action="store_true",
+                        help="asymmetric weights with zero points (ct-w4a16, gptq)")
+    parser.add_argument("--desc-act", action="store_true",
+                        help="gptq: act-order groups (a seeded permutation; g_idx not monotone)")
+    parser.add_argument("--dequantized", metavar="DIR", default=None,
+                        help="also write the dequantized model as a float checkpoint here")
+    args = parser.parse_args(argv)
+
+    method = "ct-fp8-tensor" if args.method == "fp8-tensor" else args.method
+    if args.group_size != 128 and method not in _GROUPED:
+        parser.error(f"--group-size applies to {', '.join(_GROUPED)}, not {args.method}")
+    if args.asym and method not in _ASYM:
+        parser.error(f"--asym applies to {', '.join(_ASYM)}, not {args.method}")
+    if args.desc_act and method != "gptq":
+        parser.error(f"--desc-act applies to gptq, not {args.method}")
+
+    try:
+        if method == "fp8":
+            write_fp8(args.src, args.dst, dequantized_dir=args.dequantized)
+        elif method.startswith("ct-"):
+            write_compressed_tensors(args.src, args.dst, method.removeprefix("ct-"),
+                                     group_size=args.group_size, symmetric=not args.asym,
+                                     dequantized_dir=args.dequantized)
+        elif method == "awq":
+            write_awq(args.src, args.dst, group_size=args.group_size,
+                      dequantized_dir=args.dequantized)
+        else:
+            write_gptq(args.src, args.dst, group_size=args.group_size, sym=not args.asym,
+                       desc_act=args.desc_act, dequantized_dir=args.dequantized)
+    except ValueError as exc:
+        print(f"make_quant_checkpoint: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.method} checkpoint to {args.dst}"
+          + (f" (dequantized reference: {args.dequantized})" if args.dequantized else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
