@@ -81,6 +81,7 @@ CALIBRATION_SAMPLES = 64
 CALIBRATION_LEN = 256
 _SKIP = int(os.environ.get("GQ_SKIP", "0"))
 _MSE = bool(int(os.environ.get("GQ_MSE", "0")))
+_CAP = float(os.environ.get("GQ_CAP", "0"))
 # AutoAWQ's GEMM packing: nibble slot i (bits 4i..4i+3) of each int32 holds output column
 # _AWQ_ORDER[i] of its 8-column block (AutoAWQ's `order_map` in WQLinear_GEMM.from_linear; its
 # unpacker undoes it with the inverse order (0, 4, 1, 5, 2, 6, 3, 7)).
@@ -348,7 +349,8 @@ def _inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
 
 
 def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_size: int,
-                *, act_order: bool, damp_percent: float, block_size: int = 128) -> _Solved:
+                *, act_order: bool, damp_percent: float, static_groups: bool = False,
+                block_size: int = 128) -> _Solved:
     """GPTQ on one weight W [N, K] (rows quantized independently, all with the same H [K, K]).
 
     The layer-wise objective is ||W X - Q X||^2 with H = 2 X^T X. Columns are quantized one at
@@ -360,7 +362,10 @@ def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_
     receives the errors of the block's earlier columns when its turn comes; the columns after
     the block receive the whole block's at once (lazy batching). A group's scale and zero are
     taken, as the quantization reaches its first column, from its columns' current (updated)
-    values; blocks hold whole groups, so those values are final. Dampening adds
+    values; blocks hold whole groups, so those values are final. static_groups: the groups
+    are the input channels k // G whatever the order, their scales and zeros taken from the
+    weight before any update (so act-order needs no g_idx: llm-compressor's actorder
+    "weight"). Dampening adds
     damp_percent * mean(diag H) to the diagonal; an input channel the calibration never saw
     (H[c, c] = 0) is quantized on its own (no feedback through it)."""
     import torch
@@ -380,6 +385,10 @@ def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_
     n_groups = k // group_size
     codes = torch.empty(k, n)
     scale, zero = torch.empty(n_groups, n), torch.empty(n_groups, n)
+    if static_groups:  # every group's from the weight as it is, in the original order
+        original = weight.float().t().view(n_groups, group_size, n)
+        scale[:], zero[:] = grid.params(original.amin(dim=1), original.amax(dim=1))
+        group_of = torch.div(order, group_size, rounding_mode="floor").tolist()
     block = group_size * max(1, block_size // group_size) if group_size <= 4 * block_size \
         else block_size
     s = z = None
@@ -388,7 +397,9 @@ def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_
         errors = torch.empty(stop - start, n)
         for j in range(stop - start):
             c = start + j
-            if c % group_size == 0:
+            if static_groups:
+                s, z = scale[group_of[c]], zero[group_of[c]]
+            elif c % group_size == 0:
                 g = c // group_size
                 slab = wt[c:c + group_size] - u[start:c, c:c + group_size].t() @ errors[:j]
                 s, z = _range_params(grid, slab, _MSE, dim=0)
@@ -401,7 +412,8 @@ def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_
 
     unpermuted = torch.empty_like(codes)
     unpermuted[order] = codes
-    return _Solved(unpermuted.t(), scale.t(), zero.t(), _groups_of(order, group_size))
+    g_idx = torch.arange(k) // group_size if static_groups else _groups_of(order, group_size)
+    return _Solved(unpermuted.t(), scale.t(), zero.t(), g_idx)
 
 
 def calibration_tokens(src: str, samples: int = CALIBRATION_SAMPLES,
@@ -481,6 +493,10 @@ def _calibrate(src: str, names: list[str], solve: Callable[[torch.Tensor, torch.
                 return
             inputs[key] = seen
             x = x[:, _SKIP:].reshape(-1, x.shape[-1]).float()
+            if _CAP > 0:
+                norms = x.norm(dim=1)
+                weight = (_CAP * norms.median() / norms).clamp(max=1.0)
+                x = x * weight[:, None]
             hessian = (x.t() @ x) * (2.0 / x.shape[0])
             members = groups[key]
             result = solve(torch.cat([modules[m].weight.float() for m in members]), hessian)
@@ -516,9 +532,11 @@ def _check_calibration(calibration: str) -> None:
 # compressed-tensors (llm-compressor's output)
 # ----------------------------------------------------------------------------------------------
 
-def _ct_scheme(scheme: str, group_size: int, symmetric: bool) -> tuple[Any, str]:
+def _ct_scheme(scheme: str, group_size: int, symmetric: bool,
+               actorder: str | None = None) -> tuple[Any, str]:
     """The QuantizationScheme of `scheme` (targets: every Linear, as llm-compressor's presets)
-    and the compressed-tensors format name its weights are stored in."""
+    and the compressed-tensors format name its weights are stored in; `actorder`: the w4a16
+    weights' (GPTQ's activation ordering)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     def fp8_token() -> Any:  # dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC)
@@ -537,7 +555,8 @@ def _ct_scheme(scheme: str, group_size: int, symmetric: bool) -> tuple[Any, str]
         fmt = "int-quantized"
     elif scheme == "w4a16":
         weights = QuantizationArgs(num_bits=4, type="int", strategy="group",
-                                   group_size=group_size, symmetric=symmetric, dynamic=False)
+                                   group_size=group_size, symmetric=symmetric, dynamic=False,
+                                   actorder=actorder)
         inputs, fmt = None, "pack-quantized"
     else:
         raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; known: {CT_SCHEMES}")
@@ -595,7 +614,7 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
                              symmetric: bool = True, ignore: Iterable[str] = ("lm_head",),
                              dequantized_dir: str | None = None, calibration: str = "rtn",
                              calibration_ids: torch.Tensor | None = None,
-                             damp_percent: float = 0.01) -> None:
+                             damp_percent: float = 0.01, act_order: bool = False) -> None:
     """`src` quantized with compressed-tensors `scheme` into `dst`, as llm-compressor saves it.
 
     scheme: "fp8" (FP8 e4m3 weights, per-channel scales, dynamic per-token FP8 activations;
@@ -606,10 +625,12 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     weight_scale, weight_zero_point, weight_shape).
 
     calibration "rtn": min-max scales, round-to-nearest. "gptq" (w4a16 and w8a8-int8, as
-    llm-compressor's GPTQModifier makes them, without act-order): GPTQ over `calibration_ids`
-    (default calibration_tokens(src)) with dampening `damp_percent` chooses the values and the
-    scales / zero points (the library's conventions, _CtGrid; w8a8-int8's per-channel scales
-    from each whole row before any update); the library then packs exactly those values.
+    llm-compressor's GPTQModifier makes them): GPTQ over `calibration_ids` (default
+    calibration_tokens(src)) with dampening `damp_percent` chooses the values and the scales /
+    zero points (the library's conventions, _CtGrid; w8a8-int8's per-channel scales from each
+    whole row before any update); the library then packs exactly those values. act_order
+    (w4a16, with "gptq"): the columns in act-order with the groups' scales fixed beforehand,
+    recorded as the weights' actorder "weight" (no g_idx; llm-compressor's default).
 
     The library does the rest as in llm-compressor's save: its lifecycle creates each Linear's
     qparams (`initialize_module_for_quantization`), its compressor quantizes and packs
@@ -630,10 +651,13 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     if scheme == "w4a16":
         _check_group_size(group_size)
     _check_calibration(calibration)
-    qscheme, fmt = _ct_scheme(scheme, group_size, symmetric)
     if calibration == "gptq" and scheme not in _CT_GPTQ_SCHEMES:
         raise ValueError(f"calibration 'gptq' is offered for {_CT_GPTQ_SCHEMES}, not "
                          f"{scheme!r}")
+    if act_order and (calibration != "gptq" or scheme != "w4a16"):
+        raise ValueError("act_order is offered for scheme 'w4a16' with calibration 'gptq'")
+    qscheme, fmt = _ct_scheme(scheme, group_size, symmetric,
+                              actorder="weight" if act_order else None)
     config, tensors = _read_source(src)
     quantized = [n for n in _projections(tensors)
                  if not any(match_name(n.removesuffix(".weight"), p) for p in ignore)]
@@ -648,8 +672,8 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
             raise ValueError(f"the projections have several dtypes {sorted(map(str, dtypes))}")
         grid = _CtGrid(qscheme.weights, dtypes.pop())
         solved = _calibrate(src, quantized, lambda w, h: _gptq_solve(
-            w, h, grid, group_size if scheme == "w4a16" else w.shape[1], act_order=False,
-            damp_percent=damp_percent), calibration_ids)
+            w, h, grid, group_size if scheme == "w4a16" else w.shape[1], act_order=act_order,
+            damp_percent=damp_percent, static_groups=act_order), calibration_ids)
 
     out = dict(tensors)
     dequantized: dict[str, torch.Tensor] = {}
@@ -816,12 +840,13 @@ def _pack_cols(values: torch.Tensor) -> torch.Tensor:
 def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
                desc_act: bool = False, dequantized_dir: str | None = None,
                checkpoint_format: str = "gptq", seed: int = 0, calibration: str = "rtn",
-               calibration_ids: torch.Tensor | None = None, damp_percent: float = 0.01) -> None:
+               calibration_ids: torch.Tensor | None = None, damp_percent: float = 0.01,
+               static_groups: bool = False) -> None:
     """`src` in the AutoGPTQ / GPTQModel 4-bit format.
 
     config.json: quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": G,
     "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
-    "static_groups": false, "true_sequential": true, "damp_percent": damp_percent}.
+    "static_groups": static_groups, "true_sequential": true, "damp_percent": damp_percent}.
     Per projection (K = in_features, N = out_features, n_groups = K // G), without `weight`:
       qweight int32 [K // 8, N]: q[k, n] in 0..15 packed along K, nibble i of word row w is
         input row 8w + i, lowest bits first;
@@ -829,20 +854,22 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
         "gptq" (v1) stores zero - 1 (a symmetric model stores 7 for its zero 8), "gptq_v2"
         (GPTQModel's internal format) stores the zero itself;
       scales  float16 [n_groups, N];
-      g_idx   int32 [K]: the group of each input channel. desc_act=False: k // G. desc_act=True:
-        the channels in act-order (the first G of the order in group 0 and so on), so g_idx is
-        not monotone.
+      g_idx   int32 [K]: the group of each input channel. desc_act=False or static_groups:
+        k // G. desc_act=True: the channels in act-order (the first G of the order in group 0
+        and so on), so g_idx is not monotone.
     Dequantized w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n].
 
     Scales and zeros follow GPTQ's quantizer (see _GptqGrid: sym s = 2 * absmax / 15 and zero
     8; asym s = (max - min) / 15 and zero = round(-min / s), the range including 0; v1's
     unstorable zero 0 moved to 1 with a stretched scale).
 
-    calibration "rtn": each group's min and max, round-to-nearest; act-order is simulated by a
-    random permutation of the input channels (seeded by `seed`). "gptq": GPTQ (see the module
-    docstring and _gptq_solve) over `calibration_ids` (int64 [samples, seq_len]; default
-    calibration_tokens(src)) with dampening `damp_percent`; act-order is the real one
-    (decreasing diag(H)), `seed` unused.
+    calibration "rtn": each group's min and max, round-to-nearest; act-order (without
+    static_groups) is simulated by a random permutation of the input channels (seeded by
+    `seed`). "gptq": GPTQ (see the module docstring and _gptq_solve) over `calibration_ids`
+    (int64 [samples, seq_len]; default calibration_tokens(src)) with dampening `damp_percent`;
+    act-order is the real one (decreasing diag(H)), `seed` unused; static_groups: the groups'
+    scales and zeros from the weight before GPTQ's updates (needed for act-order without a
+    permuted g_idx).
     """
     import torch
 
@@ -858,14 +885,15 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
     grid = _GptqGrid(sym, checkpoint_format)
     if calibration == "gptq":
         solved = _calibrate(src, names, lambda w, h: _gptq_solve(
-            w, h, grid, group_size, act_order=desc_act, damp_percent=damp_percent),
-            calibration_ids)
+            w, h, grid, group_size, act_order=desc_act, damp_percent=damp_percent,
+            static_groups=static_groups), calibration_ids)
     else:
         generator = torch.Generator().manual_seed(seed)
         solved = {}
         for name in names:
             k = tensors[name].shape[1]
-            order = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
+            permuted = desc_act and not static_groups
+            order = torch.randperm(k, generator=generator) if permuted else torch.arange(k)
             solved[name] = _rtn_solve(tensors[name], grid, group_size, order)
     out = dict(tensors)
     dequantized: dict[str, torch.Tensor] = {}
@@ -882,6 +910,7 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
         dequantized[name] = result.dequantize().contiguous()
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
                "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
-               "static_groups": False, "true_sequential": True, "damp_percent": damp_percent}
+               "static_groups": static_groups, "true_sequential": True,
+               "damp_percent": damp_percent}
     _write_dir(src, dst, {**config, "quantization_config": qconfig}, out)
     _write_dequantized(src, dequantized_dir, config, tensors, dequantized)

@@ -173,11 +173,13 @@ def _device(device: Any) -> Any:
     return device if isinstance(device, torch.device) else torch.device(str(device))
 
 
-def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters: int = 7) -> float:
+def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None,
+                           iters: int | None = None) -> float:
     """Achievable memory bandwidth in bytes/s: bytes read + written by a large copy.
 
-    CUDA: the best of `iters` device-to-device copies of 4 GiB (less if the device has not the
-    room for two such buffers; never below 1 GiB), timed with CUDA events. The best, not the
+    CUDA: the best of `iters` (default 15) device-to-device copies of 4 GiB (less if the device
+    has not the room for two such buffers; never below 1 GiB), after three untimed ones, timed
+    with CUDA events. The best, not the
     median, of large copies: on an H200 the median of 1 GiB copies read 3.63-3.76 TB/s where
     the best 4 GiB copies read 4.26-4.28 TB/s, the rate the hardware sustains and so the
     roof a decode step's kernels can reach; the smaller figure overstated every "% of
@@ -186,6 +188,8 @@ def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters
     cache bandwidth."""
     import torch
     dev = _device(device)
+    if iters is None:
+        iters = 15 if dev.type == "cuda" else 7
     if nbytes is None:
         if dev.type == "cuda":
             free, _ = torch.cuda.mem_get_info(dev)
@@ -198,7 +202,8 @@ def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None, iters
     moved = 2 * numel * 4                            # every byte is read once and written once
     times: list[float] = []
     if dev.type == "cuda":
-        dst.copy_(src)                               # warm-up
+        for _ in range(3):                           # warm-up (and the clocks up)
+            dst.copy_(src)
         torch.cuda.synchronize(dev)
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

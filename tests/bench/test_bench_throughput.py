@@ -294,3 +294,35 @@ def test_random_model_in_child_reports_build_time(tiny_model_dir, tmp_path,
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("random-weights model (qwen3-0.6b)")]
     assert len(lines) == 2 and "[built in" in lines[0] and "[cached;" in lines[1]
+
+
+def test_random_w4a16_model_loads_as_compressed_tensors(smollm2_tokenizer, tmp_path) -> None:
+    """`--random-quantization w4a16`: the projections as compressed-tensors pack-quantized
+    tensors (random codes, group-128 scales) with the library's quantization_config; folio
+    reads it as a W4A16 checkpoint, weights of about the random model's spread."""
+    import torch
+    from safetensors import safe_open
+
+    from folio.bench import random_model
+    from folio.model.discovery import ModelSource, load_hf_config, resolve_quantization
+    from folio.model.layers import Linear
+    from folio.model.loader import load_model
+    info = random_model.build_random_model_info("qwen3-0.6b", str(tmp_path / "w4"), num_layers=1,
+                                                device="cpu", quantization="w4a16")
+    path = info["path"]
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        packed = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
+        shape = f.get_tensor("model.layers.0.mlp.down_proj.weight_shape")
+    assert "model.layers.0.mlp.down_proj.weight" not in names
+    assert packed.dtype == torch.int32 and tuple(packed.shape) == (1024, 3072 // 8)
+    assert shape.tolist() == [1024, 3072]
+    source = ModelSource("hf_dir", path)
+    hf_config, _ = load_hf_config(source)
+    assert resolve_quantization(None, source, "cpu", hf_config) == "compressed-tensors"
+    model, _ = load_model(source, hf_config, torch.float32, torch.device("cpu"), 64,
+                          quantization="compressed-tensors")
+    down = model.get_submodule("layers.0.mlp.down_proj")
+    assert isinstance(down, Linear) and down.packed is not None
+    w = down.packed.dequantize()
+    assert 0.01 < float(w.std()) < 0.04, float(w.std())   # initializer_range 0.02

@@ -1,0 +1,52 @@
+"""The benches' roofline for quantized models: the projections' share of the weights at their
+stored bits (codes plus scales and zero points), the KV cache at its dtype's bytes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from folio.bench import quant_bytes, roofline
+from folio.bench.random_model import RANDOM_CONFIGS, _w4a16_config
+
+LLAMA = RANDOM_CONFIGS["llama3-8b"]
+
+
+def test_projection_params_by_hand() -> None:
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert roofline.projection_params(LLAMA) == 32 * per_layer
+    total = roofline.count_params(LLAMA)
+    assert roofline.weight_bytes(LLAMA, 2) == 2 * total
+    proj = 32 * per_layer
+    assert roofline.weight_bytes(LLAMA, 2, projection_bits=8) == (total - proj) * 2 + proj
+    assert roofline.weight_bytes(LLAMA, 2, projection_bits=4.125) == \
+        pytest.approx((total - proj) * 2 + proj * 4.125 / 8)
+    # the KV cache at one byte per element halves the context's share
+    bf16 = roofline.decode_bytes_per_step(LLAMA, 1, 1000, 2)
+    fp8 = roofline.decode_bytes_per_step(LLAMA, 1, 1000, 2, projection_bits=8,
+                                         kv_dtype_bytes=1)
+    kv = roofline.kv_bytes_per_token(LLAMA, 2) * 1000
+    assert bf16 - fp8 == pytest.approx(proj + kv / 2, rel=1e-9)
+
+
+def _model(path, quantization_config: dict | None) -> str:
+    path.mkdir()
+    config = dict(LLAMA)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_projection_bits_of_each_scheme(tmp_path) -> None:
+    plain = _model(tmp_path / "a", None)
+    assert quant_bytes.projection_bits(plain, None) is None
+    assert quant_bytes.projection_bits(plain, "fp8") == 8 + 32 / 4096   # on-load FP8
+    w4 = _model(tmp_path / "b", _w4a16_config())
+    assert quant_bytes.projection_bits(w4, None) == 4 + 16 / 128
+    awq = _model(tmp_path / "c", {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                  "zero_point": True, "version": "gemm"})
+    assert quant_bytes.projection_bits(awq, None) == 4 + 32 / 128      # scales and zeros
+    assert quant_bytes.kv_dtype_bytes("fp8", 2) == 1
+    assert quant_bytes.kv_dtype_bytes("auto", 2) == 2
+    assert quant_bytes.kv_dtype_bytes("float32", 2) == 4
