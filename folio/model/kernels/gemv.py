@@ -62,7 +62,13 @@ _FULL_CONFIGS = [
     (16, 256, 4, 1, 4, 3),
     (32, 256, 2, 1, 4, 3),
     (32, 128, 4, 1, 4, 4),
+    # 8-bit weights only (the prune drops them for 16-bit ones): the same bytes per row-tile
+    # as the 1024-wide configs of a bf16 weight. Not yet measured on a GPU.
+    (4, 2048, 1, 0, 4, 2),
+    (8, 2048, 1, 0, 8, 2),
+    (4, 2048, 2, 0, 4, 2),
 ]
+_EIGHT_BIT_ONLY_K = 2048
 # Small tiles keep the interpreter quick and make the test shapes ragged in N and K.
 _INTERPRET_CONFIG = (8, 32, 1, 0, 4, 1)
 
@@ -76,12 +82,16 @@ def _configs() -> list:
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
     """Drop configs that cannot pay off for this shape: K splits smaller than one tile, splits
     of wide outputs (enough programs already; the workspace is sized for narrow ones), tiles
-    much wider than K, CUDA-core configs at the larger M buckets and tl.dot ones at M = 1."""
+    much wider than K, CUDA-core configs at the larger M buckets and tl.dot ones at M = 1, the
+    8-bit-only configs for 16-bit weights."""
     args = {**named_args, **kwargs}
     N, K, m_pad = args["N"], args["K"], args["M_PAD"]
+    eight_bit = args["W"].element_size() == 1
 
     def fits(c, k_rule: bool) -> bool:
         bn, bk, sk, dot = (c.kwargs[k] for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT"))
+        if bk >= _EIGHT_BIT_ONLY_K and not eight_bit:
+            return False
         if sk > 1 and (N > _SPLIT_MAX_N or triton.cdiv(K, sk) < bk):
             return False
         if k_rule and bk > max(128, next_pow2(K)):

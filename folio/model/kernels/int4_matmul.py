@@ -9,13 +9,15 @@ G input channels, in one of three forms (ZERO_MODE):
 (folio.model.quant.formats.Int4Weight, GroupInt8Weight).
 
 One Triton kernel serves every row count. Each program owns BLOCK_N output columns (rows of W)
-and BLOCK_M rows of x, streams its slice of the packed weight in [BLOCK_N, BLOCK_K / 8] int32
-tiles, widens each to [BLOCK_N, BLOCK_K] 16-bit weights in registers (shift, mask, subtract the
-zero, scale: float32, then the activations' dtype) and multiplies on the tensor cores with the
-operands swapped, acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T: the widened weight tile is the
-dot's left operand straight from registers and x, the small operand at decode, is the one
-transposed. At decode (a few rows) x is padded to 16 rows, tl.dot's minimum; the tensor cores
-would idle anyway, and the work that bounds the kernel is the unpacking, the same in any form.
+and BLOCK_M rows of x and streams its slice of the codes, widening each [BLOCK_N, BLOCK_K] tile
+in registers (shift, mask, subtract the zero or add the minimum, scale: float32, then the
+activations' dtype). Rows of x > 1: the tensor cores with the operands swapped,
+acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, the widened tile the dot's left operand straight
+from registers and x (padded to 16 rows, tl.dot's minimum, at decode) the transposed one. One
+row: also elementwise FMAs into a [BLOCK_N, BLOCK_K] accumulator summed once at the end, as the
+skinny GEMV does (DOT 0). Tiles are widened either from a [BLOCK_N, BLOCK_K / 8] word tile by a
+3-D broadcast and reshape (UNPACK 0) or by loading each element's own word, eight loads of one
+word that hit L1 (UNPACK 1); the autotuner picks among both per shape and row bucket.
 
 When the output is narrow (few column blocks to spread over the SMs) the K range is split over
 SPLIT_K programs, reduced in split order through the skinny GEMV's workspace and ticket
@@ -32,56 +34,63 @@ from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, requi
                                          triton)
 from folio.model.kernels import gemv
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Few on purpose: every config is
-# one more compile at start-up (N and K are runtime arguments, so a config compiles once for
-# all of a model's shapes, not once per shape).
-_SMALL_M = [  # 1..16 rows: a pass over the weight
-    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
-    (16, 32, 128, 2, 4, 4), (16, 32, 128, 4, 4, 4),
+# (class, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT, UNPACK, num_warps, num_stages). Few on
+# purpose: every config is one more compile at start-up (N and K are runtime arguments, so a
+# config compiles once for all of a model's shapes). Class "one": one row (DOT 0: elementwise
+# FMAs into a [BLOCK_N, BLOCK_K] accumulator, summed once at the end, as the skinny GEMV does);
+# "small": up to 16 rows; "mid": 17-128; "large": more. UNPACK 0 widens a tile of words with a
+# 3-D broadcast and reshape, 1 loads each element's word (eight loads of one word, from L1)
+# and shifts it by its own nibble: which is faster is the autotuner's to find per shape (the
+# first H200 run measured UNPACK 0 alone at ~0.5 TB/s at one row, docs/benchmarks.md).
+_CONFIGS = [
+    ("one", 16, 8, 512, 1, 0, 1, 4, 2), ("one", 16, 16, 256, 1, 0, 1, 4, 3),
+    ("one", 16, 8, 512, 2, 0, 1, 4, 2), ("one", 16, 4, 1024, 1, 0, 1, 4, 2),
+    ("small", 16, 32, 128, 1, 1, 0, 4, 4), ("small", 16, 64, 128, 1, 1, 0, 4, 4),
+    ("small", 16, 64, 256, 1, 1, 0, 4, 3), ("small", 16, 32, 128, 2, 1, 0, 4, 4),
+    ("small", 16, 32, 128, 4, 1, 0, 4, 4), ("small", 16, 32, 128, 1, 1, 1, 4, 4),
+    ("small", 16, 64, 128, 1, 1, 1, 4, 4), ("small", 16, 32, 256, 2, 1, 1, 4, 3),
+    ("mid", 32, 64, 128, 1, 1, 0, 4, 4), ("mid", 64, 128, 64, 1, 1, 0, 4, 4),
+    ("mid", 64, 64, 128, 1, 1, 0, 4, 4), ("mid", 64, 64, 128, 1, 1, 1, 4, 4),
+    ("large", 128, 128, 64, 1, 1, 0, 8, 3), ("large", 64, 128, 64, 1, 1, 0, 4, 4),
+    ("large", 128, 128, 64, 1, 1, 1, 8, 3),
 ]
-_MID_M = [  # 17..128 rows
-    (32, 64, 128, 1, 4, 4), (64, 128, 64, 1, 4, 4), (64, 64, 128, 1, 4, 4),
-]
-_LARGE_M = [  # compute-bound
-    (128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 4),
-]
-_INTERPRET_CONFIG = (16, 16, 32, 1, 4, 1)
+# The interpreter runs every config it is given: one of each kind of path.
+_INTERPRET_CONFIGS = [("small", 16, 16, 32, 1, 1, 0, 4, 1)]
 _MAX_M_BUCKET = 256
 
 
 def _m_bucket(m: int) -> int:
-    return min(max(next_pow2(m), 16), _MAX_M_BUCKET)
+    """The autotuning key's row bucket: 1 (one row), then powers of two from 16 to 256."""
+    return 1 if m == 1 else min(max(next_pow2(m), 16), _MAX_M_BUCKET)
+
+
+def _bucket_classes(bucket: int) -> tuple[str, ...]:
+    if bucket == 1:
+        return ("one", "small")
+    return ("small",) if bucket <= 16 else ("mid",) if bucket <= 128 else ("large",)
 
 
 def _configs() -> list:
-    if INTERPRET:
-        chosen = [_INTERPRET_CONFIG]
-    else:
-        chosen = _SMALL_M + _MID_M + _LARGE_M
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk},
-                          num_warps=w, num_stages=s) for bm, bn, bk, sk, w, s in chosen]
+    chosen = _INTERPRET_CONFIGS if INTERPRET else _CONFIGS
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
+                           "DOT": dot, "UNPACK": unpack, "CLASS": cls},
+                          num_warps=w, num_stages=st)
+            for cls, bm, bn, bk, sk, dot, unpack, w, st in chosen]
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
     """Tiles fitting the shape: BLOCK_K dividing K and (when wider than a group) a multiple
-    of G, BLOCK_M matching the row bucket's class, split-K only where the GEMV workspace takes
-    it (one row block, a narrow output) and each split keeps whole tiles."""
+    of G, the config's class matching the row bucket, split-K only where the GEMV workspace
+    takes it (one row block, a narrow output) and each split keeps whole tiles."""
     args = {**named_args, **kwargs}
     n, k, g, bucket = args["N"], args["K"], args["G"], args["M_BUCKET"]
     kept = []
     for c in configs:
-        bm, bn, bk, sk = (c.kwargs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"))
+        bk, sk = c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
         if k % bk or (bk > g and bk % g) or (bk < g and g % bk):
             continue
-        if not INTERPRET:
-            if bucket <= 16 and bm != 16:
-                continue
-            if 16 < bucket <= 128 and (bm, bn, bk, sk, c.num_warps) not in \
-                    [(a, b, cc, d, e) for a, b, cc, d, e, _ in _MID_M]:
-                continue
-            if bucket > 128 and (bm, bn, bk, sk, c.num_warps) not in \
-                    [(a, b, cc, d, e) for a, b, cc, d, e, _ in _LARGE_M]:
-                continue
+        if not INTERPRET and c.kwargs["CLASS"] not in _bucket_classes(bucket):
+            continue
         if sk > 1 and (bucket > 16 or n > gemv._SPLIT_MAX_N or (k // bk) < sk
                        or (k // bk) % sk):
             continue
@@ -100,7 +109,8 @@ if HAS_TRITON:
                      G: tl.constexpr, BITS: tl.constexpr, ZERO_MODE: tl.constexpr,
                      HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr,
+                     CLASS: tl.constexpr):
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -120,21 +130,39 @@ if HAS_TRITON:
         shifts = tl.arange(0, 8) * 4
         k_split = K // SPLIT_K
         k_lo = pid_k * k_split
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:  # one row (M == 1): elementwise partial sums
+            acc_e = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
-            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])
+            offs_k = k0 + tl.arange(0, BLOCK_K)
             if BITS == 4:
-                packed = tl.load(w_rows + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-                q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
-                q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+                if UNPACK == 0:
+                    packed = tl.load(w_rows + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+                    q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+                    q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
+                else:
+                    words = tl.load(w_rows + (offs_k // 8)[None, :])
+                    q = ((words >> ((offs_k % 8) * 4)[None, :]) & 0xF).to(tl.float32)
             else:
-                q = tl.load(w_rows + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32)
+                q = tl.load(w_rows + offs_k[None, :]).to(tl.float32)
             if BLOCK_K <= G:  # the tile lies in one group: one scale (and offset) per row
                 s = tl.load(s_rows + k0 // G).to(tl.float32)
                 if ZERO_MODE == 2:
                     w = q * s + tl.load(z_rows + k0 // G).to(tl.float32)
                 elif ZERO_MODE == 1:
                     w = (q - tl.load(z_rows + k0 // G).to(tl.float32)) * s
+                elif BITS == 4:
+                    w = (q - 8.0) * s
+                else:
+                    w = q * s
+            elif UNPACK == 1:  # each element's group scale (and offset) gathered, from L1
+                g_off = (offs_k // G)[None, :]
+                s = tl.load(s_rows + g_off).to(tl.float32)
+                if ZERO_MODE == 2:
+                    w = q * s + tl.load(z_rows + g_off).to(tl.float32)
+                elif ZERO_MODE == 1:
+                    w = (q - tl.load(z_rows + g_off).to(tl.float32)) * s
                 elif BITS == 4:
                     w = (q - 8.0) * s
                 else:
@@ -153,7 +181,15 @@ if HAS_TRITON:
                 else:
                     w = q3 * s
                 w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+            if DOT:
+                x = tl.load(x_rows + offs_k[None, :])
+                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+            else:
+                # the weights rounded to x's dtype first, as the tl.dot path and cuBLAS see them
+                x1 = tl.load(X + offs_k).to(tl.float32)
+                acc_e += w.to(X.dtype.element_ty).to(tl.float32) * x1[None, :]
+        if not DOT:
+            acc = tl.where(offs_m[None, :] == 0, tl.sum(acc_e, axis=1)[:, None], 0.0)
         is_last = True
         if SPLIT_K > 1:
             # One row block (the prune allows splits at <= 16 rows only): partials as [M, N].
@@ -265,6 +301,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                                       or m > 16):
             raise ValueError(f"split-K config {config} exceeds the workspace")
         warps, stages = config.pop("num_warps", 4), config.pop("num_stages", 1)
+        config.setdefault("DOT", 1)
+        config.setdefault("UNPACK", 0)
+        config.setdefault("CLASS", "forced")
+        if not config["DOT"] and m != 1:
+            raise ValueError("the elementwise (DOT 0) path takes one row")
         _int4_kernel.fn[(triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),
                          config["SPLIT_K"])](*args, **meta, **config, num_warps=warps,
                                              num_stages=stages)
