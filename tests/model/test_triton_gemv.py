@@ -148,7 +148,7 @@ def test_prune_respects_workspace() -> None:
                              num_warps=w, num_stages=st)
                for bn, bk, sk, dot, w, st in gemv._FULL_CONFIGS]
     for N, K, m_pad in ((1024, 3072, 1), (1024, 3072, 8), (28672, 4096, 4), (151936, 64, 1),
-                        (96, 16, 1), (8192, 32, 8)):
+                        (96, 16, 1), (8192, 32, 8), (4096, 14336, 1)):
         kept = gemv._prune(configs, {}, N=N, K=K, M_PAD=m_pad)
         assert kept
         for c in kept:
@@ -159,6 +159,12 @@ def test_prune_respects_workspace() -> None:
         if K >= 1024:  # realistic shapes: the right kernel family for the row count
             assert all(c.kwargs["DOT"] == (m_pad > gemv._FMA_MAX_M_PAD) for c in kept) \
                 or m_pad == 2
+        # the 2048-wide configs are for 8-bit weights only
+        assert all(c.kwargs["BLOCK_K"] < gemv._EIGHT_BIT_ONLY_K for c in kept)
+        eight = gemv._prune(configs, {"W": torch.empty(0, dtype=torch.int8)}, N=N, K=K,
+                            M_PAD=m_pad)
+        if K >= 4096 and m_pad == 1:
+            assert any(c.kwargs["BLOCK_K"] == gemv._EIGHT_BIT_ONLY_K for c in eight)
 
 
 def test_skinny_shape_checks() -> None:

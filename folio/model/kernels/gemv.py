@@ -86,7 +86,8 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     8-bit-only configs for 16-bit weights."""
     args = {**named_args, **kwargs}
     N, K, m_pad = args["N"], args["K"], args["M_PAD"]
-    eight_bit = args["W"].element_size() == 1
+    weight = args.get("W")
+    eight_bit = weight is not None and weight.element_size() == 1
 
     def fits(c, k_rule: bool) -> bool:
         bn, bk, sk, dot = (c.kwargs[k] for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT"))
