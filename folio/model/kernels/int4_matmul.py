@@ -102,6 +102,22 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _widen(q, s, z_ptrs, ZERO_MODE: tl.constexpr, BITS: tl.constexpr):
+        """Codes `q` (float32) to weights with their scales `s`, in the module docstring's
+        form ZERO_MODE; `z_ptrs` (shaped as s) point at the zeros or minimums, read only in
+        the forms that have them."""
+        s = s.to(tl.float32)
+        if ZERO_MODE == 2:
+            w = q * s + tl.load(z_ptrs).to(tl.float32)
+        elif ZERO_MODE == 1:
+            w = (q - tl.load(z_ptrs).to(tl.float32)) * s
+        elif BITS == 4:
+            w = (q - 8.0) * s
+        else:
+            w = q * s
+        return w
+
     @triton.autotune(configs=_configs(), key=["N", "K", "G", "M_BUCKET", "BITS"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -147,39 +163,16 @@ if HAS_TRITON:
             else:
                 q = tl.load(w_rows + offs_k[None, :]).to(tl.float32)
             if BLOCK_K <= G:  # the tile lies in one group: one scale (and offset) per row
-                s = tl.load(s_rows + k0 // G).to(tl.float32)
-                if ZERO_MODE == 2:
-                    w = q * s + tl.load(z_rows + k0 // G).to(tl.float32)
-                elif ZERO_MODE == 1:
-                    w = (q - tl.load(z_rows + k0 // G).to(tl.float32)) * s
-                elif BITS == 4:
-                    w = (q - 8.0) * s
-                else:
-                    w = q * s
+                g_off = k0 // G
+                w = _widen(q, tl.load(s_rows + g_off), z_rows + g_off, ZERO_MODE, BITS)
             elif UNPACK == 1:  # each element's group scale (and offset) gathered, from L1
                 g_off = (offs_k // G)[None, :]
-                s = tl.load(s_rows + g_off).to(tl.float32)
-                if ZERO_MODE == 2:
-                    w = q * s + tl.load(z_rows + g_off).to(tl.float32)
-                elif ZERO_MODE == 1:
-                    w = (q - tl.load(z_rows + g_off).to(tl.float32)) * s
-                elif BITS == 4:
-                    w = (q - 8.0) * s
-                else:
-                    w = q * s
+                w = _widen(q, tl.load(s_rows + g_off), z_rows + g_off, ZERO_MODE, BITS)
             else:
                 GPT: tl.constexpr = BLOCK_K // G
-                offs_g = k0 // G + tl.arange(0, GPT)
-                s = tl.load(s_rows + offs_g[None, :]).to(tl.float32)[:, :, None]
-                q3 = tl.reshape(q, (BLOCK_N, GPT, G))
-                if ZERO_MODE == 2:
-                    w = q3 * s + tl.load(z_rows + offs_g[None, :]).to(tl.float32)[:, :, None]
-                elif ZERO_MODE == 1:
-                    w = (q3 - tl.load(z_rows + offs_g[None, :]).to(tl.float32)[:, :, None]) * s
-                elif BITS == 4:
-                    w = (q3 - 8.0) * s
-                else:
-                    w = q3 * s
+                g_off = (k0 // G + tl.arange(0, GPT))[None, :, None]
+                w = _widen(tl.reshape(q, (BLOCK_N, GPT, G)), tl.load(s_rows[:, :, None] + g_off),
+                           z_rows[:, :, None] + g_off, ZERO_MODE, BITS)
                 w = tl.reshape(w, (BLOCK_N, BLOCK_K))
             if DOT:
                 x = tl.load(x_rows + offs_k[None, :])
@@ -218,16 +211,8 @@ if HAS_TRITON:
             q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
         else:
             q = tl.load(QW + rows_c[:, None] * K + offs_k[None, :]).to(tl.float32)
-        groups = offs_k // G
-        s = tl.load(SC + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)
-        if ZERO_MODE == 2:
-            w = q * s + tl.load(ZP + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)
-        elif ZERO_MODE == 1:
-            w = (q - tl.load(ZP + rows_c[:, None] * (K // G) + groups[None, :]).to(tl.float32)) * s
-        elif BITS == 4:
-            w = (q - 8.0) * s
-        else:
-            w = q * s
+        g_off = rows_c[:, None] * (K // G) + (offs_k // G)[None, :]
+        w = _widen(q, tl.load(SC + g_off), ZP + g_off, ZERO_MODE, BITS)
         tl.store(OUT + rows_c[:, None] * K + offs_k[None, :], w.to(OUT.dtype.element_ty),
                  mask=rows[:, None] < N)
 
