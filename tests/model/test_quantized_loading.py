@@ -256,6 +256,16 @@ def test_method_must_match_the_checkpoint() -> None:
     assert resolve_quantization("fp8", source, "cuda", _Config(None)) == "fp8"  # on load
 
 
+def test_kv_cache_scheme_alone_quantizes_no_weights() -> None:
+    """compressed-tensors with only a kv_cache_scheme (FP8 KV scales, float weights)."""
+    source = ModelSource("hf_dir", "/nonexistent")
+    qc = {"quant_method": "compressed-tensors", "config_groups": {},
+          "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                              "dynamic": False, "symmetric": True},
+          "quantization_status": "compressed", "format": "dense"}
+    assert resolve_quantization(None, source, "cuda", _Config(qc)) == "none"
+
+
 def test_vllm_method_aliases() -> None:
     import argparse
 

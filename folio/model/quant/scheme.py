@@ -105,9 +105,14 @@ def _int(value: Any, method: str, field: str) -> int:
 
 
 def checkpoint_method(hf_config: Any) -> str | None:
-    """The quant_method of a config's `quantization_config` (normalized), or None."""
+    """The quant_method of a config's `quantization_config` (normalized), or None — also for
+    a compressed-tensors config that quantizes no weights (only a `kv_cache_scheme`: the
+    KV scales it stores are read by the decoder's loader, the weights are float)."""
     qc = _quantization_dict(hf_config)
     if qc is None:
+        return None
+    if str(qc.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors" \
+            and not qc.get("config_groups") and qc.get("kv_cache_scheme") is not None:
         return None
     method = qc.get("quant_method")
     if not isinstance(method, str):
