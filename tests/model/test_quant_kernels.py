@@ -182,3 +182,31 @@ def test_int4_refuses_bad_shapes() -> None:
 
 if __name__ == "__main__":
     child_main(CASES, _run)
+
+
+def test_int4_prune_fits_every_bucket_and_gguf_widths() -> None:
+    """Every row bucket gets configs of its class, split-K only where the workspace takes it,
+    the one-row path only at one row; a K that only narrow tiles divide (GGUF groups of 32,
+    SmolLM2's 576) falls back to them instead of failing."""
+    triton = pytest.importorskip("triton")
+    from folio.model.kernels import gemv, int4_matmul as im
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
+                              "DOT": dot, "UNPACK": un, "CLASS": cls}, num_warps=w, num_stages=st)
+               for cls, bm, bn, bk, sk, dot, un, w, st in im._CONFIGS]
+    interpret, im.INTERPRET = im.INTERPRET, False
+    try:
+        for n, k, g in ((6144, 4096, 128), (4096, 14336, 128), (1536, 576, 32), (576, 1536, 32)):
+            for m in (1, 5, 16, 40, 300):
+                bucket = im._m_bucket(m)
+                kept = im._prune(configs, {}, N=n, K=k, G=g, M_BUCKET=bucket)
+                assert kept, (n, k, g, m)
+                for c in kept:
+                    kw = c.kwargs
+                    assert k % kw["BLOCK_K"] == 0
+                    assert kw["DOT"] or bucket == 1
+                    if kw["SPLIT_K"] > 1:
+                        assert bucket <= 16 and n <= gemv._SPLIT_MAX_N
+                    if k % 128 == 0:
+                        assert kw["CLASS"] in im._bucket_classes(bucket)
+    finally:
+        im.INTERPRET = interpret

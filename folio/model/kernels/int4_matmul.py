@@ -53,6 +53,9 @@ _CONFIGS = [
     ("mid", 64, 64, 128, 1, 1, 0, 4, 4), ("mid", 64, 64, 128, 1, 1, 1, 4, 4),
     ("large", 128, 128, 64, 1, 1, 0, 8, 3), ("large", 64, 128, 64, 1, 1, 0, 4, 4),
     ("large", 128, 128, 64, 1, 1, 1, 8, 3),
+    # Narrow tiles for a K no wider tile divides (GGUF groups of 32: SmolLM2's K = 576), used
+    # only when no config of the row bucket's class fits.
+    ("any", 16, 32, 32, 1, 1, 1, 4, 3), ("any", 64, 64, 32, 1, 1, 0, 4, 3),
 ]
 # The interpreter runs every config it is given: one of each kind of path.
 _INTERPRET_CONFIGS = [("small", 16, 16, 32, 1, 1, 0, 4, 1)]
@@ -84,20 +87,23 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     takes it (one row block, a narrow output) and each split keeps whole tiles."""
     args = {**named_args, **kwargs}
     n, k, g, bucket = args["N"], args["K"], args["G"], args["M_BUCKET"]
-    kept = []
-    for c in configs:
+
+    def fits(c, classes) -> bool:
         bk, sk = c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
         if k % bk or (bk > g and bk % g) or (bk < g and g % bk):
-            continue
-        if not INTERPRET and c.kwargs["CLASS"] not in _bucket_classes(bucket):
-            continue
-        if sk > 1 and (bucket > 16 or n > gemv._SPLIT_MAX_N or (k // bk) < sk
-                       or (k // bk) % sk):
-            continue
-        kept.append(c)
-    if not kept:
-        raise ValueError(f"no int4 tile fits K={k} with groups of {g}")
-    return kept
+            return False
+        if not INTERPRET and c.kwargs["CLASS"] not in classes:
+            return False
+        if not c.kwargs["DOT"] and bucket != 1:
+            return False
+        return sk == 1 or not (bucket > 16 or n > gemv._SPLIT_MAX_N or (k // bk) < sk
+                               or (k // bk) % sk)
+
+    for classes in (_bucket_classes(bucket), ("any",)):
+        kept = [c for c in configs if fits(c, classes)]
+        if kept:
+            return kept
+    raise ValueError(f"no int4 tile fits K={k} with groups of {g}")
 
 
 if HAS_TRITON:
