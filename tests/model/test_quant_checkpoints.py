@@ -458,3 +458,266 @@ def test_cli(src: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         cli.main([src, str(tmp_path / "bad"), "--method", "fp8", "--asym"])
     assert not os.path.exists(tmp_path / "bad")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPTQ calibration
+# ---------------------------------------------------------------------------------------------
+
+def _correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Inputs whose channels are correlated and of unequal size, as a layer's are."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(tokens, 16, generator=gen) @ torch.randn(16, k, generator=gen)
+    own = torch.randn(tokens, k, generator=gen)
+    return (shared + own) * torch.linspace(0.2, 3.0, k)
+
+
+def _output_error(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> float:
+    """||(W - Q) X^T|| / ||W X^T||: the error of the layer's outputs on the inputs X."""
+    return float(((w - q) @ x.t()).norm() / (w @ x.t()).norm())
+
+
+def _grids() -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from folio.bench.quant_checkpoints import _CtGrid, _GptqGrid
+    ct_args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32,
+                               symmetric=False)
+    return {"gptq-sym": (_GptqGrid(True, "gptq"), 0, 15),
+            "gptq-asym-v1": (_GptqGrid(False, "gptq"), 0, 15),
+            "ct-asym": (_CtGrid(ct_args, torch.float32), -8, 7)}
+
+
+@pytest.mark.parametrize("grid_name", ["gptq-sym", "gptq-asym-v1", "ct-asym"])
+@pytest.mark.parametrize("order", ["seq", "act", "act-static"])
+def test_gptq_solve(grid_name: str, order: str) -> None:
+    """GPTQ on one weight: the outputs' error on the inputs H comes from is well below
+    round-to-nearest's, the codes are on the grid, g_idx is the act-order's (or k // G)."""
+    from folio.bench.quant_checkpoints import _gptq_solve, _groups_of, _rtn_solve
+
+    grid, qmin, qmax = _grids()[grid_name]
+    group, k = 32, 256
+    x = _correlated_inputs(2048, k)
+    h = 2 * x.t() @ x / len(x)
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(1)) * 0.05
+    act, static = order != "seq", order == "act-static"
+    solved = _gptq_solve(w, h, grid, group, act_order=act, damp_percent=0.01,
+                         static_groups=static)
+    rtn = _rtn_solve(w, grid, group, torch.arange(k))
+    codes = solved.codes
+    assert codes.shape == (48, k) and torch.equal(codes, codes.round())
+    assert codes.min() >= qmin and codes.max() <= qmax
+    assert solved.scale.shape == solved.zero.shape == (48, k // group)
+    if act and not static:   # groups formed in decreasing order of diag(H)
+        expected = _groups_of(torch.argsort(h.double().diagonal(), descending=True,
+                                            stable=True), group)
+        assert torch.equal(solved.g_idx, expected)
+        assert not bool((solved.g_idx[1:] >= solved.g_idx[:-1]).all())
+    else:
+        assert torch.equal(solved.g_idx, torch.arange(k) // group)
+    if static:  # the scales of the weight before any update: round-to-nearest's
+        assert torch.equal(solved.scale, rtn.scale) and torch.equal(solved.zero, rtn.zero)
+    gptq_err = _output_error(w, solved.dequantize(), x)
+    rtn_err = _output_error(w, rtn.dequantize(), x)
+    assert gptq_err < 0.6 * rtn_err, (gptq_err, rtn_err)
+    # Deterministic.
+    again = _gptq_solve(w, h, grid, group, act_order=act, damp_percent=0.01,
+                        static_groups=static)
+    assert torch.equal(again.codes, codes)
+
+
+def test_gptq_solve_uncorrelated_inputs_is_rtn() -> None:
+    """With a diagonal H nothing is fed back (no column's error can be compensated by
+    another's): GPTQ gives round-to-nearest's codes. A channel the calibration never saw
+    (H[c, c] = 0) is quantized like the others."""
+    from folio.bench.quant_checkpoints import _gptq_solve, _GptqGrid, _rtn_solve
+
+    grid = _GptqGrid(False, "gptq")
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    h = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(3)) + 0.5)
+    h[5, 5] = 0.0
+    solved = _gptq_solve(w, h, grid, 64, act_order=False, damp_percent=0.01)
+    assert torch.equal(solved.codes, _rtn_solve(w, grid, 64, torch.arange(128)).codes)
+
+
+def _calibration_ids(samples: int = 16, seq_len: int = 64) -> torch.Tensor:
+    """Random tokens: the tiny model's word-level tokenizer knows no English."""
+    return torch.randint(3, 1000, (samples, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def projection_inputs(src: str) -> dict[str, torch.Tensor]:
+    """The float model's input [tokens, K] to each projection on _calibration_ids()."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    inputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            inputs[name] = args[0].reshape(-1, args[0].shape[-1]).detach().clone()
+        return hook
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(keep(p + ".weight"))
+               for p in _PROJECTIONS]
+    with torch.no_grad():
+        model.model(input_ids=_calibration_ids())
+    for handle in handles:
+        handle.remove()
+    return inputs
+
+
+def _check_output_errors(source: dict[str, torch.Tensor], gptq: dict[str, torch.Tensor],
+                         rtn: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """Every projection's output error on the calibration inputs below round-to-nearest's."""
+    for name, x in inputs.items():
+        w = source[name]
+        gptq_err, rtn_err = _output_error(w, gptq[name], x), _output_error(w, rtn[name], x)
+        assert gptq_err < 0.95 * rtn_err, (name, gptq_err, rtn_err)
+
+
+GPTQ_CALIBRATED_CASES = [  # sym, desc_act, static_groups, checkpoint_format, group
+    (True, False, False, "gptq", 64),
+    (False, True, False, "gptq", 128),
+    (True, True, True, "gptq_v2", 64),
+]
+
+
+@pytest.mark.parametrize("sym,desc_act,static,fmt,group", GPTQ_CALIBRATED_CASES,
+                         ids=[f"{'sym' if c[0] else 'asym'}-{'act' if c[1] else 'seq'}"
+                              f"{'-static' if c[2] else ''}-{c[3]}-g{c[4]}"
+                              for c in GPTQ_CALIBRATED_CASES])
+def test_gptq_calibrated(src: str, tmp_path: Path, projection_inputs: dict[str, torch.Tensor],
+                         sym: bool, desc_act: bool, static: bool, fmt: str, group: int) -> None:
+    """write_gptq(calibration="gptq"): the files stay valid (names, dtypes, shapes, the
+    reference equal to what they hold), the config says what was done, act-order's g_idx is
+    layer 0's decreasing diag(X^T X) (nothing before q/k/v is quantized), and every projection's
+    output error on the calibration inputs is below round-to-nearest's."""
+    from folio.bench.quant_checkpoints import _groups_of
+
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_gptq(src, dst, group_size=group, sym=sym, desc_act=desc_act, static_groups=static,
+               checkpoint_format=fmt, calibration="gptq", calibration_ids=_calibration_ids(),
+               damp_percent=0.02, dequantized_dir=deq)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+    assert _config(dst)["quantization_config"] == {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+        "sym": sym, "checkpoint_format": fmt, "static_groups": static,
+        "true_sequential": True, "damp_percent": 0.02}
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    for proj in _PROJECTIONS:
+        n, k = _LAYOUT[proj.split(".", 3)[3]]
+        g = k // group
+        parts = {x: quant[f"{proj}.{x}"] for x in ("qweight", "qzeros", "scales", "g_idx")}
+        assert {x for x in quant if x.startswith(proj + ".")} == {f"{proj}.{x}" for x in parts}
+        assert parts["qweight"].dtype == torch.int32 and parts["qweight"].shape == (k // 8, n)
+        assert parts["qzeros"].dtype == torch.int32 and parts["qzeros"].shape == (g, n // 8)
+        assert parts["scales"].dtype == torch.float16 and parts["scales"].shape == (g, n)
+        g_idx = parts["g_idx"].long()
+        assert torch.bincount(g_idx, minlength=g).tolist() == [group] * g
+        monotone = bool((g_idx[1:] >= g_idx[:-1]).all())
+        assert monotone == (not desc_act or static), proj
+        q = _gptq_unpack_rows(parts["qweight"]).float()
+        stored = _gptq_unpack_cols(parts["qzeros"]).float()
+        zeros = stored + 1 if fmt == "gptq" else stored
+        if sym:
+            assert (zeros == 8).all()
+        s = parts["scales"].float()
+        w_kn = (q - zeros[g_idx]) * s[g_idx]
+        torch.testing.assert_close(ref[proj + ".weight"], w_kn.t(), rtol=0, atol=0)
+    if desc_act and not static:
+        x = projection_inputs["model.layers.0.self_attn.q_proj.weight"]
+        diag = ((x.t() @ x) * (2.0 / x.shape[0])).double().diagonal()
+        expected = _groups_of(torch.argsort(diag, descending=True, stable=True), group)
+        for p in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(quant[f"model.layers.0.self_attn.{p}.g_idx"].long(), expected)
+    rtn = str(tmp_path / "rtn")
+    write_gptq(src, str(tmp_path / "rtn_q"), group_size=group, sym=sym, checkpoint_format=fmt,
+               dequantized_dir=rtn)
+    _check_output_errors(source, ref, _tensors(rtn), projection_inputs)
+
+
+@pytest.mark.parametrize("scheme,symmetric,act_order", [
+    ("w4a16", True, False), ("w4a16", False, True), ("w8a8-int8", True, False)])
+def test_compressed_tensors_gptq(src: str, tmp_path: Path,
+                                 projection_inputs: dict[str, torch.Tensor], scheme: str,
+                                 symmetric: bool, act_order: bool) -> None:
+    """write_compressed_tensors(calibration="gptq"): the library packs GPTQ's values
+    (transformers decompresses the directory to exactly the reference), act-order is recorded
+    as actorder "weight", and every projection's output error on the calibration inputs is
+    below round-to-nearest's."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    write_compressed_tensors(src, dst, scheme, group_size=64, symmetric=symmetric,
+                             calibration="gptq", calibration_ids=_calibration_ids(),
+                             act_order=act_order, dequantized_dir=deq)
+    names = {p + ".weight" for p in _PROJECTIONS}
+    _check_copies(src, dst, deq, names)
+    weights = _config(dst)["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights.get("actorder") == ("weight" if act_order else None)
+    assert weights["symmetric"] == symmetric
+    quant, ref, source = _tensors(dst), _tensors(deq), _tensors(src)
+    if scheme == "w4a16":
+        assert quant[_PROJECTIONS[0] + ".weight_packed"].dtype == torch.int32
+        assert not any(k.endswith("g_idx") for k in quant)
+    else:
+        assert quant[_PROJECTIONS[0] + ".weight"].dtype == torch.int8
+    model = AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32)
+    loaded = model.state_dict()
+    for name in names:
+        torch.testing.assert_close(loaded[name], ref[name], rtol=1e-6, atol=1e-7)
+    rtn = str(tmp_path / "rtn")
+    write_compressed_tensors(src, str(tmp_path / "rtn_q"), scheme, group_size=64,
+                             symmetric=symmetric, dequantized_dir=rtn)
+    _check_output_errors(source, ref, _tensors(rtn), projection_inputs)
+
+
+def test_calibration_refusals(src: str, tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        write_gptq(src, out, calibration="awq")
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        write_compressed_tensors(src, out, "w4a16", calibration="GPTQ")
+    with pytest.raises(ValueError, match="calibration 'gptq' is offered for"):
+        write_compressed_tensors(src, out, "fp8", calibration="gptq")
+    with pytest.raises(ValueError, match="act_order"):
+        write_compressed_tensors(src, out, "w4a16", act_order=True)
+    with pytest.raises(ValueError, match="act_order"):
+        write_compressed_tensors(src, out, "w8a8-int8", calibration="gptq", act_order=True)
+    with pytest.raises(ValueError, match="int64"):
+        write_gptq(src, out, calibration="gptq", calibration_ids=torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="int64"):
+        write_gptq(src, out, calibration="gptq", calibration_ids=torch.zeros(8, dtype=torch.int64))
+    assert not os.path.exists(out)
+
+
+def test_calibration_tokens(smollm2_dir: str) -> None:
+    """GPTQ's default calibration set: 64 windows of 256 tokens, half spread over the pydoc
+    topics and half over IDLE's documentation (English that ships with Python), none of
+    CPython's LICENSE.txt (the perplexity text), the same every time."""
+    import sysconfig
+
+    from transformers import AutoTokenizer
+
+    from folio.bench.quant_checkpoints import _calibration_texts, calibration_tokens
+
+    ids = calibration_tokens(smollm2_dir)
+    assert ids.dtype == torch.int64 and ids.shape == (64, 256)
+    assert torch.equal(ids, calibration_tokens(smollm2_dir))
+    assert len({tuple(row.tolist()) for row in ids}) == 64
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    pydoc, idle = _calibration_texts()
+    assert "assert_stmt ::=" in pydoc                    # the language reference's topics
+    assert "IDLE" in idle and "<div" not in idle          # help.html's text, without the tags
+    assert pydoc.startswith(tokenizer.decode(ids[0]))
+    assert pydoc.endswith(tokenizer.decode(ids[31]))
+    assert idle.startswith(tokenizer.decode(ids[32]))
+    assert idle.endswith(tokenizer.decode(ids[63]))
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt"),
+              encoding="utf-8") as f:
+        license_start = f.read(2000)
+    assert license_start not in pydoc and license_start not in idle
+    assert calibration_tokens(smollm2_dir, 3, 10).shape == (3, 10)
