@@ -640,6 +640,12 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     (the default), which is never quantized here.
     """
     import torch
+    try:
+        import compressed_tensors  # noqa: F401 - a tool dependency, not the engine's
+    except ImportError as exc:
+        raise ImportError("writing compressed-tensors checkpoints needs the compressed-tensors "
+                          "package: pip install 'folio[quant-tools]' (or "
+                          "compressed-tensors>=0.20)") from exc
     from compressed_tensors.compressors import ModelCompressor, compress_module
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
                                                  initialize_module_for_quantization)
