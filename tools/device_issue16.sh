@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=first|second|kernels bash tools/device_issue16.sh
+#   PART=first|second|kernels|sweep|sweep2|final2 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -61,4 +61,34 @@ PY
 kernels)
   step 300 kernels python3 tools/gpu_check_quant.py --m 1,16,64,4096 --json "$OUT/kernels.json"
   cut -c1-220 "$OUT/kernels.log" ;;
+final2)  # second session, last call: the 4-bit GEMV configs again, the GPU tests of the
+         # changed paths, then every target's bench, bf16 beside each
+  step 100 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
+  grep -E "int4|bf16|fp8 " "$OUT/sweep.log" | cut -c1-80
+  step 130 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "gemv or gate_up or int4_linear or eight_bit"
+  step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 120 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
+  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 45 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 45 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
+  step 100 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
+  step 90 thr_fp8 $THR --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/thr_fp8.json" ;;
+sweep2)  # second session, second call: the reworked 4-bit GEMV, W4A16 decode, what the
+         # offline throughput spends its GPU time on (bf16 against FP8 + FP8 KV)
+  step 200 sweep python3 tools/gpu_check_quant.py --sweep --m 1,4096 --json "$OUT/sweep.json"
+  grep -E "int4|fp8" "$OUT/sweep.log" | cut -c1-100
+  step 120 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_gpu_quant.py -k "gemv or gate_up or int4_linear"
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  PROF="python3 tools/gpu_profile_batch_kernels.py 256 600 48 --config llama3-8b"
+  step 100 prof_bf16 $PROF
+  head -40 "$OUT/prof_bf16.log" | cut -c1-160
+  step 100 prof_fp8 $PROF --quantization fp8 --kv-cache-dtype fp8
+  head -40 "$OUT/prof_fp8.log" | cut -c1-160 ;;
+sweep)  # the one-row GEMV configs forced (second session), the new kernels' GPU tests
+  step 330 sweep python3 tools/gpu_check_quant.py --sweep --m 1,16,256 --json "$OUT/sweep.json"
+  cut -c1-120 "$OUT/sweep.log"
+  step 150 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_gpu_quant.py -k "gemv or gate_up or int4_linear or eight_bit" ;;
 esac

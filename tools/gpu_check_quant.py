@@ -8,11 +8,15 @@ For each projection (qkv, o, gate_up, down) and row count M, the time per call o
   fp8       EightBitLinear, FP8 W8A8 (skinny GEMV to M=8; per-token activation quantization +
             torch._scaled_mm beyond)
   fp8-mm    torch._scaled_mm alone (activations already quantized: cuBLASLt's share)
+  fp8-fast  the same with use_fast_accum (Hopper's FP8 accumulation without promotion)
+  fp8-gu    (gate_up, M=1) the merged FP8 gate|up with SiLU-and-mul fused in the GEMV
   int8      EightBitLinear, INT8 W8A8 (skinny GEMV to M=8; torch._int_mm beyond)
   int4      GroupQuantLinear, W4A16 group 128 (folio's Triton kernel; dequantize + cuBLAS from
             DEQUANT_MIN_ROWS rows)
   int4-tri  the Triton kernel alone at every M (to place DEQUANT_MIN_ROWS)
   tinygemm  torch's _weight_int4pack_mm (group 128), the issue's baseline, where it runs
+With --sweep, every config of the one-row GEMVs (4-bit: kernels/int4_gemv.py; FP8: the
+skinny GEMV's one-row configs) is timed forced, at M=1, as "int4/<config>" and "fp8/<config>".
 Each time is a CUDA graph of back-to-back calls, each on its own copy of the weights (larger
 than the L2 together, as a model's layers are). Prints µs and the weight bytes per second as a
 fraction of the best large-copy bandwidth (folio.bench.roofline.measure_copy_bandwidth).
@@ -34,6 +38,7 @@ from folio.model.quant.eight_bit_linear import EightBitLinear  # noqa: E402
 from folio.model.quant.formats import (EightBitWeight, Int4Weight, pack_rows,  # noqa: E402
                                        quantize_fp8_per_channel)
 from folio.model.quant.group_linear import GroupQuantLinear  # noqa: E402
+from folio.model.kernels import gemv, int4_gemv  # noqa: E402
 from folio.model.kernels.int4_matmul import int4_matmul  # noqa: E402
 from tools.gpu_check_gemv import graph_time_us  # noqa: E402
 
@@ -57,6 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="1,4,8,16,64,256,4096")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     bandwidth = measure_copy_bandwidth("cuda")
@@ -92,6 +98,13 @@ def main() -> int:
                                                          scale_b=l.scale.view(1, -1),
                                                          out_dtype=torch.bfloat16)
                             for l in fp8], 1.0) if m >= 16 else None,
+                "fp8-fast": ([lambda l=l: torch._scaled_mm(xq, l.codes.t(), scale_a=xs,
+                                                           scale_b=l.scale.view(1, -1),
+                                                           out_dtype=torch.bfloat16,
+                                                           use_fast_accum=True)
+                              for l in fp8], 1.0) if m >= 16 else None,
+                "fp8-gu": ([lambda l=l: l.gate_up_silu(x, None) for l in fp8], 1.0)
+                if m == 1 and name == "gate_up" else None,
                 "int8": ([lambda l=l: l(x) for l in int8], 1.0),
                 "int4": ([lambda l=l: l(x) for l in int4], 0.5 + 2 / 128),
                 "int4-tri": ([lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128)
@@ -99,7 +112,28 @@ def main() -> int:
                 "tinygemm": ([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
                               for p in tiny], 0.5 + 4 / 128) if tiny else None,
             }
-            line = [f"{name:8s} M={m:5d}"]
+            if args.sweep and m == 1:
+                for bn, bw, sk, w_, st in int4_gemv._CONFIGS:
+                    if int4_gemv.fits(n, k, 128, bn, bw, sk):
+                        cfg = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=w_,
+                                   num_stages=st)
+                        cases[f"int4/{bn}x{bw}s{sk}w{w_}"] = (
+                            [lambda l=l, c=cfg: int4_matmul(x, l.codes, l.scales, None, 128,
+                                                            _config=c) for l in int4],
+                            0.5 + 2 / 128)
+                old = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=1, UNPACK=0,
+                           num_warps=4, num_stages=4)
+                cases["int4/tensor-core-16-rows"] = (
+                    [lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128, _config=old)
+                     for l in int4], 0.5 + 2 / 128)
+                for bn, bk, sk, dot, w_, st in gemv._FULL_CONFIGS:
+                    if dot or (sk > 1 and n > gemv._SPLIT_MAX_N):
+                        continue
+                    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, DOT=0, num_warps=w_,
+                               num_stages=st)
+                    cases[f"fp8/{bn}x{bk}s{sk}w{w_}p{st}"] = (
+                        [lambda l=l, c=cfg: gemv.skinny_matmul(x, l.codes, scale=l.scale,
+                                                               _config=c) for l in fp8], 1.0)
             for label, case in cases.items():
                 if case is None:
                     continue
@@ -107,14 +141,14 @@ def main() -> int:
                 try:
                     us = graph_time_us(fns)
                 except Exception as exc:  # noqa: BLE001 - report and go on
-                    line.append(f"{label} ERR {type(exc).__name__}")
+                    print(f"{name:8s} M={m:5d} {label:24s} ERR {exc!r}"[:300], flush=True)
                     continue
                 frac = n * k * bpw / (us * 1e-6) / bandwidth
                 flops = 2 * m * n * k / (us * 1e-6)
                 rows.append({"proj": name, "N": n, "K": k, "M": m, "kind": label, "us": us,
                              "fraction_of_copy_bw": frac, "tflops": flops / 1e12})
-                line.append(f"{label} {us:8.1f}us {100 * frac:5.1f}% {flops / 1e12:6.1f}TF")
-            print(" | ".join(line), flush=True)
+                print(f"{name:8s} M={m:5d} {label:24s} {us:8.1f}us {100 * frac:5.1f}% "
+                      f"{flops / 1e12:6.1f}TF", flush=True)
         del bf16, fp8, int8, int4, tiny
         torch.cuda.empty_cache()
     if args.json:

@@ -336,7 +336,13 @@ class GatedMLP(nn.Module):
             raise ValueError(f"activation {act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu and self.gate_up_proj.packed is None:
+        packed = self.gate_up_proj.packed
+        if self.fused_silu and packed is not None and hasattr(packed, "gate_up_silu"):
+            # a quantized merged weight that fuses the activation itself (8-bit weights)
+            act = packed.gate_up_silu(x, self.gate_up_proj.bias)
+            if act is not None:
+                return self.down_proj(act)
+        if self.fused_silu and packed is None:
             x2 = _skinny_input(x, self.gate_up_proj, fused=True)
             if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
                 from folio.model.kernels.gemv import skinny_gate_up_silu

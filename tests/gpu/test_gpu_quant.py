@@ -109,6 +109,53 @@ def test_int4_split_k_is_deterministic() -> None:
     assert _rel(first, ref) < 1e-2
 
 
+def test_int4_gemv_every_config() -> None:
+    """The one-row 4-bit GEMV (kernels/int4_gemv.py), each config forced, every offset form,
+    at a narrow and a wide Llama-3-8B shape; split configs twice, bit-equal."""
+    from folio.model.kernels import int4_gemv
+    from folio.model.kernels.int4_matmul import int4_matmul
+    torch.manual_seed(1)
+    for n, k in ((1024, 4096), (4096, 14336)):
+        for form in ("sym", "zeros", "mins"):
+            w = _int4(n, k, 128, form == "zeros", False)
+            mins = (-torch.rand(n, k // 128, device=CUDA) * 0.02) if form == "mins" else None
+            scales = w.scales.float() if mins is not None else w.scales
+            x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+            q = w.codes().float()
+            deq = (q * scales.float().repeat_interleave(128, 1)
+                   + mins.repeat_interleave(128, 1)) if mins is not None else w.dequantize()
+            ref = x.float() @ deq.t()
+            for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
+                if not int4_gemv.fits(n, k, 128, bn, bw, sk):
+                    continue
+                config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
+                              num_stages=stages)
+                out = int4_matmul(x, w.packed, scales, w.zeros, 128, mins=mins,
+                                  _config=config)
+                assert _rel(out, ref) < 1e-2, (n, k, form, config)
+                if sk > 1:
+                    assert torch.equal(out, int4_matmul(x, w.packed, scales, w.zeros, 128,
+                                                        mins=mins, _config=config))
+
+
+def test_fp8_gate_up_silu_matches_reference() -> None:
+    """A merged FP8 gate|up projection at one row: silu(gate) * up fused in the GEMV."""
+    from folio.model.quant.eight_bit_linear import EightBitLinear
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    torch.manual_seed(2)
+    inner, k = 14336, 4096
+    layer = EightBitLinear(quantize_fp8_per_channel(torch.randn(2 * inner, k, device=CUDA)
+                                                    * 0.02), "fp8")
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    act = layer.gate_up_silu(x, None)
+    assert act is not None and act.shape == (1, inner)
+    gu = (x.float() @ layer.dequantize().t()).to(torch.bfloat16).float()
+    ref = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
+    assert _rel(act, ref) < 1e-2
+    assert layer.gate_up_silu(torch.randn(64, k, device=CUDA, dtype=torch.bfloat16),
+                              None) is None   # prefill: the W8A8 product and the activation
+
+
 # ---- the engine on quantized checkpoints -----------------------------------------------------
 
 VOCAB = 2048

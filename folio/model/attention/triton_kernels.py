@@ -200,6 +200,12 @@ if HAS_TRITON:
         q_mask = row_ok[:, None] & (d[None, :] < D)
         q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=q_mask, other=0.0)
+        if FP8 and Q.dtype.element_ty == tl.bfloat16:
+            # FP8 K/V tiles widen to fp16 in one instruction per pair (e4m3x2 -> f16x2) where
+            # bf16 takes several; every FP8 value is exact in fp16, and queries sit far inside
+            # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
+            # a bf16 one, from the conversions alone (docs/benchmarks.md).
+            q = q.to(tl.float16)
         q_pos = ctx_off + tok
 
         last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -262,6 +268,12 @@ if HAS_TRITON:
         b64 = b.to(tl.int64)
         q = tl.load(Q + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=q_mask, other=0.0)
+        if FP8 and Q.dtype.element_ty == tl.bfloat16:
+            # FP8 K/V tiles widen to fp16 in one instruction per pair (e4m3x2 -> f16x2) where
+            # bf16 takes several; every FP8 value is exact in fp16, and queries sit far inside
+            # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
+            # a bf16 one, from the conversions alone (docs/benchmarks.md).
+            q = q.to(tl.float16)
         q_pos = tl.zeros([G_M], tl.int32) + (seq_len - 1)
 
         kv_lo = 0

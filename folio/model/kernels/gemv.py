@@ -107,6 +107,13 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
                 key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"])]
 
 
+def workspace_capacity() -> tuple[int, int]:
+    """(fp32 partials, ticket counters) the split-K workspace holds: kernels of one row may
+    split outputs wider than _SPLIT_MAX_N as long as SPLIT_K * N partials and their column
+    blocks fit."""
+    return _MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N, triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N)
+
+
 _workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -116,10 +123,9 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (device.type, device.index)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = (torch.empty(_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N, dtype=torch.float32,
-                          device=device),
-              torch.zeros(triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N), dtype=torch.int32,
-                          device=device))
+        partials, counters = workspace_capacity()
+        ws = (torch.empty(partials, dtype=torch.float32, device=device),
+              torch.zeros(counters, dtype=torch.int32, device=device))
         _workspaces[key] = ws
     return ws
 

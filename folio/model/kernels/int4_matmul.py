@@ -8,14 +8,15 @@ G input channels, in one of three forms (ZERO_MODE):
                                    minimums are no integer number of steps)
 (folio.model.quant.formats.Int4Weight, GroupInt8Weight).
 
-One Triton kernel serves every row count. Each program owns BLOCK_N output columns (rows of W)
+One row of 4-bit codes (batch-1 decode) runs the GEMV form in kernels/int4_gemv.py; this kernel
+serves every other case. Each program owns BLOCK_N output columns (rows of W)
 and BLOCK_M rows of x and streams its slice of the codes, widening each [BLOCK_N, BLOCK_K] tile
 in registers (shift, mask, subtract the zero or add the minimum, scale: float32, then the
 activations' dtype). Rows of x > 1: the tensor cores with the operands swapped,
 acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, the widened tile the dot's left operand straight
 from registers and x (padded to 16 rows, tl.dot's minimum, at decode) the transposed one. One
-row: also elementwise FMAs into a [BLOCK_N, BLOCK_K] accumulator summed once at the end, as the
-skinny GEMV does (DOT 0). Tiles are widened either from a [BLOCK_N, BLOCK_K / 8] word tile by a
+row (8-bit codes): also elementwise FMAs into a [BLOCK_N, BLOCK_K] accumulator summed once at
+the end, as the skinny GEMV does (DOT 0). Tiles are widened either from a [BLOCK_N, BLOCK_K / 8] word tile by a
 3-D broadcast and reshape (UNPACK 0) or by loading each element's own word, eight loads of one
 word that hit L1 (UNPACK 1); the autotuner picks among both per shape and row bucket.
 
@@ -32,7 +33,7 @@ import torch
 
 from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, require_triton, tl,
                                          triton)
-from folio.model.kernels import gemv
+from folio.model.kernels import gemv, int4_gemv
 
 # (class, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT, UNPACK, num_warps, num_stages). Few on
 # purpose: every config is one more compile at start-up (N and K are runtime arguments, so a
@@ -264,10 +265,12 @@ def _zero_mode(zeros: torch.Tensor | None, mins: torch.Tensor | None) -> int:
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor | None, group_size: int,
                 bias: torch.Tensor | None = None, *, mins: torch.Tensor | None = None,
-                bits: int = 4, _config: dict | None = None) -> torch.Tensor:
+                bits: int = 4, pdl: bool = False, _config: dict | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x.dtype, accumulated in fp32; W as in the module
     docstring: `zeros` (form 1) or `mins` (form 2) or neither (form 0); `bits` 8 takes int8
-    codes [N, K] in `packed`. `_config` (tests) forces one tile config past the autotuner."""
+    codes [N, K] in `packed`. One row of 4-bit codes runs kernels/int4_gemv.py (`pdl` is
+    its programmatic dependent launch). `_config` (tests) forces one tile config past the
+    autotuner (int4_gemv's when it names BLOCK_W)."""
     n, k = _check(x, packed, scales, zeros if zeros is not None else mins, group_size, bits)
     mode = _zero_mode(zeros, mins)
     offsets = zeros if zeros is not None else mins
@@ -277,6 +280,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if bits == 4 and m == 1 and int4_gemv.supported(k, group_size) and (
+            _config is None or "BLOCK_W" in _config):
+        # one row: the GEMV form (no tensor cores, no padding to 16 rows)
+        return int4_gemv.int4_gemv(x, packed, scales, offsets, mode, group_size, bias, out,
+                                   pdl=pdl, _config=_config)
     partials, counters = gemv._workspace(x.device)
     args = (x, packed, scales, offsets if offsets is not None else scales,
             bias if bias is not None else scales, out, partials, counters, m,

@@ -192,8 +192,8 @@ class QuantizedCollector:
                                   act_per_tensor=per_tensor, kernels=kernels)
         merged = formats.concat_int4(parts)
         if merged is not None:
-            return GroupQuantLinear(merged)
-        return PackedConcat([GroupQuantLinear(p) for p in parts])
+            return GroupQuantLinear(merged, kernels)
+        return PackedConcat([GroupQuantLinear(p, kernels) for p in parts])
 
 
 class _PermutedInput(nn.Module):

@@ -5,10 +5,10 @@ On CUDA, by row count:
 - one row (batch-1 decode; up to gemv.MAX_M rows under the GEMV modes that say so, as for bf16):
   folio's skinny GEMV reads the 8-bit weight and widens it in registers (W8A16 arithmetic: the
   activations are not quantized, so decode is as exact as the weights allow, and the bytes read
-  are halved all the same);
+  are halved all the same; a merged gate|up projection fuses SiLU-and-mul there, `gate_up_silu`);
 - more rows: the activations are quantized (per token, or with the checkpoint's static scale;
   kernels/act_quant.py) and the product runs on the tensor cores in 8 bits: FP8 through
-  torch._scaled_mm (cuBLASLt, row-wise scales), INT8 through torch._int_mm with the scales
+  torch._scaled_mm (row-wise scales, fast accumulation), INT8 through torch._int_mm with the scales
   applied after. A weight-only INT8 model widens the weight for cuBLAS instead.
 Elsewhere (CPU tensors, tests) `reference` does the same arithmetic in float32 torch ops: the
 activations fake-quantized as the W8A8 kernels quantize them, the weight dequantized.
@@ -62,14 +62,32 @@ class EightBitLinear(nn.Module):
             out = self.reference(x2, bias).to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
 
+    def _gemv_wanted(self, x: torch.Tensor, fused: bool = False) -> bool:
+        """The GEMV where the bf16 one is used (by default one row: each further row bucket
+        is more compiling and autotuning at start-up for a few percent)."""
+        from folio.model.kernels import gemv
+        return self.kernels.gemv_on and gemv.skinny_supported(x, self.codes) and \
+            gemv.skinny_preferred(x.shape[0], self.out_features, self.in_features, fused=fused,
+                                  mode=self.kernels.gemv)
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """For a merged gate|up projection (gate rows first): silu(gate) * up in one pass over
+        the weight where the GEMV serves x (decode on CUDA), as the bf16 MLP fuses it; None
+        elsewhere (the caller then runs the projection and the activation apart)."""
+        if not x.is_cuda or x.dim() == 0 or x.shape[-1] != self.in_features:
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        if (bias is not None and bias.dtype != x.dtype) or not self._gemv_wanted(x2, fused=True):
+            return None
+        from folio.model.kernels import gemv
+        act = gemv.skinny_gate_up_silu(x2, self.codes, bias, scale=self.scale,
+                                       pdl=self.kernels.pdl_on)
+        return act.view(*x.shape[:-1], -1)
+
     def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from folio.model.kernels import gemv
         m = x.shape[0]
-        # The GEMV where the bf16 one is used (by default one row: each further row bucket is
-        # more compiling and autotuning at start-up for a few percent).
-        if self.kernels.gemv_on and gemv.skinny_supported(x, self.codes) and \
-                gemv.skinny_preferred(m, self.out_features, self.in_features,
-                                      mode=self.kernels.gemv):
+        if self._gemv_wanted(x):
             return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
                                       pdl=self.kernels.pdl_on)
         if self.activation is None:
@@ -77,9 +95,13 @@ class EightBitLinear(nn.Module):
             return F.linear(x, w, bias)
         codes, x_scale = self._quantize_input(x)
         if self.activation == ACT_FP8:
-            # Row-wise scaling in cuBLASLt gives bfloat16 out; other dtypes are cast after.
+            # Row-wise scaling gives bfloat16 out; other dtypes are cast after. Fast
+            # accumulation (Hopper's FP8 MMA without the periodic promotion to full fp32, as
+            # vLLM's CUTLASS FP8 kernels run) was 5-20 % faster at 16-4096 rows on an H200
+            # (tools/gpu_check_quant.py, docs/benchmarks.md).
             out = torch._scaled_mm(codes, self.codes.t(), scale_a=x_scale,
-                                   scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16)
+                                   scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16,
+                                   use_fast_accum=True)
             out = out.to(x.dtype)
         else:
             pad = max(0, _INT_MM_MIN_ROWS - m)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.quant.formats import GroupInt8Weight, Int4Weight
 
 # From this many rows on, dequantize + cuBLAS (measured on an H200: docs/benchmarks.md).
@@ -22,8 +23,10 @@ DEQUANT_MIN_ROWS = 1024
 
 
 class GroupQuantLinear(nn.Module):
-    def __init__(self, weight: Int4Weight | GroupInt8Weight) -> None:
+    def __init__(self, weight: Int4Weight | GroupInt8Weight,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
         super().__init__()
+        self.kernels = kernels
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
         if isinstance(weight, GroupInt8Weight):
@@ -65,7 +68,8 @@ class GroupQuantLinear(nn.Module):
             out = F.linear(x2, w, bias)
         else:
             out = int4_matmul.int4_matmul(x2, self.codes, self.scales, self.zeros,
-                                          self.group_size, bias, **kw)
+                                          self.group_size, bias, pdl=self.kernels.pdl_on,
+                                          **kw)
         return out.view(*shape[:-1], self.out_features)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
