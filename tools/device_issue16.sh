@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=first|second|kernels|sweep|sweep2|final2 bash tools/device_issue16.sh
+#   PART=first|second|kernels|sweep|sweep2|final2a|final2b bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -61,7 +61,7 @@ PY
 kernels)
   step 300 kernels python3 tools/gpu_check_quant.py --m 1,16,64,4096 --json "$OUT/kernels.json"
   cut -c1-220 "$OUT/kernels.log" ;;
-final2)  # second session, last call: the 4-bit GEMV configs again, the GPU tests of the
+final2a)  # second session, last calls: the 4-bit GEMV configs again, the GPU tests of the
          # changed paths, then every target's bench, bf16 beside each
   step 100 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
   grep -E "int4|bf16|fp8 " "$OUT/sweep.log" | cut -c1-80
@@ -69,7 +69,8 @@ final2)  # second session, last call: the 4-bit GEMV configs again, the GPU test
       tests/gpu/test_gpu_quant.py -k "gemv or gate_up or int4_linear or eight_bit"
   step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   step 120 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
-  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
+final2b)  # the second half: 8k TTFT and offline throughput
   step 45 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
   step 45 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
   step 100 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
