@@ -70,7 +70,10 @@ final2a)  # second session, last calls: the 4-bit GEMV configs again, the GPU te
   step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   step 120 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
   step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
-final2b)  # the second half: 8k TTFT and offline throughput
+final2b)  # the second half: the FP8 KV cache's GPU tests (the attention tiles now fp16), 8k
+          # TTFT and offline throughput
+  step 110 gpu_fp8_kv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_fp8_kv_cache_gpu.py
   step 45 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
   step 45 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
   step 100 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
