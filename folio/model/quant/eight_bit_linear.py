@@ -8,7 +8,7 @@ On CUDA, by row count:
   are halved all the same; a merged gate|up projection fuses SiLU-and-mul there, `gate_up_silu`);
 - more rows: the activations are quantized (per token, or with the checkpoint's static scale;
   kernels/act_quant.py) and the product runs on the tensor cores in 8 bits: FP8 through
-  torch._scaled_mm (row-wise scales, fast accumulation), INT8 through torch._int_mm with the scales
+  torch._scaled_mm (row-wise scales; fast accumulation from 1024 rows), INT8 through torch._int_mm with the scales
   applied after. A weight-only INT8 model widens the weight for cuBLAS instead.
 Elsewhere (CPU tensors, tests) `reference` does the same arithmetic in float32 torch ops: the
 activations fake-quantized as the W8A8 kernels quantize them, the weight dequantized.
@@ -26,6 +26,8 @@ from folio.model.quant.scheme import ACT_FP8, ACT_INT8
 
 # torch._int_mm takes more than 16 rows (cuBLASLt's int8 kernels); fewer are padded.
 _INT_MM_MIN_ROWS = 17
+# From this many rows (a long prefill) FP8 products accumulate fast (see _cuda).
+FAST_ACCUM_MIN_ROWS = 1024
 
 
 class EightBitLinear(nn.Module):
@@ -97,11 +99,12 @@ class EightBitLinear(nn.Module):
         if self.activation == ACT_FP8:
             # Row-wise scaling gives bfloat16 out; other dtypes are cast after. Fast
             # accumulation (Hopper's FP8 MMA without the periodic promotion to full fp32, as
-            # vLLM's CUTLASS FP8 kernels run) was 5-20 % faster at 16-4096 rows on an H200
-            # (tools/gpu_check_quant.py, docs/benchmarks.md).
+            # vLLM's CUTLASS FP8 kernels run) was 5-15 % faster at 4096 rows on an H200
+            # (tools/gpu_check_quant.py, docs/benchmarks.md), but on a small random model it
+            # moved greedy tokens past near-ties, so only long prefills take it.
             out = torch._scaled_mm(codes, self.codes.t(), scale_a=x_scale,
                                    scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16,
-                                   use_fast_accum=True)
+                                   use_fast_accum=m >= FAST_ACCUM_MIN_ROWS)
             out = out.to(x.dtype)
         else:
             pad = max(0, _INT_MM_MIN_ROWS - m)
