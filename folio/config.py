@@ -257,6 +257,73 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
+SPEC_METHODS = ("ngram",)
+# vLLM's other methods: accepted names that this build does not run yet (a clear refusal).
+_SPEC_METHODS_LATER = ("suffix", "draft_model", "eagle", "eagle3", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` JSON). A proposer guesses up to
+    `num_speculative_tokens` tokens per request and step; the model checks them in one pass
+    and a rejection sampler keeps the output distribution exactly the model's.
+
+    `ngram` (prompt lookup): the longest n-gram (prompt_lookup_max down to prompt_lookup_min
+    tokens) ending the request's tokens that occurred earlier in them proposes the tokens that
+    followed it there."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
+                 f"{self.method!r} is not supported yet; supported: {list(SPEC_METHODS)}")
+        _require(self.method in SPEC_METHODS, "speculative_config.method",
+                 f"must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool)
+                 and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+                 "speculative_config.num_speculative_tokens",
+                 f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        # vLLM's defaults: max 5 when neither is given; one given sets the other.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 1, 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            _require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64,
+                     f"speculative_config.{name}", f"must be an int in [1, 64], got {value!r}")
+        _require(lo <= hi, "speculative_config.prompt_lookup_min",
+                 f"({lo}) must not exceed prompt_lookup_max ({hi})")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @classmethod
+    def from_json(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From the CLI's JSON text, a dict (LLM(speculative_config=...)) or None; unknown
+        keys are an error naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        _require(isinstance(value, dict), "speculative_config",
+                 f"must be a JSON object, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, "speculative_config", f"has unknown keys {unknown}; known: "
+                 f"{sorted(known)}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -265,6 +332,8 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # None = no speculative decoding.
+    speculative: SpeculativeConfig | None = None
     disable_log_stats: bool = True
 
     def finalize(self, model_max_len: int) -> None:

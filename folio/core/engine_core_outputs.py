@@ -54,3 +54,9 @@ class SchedulerStats:
     # Requests the scheduler holds state for (running, waiting, finished but not yet
     # reported): 0 once idle, or state is leaking.
     num_tracked_requests: int = 0
+    # Speculative decoding, cumulative (zeros when off): verify steps with drafts, draft
+    # tokens, accepted drafts, accepted drafts by position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

@@ -10,14 +10,48 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
 from folio.core.request import Request, RequestStatus
+from folio.core.spec.policy import speculation_supported
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
+
+
+class Drafter(Protocol):
+    """A proposer of draft tokens (folio.core.spec): `propose` after a request's tokens were
+    updated, `drop` when it is freed."""
+
+    def propose(self, request: Request) -> list[int]: ...
+
+    def drop(self, request_id: str) -> None: ...
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative speculative-decoding counts (vLLM's spec_decode metrics): verify steps with
+    drafts, draft tokens, accepted tokens, and accepted tokens by draft position."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step: the accepted drafts plus the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -33,6 +67,9 @@ class ScheduledRequest:
     samples: bool = False
     # Scheduled again after a preemption.
     resumed: bool = False
+    # Draft tokens verified by this step (speculative decoding): inputs after the request's
+    # last token, counted in num_new_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -120,8 +157,15 @@ class Scheduler:
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, drafter: Drafter | None = None) -> None:
+        if drafter is not None and async_scheduling:
+            raise ValueError("speculative decoding needs each step's tokens on the host "
+                             "before the next is scheduled: async_scheduling must be off")
         self.kv = kv_cache_manager
+        # Speculative decoding: proposes each running request's draft tokens after its
+        # tokens are updated (None = off).
+        self.drafter = drafter
+        self.spec_stats = SpecDecodingStats()
         # Schedule the next step before the step in flight has returned its tokens: running
         # requests then also decode the token still being sampled (see Request.num_pending_tokens).
         self.async_scheduling = async_scheduling
@@ -143,6 +187,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.drafter is not None:
+            request.can_speculate = speculation_supported(
+                request.sampling_params, request.structured_output is not None)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -164,6 +211,8 @@ class Scheduler:
         return aborted
 
     def _free(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.drop(request.request_id)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
@@ -195,6 +244,16 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                if num_new == 1:   # a decode step: verify the drafts that fit
+                    room = min(budget - 1, request.max_tokens - len(request.output_token_ids) - 1,
+                               self.max_model_len - len(request.all_token_ids) - 1)
+                    drafts = drafts[:max(room, 0)]
+                    num_new += len(drafts)
+                else:
+                    drafts = []
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -217,7 +276,7 @@ class Scheduler:
                 # it rank higher and may fit in the blocks it just gave back.
                 continue
             scheduled[request.request_id] = ScheduledRequest(
-                request, request.num_computed_tokens, num_new, [])
+                request, request.num_computed_tokens, num_new, [], spec_token_ids=drafts)
             budget -= num_new
             index += 1
 
@@ -284,10 +343,13 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
         sampling: list[str] = []
+        spec: dict[str, list[int]] = {}
         for item in items:
             request = item.request
             rid = request.request_id
             num_scheduled[rid] = item.num_new_tokens
+            if item.spec_token_ids:
+                spec[rid] = list(item.spec_token_ids)
             if item.samples:
                 sampling.append(rid)
             blocks = item.block_ids
@@ -315,7 +377,8 @@ class Scheduler:
             finished_req_ids=sorted(self._finished_since_last_step),
             preempted_req_ids=[r.request_id for r in preempted],
             has_grammar=any(item.samples and item.request.structured_output is not None
-                            for item in items))
+                            for item in items),
+            scheduled_spec_decode_tokens=spec)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -329,6 +392,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -338,8 +402,8 @@ class Scheduler:
         # Runs for every request every step: locals and plain comparisons instead of
         # properties (at batch 256 this loop was a millisecond-scale part of each step).
         outputs: list[EngineCoreOutput] = []
-        # One token per request per step (speculative decoding will return several).
-        sampled = {rid: tokens[0] for rid, tokens in
+        # One token per request per step, or with drafts the accepted ones and one more.
+        sampled = {rid: tokens for rid, tokens in
                    zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}
         all_prompt_logprobs = ({rid: PromptLogprobsChunk(chunk.start, logprobs_entries(chunk.lists))
                                 for rid, chunk in runner_output.prompt_logprobs.items()}
@@ -357,24 +421,33 @@ class Scheduler:
                 continue  # aborted while the step ran, or finished by the step before
             request_id = request.request_id
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
-            token_id = sampled.get(request_id)
-            if token_id is None:
+            token_ids = sampled.get(request_id)
+            if token_ids is None:
                 if prompt_logprobs:
                     outputs.append(EngineCoreOutput(request_id, [],
                                                     new_prompt_logprobs=prompt_logprobs,
                                                     num_cached_tokens=max(request.num_cached_tokens, 0)))
                 continue
-            request.append_output_token(token_id)
-            if request.structured_output is not None:
-                # The mask allowed only grammar tokens, so a rejection means a bug upstream;
-                # the token stands (it was sampled) and the matcher keeps its state.
-                request.structured_output.accept_tokens([token_id])
-            self._check_stop(request, token_id)
+            if item.spec_token_ids:
+                token_ids = self._take_verified(item, token_ids)
+            for n, token_id in enumerate(token_ids, 1):
+                request.append_output_token(token_id)
+                if request.structured_output is not None:
+                    # The mask allowed only grammar tokens, so a rejection means a bug
+                    # upstream; the token stands (it was sampled) and the matcher keeps its
+                    # state.
+                    request.structured_output.accept_tokens([token_id])
+                self._check_stop(request, token_id)
+                if request.status >= _FIRST_FINISHED:
+                    token_ids = token_ids[:n]   # tokens after a stop are dropped
+                    break
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
             status = request.status
             is_finished = status >= _FIRST_FINISHED
+            if not is_finished and self.drafter is not None and request.can_speculate:
+                request.spec_token_ids = self.drafter.propose(request)
             outputs.append(EngineCoreOutput(
-                request_id, [token_id], [logprobs] if logprobs is not None else [],
+                request_id, list(token_ids), [logprobs] if logprobs is not None else [],
                 prompt_logprobs, _FINISH_REASON_OF.get(status) if is_finished else None,
                 request.stop_reason, max(request.num_cached_tokens, 0),
                 first_scheduled.get(request_id)))
@@ -390,6 +463,20 @@ class Scheduler:
             for request in finished:
                 self._free(request)
         return outputs
+
+    def _take_verified(self, item: ScheduledRequest, token_ids: list[int]) -> list[int]:
+        """A verify step's tokens (the accepted drafts, then one sampled after them): the KV
+        slots of the rejected drafts are given back to the request's future tokens (its
+        computed count steps back; their blocks stay allocated and are overwritten), and
+        the acceptance is counted."""
+        num_drafts = len(item.spec_token_ids)
+        accepted = len(token_ids) - 1
+        if not 0 <= accepted <= num_drafts or token_ids[:accepted] != item.spec_token_ids[:accepted]:
+            raise RuntimeError(f"request {item.request_id}: a verify step returned {token_ids} "
+                               f"for drafts {item.spec_token_ids}")
+        item.request.num_computed_tokens -= num_drafts - accepted
+        self.spec_stats.observe(num_drafts, accepted)
+        return token_ids
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
@@ -419,7 +506,11 @@ class Scheduler:
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks,
-            num_tracked_requests=len(self.requests))
+            num_tracked_requests=len(self.requests),
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos))
 
 
 def logprobs_entries(lists: LogprobsLists) -> list[SampledTokenLogprobs]:

@@ -73,6 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         default="auto", choices=["auto", "xgrammar", "guidance"],
                         help="grammar backend for constrained decoding ('auto': xgrammar, falling "
                              "back to guidance for what xgrammar rejects)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding, as JSON: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                             '"prompt_lookup_min": 2}')
     parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
                         help="uni: the worker runs in the engine-core process; mp: workers in "
                              "their own processes, fed the step messages over ZMQ "
@@ -143,4 +147,5 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         request_limits={name: getattr(args, name) for name in _LIMIT_FLAGS
                         if hasattr(args, name)},
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
-        num_workers=getattr(args, "num_workers", 1))
+        num_workers=getattr(args, "num_workers", 1),
+        speculative_config=getattr(args, "speculative_config", None))

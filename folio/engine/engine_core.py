@@ -12,6 +12,7 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
+from folio.core.spec.drafter import make_drafter
 from folio.engine.grammar_manager import StructuredOutputManager
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
@@ -49,14 +50,18 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         sched = config.scheduler
+        drafter = make_drafter(config.speculative)
+        if drafter is not None and sched.async_scheduling:
+            raise ValueError("speculative_config needs async_scheduling off (each step's "
+                             "tokens are drafted from before the next is scheduled)")
         self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
-                                 else self.executor.device_type == "cuda")
+                                 else self.executor.device_type == "cuda" and drafter is None)
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
-            async_scheduling=self.async_scheduling)
+            async_scheduling=self.async_scheduling, drafter=drafter)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # Set to a StepTimes to have each step's parts timed (benchmarks).

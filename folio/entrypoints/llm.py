@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                          RequestLimitsConfig, SchedulerConfig, StructuredOutputsConfig)
+                          RequestLimitsConfig, SchedulerConfig, SpeculativeConfig,
+                          StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.request_outputs import RequestOutput
@@ -32,7 +33,8 @@ class LLM:
                  max_logprobs: int | None = None,
                  request_limits: RequestLimitsConfig | dict | None = None,
                  distributed_executor_backend: str | None = None,
-                 num_workers: int = 1) -> None:
+                 num_workers: int = 1,
+                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -62,6 +64,7 @@ class LLM:
             limits=request_limits,
             parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend,
                                     num_workers=num_workers),
+            speculative=SpeculativeConfig.from_json(speculative_config),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

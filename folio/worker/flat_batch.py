@@ -128,9 +128,17 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
                 pending_src = [prev_rows[req_ids[j]] for j in pending_dst]
         else:
             pieces = []
+            spec = step.scheduled_spec_decode_tokens
             for j, (rid, row, start, num, n_known) in enumerate(zip(
                     order, rows.tolist(), starts.tolist(), counts.tolist(), known.tolist())):
                 end = start + num
+                drafts = spec.get(rid) if spec else None
+                if drafts:
+                    # A verify step: the last token, then the draft tokens after it.
+                    assert end == n_known + len(drafts), "drafts follow a request's last token"
+                    pieces.append(batch.token_ids[row, start:n_known])
+                    pieces.append(np.asarray(drafts, dtype=np.int32))
+                    continue
                 if end <= n_known:
                     pieces.append(batch.token_ids[row, start:end])
                     continue

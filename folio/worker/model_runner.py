@@ -214,6 +214,9 @@ class ModelRunner:
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
             return PendingRunnerOutput(prompt_logprobs=prompt_logprobs)
+        if step.scheduled_spec_decode_tokens:
+            return self._verify_step(step, hidden, query_start_loc, req_ids, prompt_logprobs,
+                                     grammar_bitmask)
         if len(sampling) == len(req_ids) == hidden.shape[0]:
             # Every request decodes one token and samples: its row is its hidden state, so no
             # index tensor (a host-to-device copy) and no gather.
@@ -243,13 +246,71 @@ class ModelRunner:
         self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
         return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs)
 
+    def _verify_step(self, step: SchedulerOutput, hidden: torch.Tensor,
+                     query_start_loc: list[int], req_ids: list[str],
+                     prompt_logprobs: dict[str, tuple[int, LogprobsTensors]],
+                     grammar_bitmask: GrammarBitmaskFn | None) -> PendingRunnerOutput:
+        """A step carrying draft tokens (speculative decoding): logits at each drafting
+        request's last token and after each of its drafts, verified (worker/spec_verify.py);
+        the other sampling requests sample one token as usual. Synchronous: speculation runs
+        with async scheduling off, and the kept tokens are needed on the host."""
+        from folio.worker.spec_verify import verify
+        spec = step.scheduled_spec_decode_tokens
+        sampling = step.sampling_req_ids
+        requests = self.input_batch.requests
+        index_of = {rid: i for i, rid in enumerate(req_ids)}
+        logit_rows: list[int] = []
+        first_row: list[int] = []
+        for rid in sampling:
+            end = query_start_loc[index_of[rid] + 1]
+            n = len(spec.get(rid, ())) + 1
+            first_row.append(len(logit_rows))
+            logit_rows.extend(range(end - n, end))
+        logits = self.model.compute_logits(
+            hidden[device_tensor(logit_rows, self.device, torch.int64)])
+        states = [requests[rid] for rid in sampling]
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        plain = [j for j, rid in enumerate(sampling) if rid not in spec]
+        token_lists: list[list[int]] = [[] for _ in sampling]
+        plain_ids = [sampling[j] for j in plain]
+        logprobs = None
+        if plain:
+            plain_logits = logits[device_tensor([first_row[j] for j in plain], self.device,
+                                                torch.int64)]
+            mask = grammar_bitmask() if step.has_grammar and grammar_bitmask is not None else None
+            if mask is not None:
+                self._apply_bitmask(plain_logits, mask, sampling, subset=plain)
+            sampled, logprobs = self.sampler.sample(
+                plain_logits, [states[j].sampling for j in plain],
+                self.input_batch.sampling_columns(rows[plain]))
+            for j, token in zip(plain, sampled.tolist()):
+                token_lists[j] = [token]
+        columns = self.input_batch.sampling_columns(rows)
+        for j, rid in enumerate(sampling):
+            if rid in spec:
+                drafts = spec[rid]
+                token_lists[j] = verify(logits[first_row[j]:first_row[j] + len(drafts) + 1],
+                                        drafts, states[j].sampling, columns, j)
+        self._prev_sampled, self._prev_rows = None, {}
+        return PendingRunnerOutput(list(sampling), prompt_logprobs=prompt_logprobs,
+                                   token_lists=token_lists, logprobs=logprobs,
+                                   logprobs_req_ids=plain_ids)
+
     def _apply_bitmask(self, logits: torch.Tensor, mask: GrammarBitmask,
-                       sampling: list[str]) -> None:
+                       sampling: list[str], subset: list[int] | None = None) -> None:
+        """Mask the logits of the step's sampling rows (or of the rows `subset` of them, in
+        that order) with the grammar's bitmask."""
         from folio.structured_output.masking import apply_token_bitmask
         if mask.req_ids != sampling:
             raise ValueError("the grammar bitmask's rows are not the step's sampling rows")
         rows = len(mask.req_ids)
         words = np.frombuffer(mask.data, dtype=np.int32).reshape(rows, mask.num_words)
+        constrained = mask.constrained_rows
+        if subset is not None:
+            position = {j: i for i, j in enumerate(subset)}
+            words = words[subset]
+            constrained = [position[j] for j in constrained if j in position]
+            rows = len(subset)
         host = self._bitmask_host
         if host is None or host.shape[0] < rows or host.shape[1] != mask.num_words:
             # Pinned (CUDA), so the copy to the device is asynchronous; kept between steps.
@@ -259,7 +320,7 @@ class ModelRunner:
         # Rewriting it is safe: a constrained request makes the engine read the step before
         # (so wait for its event, after this buffer's last copy) before building this one.
         host[:rows].numpy()[:] = words
-        apply_token_bitmask(logits, host[:rows], mask.constrained_rows)
+        apply_token_bitmask(logits, host[:rows], constrained)
 
 
 class PendingRunnerOutput:
@@ -269,15 +330,22 @@ class PendingRunnerOutput:
 
     def __init__(self, request_ids: list[str] | None = None, sampled: torch.Tensor | None = None,
                  logprobs: RowLogprobs | None = None,
-                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None) -> None:
+                 prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None, *,
+                 token_lists: list[list[int]] | None = None,
+                 logprobs_req_ids: list[str] | None = None) -> None:
         self._request_ids = request_ids or []
+        # A verify step's kept tokens per request, already on the host.
+        self._token_lists = token_lists
+        # The requests the logprobs' rows index (default: request_ids).
+        self._logprobs_req_ids = logprobs_req_ids if logprobs_req_ids is not None \
+            else self._request_ids
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
         self._host = sampled
         self._output: ModelRunnerOutput | None = None
         on_cuda = sampled.is_cuda if sampled is not None else any(
-            t.tensors[0].is_cuda for _, t in self._prompt_logprobs.values())
+            t.tensors[0].is_cuda for t in self._all_logprobs_tensors())
         if on_cuda:
             if sampled is not None:
                 self._host = to_host_async(sampled)
@@ -301,12 +369,15 @@ class PendingRunnerOutput:
         if self._host is not None:
             output.req_ids = self._request_ids
             output.sampled_token_ids = [[t] for t in self._host.tolist()]
+        elif self._token_lists is not None:
+            output.req_ids = self._request_ids
+            output.sampled_token_ids = self._token_lists
         if self._logprobs is not None:
-            output.logprobs_req_ids = [self._request_ids[i] for i in self._logprobs.rows]
+            output.logprobs_req_ids = [self._logprobs_req_ids[i] for i in self._logprobs.rows]
             output.logprobs = self._logprobs.tensors.lists()
         output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
-        self._host = self._event = self._logprobs = None
+        self._host = self._event = self._logprobs = self._token_lists = None
         self._prompt_logprobs = {}
         self._output = output
         return output

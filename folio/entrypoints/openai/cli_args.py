@@ -57,7 +57,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def build_engine_config(args: argparse.Namespace):
     from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, StructuredOutputsConfig)
+                              SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
     from folio.engine.arg_utils import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
@@ -80,4 +80,5 @@ def build_engine_config(args: argparse.Namespace):
         limits=RequestLimitsConfig(**kw["request_limits"], max_json_depth=args.max_json_depth,
                                    max_prompts=args.max_prompts, max_tools=args.max_tools),
         parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
-                                num_workers=kw["num_workers"]))
+                                num_workers=kw["num_workers"]),
+        speculative=SpeculativeConfig.from_json(kw["speculative_config"]))

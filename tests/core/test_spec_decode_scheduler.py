@@ -1,0 +1,224 @@
+"""Speculative decoding on the scheduler's side, without a model: the n-gram proposer, drafts
+in the step message (k + 1 scheduled tokens, KV slots for them), the rollback of rejected
+drafts, stops inside accepted tokens, the caps on drafts, preemption, the config."""
+from __future__ import annotations
+
+import pytest
+
+from folio.config import SpeculativeConfig
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.request import Request, RequestStatus
+from folio.core.scheduler import Scheduler
+from folio.core.spec.drafter import NgramDrafter
+from folio.core.spec.ngram import NgramProposer
+from folio.core.step_messages import ModelRunnerOutput
+from folio.sampling_params import SamplingParams
+
+BS = 4
+EOS = 2
+
+
+# ---- the n-gram proposer ------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_longest_match() -> None:
+    p = NgramProposer(1, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert p.propose("a", tokens, 4) == [4, 5, 9, 1]
+    # the same request growing: the index extends; 3,4,5 matched at its earlier occurrence
+    assert p.propose("a", tokens + [4, 5], 3) == [9, 1, 2]
+
+
+def test_ngram_prefers_the_longest_then_the_latest_occurrence() -> None:
+    p = NgramProposer(1, 2)
+    # "7" alone is followed by 8 (first) and 9 (later); "6 7" only by 8
+    assert p.propose("a", [6, 7, 8, 0, 7, 9, 0, 6, 7], 1) == [8]
+    assert p.propose("b", [5, 7, 8, 0, 7, 9, 0, 6, 7], 1) == [9]
+
+
+def test_ngram_respects_min_n_k_and_the_end_of_context() -> None:
+    p = NgramProposer(2, 3)
+    assert p.propose("a", [1, 2, 3, 1], 4) == []          # only a 1-gram matches
+    assert p.propose("b", [1, 2, 3, 1, 2], 4) == [3, 1, 2]   # capped by the context's end
+    assert p.propose("c", [1, 2, 3, 1, 2], 0) == []
+    assert p.propose("d", [1], 4) == []
+    p.drop("b")
+    assert "b" not in p._indexes
+
+
+def test_ngram_matches_a_brute_force_search() -> None:
+    import random
+    rng = random.Random(0)
+    p = NgramProposer(2, 4)
+    tokens: list[int] = []
+    for step in range(300):
+        tokens.append(rng.randrange(6))
+        got = p.propose("r", tokens, 3)
+        want: list[int] = []
+        for n in range(min(4, len(tokens) - 1), 1, -1):
+            tail = tokens[-n:]
+            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tail]
+            if starts:
+                want = tokens[starts[-1] + n:starts[-1] + n + 3]
+                break
+        assert got == want, (step, tokens[-8:])
+
+
+def test_speculative_config_validates_like_vllm() -> None:
+    cfg = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
+                                      '"prompt_lookup_max": 4}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 4, 4)
+    assert SpeculativeConfig().prompt_lookup_min == 1
+    for bad, field in [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "nope"}, "method"),
+                       ({"method": "eagle"}, "not supported yet"),
+                       ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+                        "prompt_lookup_min"),
+                       ({"method": "ngram", "k": 3}, "unknown keys")]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig.from_json(bad)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.from_json("{method")
+
+
+# ---- the scheduler ------------------------------------------------------------------------
+
+class FixedDrafter:
+    """Proposes `drafts` for every request (or what `fn` says)."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+        self.dropped: list[str] = []
+
+    def propose(self, request: Request) -> list[int]:
+        return list(self.drafts)
+
+    def drop(self, request_id: str) -> None:
+        self.dropped.append(request_id)
+
+
+def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256):
+    return Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, True), max_num_seqs=8,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len,
+                     drafter=drafter)
+
+
+def request(rid: str, prompt_len: int = 6, **params) -> Request:
+    params.setdefault("max_tokens", 20)
+    params.setdefault("temperature", 0)
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(**params), (EOS,),
+                   block_size=BS, max_model_len=256)
+
+
+def reply(tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=list(tokens), sampled_token_ids=list(tokens.values()))
+
+
+def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
+    drafter = FixedDrafter([7, 8, 9])
+    s = make(drafter)
+    r = request("a")
+    s.add_request(r)
+    step = s.schedule()                      # the prefill
+    assert step.message.num_scheduled_tokens == {"a": 6}
+    assert step.message.scheduled_spec_decode_tokens == {}
+    s.update_from_output(step, reply({"a": [50]}))
+    assert r.spec_token_ids == [7, 8, 9]     # drafted once the first token is known
+
+    step = s.schedule()                      # verify: the last token and three drafts
+    assert step.message.num_scheduled_tokens == {"a": 4}
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
+    assert step.message.sampling_req_ids == ["a"]
+    assert r.num_computed_tokens == 6 + 4
+    assert len(s.kv.get_block_ids("a")) * BS >= 10
+    # two drafts accepted, then the model's own token
+    out = s.update_from_output(step, reply({"a": [7, 8, 60]}))
+    assert out[0].new_token_ids == [7, 8, 60]
+    assert r.output_token_ids == [50, 7, 8, 60]
+    # the rejected draft's slot is given back: computed = every token but the newest
+    assert r.num_computed_tokens == len(r.all_token_ids) - 1 == 9
+    stats = s.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos) == (1, 3, 2, [1, 1, 0])
+    assert s.spec_stats.mean_acceptance_length == 3.0
+
+    step = s.schedule()                      # the next verify starts after the kept tokens
+    assert step.message.num_scheduled_tokens == {"a": 4}
+    assert step.scheduled[0].num_computed_tokens == 9
+
+
+def test_a_stop_inside_the_accepted_tokens_drops_the_rest() -> None:
+    s = make(FixedDrafter([EOS, 5]))
+    r = request("a")
+    s.add_request(r)
+    s.update_from_output(s.schedule(), reply({"a": [50]}))
+    step = s.schedule()
+    out = s.update_from_output(step, reply({"a": [EOS, 5, 6]}))
+    assert out[0].new_token_ids == [EOS] and out[0].finish_reason == "stop"
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [50, EOS]
+    assert s.drafter.dropped == ["a"]   # the proposer forgets a finished request
+
+
+def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget() -> None:
+    s = make(FixedDrafter([7, 8, 9, 10]))
+    r = request("a", max_tokens=3)
+    s.add_request(r)
+    s.update_from_output(s.schedule(), reply({"a": [50]}))
+    step = s.schedule()      # one output so far: at most 2 more, so one draft
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7]}
+    out = s.update_from_output(step, reply({"a": [7, 8]}))
+    assert out[0].finish_reason == "length" and r.output_token_ids == [50, 7, 8]
+
+    s = make(FixedDrafter([7, 8, 9, 10]), budget=6)
+    s.add_request(request("b", prompt_len=5))
+    s.update_from_output(s.schedule(), reply({"b": [50]}))
+    s.add_request(request("c", prompt_len=3))
+    step = s.schedule()      # b: 1 + 4 drafts = 5 of the budget of 6; c's prefill gets 1
+    assert step.message.num_scheduled_tokens == {"b": 5, "c": 1}
+
+
+def test_requests_that_cannot_be_verified_do_not_speculate() -> None:
+    s = make(FixedDrafter([7, 8]))
+    plain, logprobs, penalty = request("a"), request("b", logprobs=2), \
+        request("c", repetition_penalty=1.2)
+    for r in (plain, logprobs, penalty):
+        s.add_request(r)
+    s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50]}))
+    step = s.schedule()
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8]}
+    assert step.message.num_scheduled_tokens == {"a": 3, "b": 1, "c": 1}
+
+
+def test_preemption_drops_the_drafts() -> None:
+    s = make(FixedDrafter([7, 8]), num_blocks=4)
+    r1, r2 = request("a", prompt_len=6), request("b", prompt_len=6)
+    s.add_request(r1)
+    s.add_request(r2)
+    step = s.schedule()
+    s.update_from_output(step, reply({rid: [50] for rid in step.message.num_scheduled_tokens}))
+    step = s.schedule()      # 4 blocks of 4: both cannot grow by 3, the later is preempted
+    assert step.preempted_req_ids == ["b"]
+    assert r2.spec_token_ids == [] and r2.status == RequestStatus.PREEMPTED
+
+
+def test_async_scheduling_with_a_drafter_is_refused() -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        Scheduler(kv_cache_manager=KVCacheManager(8, BS, True), max_num_seqs=2,
+                  max_num_batched_tokens=16, max_model_len=64, async_scheduling=True,
+                  drafter=FixedDrafter([1]))
+
+
+def test_a_reply_that_is_not_a_verification_of_the_drafts_is_an_error() -> None:
+    s = make(FixedDrafter([7, 8]))
+    s.add_request(request("a"))
+    s.update_from_output(s.schedule(), reply({"a": [50]}))
+    step = s.schedule()
+    with pytest.raises(RuntimeError, match="verify step"):
+        s.update_from_output(step, reply({"a": [9, 8, 1]}))
+
+
+def test_the_ngram_drafter_reads_the_request_tokens() -> None:
+    d = NgramDrafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                                       prompt_lookup_max=2))
+    r = Request("a", [1, 2, 3, 1], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
+    assert d.propose(r) == [2, 3]
+    d.drop("a")

@@ -1,0 +1,122 @@
+"""Speculative decoding (n-gram) through the engine on the default model (SmolLM2-135M, float32
+on the CPU): greedy outputs equal the engine without speculation, token for token, on editing
+prompts (a file the answer repeats, where n-gram drafts are accepted) and plain ones; in the
+same batch, requests that do not speculate (logprobs, penalties, a grammar) are unchanged;
+preemption and the prefix cache; seeded sampling is reproducible; n > 1."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.model.default_model import default_model_path
+from folio.sampling_params import StructuredOutputsParams
+
+from test_invariants import _prompts
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}
+
+
+def _source(name: str, chars: int = 700) -> str:
+    """A piece of a Python standard-library file (text no one here wrote)."""
+    path = os.path.join(os.path.dirname(os.__file__), name)
+    with open(path, encoding="utf-8") as f:
+        return f.read()[:chars]
+
+
+def _editing_prompts() -> list[str]:
+    return [f"Copy this code exactly, changing nothing:\n\n{_source(name)}\n\nCopy:\n"
+            for name in ("textwrap.py", "bisect.py", "colorsys.py", "fnmatch.py")]
+
+
+def _make(spec: dict | None, **overrides) -> LLM:
+    kwargs = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=512,
+                  max_num_seqs=16, device="cpu", speculative_config=spec)
+    kwargs.update(overrides)
+    return LLM(default_model_path(), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain_llm() -> LLM:
+    return _make(None)
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    return _make(SPEC)
+
+
+def _spec_stats(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler.stats()
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_greedy_outputs_equal_the_engine_without_speculation(plain_llm, spec_llm) -> None:
+    prompts = _editing_prompts() + _prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    before = _spec_stats(spec_llm)
+    want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    got = _ids(spec_llm.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    after = _spec_stats(spec_llm)
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    # the editing answers copy their prompt: drafts are made and most are kept
+    assert drafts > 10 and accepted > drafts, (drafts, accepted)
+    assert sum(after.spec_accepted_per_pos) == after.spec_num_accepted_tokens
+
+
+def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> None:
+    prompts = _editing_prompts()[:2] * 2 + _prompts(2, seed=4)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"]}
+    params = [SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[198]),
+              SamplingParams(temperature=0, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=10)]
+    want = plain_llm.generate(prompts, params, use_tqdm=False)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    # logprobs as without speculation
+    for a, b in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+    json.loads(got[4].outputs[0].text)
+
+
+def test_preemption_and_the_prefix_cache(plain_llm) -> None:
+    """Few blocks: requests are preempted (their drafts dropped) and recomputed, much of it
+    from the prefix cache; the answers are still the engine's without speculation."""
+    prompts = _editing_prompts()
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    small = _make(SPEC, num_gpu_blocks_override=60, max_model_len=512, max_num_seqs=4)
+    got = _ids(small.generate(prompts, params, use_tqdm=False))
+    stats = _spec_stats(small)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_num_accepted_tokens > 0
+    assert got == want
+
+
+def test_seeded_sampling_is_reproducible_and_n_above_one(spec_llm) -> None:
+    prompts = _editing_prompts()[:2]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=32)
+    first = _ids(spec_llm.generate(prompts, params, use_tqdm=False))
+    again = _ids(spec_llm.generate(prompts, params, use_tqdm=False))
+    assert first == again and all(len(ids) == 32 for ids in first)
+    out = spec_llm.generate(prompts[0], SamplingParams(temperature=1.0, n=2, max_tokens=16,
+                                                       seed=9), use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and all(len(c.token_ids) == 16 for c in out.outputs)
+
+
+def test_async_scheduling_with_speculation_is_refused() -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        _make(SPEC, async_scheduling=True)
