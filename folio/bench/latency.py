@@ -45,6 +45,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from folio.engine.arg_utils import add_engine_args
     add_engine_args(parser, model_positional=False)
     group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", choices=["random", "editing"], default="random",
+                       help="random: --input-len random token ids per prompt; editing: a "
+                            "standard-library source file of about --input-len tokens to "
+                            "rewrite with one name changed (folio/bench/editing.py), a "
+                            "different file per prompt")
     group.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     group.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     group.add_argument("--batch-size", type=int, default=1, help="requests per iteration")
@@ -123,10 +128,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Every call below, in order, with its prompts: what --peer replays.
     schedule: list[tuple[str, int, list[list[int]]]] = []
 
+    files_used = [0]
+
     def fresh_batch() -> list[dict[str, list[int]]]:
-        # New random prompts for every call: prefix caching is on by default, and re-sending
-        # one fixed batch (as vLLM does) would turn every prefill after the first into a cache
+        # New prompts for every call: prefix caching is on by default, and re-sending one
+        # fixed batch (as vLLM does) would turn every prefill after the first into a cache
         # hit, understating latency and the prefill time subtracted below.
+        if args.dataset == "editing":
+            from folio.bench.editing import editing_prompts
+            tokenizer = llm.get_tokenizer()
+            texts = editing_prompts(tokenizer, args.batch_size, args.input_len,
+                                    start=files_used[0])
+            files_used[0] += args.batch_size
+            return [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]
         return [{"prompt_token_ids": rng.choice(allowed, size=args.input_len).tolist()}
                 for _ in range(args.batch_size)]
 
@@ -143,10 +157,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.num_iters_warmup):
         timed("warmup", args.output_len)
     latencies, output_tokens = [], []
+    spec_before = _spec_counts(engine)
     for _ in range(args.num_iters):
         elapsed, n = timed("timed", args.output_len)
         latencies.append(elapsed)
         output_tokens.append(n)
+    spec = _spec_report(spec_before, _spec_counts(engine))
     # Prefill-only runs (max_tokens=1): same count, so the medians are comparable. One warm-up
     # because a 1-token request can hit shapes (no decode) the full runs did not compile.
     timed("prefill_warmup", 1)
@@ -187,6 +203,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "startup": startup_breakdown(startup_s, getattr(executor, "timings", None)),
         "random_model": random_model,
         "step_breakdown": breakdown,
+        "dataset": args.dataset,
+        "spec_decode": spec,
         "roofline": None,
         "prefill_roofline": None,
         "peer": None,
@@ -353,6 +371,11 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token, "
               f"{rate:.1f} tokens/s per sequence" if rate else
               f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token")
+    if report.get("spec_decode"):
+        spec = report["spec_decode"]
+        print(f"speculative decoding: mean acceptance length {spec['mean_acceptance_length']:.2f} "
+              f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
+              f"accepted over {spec['num_drafts']} verify steps)")
     if report.get("step_breakdown"):
         print(report["step_breakdown"]["line"])
     if report["roofline"]:
@@ -382,6 +405,28 @@ def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) ->
             if ratios.get(key)]
         if parts:
             print(f"folio/peer time ratio (below 1: folio faster): {', '.join(parts)}")
+
+
+def _spec_counts(engine: Any) -> tuple[int, int, int] | None:
+    """(verify steps, draft tokens, accepted tokens) so far, or None without speculation."""
+    core = engine.engine_core
+    if getattr(core.config, "speculative", None) is None:
+        return None
+    stats = core.scheduler.stats()
+    return stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+
+
+def _spec_report(before: tuple[int, int, int] | None,
+                 after: tuple[int, int, int] | None) -> dict[str, Any] | None:
+    """The timed runs' speculative decoding (vLLM's names; the mean acceptance length counts
+    the token sampled after the accepted drafts)."""
+    if before is None or after is None:
+        return None
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+            "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,6 +141,20 @@ class EngineMetrics:
             p + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
             labels, registry=reg).labels(model_name)
 
+        # --- speculative decoding (vLLM's spec_decode counters; zero when off) ---
+        self._c_spec_drafts = Counter(
+            p + "spec_decode_num_drafts", "Number of spec decoding drafts.",
+            labels, registry=reg).labels(model_name)
+        self._c_spec_draft_tokens = Counter(
+            p + "spec_decode_num_draft_tokens", "Number of draft tokens.",
+            labels, registry=reg).labels(model_name)
+        self._c_spec_accepted = Counter(
+            p + "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            labels, registry=reg).labels(model_name)
+        self._c_spec_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
+
         # --- token throughput ---
         self._c_prompt_tokens = Counter(
             p + "prompt_tokens", "Number of prefill tokens processed.",
@@ -213,6 +227,14 @@ class EngineMetrics:
         self._inc_cumulative("prefix_cache_queries", stats.prefix_cache_queries,
                              self._c_prefix_queries)
         self._inc_cumulative("prefix_cache_hits", stats.prefix_cache_hits, self._c_prefix_hits)
+        self._inc_cumulative("spec_num_drafts", stats.spec_num_drafts, self._c_spec_drafts)
+        self._inc_cumulative("spec_num_draft_tokens", stats.spec_num_draft_tokens,
+                             self._c_spec_draft_tokens)
+        self._inc_cumulative("spec_num_accepted_tokens", stats.spec_num_accepted_tokens,
+                             self._c_spec_accepted)
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            self._inc_cumulative(f"spec_accepted_pos_{pos}", count,
+                                 self._c_spec_per_pos.labels(self.model_name, str(pos)))
 
         if stats.num_blocks and stats.num_blocks != self._cache_info_blocks:
             # Replace, not add: a stale label set would read as a second cache config.

@@ -1,6 +1,6 @@
 """The periodic stats line the server logs while it is busy (vLLM's LoggingStatLogger shape):
-prompt and generation throughput over the interval, running and waiting requests, KV cache use
-and the prefix-cache hit rate."""
+prompt and generation throughput over the interval, running and waiting requests, KV cache use,
+the prefix-cache hit rate, and with speculative decoding its mean acceptance length."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +18,9 @@ class StatsLogger:
         self._generation_tokens = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._last_drafts = 0
+        self._last_accepted = 0
+        self._last_draft_tokens = 0
 
     def record(self, prompt_tokens: int, generation_tokens: int) -> None:
         self._prompt_tokens += prompt_tokens
@@ -40,9 +43,20 @@ class StatsLogger:
                     f"{stats.num_waiting} reqs, KV cache usage: "
                     f"{100.0 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: "
                     f"{hit_rate:.1f}%")
+            drafts = stats.spec_num_drafts - self._last_drafts
+            if drafts > 0:
+                accepted = stats.spec_num_accepted_tokens - self._last_accepted
+                draft_tokens = stats.spec_num_draft_tokens - self._last_draft_tokens
+                text += (f", SpecDecoding metrics: Mean acceptance length: "
+                         f"{1.0 + accepted / drafts:.2f}, Accepted: {accepted} tokens, "
+                         f"Drafted: {draft_tokens} tokens, Draft acceptance rate: "
+                         f"{100.0 * accepted / max(draft_tokens, 1):.1f}%")
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._last_drafts = stats.spec_num_drafts
+        self._last_accepted = stats.spec_num_accepted_tokens
+        self._last_draft_tokens = stats.spec_num_draft_tokens
         return text
 
     def maybe_log(self, now: float, stats: SchedulerStats) -> None:

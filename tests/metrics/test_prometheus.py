@@ -165,3 +165,17 @@ def test_instances_do_not_share_a_registry() -> None:
     assert val(a, "folio:num_requests_running") == 4
     assert val(b, "folio:num_requests_running") == 0
     assert val(b, "folio:num_preemptions_total") == 0
+
+
+def test_spec_decode_counters_use_vllm_names(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=12,
+                                             spec_num_accepted_tokens=7,
+                                             spec_accepted_per_pos=[3, 2, 1, 1]))
+    m.observe_scheduler_stats(SchedulerStats(spec_num_drafts=4, spec_num_draft_tokens=16,
+                                             spec_num_accepted_tokens=9,
+                                             spec_accepted_per_pos=[4, 3, 1, 1]))
+    assert val(m, "folio:spec_decode_num_drafts_total") == 4
+    assert val(m, "folio:spec_decode_num_draft_tokens_total") == 16
+    assert val(m, "folio:spec_decode_num_accepted_tokens_total") == 9
+    assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 3
+    assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1

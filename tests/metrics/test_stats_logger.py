@@ -28,3 +28,19 @@ def test_idle_interval_logs_nothing():
     logger.record(0, 1)
     assert logger.line(20.0, SchedulerStats()) is not None
     assert logger.line(30.0, SchedulerStats()) is None
+
+
+def test_line_reports_speculative_decoding_over_the_interval():
+    logger = StatsLogger(now=0.0)
+    logger.record(0, 10)
+    stats = SchedulerStats(num_running=1, spec_num_drafts=4, spec_num_draft_tokens=16,
+                           spec_num_accepted_tokens=8)
+    assert logger.line(10.0, stats).endswith(
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted: 8 tokens, Drafted: 16 "
+        "tokens, Draft acceptance rate: 50.0%")
+    logger.record(0, 10)
+    stats = SchedulerStats(num_running=1, spec_num_drafts=6, spec_num_draft_tokens=24,
+                           spec_num_accepted_tokens=8)
+    assert "Mean acceptance length: 1.00" in logger.line(20.0, stats)
+    logger.record(0, 10)
+    assert "SpecDecoding" not in logger.line(30.0, stats)   # no drafts in this interval
