@@ -257,10 +257,10 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "suffix")
 # vLLM's other methods: accepted names that this build does not run yet (a clear refusal).
-_SPEC_METHODS_LATER = ("suffix", "draft_model", "eagle", "eagle3", "mtp")
-MAX_SPECULATIVE_TOKENS = 16
+_SPEC_METHODS_LATER = ("draft_model", "eagle", "eagle3", "mtp")
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass
@@ -271,18 +271,48 @@ class SpeculativeConfig:
 
     `ngram` (prompt lookup): the longest n-gram (prompt_lookup_max down to prompt_lookup_min
     tokens) ending the request's tokens that occurred earlier in them proposes the tokens that
-    followed it there."""
+    followed it there.
+    `suffix` (SuffixDecoding): the longest match of the context's suffix (up to
+    suffix_decoding_max_tree_depth tokens) in the request itself or in the outputs of the
+    last suffix_decoding_max_cached_requests requests, drafting up to max_spec_factor times
+    the match length while each token's frequency share is at least min_token_prob.
+    `num_speculative_tokens` left out: 4 for ngram, the tree depth (at most 32) for suffix.
+    The shared suffix index holds depth entries per output token, so its default cache is 64
+    requests (vLLM's is 10,000, in a C++ suffix tree)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
                  f"{self.method!r} is not supported yet; supported: {list(SPEC_METHODS)}")
         _require(self.method in SPEC_METHODS, "speculative_config.method",
                  f"must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        depth = self.suffix_decoding_max_tree_depth
+        _require(isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 64,
+                 "speculative_config.suffix_decoding_max_tree_depth",
+                 f"must be an int in [1, 64], got {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        _require(isinstance(cached, int) and not isinstance(cached, bool)
+                 and 0 <= cached <= 10000, "speculative_config.suffix_decoding_max_cached_requests",
+                 f"must be an int in [0, 10000], got {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        _require(isinstance(factor, (int, float)) and 0 < factor <= 64,
+                 "speculative_config.suffix_decoding_max_spec_factor",
+                 f"must be a number in (0, 64], got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        _require(isinstance(prob, (int, float)) and 0 <= prob <= 1,
+                 "speculative_config.suffix_decoding_min_token_prob",
+                 f"must be a number in [0, 1], got {prob!r}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 4 if self.method == "ngram" \
+                else min(depth, MAX_SPECULATIVE_TOKENS)
         k = self.num_speculative_tokens
         _require(isinstance(k, int) and not isinstance(k, bool)
                  and 1 <= k <= MAX_SPECULATIVE_TOKENS,

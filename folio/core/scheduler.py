@@ -16,18 +16,18 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
 from folio.core.request import Request, RequestStatus
-from folio.core.spec.policy import speculation_supported
+from folio.core.spec.policy import AdaptiveDraftLength, speculation_supported
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
 
 
 class Drafter(Protocol):
     """A proposer of draft tokens (folio.core.spec): `propose` after a request's tokens were
-    updated, `drop` when it is freed."""
+    updated, `drop` when it is freed (finished, aborted)."""
 
     def propose(self, request: Request) -> list[int]: ...
 
-    def drop(self, request_id: str) -> None: ...
+    def drop(self, request: Request) -> None: ...
 
 
 @dataclass
@@ -165,6 +165,8 @@ class Scheduler:
         # Speculative decoding: proposes each running request's draft tokens after its
         # tokens are updated (None = off).
         self.drafter = drafter
+        # How many of its drafts each request verifies per step (adaptive; spec/policy.py).
+        self.draft_length = AdaptiveDraftLength() if drafter is not None else None
         self.spec_stats = SpecDecodingStats()
         # Schedule the next step before the step in flight has returned its tokens: running
         # requests then also decode the token still being sampled (see Request.num_pending_tokens).
@@ -212,7 +214,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         if self.drafter is not None:
-            self.drafter.drop(request.request_id)
+            self.drafter.drop(request)
+            self.draft_length.drop(request.request_id)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
@@ -247,9 +250,11 @@ class Scheduler:
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
-                if num_new == 1:   # a decode step: verify the drafts that fit
+                if num_new == 1:   # a decode step: verify the drafts that pay and fit
                     room = min(budget - 1, request.max_tokens - len(request.output_token_ids) - 1,
-                               self.max_model_len - len(request.all_token_ids) - 1)
+                               self.max_model_len - len(request.all_token_ids) - 1,
+                               self.draft_length.draft_length(request.request_id,
+                                                              len(self.running), len(drafts)))
                     drafts = drafts[:max(room, 0)]
                     num_new += len(drafts)
                 else:
@@ -476,7 +481,14 @@ class Scheduler:
                                f"for drafts {item.spec_token_ids}")
         item.request.num_computed_tokens -= num_drafts - accepted
         self.spec_stats.observe(num_drafts, accepted)
+        self.draft_length.observe_acceptance(item.request_id, num_drafts, accepted)
         return token_ids
+
+    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A step's wall time (the engine measures it with async scheduling off): the cost
+        model the adaptive draft length decides by."""
+        if self.draft_length is not None:
+            self.draft_length.observe_step(num_tokens, seconds)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -64,6 +64,8 @@ class EngineCore:
             async_scheduling=self.async_scheduling, drafter=drafter)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
+        # Speculative decoding sizes its drafts from measured step times.
+        self._time_steps = drafter is not None
         # Set to a StepTimes to have each step's parts timed (benchmarks).
         self.step_times: StepTimes | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.
@@ -126,7 +128,7 @@ class EngineCore:
         fill = None
         if step.message.has_grammar:
             fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
-        if times is not None:
+        if times is not None or self._time_steps:
             start = time.perf_counter()
         pending = self.executor.execute_model_async(step.message, fill)
         if times is not None:
@@ -136,6 +138,10 @@ class EngineCore:
         self._in_flight = (step, pending)
         if not self.async_scheduling:
             outputs += self._finish_in_flight()
+            if self._time_steps:
+                # speculative decoding's cost model: what a step of this size took
+                self.scheduler.observe_step_time(step.total_num_scheduled_tokens,
+                                                 time.perf_counter() - start)
         return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:

@@ -68,12 +68,20 @@ def test_speculative_config_validates_like_vllm() -> None:
                                       '"prompt_lookup_max": 4}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 4, 4)
     assert SpeculativeConfig().prompt_lookup_min == 1
+    assert SpeculativeConfig().num_speculative_tokens == 4
+    assert SpeculativeConfig(method="suffix").num_speculative_tokens == 24
+    assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=40) \
+        .num_speculative_tokens == 32
     for bad, field in [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "nope"}, "method"),
                        ({"method": "eagle"}, "not supported yet"),
                        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2},
                         "prompt_lookup_min"),
-                       ({"method": "ngram", "k": 3}, "unknown keys")]:
+                       ({"method": "ngram", "k": 3}, "unknown keys"),
+                       ({"method": "suffix", "suffix_decoding_min_token_prob": 2},
+                        "suffix_decoding_min_token_prob"),
+                       ({"method": "suffix", "suffix_decoding_max_tree_depth": 0},
+                        "suffix_decoding_max_tree_depth")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.from_json(bad)
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -92,8 +100,8 @@ class FixedDrafter:
     def propose(self, request: Request) -> list[int]:
         return list(self.drafts)
 
-    def drop(self, request_id: str) -> None:
-        self.dropped.append(request_id)
+    def drop(self, request: Request) -> None:
+        self.dropped.append(request.request_id)
 
 
 def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256):
@@ -221,4 +229,85 @@ def test_the_ngram_drafter_reads_the_request_tokens() -> None:
                                        prompt_lookup_max=2))
     r = Request("a", [1, 2, 3, 1], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
     assert d.propose(r) == [2, 3]
-    d.drop("a")
+    d.drop(r)
+
+
+# ---- the adaptive draft length ------------------------------------------------------------
+
+def test_adaptive_draft_length_follows_the_cost_model_and_acceptance() -> None:
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    # no steps measured: the prior (a token's compute 1/64 of a step) lets batch 1 use all
+    assert policy.draft_length("a", 1, 4) == 4
+    # steps that cost 10 ms + 1 ms per token: t1 / t0 = 0.1
+    for tokens in [1, 5, 9, 64, 70, 3, 130, 2, 40, 17] * 3:
+        policy.observe_step(tokens, 0.010 + 0.001 * tokens)
+    assert abs(policy.cost_ratio() - 0.1) < 1e-6
+    # batch 1: a draft pays while 0.7^i > 0.1 / 1.1, so up to 6 of them
+    assert policy.draft_length("a", 1, 8) == 6
+    # batch 64: the bar is 6.4 / 7.4; even a perfect guesser's first draft does not pay
+    assert policy.draft_length("a", 64, 8) == 0
+    # a request whose drafts are rejected speculates less
+    for _ in range(6):
+        policy.observe_acceptance("b", 4, 0)
+    assert policy.draft_length("b", 1, 8) < policy.draft_length("a", 1, 8)
+    policy.drop("b")
+    assert "b" not in policy.acceptance
+
+
+def test_the_scheduler_stops_drafting_when_a_large_batch_makes_it_cost() -> None:
+    s = make(FixedDrafter([7, 8, 9]))
+    for tokens in [1, 5, 9, 64, 70, 3, 130, 2, 40, 17]:
+        s.observe_step_time(tokens, 0.010 + 0.001 * tokens)
+    reqs = [request(str(i)) for i in range(8)]
+    for r in reqs:
+        s.add_request(r)
+    step = s.schedule()
+    s.update_from_output(step, reply({r.request_id: [50] for r in reqs}))
+    # 8 running: bar 0.8 / 1.8 = 0.44; the prior acceptance 0.7 allows 0.7, 0.49: two drafts
+    step = s.schedule()
+    assert all(len(d) == 2 for d in step.message.scheduled_spec_decode_tokens.values())
+
+
+# ---- the suffix proposer ------------------------------------------------------------------
+
+def test_suffix_continues_the_request_own_longest_match() -> None:
+    from folio.core.spec.suffix import SuffixProposer
+    p = SuffixProposer(max_depth=8, max_spec_factor=1.0)
+    tokens = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    assert p.propose("a", tokens, 8) == [4, 5, 6]       # a 3-token match drafts at most 3
+    assert SuffixProposer(max_depth=8, max_spec_factor=2.0).propose("a", tokens, 8) \
+        == [4, 5, 6, 9, 1, 2]
+    assert p.propose("b", [1, 2, 3], 4) == []
+
+
+def test_suffix_learns_from_other_requests_outputs_and_forgets_the_oldest() -> None:
+    from folio.core.spec.suffix import SuffixProposer
+    p = SuffixProposer(max_depth=6, max_cached_requests=2, max_spec_factor=3.0,
+                       min_token_prob=0.4)
+    p.finish("x", [10, 11, 12, 13, 14, 15])
+    # two context tokens match: up to 6 drafted, along the most frequent continuations
+    assert p.propose("b", [7, 8, 10, 11], 8) == [12, 13, 14, 15]
+    # two outputs disagree after 11 (12 twice, 20 once): 12 has 2/3 >= 0.4
+    p.finish("y", [10, 11, 20])
+    assert p.propose("c", [10, 11], 1) == [12]
+    # a continuation below the frequency bar stops the draft
+    strict = SuffixProposer(max_depth=6, min_token_prob=0.9, max_spec_factor=4.0)
+    strict.finish("x", [10, 11, 12])
+    strict.finish("y", [10, 11, 20])
+    assert strict.propose("c", [5, 10, 11], 4) == []
+    # past the cache size the oldest request's counts leave the index
+    p.finish("z", [30, 31])
+    assert p.propose("d", [9, 10, 11], 3) == [20]
+
+
+def test_the_suffix_drafter_feeds_finished_outputs_to_the_shared_index() -> None:
+    from folio.core.spec.drafter import SuffixDrafter
+    d = SuffixDrafter(SpeculativeConfig(method="suffix", num_speculative_tokens=3,
+                                        suffix_decoding_max_tree_depth=4))
+    done = Request("a", [1, 2], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
+    for t in (40, 41, 42, 43):
+        done.append_output_token(t)
+    d.drop(done)
+    fresh = Request("b", [5, 40, 41], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
+    assert d.propose(fresh) == [42, 43]

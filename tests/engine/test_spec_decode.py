@@ -120,3 +120,21 @@ def test_seeded_sampling_is_reproducible_and_n_above_one(spec_llm) -> None:
 def test_async_scheduling_with_speculation_is_refused() -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         _make(SPEC, async_scheduling=True)
+
+
+def test_suffix_greedy_outputs_equal_and_learn_across_requests(plain_llm) -> None:
+    """The suffix method: the same answers; the second round of the same prompts drafts from
+    the first round's outputs too (the shared index), so it keeps more drafts."""
+    llm = _make({"method": "suffix", "num_speculative_tokens": 6})
+    prompts = _prompts(3, seed=5) + _editing_prompts()[:1]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    first = _ids(llm.generate(prompts, params, use_tqdm=False))
+    s1 = _spec_stats(llm)
+    llm.reset_prefix_cache()
+    second = _ids(llm.generate(prompts, params, use_tqdm=False))
+    s2 = _spec_stats(llm)
+    assert first == want and second == want
+    accepted_first = s1.spec_num_accepted_tokens
+    accepted_second = s2.spec_num_accepted_tokens - s1.spec_num_accepted_tokens
+    assert accepted_first > 0 and accepted_second > accepted_first

@@ -1,0 +1,130 @@
+"""Suffix drafting (after SuffixDecoding, Oliaro et al. 2024): the draft continues the longest
+suffix of the request's context that occurred before, either in the request itself or in the
+outputs of recent requests, and drafts more the longer that match is.
+
+Two indexes of context hashes, both keyed by (length, n-gram) for lengths 1..max_depth:
+- per request: the position after the latest occurrence (as the n-gram proposer), so a match
+  continues the request's own text;
+- shared: for the outputs of the last `max_cached_requests` finished requests, how often each
+  token followed each n-gram. A draft from it is extended token by token with the most
+  frequent continuation while that token's share of the continuations stays at least
+  `min_token_prob`, re-matching the context plus the draft so far.
+The longer match wins (the request's own on a tie). A match of m tokens drafts at most
+max_spec_factor · m tokens (and the step's k): a short, ambiguous match proposes little.
+Hashes stand in for the n-grams: a collision only yields a wrong guess, which verification
+rejects.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+
+
+def _keys(tokens: list[int], end: int, max_depth: int) -> list[int]:
+    """Hashes of the n-grams ending at `end` (exclusive), n = 1..max_depth (shortest first)."""
+    return [hash((n, *tokens[end - n:end])) for n in range(1, min(max_depth, end) + 1)]
+
+
+class SuffixProposer:
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 1000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+        if max_depth < 1 or max_cached_requests < 0 or max_spec_factor <= 0 \
+                or not 0 <= min_token_prob <= 1:
+            raise ValueError("suffix proposer: bad parameters")
+        self.max_depth = max_depth
+        self.max_cached = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        # per request: its tokens, and hash -> position after the latest occurrence
+        self._own: dict[str, tuple[list[int], dict[int, int]]] = {}
+        # shared: hash -> Counter(next token), from the outputs of recent requests
+        self._shared: dict[int, Counter] = {}
+        self._cached: OrderedDict[str, list[int]] = OrderedDict()
+
+    # ---- the request's own context ------------------------------------------------------
+
+    def _extend_own(self, request_id: str, token_ids: list[int]) -> tuple[list[int], dict[int, int]]:
+        entry = self._own.get(request_id)
+        if entry is None:
+            entry = self._own[request_id] = ([], {})
+        tokens, table = entry
+        start = len(tokens)
+        tokens.extend(token_ids[start:])
+        for p in range(max(start, 1), len(tokens)):
+            for key in _keys(tokens, p, self.max_depth):
+                table[key] = p
+        return entry
+
+    def _own_match(self, tokens: list[int], table: dict[int, int]) -> tuple[int, int]:
+        """(match length, position after it) of the longest earlier occurrence."""
+        best = (0, -1)
+        for n, key in enumerate(_keys(tokens, len(tokens), self.max_depth), 1):
+            pos = table.get(key)
+            if pos is None:
+                break      # no longer n-gram can match where this one does not
+            best = (n, pos)
+        return best
+
+    # ---- the shared index -----------------------------------------------------------------
+
+    def _shared_walk(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(match length of the context, draft) from the shared index."""
+        context = list(tokens[-self.max_depth:])
+        draft: list[int] = []
+        match_len = -1
+        while len(draft) < k:
+            counts, n = None, 0
+            for m, key in enumerate(_keys(context, len(context), self.max_depth), 1):
+                found = self._shared.get(key)
+                if found is None:
+                    break
+                counts, n = found, m
+            if match_len < 0:
+                match_len = n
+            if counts is None:
+                break
+            token, count = counts.most_common(1)[0]
+            if count < self.min_token_prob * sum(counts.values()):
+                break
+            draft.append(token)
+            context.append(token)
+            if len(context) > self.max_depth:
+                context.pop(0)
+        return max(match_len, 0), draft
+
+    def _add_shared(self, tokens: list[int], sign: int) -> None:
+        for p in range(1, len(tokens)):
+            for key in _keys(tokens, p, self.max_depth):
+                counts = self._shared.setdefault(key, Counter())
+                counts[tokens[p]] += sign
+                if counts[tokens[p]] <= 0:
+                    del counts[tokens[p]]
+                    if not counts:
+                        del self._shared[key]
+
+    # ---- the proposer -----------------------------------------------------------------------
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < 2:
+            return []
+        tokens, table = self._extend_own(request_id, token_ids)
+        own_len, pos = self._own_match(tokens, table)
+        shared_len, shared_draft = self._shared_walk(tokens, k) if self._shared else (0, [])
+        if own_len >= shared_len and own_len > 0:
+            draft = tokens[pos:pos + k]
+            match = own_len
+        else:
+            draft, match = shared_draft, shared_len
+        return draft[:min(k, math.ceil(self.max_spec_factor * match))]
+
+    def finish(self, request_id: str, output_token_ids: list[int]) -> None:
+        """A request ended: its outputs join the shared index (the oldest leave past the
+        cache size), its own index is dropped."""
+        self._own.pop(request_id, None)
+        if self.max_cached == 0 or len(output_token_ids) < 2:
+            return
+        self._cached[request_id] = list(output_token_ids)
+        self._add_shared(self._cached[request_id], +1)
+        while len(self._cached) > self.max_cached:
+            _, old = self._cached.popitem(last=False)
+            self._add_shared(old, -1)
