@@ -234,6 +234,9 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
 
+        # Speculative decoding: how many drafts the decoding requests verify this step.
+        draft_k = self._choose_draft_length() if self.draft_length is not None else 0
+
         # Running requests first: they hold blocks already, and finishing them frees blocks.
         index = 0
         while index < len(self.running) and budget > 0:
@@ -252,9 +255,7 @@ class Scheduler:
                 request.spec_token_ids = []
                 if num_new == 1:   # a decode step: verify the drafts that pay and fit
                     room = min(budget - 1, request.max_tokens - len(request.output_token_ids) - 1,
-                               self.max_model_len - len(request.all_token_ids) - 1,
-                               self.draft_length.draft_length(request.request_id,
-                                                              len(self.running), len(drafts)))
+                               self.max_model_len - len(request.all_token_ids) - 1, draft_k)
                     drafts = drafts[:max(room, 0)]
                     num_new += len(drafts)
                 else:
@@ -483,6 +484,17 @@ class Scheduler:
         self.spec_stats.observe(num_drafts, accepted)
         self.draft_length.observe_acceptance(item.request_id, num_drafts, accepted)
         return token_ids
+
+    def _choose_draft_length(self) -> int:
+        drafting: dict[str, int] = {}
+        others = 0
+        for request in self.running:
+            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+                if request.spec_token_ids:
+                    drafting[request.request_id] = len(request.spec_token_ids)
+                else:
+                    others += 1
+        return self.draft_length.choose(drafting, others)
 
     def observe_step_time(self, num_tokens: int, seconds: float) -> None:
         """A step's wall time (the engine measures it with async scheduling off): the cost

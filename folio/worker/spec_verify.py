@@ -4,14 +4,15 @@ last token and each draft, [k + 1, vocab], give the tokens it keeps.
 - Greedy: the drafts up to the first that differs from the target's argmax, then that argmax
   (or, all accepted, the argmax after the last draft): token for token what decoding one
   token per step gives.
-- Random: the drafting proposers here give no probabilities (n-gram lookup: a draft is a
-  deterministic guess), so the rule is speculative sampling's with the proposal a point mass
-  q = δ(d): draft d is accepted with probability min(1, p(d) / q(d)) = p(d), p the target's
-  distribution after temperature, min-p, top-k and top-p (as `sampler._sample` computes
-  it); on rejection the token is drawn from the residual max(p - q, 0), i.e. p without d,
-  renormalised; all accepted, one more is drawn from p after the last draft. Each emitted
-  token is then distributed exactly as one-token-per-step sampling would give it. A seeded
-  request draws from its own generator.
+- Random: each position's token is drawn from p (the target's distribution after
+  temperature, min-p, top-k and top-p, as `sampler._sample` computes it) exactly as the
+  sampler draws it — an exponential race with the request's own generator if it is seeded —
+  and the drafts are kept while they equal the drawn tokens. For a deterministic guess (the
+  n-gram and suffix proposers give no probabilities) a draft d is then kept with probability
+  p(d), what speculative sampling's accept/resample rule with a point-mass proposal gives,
+  and every emitted token is an exact draw from p. One noise vector is drawn per emitted
+  token, as without speculation, so a seeded request's tokens are the same with
+  speculation on or off, whatever the number of drafts a step verified.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def target_probs(logits: torch.Tensor, columns: SamplingColumns, row: int) -> to
     n = logits.shape[0]
     x = logits.to(torch.float32, copy=True)
     temperature = min(float(columns.temperature[row]), _FLOAT32_MAX)
-    if temperature != 1.0:
-        x.div_(temperature)
+    if temperature != 1.0:   # divided by a float32 value, as the sampler's column divides
+        x.div_(torch.tensor(temperature, dtype=torch.float32, device=x.device))
     apply_min_p(x, np.repeat(columns.min_p[row:row + 1], n))
     apply_top_k_top_p(x, np.repeat(columns.top_k[row:row + 1], n),
                       np.repeat(columns.top_p[row:row + 1], n))
@@ -60,23 +61,19 @@ def verify(logits: torch.Tensor, drafts: list[int], state: SamplingState,
 
 def sample_verified(probs: torch.Tensor, drafts: list[int],
                     gen: torch.Generator | None = None) -> list[int]:
-    """The sampled rule on the target's distributions probs [len(drafts) + 1, vocab]."""
+    """The sampled rule on the target's distributions probs [len(drafts) + 1, vocab]: each
+    position's token is drawn as the sampler draws it (an exponential race, argmax of
+    p / E with E ~ Exp(1) from the request's generator or the global one), one position at a
+    time while the drafts match, so exactly as many noise vectors are consumed as tokens are
+    emitted."""
     k = len(drafts)
-    device = probs.device
-    draft_t = torch.tensor(drafts, dtype=torch.int64, device=device)
-    p_draft = probs[torch.arange(k, device=device), draft_t] if k else probs[:0, 0]
-    uniforms = torch.rand(k, generator=gen, device=device) if k else p_draft
-    accepted = (uniforms < p_draft).tolist() if k else []
-    out = []
-    for j in range(k):
-        if not accepted[j]:
-            residual = probs[j].clone()
-            residual[drafts[j]] = 0.0
-            if float(residual.sum()) <= 0.0:   # p was all on the draft: it stands
-                out.append(drafts[j])
-                continue
-            out.append(int(torch.multinomial(residual, 1, generator=gen).item()))
-            return out
-        out.append(drafts[j])
-    out.append(int(torch.multinomial(probs[k], 1, generator=gen).item()))
+    vocab = probs.shape[1]
+    tiny = torch.finfo(torch.float32).tiny
+    out: list[int] = []
+    for j in range(k + 1):
+        noise = torch.empty(vocab, device=probs.device).exponential_(generator=gen)
+        token = int((probs[j] / noise.clamp_min_(tiny)).argmax())
+        out.append(token)
+        if j == k or token != drafts[j]:
+            break
     return out

@@ -234,39 +234,43 @@ def test_the_ngram_drafter_reads_the_request_tokens() -> None:
 
 # ---- the adaptive draft length ------------------------------------------------------------
 
-def test_adaptive_draft_length_follows_the_cost_model_and_acceptance() -> None:
+def test_adaptive_draft_length_maximises_tokens_per_second() -> None:
     from folio.core.spec.policy import AdaptiveDraftLength
     policy = AdaptiveDraftLength()
-    # no steps measured: the prior (a token's compute 1/64 of a step) lets batch 1 use all
-    assert policy.draft_length("a", 1, 4) == 4
-    # steps that cost 10 ms + 1 ms per token: t1 / t0 = 0.1
-    for tokens in [1, 5, 9, 64, 70, 3, 130, 2, 40, 17] * 3:
-        policy.observe_step(tokens, 0.010 + 0.001 * tokens)
-    assert abs(policy.cost_ratio() - 0.1) < 1e-6
-    # batch 1: a draft pays while 0.7^i > 0.1 / 1.1, so up to 6 of them
-    assert policy.draft_length("a", 1, 8) == 6
-    # batch 64: the bar is 6.4 / 7.4; even a perfect guesser's first draft does not pay
-    assert policy.draft_length("a", 64, 8) == 0
-    # a request whose drafts are rejected speculates less
-    for _ in range(6):
+    # nothing measured: drafts are tried
+    assert policy.choose({"a": 4}, 0) == 4
+    # steps up to 16 tokens cost the same (the weights' reading), then 1 ms per token
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for _ in range(20):
+            policy.observe_step(tokens, 0.010 + 0.001 * max(tokens - 16, 0))
+    assert abs(policy.cost(5) - 0.010) < 1e-9 and abs(policy.cost(96) - 0.090) < 1e-3
+    # batch 1: every draft is nearly free
+    assert policy.choose({"a": 8}, 0) == 8
+    # batch 64 decoding, all drafting: past the knee a draft costs a token's compute,
+    # more than the expected gain at acceptance 0.7 per step of 10 + 48 ms
+    assert policy.choose({str(i): 4 for i in range(64)}, 0) == 0
+    # a rejected request's low acceptance makes drafting at batch 4 not pay beyond the knee
+    for _ in range(10):
         policy.observe_acceptance("b", 4, 0)
-    assert policy.draft_length("b", 1, 8) < policy.draft_length("a", 1, 8)
+    assert policy.acceptance["b"] < 0.05
+    assert policy.choose({"b": 4}, 30) == 0 and policy.choose({"a": 4}, 0) == 4
     policy.drop("b")
     assert "b" not in policy.acceptance
 
 
 def test_the_scheduler_stops_drafting_when_a_large_batch_makes_it_cost() -> None:
     s = make(FixedDrafter([7, 8, 9]))
-    for tokens in [1, 5, 9, 64, 70, 3, 130, 2, 40, 17]:
-        s.observe_step_time(tokens, 0.010 + 0.001 * tokens)
+    for tokens in (1, 2, 4, 8, 16, 32):
+        for _ in range(10):
+            s.observe_step_time(tokens, 0.001 * tokens)   # every token costs: no free rows
     reqs = [request(str(i)) for i in range(8)]
     for r in reqs:
         s.add_request(r)
     step = s.schedule()
     s.update_from_output(step, reply({r.request_id: [50] for r in reqs}))
-    # 8 running: bar 0.8 / 1.8 = 0.44; the prior acceptance 0.7 allows 0.7, 0.49: two drafts
     step = s.schedule()
-    assert all(len(d) == 2 for d in step.message.scheduled_spec_decode_tokens.values())
+    assert step.message.scheduled_spec_decode_tokens == {}
+    assert step.message.num_scheduled_tokens == {r.request_id: 1 for r in reqs}
 
 
 # ---- the suffix proposer ------------------------------------------------------------------

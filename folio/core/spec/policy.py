@@ -20,66 +20,93 @@ def speculation_supported(params: SamplingParams, has_grammar: bool) -> bool:
 
 
 class AdaptiveDraftLength:
-    """How many of a request's drafts a step verifies, from the measured cost of a step and
-    the request's measured acceptance.
+    """How many drafts each request verifies this step: the k that maximises the expected
+    tokens per second of the step, from the measured cost of steps by size and each
+    request's measured acceptance.
 
-    A step of T tokens takes about t0 + t1·T (t0: reading the weights once, t1: each token's
-    compute), fitted online from the steps' wall times. At a batch of B requests a token costs
-    (t0 + t1·B) / B without speculation; a draft at position i costs t1 and is kept with
-    probability a^i, a the request's acceptance rate (an EMA of accepted / drafted). It pays
-    while a^i · (t0 + t1·B) / B > t1, i.e. a^i > t1·B / (t0 + t1·B): at batch 1 almost any
-    draft pays, and as B grows the bar rises towards 1 and k falls to 0 — speculation steps
+    A step's cost is not linear in its tokens: up to some size the weights' reading dominates
+    and extra tokens are nearly free (a 5-token step cost 1.04x a 1-token one on the CPU),
+    beyond it they cost their compute. So step times are kept per size bucket (powers of
+    two, an exponential moving average each) and read by linear interpolation; past the
+    largest bucket measured, the cost grows in proportion to the tokens from there, and with
+    nothing measured beyond one size the curve is flat (optimistic: speculation is tried, its
+    steps measured, and the choice corrected).
+
+    With B requests able to draft, request r keeping its i-th draft with probability a_r^i
+    (a_r an EMA of its accepted / drafted), a step with k drafts each yields
+    Σ_r (1 + a_r + ... + a_r^k) tokens, plus one for every request that does not draft; the
+    chosen k maximises that over cost(T) for the step's tokens T. k = 0 whenever drafting
+    would lower the rate (large batches past the knee, low acceptance): speculation steps
     aside where it would cost."""
 
-    # Before any step is measured: a token's compute as a share of a step's fixed cost.
-    PRIOR_T1_OVER_T0 = 1 / 64
     # A request's acceptance rate before its first verify step (optimistic, so it is tried).
     PRIOR_ACCEPTANCE = 0.7
-    _DECAY = 0.98      # weight of the older steps in the fit
-    _EMA = 0.3         # weight of a verify step in a request's acceptance rate
+    _EMA_STEP = 0.2    # weight of a new step time in its bucket
+    _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
 
     def __init__(self) -> None:
-        # decayed sums over measured steps: n, ΣT, ΣT², Σy, ΣTy
-        self._sums = [0.0] * 5
+        self.bucket_cost: dict[int, float] = {}      # log2 bucket -> seconds
         self.acceptance: dict[str, float] = {}
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return max(num_tokens, 1).bit_length() - 1     # 1 -> 0, 2-3 -> 1, 4-7 -> 2, ...
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        d = self._DECAY
-        s = self._sums
-        for i, value in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds,
-                                   num_tokens * seconds)):
-            s[i] = s[i] * d + value
+        b = self._bucket(num_tokens)
+        old = self.bucket_cost.get(b)
+        # stored per the bucket's lower edge: the time scaled to 2^b tokens where it grows
+        self.bucket_cost[b] = seconds if old is None else \
+            (1 - self._EMA_STEP) * old + self._EMA_STEP * seconds
 
-    def cost_ratio(self) -> float:
-        """t1 / t0 from the fit (the prior until steps of different sizes were seen)."""
-        n, st, stt, sy, sty = self._sums
-        var = n * stt - st * st
-        if n < 8 or var <= 1e-9 * max(n * stt, 1.0):
-            return self.PRIOR_T1_OVER_T0
-        t1 = (n * sty - st * sy) / var
-        t0 = (sy - t1 * st) / n
-        if t0 <= 0:
-            return 1.0          # no fixed cost seen: tokens cost all, speculation never pays
-        return max(t1, 0.0) / t0
+    def cost(self, num_tokens: int) -> float | None:
+        """The expected seconds of a step of num_tokens tokens (None before any step)."""
+        if not self.bucket_cost:
+            return None
+        known = sorted(self.bucket_cost)
+        x = max(num_tokens, 1)
+        pts = [(1 << b, self.bucket_cost[b]) for b in known]
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        x_last, y_last = pts[-1]
+        if len(pts) == 1:
+            return y_last                              # nothing known past it: flat
+        return y_last * max(1.0, x / x_last) if y_last > pts[-2][1] else y_last
 
     def observe_acceptance(self, request_id: str, num_drafts: int, accepted: int) -> None:
         if num_drafts > 0:
             old = self.acceptance.get(request_id, self.PRIOR_ACCEPTANCE)
-            self.acceptance[request_id] = (1 - self._EMA) * old + self._EMA * accepted / num_drafts
+            self.acceptance[request_id] = ((1 - self._EMA_ACCEPT) * old
+                                           + self._EMA_ACCEPT * accepted / num_drafts)
 
     def drop(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
 
-    def draft_length(self, request_id: str, batch_size: int, max_drafts: int) -> int:
-        r = self.cost_ratio()
-        bar = r * batch_size / (1.0 + r * batch_size)
-        a = self.acceptance.get(request_id, self.PRIOR_ACCEPTANCE)
-        k, kept = 0, 1.0
-        while k < max_drafts:
-            kept *= a
-            if kept <= bar:
-                break
-            k += 1
-        return k
+    def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
+        """The draft length for this step: `drafting` maps each request that has drafts to
+        how many it has, `other_tokens` counts the step's other tokens (one per request that
+        decodes without drafts, and each drafting request's own token is added here)."""
+        if not drafting:
+            return 0
+        max_k = max(drafting.values())
+        rates = [self.acceptance.get(rid, self.PRIOR_ACCEPTANCE) for rid in drafting]
+        base = other_tokens + len(drafting)
+        best_k, best_rate = 0, None
+        for k in range(max_k + 1):
+            tokens = base + sum(min(k, n) for n in drafting.values())
+            cost = self.cost(tokens)
+            if cost is None:
+                return max_k                     # nothing measured yet: try it
+            gain = other_tokens
+            for a, n in zip(rates, drafting.values()):
+                kk = min(k, n)
+                gain += (1 - a ** (kk + 1)) / (1 - a) if a < 1 else kk + 1
+            rate = gain / cost
+            if best_rate is None or rate > best_rate * 1.0001:
+                best_k, best_rate = k, rate
+        return best_k
