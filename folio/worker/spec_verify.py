@@ -1,6 +1,8 @@
 """Verification of draft tokens (speculative decoding): one request's target logits at its
 last token and each draft, [k + 1, vocab], give the tokens it keeps.
 
+Logit bias and allowed token ids, which do not depend on the tokens before a position, are
+applied to every position first.
 - Greedy: the drafts up to the first that differs from the target's argmax, then that argmax
   (or, all accepted, the argmax after the last draft): token for token what decoding one
   token per step gives.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from folio.worker.sampler import SamplingState, apply_min_p, apply_top_k_top_p
+from folio.worker.sampler import (SamplingState, _apply_allowed_token_ids, _apply_logit_bias,
+                                  apply_min_p, apply_top_k_top_p)
 from folio.worker.sampling_columns import SamplingColumns
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -47,6 +50,14 @@ def verify(logits: torch.Tensor, drafts: list[int], state: SamplingState,
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"{k} drafts need {k + 1} rows of logits, got {logits.shape[0]}")
+    params = state.params
+    if params.logit_bias or params.allowed_token_ids is not None:
+        # The processors that do not depend on the tokens before a position apply to every
+        # position alike, first, as the sampler applies them (on a float32 copy).
+        logits = logits.to(torch.float32, copy=True)
+        states = [state] * (k + 1)
+        _apply_allowed_token_ids(logits, states)
+        _apply_logit_bias(logits, states)
     if columns.greedy[row]:
         target = logits.argmax(dim=-1).tolist()
         out: list[int] = []

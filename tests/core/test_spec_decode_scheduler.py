@@ -186,14 +186,14 @@ def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget() -> No
 
 def test_requests_that_cannot_be_verified_do_not_speculate() -> None:
     s = make(FixedDrafter([7, 8]))
-    plain, logprobs, penalty = request("a"), request("b", logprobs=2), \
-        request("c", repetition_penalty=1.2)
-    for r in (plain, logprobs, penalty):
+    plain, logprobs, penalty, bias = request("a"), request("b", logprobs=2), \
+        request("c", repetition_penalty=1.2), request("d", logit_bias={5: 1.0})
+    for r in (plain, logprobs, penalty, bias):
         s.add_request(r)
-    s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50]}))
+    s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50], "d": [50]}))
     step = s.schedule()
-    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8]}
-    assert step.message.num_scheduled_tokens == {"a": 3, "b": 1, "c": 1}
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "d": [7, 8]}
+    assert step.message.num_scheduled_tokens == {"a": 3, "b": 1, "c": 1, "d": 3}
 
 
 def test_preemption_drops_the_drafts() -> None:

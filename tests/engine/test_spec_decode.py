@@ -83,7 +83,12 @@ def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> 
               SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[198]),
               SamplingParams(temperature=0, max_tokens=40,
                              structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(temperature=0, max_tokens=24, min_tokens=10)]
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=10),
+              # verified with speculation: the bias applies at every draft position
+              SamplingParams(temperature=0, max_tokens=24, logit_bias={198: -100.0, 220: 5.0}),
+              SamplingParams(temperature=0.7, max_tokens=24, seed=3,
+                             allowed_token_ids=list(range(200, 4000)))]
+    prompts = prompts + _editing_prompts()[2:4]
     want = plain_llm.generate(prompts, params, use_tqdm=False)
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     assert _ids(got) == _ids(want)

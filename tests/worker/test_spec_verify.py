@@ -94,3 +94,17 @@ def test_a_seed_gives_the_same_verification() -> None:
     a = _draws(params, logits, [1, 2], 50)
     b = _draws(params, logits, [1, 2], 50)
     assert a == b
+
+
+def test_logit_bias_and_allowed_ids_apply_at_every_position() -> None:
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 2.0
+    params = SamplingParams(temperature=0, logit_bias={7: 5.0})
+    state, cols = SamplingState(params), _columns(params)
+    assert verify(logits, [7, 7], state, cols, 0) == [7, 7, 7]     # the bias wins everywhere
+    assert verify(logits, [4, 7], state, cols, 0) == [7]
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 2], seed=0)
+    gen = torch.Generator().manual_seed(0)
+    state, cols = SamplingState(params, generator=gen), _columns(params)
+    for _ in range(50):
+        assert all(t in (1, 2) for t in verify(logits, [1, 2], state, cols, 0))

@@ -1,9 +1,9 @@
 """Which requests speculate, and how many draft tokens each step carries.
 
 A request speculates when the verification step can honour everything its sampling asks for:
-this first version verifies greedy and random sampling with temperature, top-k, top-p, min-p
-and seeds; requests with logprobs, logit processors (penalties, logit bias, bad words,
-allowed ids, min_tokens) or a grammar decode one token per step as before.
+this first version verifies greedy and random sampling with temperature, top-k, top-p, min-p,
+seeds, logit bias and allowed token ids; requests with logprobs, penalties, bad words,
+min_tokens or a grammar decode one token per step as before.
 """
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from folio.sampling_params import SamplingParams
 
 
 def speculation_supported(params: SamplingParams, has_grammar: bool) -> bool:
+    """Logit bias and allowed ids are verified (they do not depend on the tokens before a
+    position); penalties, bad words and min_tokens do, and are not yet."""
     if has_grammar or params.logprobs is not None:
         return False
-    return not (params.allowed_token_ids is not None or params.logit_bias
-                or params.bad_words_token_ids or params.min_tokens > 0
+    return not (params.bad_words_token_ids or params.min_tokens > 0
                 or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                 or params.presence_penalty != 0.0)
 
