@@ -28,6 +28,7 @@ import numpy as np
 
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
+from folio.bench.spec_report import format_spec_report, spec_counts, spec_report
 from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
                                release_device_memory, run_latency_peer,
                                run_llama_cpp_latency_peer)
@@ -157,12 +158,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.num_iters_warmup):
         timed("warmup", args.output_len)
     latencies, output_tokens = [], []
-    spec_before = _spec_counts(engine)
+    spec_before = spec_counts(engine)
     for _ in range(args.num_iters):
         elapsed, n = timed("timed", args.output_len)
         latencies.append(elapsed)
         output_tokens.append(n)
-    spec = _spec_report(spec_before, _spec_counts(engine))
+    spec = spec_report(spec_before, spec_counts(engine))
     # Prefill-only runs (max_tokens=1): same count, so the medians are comparable. One warm-up
     # because a 1-token request can hit shapes (no decode) the full runs did not compile.
     timed("prefill_warmup", 1)
@@ -372,10 +373,7 @@ def _print_summary(report: dict[str, Any]) -> None:
               f"{rate:.1f} tokens/s per sequence" if rate else
               f"decode: median {report['median_decode_ms_per_token']:.3f} ms/token")
     if report.get("spec_decode"):
-        spec = report["spec_decode"]
-        print(f"speculative decoding: mean acceptance length {spec['mean_acceptance_length']:.2f} "
-              f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
-              f"accepted over {spec['num_drafts']} verify steps)")
+        print(format_spec_report(report["spec_decode"]))
     if report.get("step_breakdown"):
         print(report["step_breakdown"]["line"])
     if report["roofline"]:
@@ -405,28 +403,6 @@ def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) ->
             if ratios.get(key)]
         if parts:
             print(f"folio/peer time ratio (below 1: folio faster): {', '.join(parts)}")
-
-
-def _spec_counts(engine: Any) -> tuple[int, int, int] | None:
-    """(verify steps, draft tokens, accepted tokens) so far, or None without speculation."""
-    core = engine.engine_core
-    if getattr(core.config, "speculative", None) is None:
-        return None
-    stats = core.scheduler.stats()
-    return stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
-
-
-def _spec_report(before: tuple[int, int, int] | None,
-                 after: tuple[int, int, int] | None) -> dict[str, Any] | None:
-    """The timed runs' speculative decoding (vLLM's names; the mean acceptance length counts
-    the token sampled after the accepted drafts)."""
-    if before is None or after is None:
-        return None
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
-    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
-            "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
-            "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:

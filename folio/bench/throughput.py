@@ -30,6 +30,7 @@ from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_time
 from folio.bench.random_model import (RANDOM_CONFIGS, RANDOM_QUANTIZATIONS, build_random_model,
                                       build_random_model_in_child, random_model_dir)
 from folio.bench.results import EngineResult, current_rss_bytes, peak_rss_bytes
+from folio.bench.spec_report import format_spec_report, spec_counts, spec_report
 from folio.bench.startup_report import format_startup, startup_breakdown
 
 __all__ = ["PEERS", "RANDOM_CONFIGS", "EngineResult", "add_cli_args", "build_random_model", "main",
@@ -181,9 +182,11 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
 
+    spec_before = spec_counts(engine)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     result.elapsed_s = time.perf_counter() - start
+    spec = spec_report(spec_before, spec_counts(engine))
     result.peak_rss_bytes = peak_rss_bytes()
     result.memory_note = "VmHWM of the benchmark process (includes the KV cache as allocated)"
 
@@ -194,7 +197,8 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
     executor = getattr(engine.engine_core, "executor", None)
     worker = getattr(executor, "worker", None)
     dtype = getattr(worker, "dtype", None)
-    result.extra = {"num_kv_blocks": getattr(engine.engine_core, "num_blocks", None),
+    result.extra = {"spec_decode": spec,
+                    "num_kv_blocks": getattr(engine.engine_core, "num_blocks", None),
                     "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
                     "device": str(getattr(worker, "device", "")) or None,
                     "startup": startup_breakdown(result.load_s, getattr(executor, "timings", None)),
@@ -337,6 +341,8 @@ def _print_table(results: list[EngineResult], info: dict) -> None:
                   + "".join(f", {k}={v}" for k, v in settings.items() if v is not None))
         for note in r.extra.get("notes", []):
             print(f"{r.engine}: {note}")
+    if results and results[0].extra.get("spec_decode"):
+        print("folio " + format_spec_report(results[0].extra["spec_decode"]))
     if info.get("roofline"):
         print(info["roofline"]["line"])
     print("peak RSS: each engine's own process (folio: this process; peers: a spawned child); "
