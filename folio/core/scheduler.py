@@ -414,9 +414,13 @@ class Scheduler:
         all_prompt_logprobs = ({rid: PromptLogprobsChunk(chunk.start, logprobs_entries(chunk.lists))
                                 for rid, chunk in runner_output.prompt_logprobs.items()}
                                if runner_output.prompt_logprobs else None)
-        all_logprobs = (dict(zip(runner_output.logprobs_req_ids,
-                                 logprobs_entries(runner_output.logprobs)))
-                        if runner_output.logprobs is not None else None)
+        # A request's logprobs rows, one per token it got (several after a verify step).
+        all_logprobs: dict[str, list[SampledTokenLogprobs]] | None = None
+        if runner_output.logprobs is not None:
+            all_logprobs = {}
+            for rid, entry in zip(runner_output.logprobs_req_ids,
+                                  logprobs_entries(runner_output.logprobs)):
+                all_logprobs.setdefault(rid, []).append(entry)
         first_scheduled = self._first_scheduled
         finished: list[Request] = []
         for item in scheduler_output.scheduled:
@@ -447,13 +451,13 @@ class Scheduler:
                 if request.status >= _FIRST_FINISHED:
                     token_ids = token_ids[:n]   # tokens after a stop are dropped
                     break
-            logprobs = all_logprobs.get(request_id) if all_logprobs else None
+            logprobs = all_logprobs.get(request_id, []) if all_logprobs else []
             status = request.status
             is_finished = status >= _FIRST_FINISHED
             if not is_finished and self.drafter is not None and request.can_speculate:
                 request.spec_token_ids = self.drafter.propose(request)
             outputs.append(EngineCoreOutput(
-                request_id, list(token_ids), [logprobs] if logprobs is not None else [],
+                request_id, list(token_ids), logprobs[:len(token_ids)],
                 prompt_logprobs, _FINISH_REASON_OF.get(status) if is_finished else None,
                 request.stop_reason, max(request.num_cached_tokens, 0),
                 first_scheduled.get(request_id)))

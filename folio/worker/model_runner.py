@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from folio.core.step_messages import (GrammarBitmask, GrammarBitmaskFn, ModelRunnerOutput,
-                                      PromptLogprobsLists, SchedulerOutput)
+from folio.core.step_messages import (GrammarBitmask, GrammarBitmaskFn, LogprobsLists,
+                                      ModelRunnerOutput, PromptLogprobsLists, SchedulerOutput)
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor, to_host_async
@@ -286,15 +286,30 @@ class ModelRunner:
             for j, token in zip(plain, sampled.tolist()):
                 token_lists[j] = [token]
         columns = self.input_batch.sampling_columns(rows)
+        # Logprobs rows, one per emitted token: the plain rows' (from the sampler), then each
+        # drafting request's at every position it kept (raw log-softmax, as the sampler's).
+        lp_ids: list[str] = []
+        lp_parts: list[LogprobsLists] = []
+        if logprobs is not None:
+            lp_ids += [plain_ids[i] for i in logprobs.rows]
+            lp_parts.append(logprobs.tensors.lists())
         for j, rid in enumerate(sampling):
             if rid in spec:
                 drafts = spec[rid]
-                token_lists[j] = verify(logits[first_row[j]:first_row[j] + len(drafts) + 1],
-                                        drafts, states[j].sampling, columns, j)
+                rows_j = logits[first_row[j]:first_row[j] + len(drafts) + 1]
+                kept = verify(rows_j, drafts, states[j].sampling, columns, j)
+                token_lists[j] = kept
+                num_top = states[j].sampling.params.logprobs
+                if num_top is not None:
+                    targets = device_tensor(kept, self.device, torch.int64)
+                    lp_parts.append(token_logprobs_tensors(rows_j[:len(kept)], targets,
+                                                           num_top).lists())
+                    lp_ids += [rid] * len(kept)
         self._prev_sampled, self._prev_rows = None, {}
         return PendingRunnerOutput(list(sampling), prompt_logprobs=prompt_logprobs,
-                                   token_lists=token_lists, logprobs=logprobs,
-                                   logprobs_req_ids=plain_ids)
+                                   token_lists=token_lists,
+                                   logprobs_lists=(lp_ids, _concat_lists(lp_parts))
+                                   if lp_ids else None)
 
     def _apply_bitmask(self, logits: torch.Tensor, mask: GrammarBitmask,
                        sampling: list[str], subset: list[int] | None = None) -> None:
@@ -323,6 +338,11 @@ class ModelRunner:
         apply_token_bitmask(logits, host[:rows], constrained)
 
 
+def _concat_lists(parts: list[LogprobsLists]) -> LogprobsLists:
+    return LogprobsLists(*([v for part in parts for v in getattr(part, name)]
+                           for name in LogprobsLists.__struct_fields__))
+
+
 class PendingRunnerOutput:
     """A step's output whose tensors may still be on their way from the device: sampled ids
     and any logprobs are copied behind the step's kernels into pinned memory, and get() waits
@@ -332,13 +352,12 @@ class PendingRunnerOutput:
                  logprobs: RowLogprobs | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None, *,
                  token_lists: list[list[int]] | None = None,
-                 logprobs_req_ids: list[str] | None = None) -> None:
+                 logprobs_lists: tuple[list[str], LogprobsLists] | None = None) -> None:
         self._request_ids = request_ids or []
-        # A verify step's kept tokens per request, already on the host.
+        # A verify step's kept tokens per request, and its logprobs rows (a request's id
+        # once per token it kept), already on the host.
         self._token_lists = token_lists
-        # The requests the logprobs' rows index (default: request_ids).
-        self._logprobs_req_ids = logprobs_req_ids if logprobs_req_ids is not None \
-            else self._request_ids
+        self._logprobs_lists = logprobs_lists
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
         self._event: torch.cuda.Event | None = None
@@ -372,12 +391,15 @@ class PendingRunnerOutput:
         elif self._token_lists is not None:
             output.req_ids = self._request_ids
             output.sampled_token_ids = self._token_lists
+        if self._logprobs_lists is not None:
+            output.logprobs_req_ids, output.logprobs = self._logprobs_lists
         if self._logprobs is not None:
-            output.logprobs_req_ids = [self._logprobs_req_ids[i] for i in self._logprobs.rows]
+            output.logprobs_req_ids = [self._request_ids[i] for i in self._logprobs.rows]
             output.logprobs = self._logprobs.tensors.lists()
         output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
         self._host = self._event = self._logprobs = self._token_lists = None
+        self._logprobs_lists = None
         self._prompt_logprobs = {}
         self._output = output
         return output

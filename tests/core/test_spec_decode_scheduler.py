@@ -184,7 +184,7 @@ def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget() -> No
     assert step.message.num_scheduled_tokens == {"b": 5, "c": 1}
 
 
-def test_requests_that_cannot_be_verified_do_not_speculate() -> None:
+def test_which_requests_speculate() -> None:
     s = make(FixedDrafter([7, 8]))
     plain, logprobs, penalty, bias = request("a"), request("b", logprobs=2), \
         request("c", repetition_penalty=1.2), request("d", logit_bias={5: 1.0})
@@ -192,8 +192,11 @@ def test_requests_that_cannot_be_verified_do_not_speculate() -> None:
         s.add_request(r)
     s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50], "d": [50]}))
     step = s.schedule()
-    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "d": [7, 8]}
-    assert step.message.num_scheduled_tokens == {"a": 3, "b": 1, "c": 1, "d": 3}
+    # logprobs are reported per kept token, a bias applies at every position: both verify;
+    # a penalty depends on the tokens before each position: not yet
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "b": [7, 8],
+                                                         "d": [7, 8]}
+    assert step.message.num_scheduled_tokens == {"a": 3, "b": 3, "c": 1, "d": 3}
 
 
 def test_preemption_drops_the_drafts() -> None:
@@ -315,3 +318,18 @@ def test_the_suffix_drafter_feeds_finished_outputs_to_the_shared_index() -> None
     d.drop(done)
     fresh = Request("b", [5, 40, 41], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
     assert d.propose(fresh) == [42, 43]
+
+
+def test_logprobs_rows_of_a_verify_step_go_to_their_tokens() -> None:
+    from folio.core.step_messages import LogprobsLists
+    s = make(FixedDrafter([7, 8]))
+    r = request("a", logprobs=1)
+    s.add_request(r)
+    s.update_from_output(s.schedule(), reply({"a": [50]}))
+    step = s.schedule()
+    lists = LogprobsLists([7, 9], [-0.1, -0.5], [1, 2], [[7], [4]], [[-0.1], [-0.2]])
+    out = s.update_from_output(step, ModelRunnerOutput(
+        req_ids=["a"], sampled_token_ids=[[7, 9]], logprobs_req_ids=["a", "a"],
+        logprobs=lists))
+    assert out[0].new_token_ids == [7, 9]
+    assert [lp.token_id for lp in out[0].new_logprobs] == [7, 9]

@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) through the engine on the default model (SmolLM2-135M, float32
 on the CPU): greedy outputs equal the engine without speculation, token for token, on editing
 prompts (a file the answer repeats, where n-gram drafts are accepted) and plain ones; in the
-same batch, requests that do not speculate (logprobs, penalties, a grammar) are unchanged;
+same batch, requests with logprobs, a logit bias or allowed ids speculate and those that do not
+(penalties, min_tokens, a grammar) are unchanged;
 preemption and the prefix cache; seeded sampling gives the same tokens; n > 1; the suffix
 method."""
 from __future__ import annotations
@@ -92,9 +93,12 @@ def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> 
     want = plain_llm.generate(prompts, params, use_tqdm=False)
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     assert _ids(got) == _ids(want)
-    # logprobs as without speculation
+    # logprobs as without speculation, for every token (kept drafts included)
+    assert len(got[1].outputs[0].logprobs) == len(got[1].outputs[0].token_ids)
     for a, b in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):
         assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-3 and a[t].rank == b[t].rank
     json.loads(got[4].outputs[0].text)
 
 

@@ -2,7 +2,7 @@
 
 A request speculates when the verification step can honour everything its sampling asks for:
 this first version verifies greedy and random sampling with temperature, top-k, top-p, min-p,
-seeds, logit bias and allowed token ids; requests with logprobs, penalties, bad words,
+seeds, logit bias and allowed token ids, with logprobs; requests with penalties, bad words,
 min_tokens or a grammar decode one token per step as before.
 """
 from __future__ import annotations
@@ -12,8 +12,9 @@ from folio.sampling_params import SamplingParams
 
 def speculation_supported(params: SamplingParams, has_grammar: bool) -> bool:
     """Logit bias and allowed ids are verified (they do not depend on the tokens before a
-    position); penalties, bad words and min_tokens do, and are not yet."""
-    if has_grammar or params.logprobs is not None:
+    position), and logprobs reported for every kept token; penalties, bad words and
+    min_tokens depend on the tokens before, and a grammar on its matcher: not yet."""
+    if has_grammar:
         return False
     return not (params.bad_words_token_ids or params.min_tokens > 0
                 or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
