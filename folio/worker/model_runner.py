@@ -297,7 +297,9 @@ class ModelRunner:
             if rid in spec:
                 drafts = spec[rid]
                 rows_j = logits[first_row[j]:first_row[j] + len(drafts) + 1]
-                kept = verify(rows_j, drafts, states[j].sampling, columns, j)
+                kept = verify(rows_j, drafts, states[j].sampling, columns, j,
+                              self.input_batch.token_ids_of(states[j]),
+                              states[j].num_prompt_tokens)
                 token_lists[j] = kept
                 num_top = states[j].sampling.params.logprobs
                 if num_top is not None:

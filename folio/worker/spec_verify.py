@@ -1,8 +1,9 @@
 """Verification of draft tokens (speculative decoding): one request's target logits at its
 last token and each draft, [k + 1, vocab], give the tokens it keeps.
 
-Logit bias and allowed token ids, which do not depend on the tokens before a position, are
-applied to every position first.
+The logit processors (allowed ids, logit bias, bad words, min_tokens, penalties) run first,
+the sampler's own, on one row per position whose history is the request's tokens and the
+drafts before it.
 - Greedy: the drafts up to the first that differs from the target's argmax, then that argmax
   (or, all accepted, the argmax after the last draft): token for token what decoding one
   token per step gives.
@@ -21,9 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from folio.worker.sampler import (SamplingState, _apply_allowed_token_ids, _apply_logit_bias,
-                                  apply_min_p, apply_top_k_top_p)
-from folio.worker.sampling_columns import SamplingColumns
+from folio.worker.sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p
+from folio.worker.sampling_columns import SamplingColumns, needs_processors
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -43,21 +43,28 @@ def target_probs(logits: torch.Tensor, columns: SamplingColumns, row: int) -> to
 
 
 def verify(logits: torch.Tensor, drafts: list[int], state: SamplingState,
-           columns: SamplingColumns, row: int) -> list[int]:
+           columns: SamplingColumns, row: int, history: np.ndarray | None = None,
+           num_prompt_tokens: int = 0) -> list[int]:
     """The tokens one request keeps from a verify step: logits [len(drafts) + 1, vocab] (the
     target's at its last token, then after each draft); `columns` row `row` is its
-    sampling row."""
+    sampling row. A request with logit processors also needs its tokens so far (`history`,
+    the first `num_prompt_tokens` of them the prompt)."""
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"{k} drafts need {k + 1} rows of logits, got {logits.shape[0]}")
     params = state.params
-    if params.logit_bias or params.allowed_token_ids is not None:
-        # The processors that do not depend on the tokens before a position apply to every
-        # position alike, first, as the sampler applies them (on a float32 copy).
+    if needs_processors(params):
+        if history is None:
+            raise ValueError("a request with logit processors needs its token history")
+        # Position j sees the request's tokens and the drafts before it: the sampler's own
+        # processors run on one row per position, each with that history (penalties, bad
+        # words and min_tokens count it), on a float32 copy.
+        prompt = history[:num_prompt_tokens].tolist()
+        outputs = history[num_prompt_tokens:].tolist()
+        positions = SamplingColumns.from_params(
+            [params] * (k + 1), token_lists=[(prompt, outputs + drafts[:j]) for j in range(k + 1)])
         logits = logits.to(torch.float32, copy=True)
-        states = [state] * (k + 1)
-        _apply_allowed_token_ids(logits, states)
-        _apply_logit_bias(logits, states)
+        Sampler._apply_processors(logits, [state] * (k + 1), positions)
     if columns.greedy[row]:
         target = logits.argmax(dim=-1).tolist()
         out: list[int] = []

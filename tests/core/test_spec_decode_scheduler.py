@@ -185,18 +185,21 @@ def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget() -> No
 
 
 def test_which_requests_speculate() -> None:
+    """Every sampling option is verified (logprobs, bias, penalties...); a grammar is not."""
     s = make(FixedDrafter([7, 8]))
-    plain, logprobs, penalty, bias = request("a"), request("b", logprobs=2), \
-        request("c", repetition_penalty=1.2), request("d", logit_bias={5: 1.0})
-    for r in (plain, logprobs, penalty, bias):
+    plain, logprobs, penalty, grammar = request("a"), request("b", logprobs=2), \
+        request("c", repetition_penalty=1.2), request("d")
+    class AnyGrammar:       # a grammar state that accepts everything: enough to be one
+        def accept_tokens(self, tokens):
+            return True
+    grammar.structured_output = AnyGrammar()
+    for r in (plain, logprobs, penalty, grammar):
         s.add_request(r)
     s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50], "d": [50]}))
     step = s.schedule()
-    # logprobs are reported per kept token, a bias applies at every position: both verify;
-    # a penalty depends on the tokens before each position: not yet
     assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "b": [7, 8],
-                                                         "d": [7, 8]}
-    assert step.message.num_scheduled_tokens == {"a": 3, "b": 3, "c": 1, "d": 3}
+                                                         "c": [7, 8]}
+    assert step.message.num_scheduled_tokens == {"a": 3, "b": 3, "c": 3, "d": 1}
 
 
 def test_preemption_drops_the_drafts() -> None:

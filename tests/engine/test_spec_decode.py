@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram) through the engine on the default model (SmolLM2-135M, float32
 on the CPU): greedy outputs equal the engine without speculation, token for token, on editing
 prompts (a file the answer repeats, where n-gram drafts are accepted) and plain ones; in the
-same batch, requests with logprobs, a logit bias or allowed ids speculate and those that do not
-(penalties, min_tokens, a grammar) are unchanged;
+same batch, requests with logprobs, penalties, a logit bias, bad words, min_tokens or allowed ids
+speculate (each draft position processed with the drafts before it in its history), and a
+grammar's request, which does not, is unchanged;
 preemption and the prefix cache; seeded sampling gives the same tokens; n > 1; the suffix
 method."""
 from __future__ import annotations
@@ -85,11 +86,13 @@ def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> 
               SamplingParams(temperature=0, max_tokens=40,
                              structured_outputs=StructuredOutputsParams(json=schema)),
               SamplingParams(temperature=0, max_tokens=24, min_tokens=10),
+              SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.5,
+                             presence_penalty=0.3, bad_words=[" return"]),
               # verified with speculation: the bias applies at every draft position
               SamplingParams(temperature=0, max_tokens=24, logit_bias={198: -100.0, 220: 5.0}),
               SamplingParams(temperature=0.7, max_tokens=24, seed=3,
                              allowed_token_ids=list(range(200, 4000)))]
-    prompts = prompts + _editing_prompts()[2:4]
+    prompts = prompts + _editing_prompts()[1:4]
     want = plain_llm.generate(prompts, params, use_tqdm=False)
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     assert _ids(got) == _ids(want)

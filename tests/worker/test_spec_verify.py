@@ -4,6 +4,7 @@ chi-square test over many draws on a small vocabulary (fixed seeds, so the test 
 deterministic)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from folio.sampling_params import SamplingParams
@@ -97,14 +98,36 @@ def test_a_seed_gives_the_same_verification() -> None:
 
 
 def test_logit_bias_and_allowed_ids_apply_at_every_position() -> None:
+    import numpy as np
+    history = np.array([3, 3], dtype=np.int32)
     logits = torch.zeros(3, 10)
     logits[:, 4] = 2.0
     params = SamplingParams(temperature=0, logit_bias={7: 5.0})
     state, cols = SamplingState(params), _columns(params)
-    assert verify(logits, [7, 7], state, cols, 0) == [7, 7, 7]     # the bias wins everywhere
-    assert verify(logits, [4, 7], state, cols, 0) == [7]
+    assert verify(logits, [7, 7], state, cols, 0, history, 1) == [7, 7, 7]  # bias wins
+    assert verify(logits, [4, 7], state, cols, 0, history, 1) == [7]
     params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 2], seed=0)
     gen = torch.Generator().manual_seed(0)
     state, cols = SamplingState(params, generator=gen), _columns(params)
     for _ in range(50):
-        assert all(t in (1, 2) for t in verify(logits, [1, 2], state, cols, 0))
+        assert all(t in (1, 2) for t in verify(logits, [1, 2], state, cols, 0, history, 1))
+    with pytest.raises(ValueError, match="history"):
+        verify(logits, [1, 2], state, cols, 0)
+
+
+def test_penalties_count_the_drafts_before_each_position() -> None:
+    """A repetition penalty at position j sees the drafts before j: a draft repeated is
+    penalised at the next position as one-token-per-step decoding would penalise it."""
+    import numpy as np
+    logits = torch.zeros(3, 10)
+    logits[:, 5] = 1.0        # 5 is the argmax unless penalised
+    logits[:, 6] = 0.9
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    state, cols = SamplingState(params), _columns(params)
+    history = np.array([1, 2, 3], dtype=np.int32)     # prompt 1, 2; output 3
+    # position 0: 5 not seen yet -> 5; position 1: 5 seen (the draft) -> 1.0 / 2 < 0.9 -> 6
+    assert verify(logits, [5, 5], state, cols, 0, history, 2) == [5, 6]
+    # min_tokens masks EOS while the output (with the drafts) is short
+    params = SamplingParams(temperature=0, min_tokens=3)
+    state = SamplingState(params, eos_token_ids=(5,))
+    assert verify(logits, [6, 6], state, _columns(params), 0, history, 2) == [6, 6, 5]

@@ -1,9 +1,9 @@
 """Which requests speculate, and how many draft tokens each step carries.
 
 A request speculates when the verification step can honour everything its sampling asks for:
-this first version verifies greedy and random sampling with temperature, top-k, top-p, min-p,
-seeds, logit bias and allowed token ids, with logprobs; requests with penalties, bad words,
-min_tokens or a grammar decode one token per step as before.
+every sampling option is (greedy and random sampling, temperature, top-k, top-p, min-p,
+seeds, the logit processors, logprobs); requests with a grammar decode one token per step as
+before.
 """
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ from folio.sampling_params import SamplingParams
 
 
 def speculation_supported(params: SamplingParams, has_grammar: bool) -> bool:
-    """Logit bias and allowed ids are verified (they do not depend on the tokens before a
-    position), and logprobs reported for every kept token; penalties, bad words and
-    min_tokens depend on the tokens before, and a grammar on its matcher: not yet."""
-    if has_grammar:
-        return False
-    return not (params.bad_words_token_ids or params.min_tokens > 0
-                or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                or params.presence_penalty != 0.0)
+    """Every sampling option is verified (the logit processors per position, with the drafts
+    before it in the history; logprobs for every kept token); a grammar is not yet (its
+    matcher would have to check the drafts and roll back over rejected ones)."""
+    return not has_grammar
 
 
 class AdaptiveDraftLength:
