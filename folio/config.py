@@ -276,6 +276,8 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth tokens) in the request itself or in the outputs of the
     last suffix_decoding_max_cached_requests requests, drafting up to max_spec_factor times
     the match length while each token's frequency share is at least min_token_prob.
+    Each step verifies the number of drafts that maximises the expected tokens per second
+    (measured step costs and acceptance; spec/policy.py) unless adaptive_draft_length is false.
     `num_speculative_tokens` left out: 4 for ngram, the tree depth (at most 32) for suffix.
     The shared suffix index holds depth entries per output token, so its default cache is 64
     requests (vLLM's is 10,000, in a C++ suffix tree)."""
@@ -288,6 +290,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 64
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # folio's own key (vLLM has none): false verifies every draft the proposer gives instead
+    # of choosing k per step from measured step times and acceptance (reproducible shapes).
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
@@ -310,6 +315,9 @@ class SpeculativeConfig:
         _require(isinstance(prob, (int, float)) and 0 <= prob <= 1,
                  "speculative_config.suffix_decoding_min_token_prob",
                  f"must be a number in [0, 1], got {prob!r}")
+        _require(isinstance(self.adaptive_draft_length, bool),
+                 "speculative_config.adaptive_draft_length",
+                 f"must be true or false, got {self.adaptive_draft_length!r}")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = 4 if self.method == "ngram" \
                 else min(depth, MAX_SPECULATIVE_TOKENS)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=first|second|kernels|sweep|sweep2|final2a|final2b bash tools/device_issue16.sh
+#   PART=first|second|kernels|sweep|sweep2|final2a|final2b|spec17 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -90,6 +90,14 @@ sweep2)  # second session, second call: the reworked 4-bit GEMV, W4A16 decode, w
   head -40 "$OUT/prof_bf16.log" | cut -c1-160
   step 100 prof_fp8 $PROF --quantization fp8 --kv-cache-dtype fp8
   head -40 "$OUT/prof_fp8.log" | cut -c1-160 ;;
+spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-1 decode with
+         # and without n-gram drafts on the editing workload (random Llama-3-8B weights do not
+         # copy; the acceptance there is the machinery's cost, not a speed-up)
+  step 240 spec_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -s \
+      tests/gpu/test_gpu_spec_decode.py
+  step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
+  step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
+      --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
 sweep)  # the one-row GEMV configs forced (second session), the new kernels' GPU tests
   step 330 sweep python3 tools/gpu_check_quant.py --sweep --m 1,16,256 --json "$OUT/sweep.json"
   cut -c1-120 "$OUT/sweep.log"

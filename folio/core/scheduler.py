@@ -16,7 +16,8 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
 from folio.core.request import Request, RequestStatus
-from folio.core.spec.policy import AdaptiveDraftLength, speculation_supported
+from folio.core.spec.policy import (AdaptiveDraftLength, FixedDraftLength,
+                                    speculation_supported)
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
 
@@ -157,7 +158,8 @@ class Scheduler:
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 async_scheduling: bool = False, drafter: Drafter | None = None) -> None:
+                 async_scheduling: bool = False, drafter: Drafter | None = None,
+                 adaptive_draft_length: bool = True) -> None:
         if drafter is not None and async_scheduling:
             raise ValueError("speculative decoding needs each step's tokens on the host "
                              "before the next is scheduled: async_scheduling must be off")
@@ -165,8 +167,9 @@ class Scheduler:
         # Speculative decoding: proposes each running request's draft tokens after its
         # tokens are updated (None = off).
         self.drafter = drafter
-        # How many of its drafts each request verifies per step (adaptive; spec/policy.py).
-        self.draft_length = AdaptiveDraftLength() if drafter is not None else None
+        # How many of its drafts each request verifies per step (spec/policy.py).
+        self.draft_length = None if drafter is None else (
+            AdaptiveDraftLength() if adaptive_draft_length else FixedDraftLength())
         self.spec_stats = SpecDecodingStats()
         # Schedule the next step before the step in flight has returned its tokens: running
         # requests then also decode the token still being sampled (see Request.num_pending_tokens).

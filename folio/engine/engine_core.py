@@ -61,11 +61,13 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
-            async_scheduling=self.async_scheduling, drafter=drafter)
+            async_scheduling=self.async_scheduling, drafter=drafter,
+            adaptive_draft_length=(config.speculative is None
+                                   or config.speculative.adaptive_draft_length))
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # Speculative decoding sizes its drafts from measured step times.
-        self._time_steps = drafter is not None
+        self._time_steps = drafter is not None and config.speculative.adaptive_draft_length
         # Set to a StepTimes to have each step's parts timed (benchmarks).
         self.step_times: StepTimes | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.

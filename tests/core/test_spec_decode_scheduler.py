@@ -81,7 +81,9 @@ def test_speculative_config_validates_like_vllm() -> None:
                        ({"method": "suffix", "suffix_decoding_min_token_prob": 2},
                         "suffix_decoding_min_token_prob"),
                        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0},
-                        "suffix_decoding_max_tree_depth")]:
+                        "suffix_decoding_max_tree_depth"),
+                       ({"method": "ngram", "adaptive_draft_length": "no"},
+                        "adaptive_draft_length")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.from_json(bad)
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -262,6 +264,42 @@ def test_adaptive_draft_length_maximises_tokens_per_second() -> None:
     assert policy.choose({"b": 4}, 30) == 0 and policy.choose({"a": 4}, 0) == 4
     policy.drop("b")
     assert "b" not in policy.acceptance
+
+
+def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
+    """A noisy time (another process held the core) must not turn speculation off for
+    good: after probe_after k = 0 steps one step drafts in full, its time replaces the stale
+    figure, and the wait doubles while probes confirm k = 0."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    for tokens in (2, 4, 8):
+        policy.observe_step(tokens, 0.200)   # noisy: steps with drafts look 20x dearer
+    for _ in range(AdaptiveDraftLength.STALE_AFTER_STEPS + 1):
+        policy.observe_step(1, 0.010)    # the engine decodes without drafts meanwhile
+    choices = [policy.choose({"a": 7}, 0) for _ in range(policy.MIN_PROBE_AFTER)]
+    assert choices[:-1] == [0] * (policy.MIN_PROBE_AFTER - 1) and choices[-1] == 7
+    policy.observe_step(8, 0.010)        # the probe's step: the true cost replaces the stale one
+    assert policy.choose({"a": 7}, 0) == 7 and policy.probe_after == policy.MIN_PROBE_AFTER
+    # a real k = 0 (every token costs) is probed ever more rarely
+    confirm = AdaptiveDraftLength()
+    for tokens in (1, 2, 4, 8, 16):
+        confirm.observe_step(tokens, 0.001 * tokens)
+    for _ in range(10):
+        confirm.observe_acceptance("b", 4, 0)
+    waits, since = [], 0
+    for _ in range(5000):
+        since += 1
+        if confirm.choose({"b": 4}, 30) > 0:
+            waits.append(since)
+            since = 0
+    assert waits[:3] == [16, 32, 64] and waits[-2:] == [1024, 1024]
+
+
+def test_a_fixed_draft_length_verifies_every_draft() -> None:
+    from folio.core.spec.policy import FixedDraftLength
+    policy = FixedDraftLength()
+    policy.observe_step(64, 10.0)
+    assert policy.choose({"a": 3, "b": 5}, 60) == 5 and policy.choose({}, 4) == 0
 
 
 def test_the_scheduler_stops_drafting_when_a_large_batch_makes_it_cost() -> None:

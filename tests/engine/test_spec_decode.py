@@ -19,8 +19,11 @@ from folio.sampling_params import StructuredOutputsParams
 
 from test_invariants import _prompts
 
+# A fixed draft length: the acceptance counts these tests assert must not depend on step
+# times (the adaptive choice may rightly stop drafting on a loaded machine); one test below
+# runs the adaptive policy and asserts only the outputs.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}
+        "prompt_lookup_max": 4, "adaptive_draft_length": False}
 
 
 def _source(name: str, chars: int = 700) -> str:
@@ -36,7 +39,9 @@ def _editing_prompts() -> list[str]:
 
 
 def _make(spec: dict | None, **overrides) -> LLM:
-    kwargs = dict(dtype="float32", max_model_len=1024, num_gpu_blocks_override=512,
+    # a float32 cache: logprobs of verified and of one-token steps compared to 1e-3
+    kwargs = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=1024,
+                  num_gpu_blocks_override=512,
                   max_num_seqs=16, device="cpu", speculative_config=spec)
     kwargs.update(overrides)
     return LLM(default_model_path(), **kwargs)
@@ -134,6 +139,17 @@ def test_seeded_sampling_equals_the_engine_without_speculation(plain_llm, spec_l
     assert len(out.outputs) == 2 and all(len(c.token_ids) == 16 for c in out.outputs)
 
 
+def test_the_adaptive_draft_length_keeps_the_outputs(plain_llm) -> None:
+    """The default policy chooses k per step from measured times; whatever it chooses, the
+    tokens are the engine's without speculation."""
+    prompts = _editing_prompts()[:2] + _prompts(2, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    adaptive = _make({key: value for key, value in SPEC.items()
+                      if key != "adaptive_draft_length"})
+    assert _ids(adaptive.generate(prompts, params, use_tqdm=False)) == \
+        _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+
+
 def test_async_scheduling_with_speculation_is_refused() -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         _make(SPEC, async_scheduling=True)
@@ -142,7 +158,8 @@ def test_async_scheduling_with_speculation_is_refused() -> None:
 def test_suffix_greedy_outputs_equal_and_learn_across_requests(plain_llm) -> None:
     """The suffix method: the same answers; the second round of the same prompts drafts from
     the first round's outputs too (the shared index), so it keeps more drafts."""
-    llm = _make({"method": "suffix", "num_speculative_tokens": 6})
+    llm = _make({"method": "suffix", "num_speculative_tokens": 6,
+                 "adaptive_draft_length": False})
     prompts = _prompts(3, seed=5) + _editing_prompts()[:1]
     params = SamplingParams(temperature=0, max_tokens=32)
     want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))

@@ -35,16 +35,33 @@ class AdaptiveDraftLength:
     Σ_r (1 + a_r + ... + a_r^k) tokens, plus one for every request that does not draft; the
     chosen k maximises that over cost(T) for the step's tokens T. k = 0 whenever drafting
     would lower the rate (large batches past the knee, low acceptance): speculation steps
-    aside where it would cost."""
+    aside where it would cost.
+
+    A k = 0 verdict rests on measurements that may be stale or noisy (a step timed while
+    another process held the core); with k = 0 no verify step is timed again, so the
+    verdict would stand for good. So after `probe_after` steps of k = 0 while drafts were
+    on offer, one step drafts in full to measure again; each probe that confirms k = 0
+    doubles the wait (up to MAX_PROBE_AFTER steps, where a probe costs a large batch well
+    under a per cent), and a step that chooses to draft resets it."""
 
     # A request's acceptance rate before its first verify step (optimistic, so it is tried).
     PRIOR_ACCEPTANCE = 0.7
     _EMA_STEP = 0.2    # weight of a new step time in its bucket
     _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
+    MIN_PROBE_AFTER = 16
+    MAX_PROBE_AFTER = 1024
+
+    # A bucket not timed for this many steps is stale: its next time replaces it outright
+    # (a probe must be able to overturn an old noisy figure in one step).
+    STALE_AFTER_STEPS = 64
 
     def __init__(self) -> None:
         self.bucket_cost: dict[int, float] = {}      # log2 bucket -> seconds
+        self._bucket_timed_at: dict[int, int] = {}   # log2 bucket -> step count when last timed
+        self._steps_timed = 0
         self.acceptance: dict[str, float] = {}
+        self.probe_after = self.MIN_PROBE_AFTER
+        self._steps_without_drafts = 0
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -54,7 +71,11 @@ class AdaptiveDraftLength:
         if num_tokens <= 0 or seconds <= 0:
             return
         b = self._bucket(num_tokens)
+        self._steps_timed += 1
         old = self.bucket_cost.get(b)
+        if old is not None and self._steps_timed - self._bucket_timed_at[b] > self.STALE_AFTER_STEPS:
+            old = None
+        self._bucket_timed_at[b] = self._steps_timed
         # stored per the bucket's lower edge: the time scaled to 2^b tokens where it grows
         self.bucket_cost[b] = seconds if old is None else \
             (1 - self._EMA_STEP) * old + self._EMA_STEP * seconds
@@ -92,6 +113,19 @@ class AdaptiveDraftLength:
         if not drafting:
             return 0
         max_k = max(drafting.values())
+        best_k = self._best_k(drafting, other_tokens, max_k)
+        if best_k > 0:
+            self.probe_after = self.MIN_PROBE_AFTER
+            self._steps_without_drafts = 0
+            return best_k
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts < self.probe_after:
+            return 0
+        self._steps_without_drafts = 0
+        self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
+        return max_k
+
+    def _best_k(self, drafting: dict[str, int], other_tokens: int, max_k: int) -> int:
         rates = [self.acceptance.get(rid, self.PRIOR_ACCEPTANCE) for rid in drafting]
         base = other_tokens + len(drafting)
         best_k, best_rate = 0, None
@@ -108,3 +142,20 @@ class AdaptiveDraftLength:
             if best_rate is None or rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
         return best_k
+
+
+class FixedDraftLength:
+    """Every request verifies all the drafts its proposer gave (speculative_config's
+    adaptive_draft_length false): reproducible step shapes, for benchmarks and tests."""
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Nothing to learn: the length is fixed."""
+
+    def observe_acceptance(self, request_id: str, num_drafts: int, accepted: int) -> None:
+        """Nothing to learn: the length is fixed."""
+
+    def drop(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+    def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
+        return max(drafting.values(), default=0)
