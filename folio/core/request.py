@@ -115,10 +115,8 @@ class Request:
             sampling_params.max_tokens, room)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
-        # Draft tokens proposed for this request's next step (speculative decoding), and
-        # whether its sampling can be verified at all (folio.core.spec.policy).
+        # Draft tokens proposed for this request's next step (speculative decoding).
         self.spec_token_ids: list[int] = []
-        self.can_speculate = True
         # Constrained decoding state; None = unconstrained.
         self.structured_output: GrammarState | None = None
         # What the workers hold of this request (the step messages send only what is new):

@@ -16,8 +16,7 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
 from folio.core.request import Request, RequestStatus
-from folio.core.spec.policy import (AdaptiveDraftLength, FixedDraftLength,
-                                    speculation_supported)
+from folio.core.spec.policy import AdaptiveDraftLength, FixedDraftLength
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
 
@@ -192,9 +191,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.drafter is not None:
-            request.can_speculate = speculation_supported(
-                request.sampling_params, request.structured_output is not None)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -457,7 +453,7 @@ class Scheduler:
             logprobs = all_logprobs.get(request_id, []) if all_logprobs else []
             status = request.status
             is_finished = status >= _FIRST_FINISHED
-            if not is_finished and self.drafter is not None and request.can_speculate:
+            if not is_finished and self.drafter is not None:
                 request.spec_token_ids = self.drafter.propose(request)
             outputs.append(EngineCoreOutput(
                 request_id, list(token_ids), logprobs[:len(token_ids)],

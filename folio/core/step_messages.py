@@ -73,9 +73,11 @@ class SchedulerOutput(msgspec.Struct, gc=False):
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
-    """Allowed next tokens of a step's sampling rows (the order of `sampling_req_ids`): int32
-    words [len(req_ids), num_words], bit b of word w allows token 32*w + b. Rows outside
-    `constrained_rows` are all ones."""
+    """Allowed next tokens of a step's sampling rows: int32 words [rows, num_words], bit b
+    of word w allows token 32*w + b. Each request of `req_ids` (the order of
+    `sampling_req_ids`) has 1 + len(its drafts in scheduled_spec_decode_tokens) rows: the
+    allowed tokens at its next position and after each prefix of its drafts (one row without
+    drafts). Rows outside `constrained_rows` are all ones."""
     req_ids: list[str]
     constrained_rows: list[int]
     num_words: int

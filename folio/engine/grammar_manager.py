@@ -13,6 +13,12 @@ The flow of one constrained request:
 4. The scheduler hands each sampled token to `GrammarState.accept_tokens`, which queues it;
    the matcher advances at the next mask fill, again while the GPU works.
 
+With speculative decoding a request's verify step needs a mask at each draft position: the
+matcher steps over the drafts to fill them (row i: the allowed tokens after drafts[:i]) and
+rolls back at once, so it only ever advances over the tokens verification keeps. Rows after a
+draft the grammar forbids are left all ones: verification rejects that draft at its own
+(masked) row and never reads the rows after it.
+
 With a reasoning parser configured the constraint starts only after the reasoning's end tag
 (in the prompt, when the chat template closed the reasoning, or in the output).
 """
@@ -70,6 +76,12 @@ class ReasoningGate:
                 return token_ids[i + 1:]
         return []
 
+    def clone(self) -> "ReasoningGate":
+        """A copy to feed draft tokens to without changing this one."""
+        other = ReasoningGate.__new__(ReasoningGate)
+        other.end_ids, other.ended, other._tail = self.end_ids, self.ended, list(self._tail)
+        return other
+
 
 class RequestGrammar:
     """The GrammarState of one constrained request (see folio.core.request.GrammarState)."""
@@ -96,6 +108,34 @@ class RequestGrammar:
         if self.matcher is not None:
             self._pending.extend(token_ids)
         return True
+
+    def fill_rows(self, bitmask: "torch.Tensor", first: int, drafts: list[int]) -> list[int]:
+        """Write rows first .. first + len(drafts) of `bitmask`: the allowed tokens at the
+        request's next position and after each prefix of its drafts. Returns the rows that
+        carry a constraint (the others are all ones). The matcher ends where it began."""
+        gate = self.gate.clone() if self.gate is not None and not self.gate.ended else None
+        constrained: list[int] = []
+        advanced = 0
+        live = True
+        for i in range(len(drafts) + 1):
+            row = first + i
+            if live and gate is None:
+                self.matcher.fill_bitmask(bitmask, row)
+                constrained.append(row)
+            else:
+                bitmask[row].fill_(-1)
+            if i == len(drafts) or not live:
+                continue
+            if gate is not None:
+                gate.feed([drafts[i]])
+                if gate.ended:
+                    gate = None       # the constraint starts after the end tag
+            elif self.matcher.accept_token(drafts[i]):
+                advanced += 1
+            else:
+                live = False          # rejected at row `row`; later rows are never read
+        self.matcher.rollback(advanced)
+        return constrained
 
     def flush(self) -> bool:
         """Advance the matcher by the queued tokens; False if the grammar rejected one."""
@@ -211,31 +251,32 @@ class StructuredOutputManager:
     # ---- the mask of one step ------------------------------------------------------------
 
     def grammar_bitmask(self, step: ScheduledStep) -> GrammarBitmask | None:
-        """The step's bitmask message: a row per sampling request (the order of the step's
-        `sampling_req_ids`), all ones but for the constrained rows; None when no row is
-        constrained (every grammar still reasoning, say)."""
-        requests = [item.request for item in step.scheduled if item.samples]
-        rows = []
-        for i, request in enumerate(requests):
-            grammar = request.structured_output
+        """The step's bitmask message: 1 + (its drafts) rows per sampling request, in the
+        order of the step's `sampling_req_ids`, all ones but for the constrained rows; None
+        when no row is constrained (every grammar still reasoning, say)."""
+        items = [item for item in step.scheduled if item.samples]
+        num_rows = sum(1 + len(item.spec_token_ids) for item in items)
+        from folio.structured_output.backend import allocate_bitmask
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = allocate_bitmask(max(self.max_num_seqs, num_rows), self.vocab_size)
+        bitmask = self._bitmask[:num_rows]
+        # unconstrained rows allow everything: the GPU masks all rows at once
+        bitmask.fill_(-1)
+        rows: list[int] = []
+        first = 0
+        for item in items:
+            grammar = item.request.structured_output
             if grammar is not None:
                 grammar.flush()  # the previous step's tokens, while the GPU runs this one
-                if grammar.active:
-                    rows.append(i)
+                if grammar.matcher is not None and (grammar.active or item.spec_token_ids):
+                    rows += grammar.fill_rows(bitmask, first, item.spec_token_ids)
+            first += 1 + len(item.spec_token_ids)
         if not rows:
             return None
-        from folio.structured_output.backend import allocate_bitmask
-        if self._bitmask is None or self._bitmask.shape[0] < len(requests):
-            self._bitmask = allocate_bitmask(max(self.max_num_seqs, len(requests)), self.vocab_size)
-        bitmask = self._bitmask[:len(requests)]
-        if len(rows) < len(requests):
-            bitmask.fill_(-1)  # unconstrained rows allow everything: the GPU masks all at once
-        for i in rows:
-            requests[i].structured_output.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
         # A view of this buffer, valid until the next step's fill: the worker copies it (in
         # process) or it is encoded at once (to worker processes).
-        return GrammarBitmask([r.request_id for r in requests], rows, bitmask.shape[1],
-                              memoryview(bitmask.numpy()).cast("B"))
+        return GrammarBitmask([item.request.request_id for item in items], rows,
+                              bitmask.shape[1], memoryview(bitmask.numpy()).cast("B"))
 
     def shutdown(self) -> None:
         if self._pool is not None:

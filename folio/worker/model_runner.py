@@ -270,6 +270,10 @@ class ModelRunner:
             hidden[device_tensor(logit_rows, self.device, torch.int64)])
         states = [requests[rid] for rid in sampling]
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        # The grammars' rows line up with the logits rows: one per position verified.
+        mask = grammar_bitmask() if step.has_grammar and grammar_bitmask is not None else None
+        if mask is not None:
+            self._apply_bitmask(logits, mask, sampling)
         plain = [j for j, rid in enumerate(sampling) if rid not in spec]
         token_lists: list[list[int]] = [[] for _ in sampling]
         plain_ids = [sampling[j] for j in plain]
@@ -277,9 +281,6 @@ class ModelRunner:
         if plain:
             plain_logits = logits[device_tensor([first_row[j] for j in plain], self.device,
                                                 torch.int64)]
-            mask = grammar_bitmask() if step.has_grammar and grammar_bitmask is not None else None
-            if mask is not None:
-                self._apply_bitmask(plain_logits, mask, sampling, subset=plain)
             sampled, logprobs = self.sampler.sample(
                 plain_logits, [states[j].sampling for j in plain],
                 self.input_batch.sampling_columns(rows[plain]))
@@ -314,20 +315,18 @@ class ModelRunner:
                                    if lp_ids else None)
 
     def _apply_bitmask(self, logits: torch.Tensor, mask: GrammarBitmask,
-                       sampling: list[str], subset: list[int] | None = None) -> None:
-        """Mask the logits of the step's sampling rows (or of the rows `subset` of them, in
-        that order) with the grammar's bitmask."""
+                       sampling: list[str]) -> None:
+        """Mask the logits of the step's sampling rows (with drafts: of every verified
+        position, as the message lays them out) with the grammar's bitmask."""
         from folio.structured_output.masking import apply_token_bitmask
         if mask.req_ids != sampling:
             raise ValueError("the grammar bitmask's rows are not the step's sampling rows")
-        rows = len(mask.req_ids)
+        rows = len(mask.data) // (4 * mask.num_words)
+        if rows != logits.shape[0]:
+            raise ValueError(f"the grammar bitmask has {rows} rows for {logits.shape[0]} "
+                             "logits rows")
         words = np.frombuffer(mask.data, dtype=np.int32).reshape(rows, mask.num_words)
         constrained = mask.constrained_rows
-        if subset is not None:
-            position = {j: i for i, j in enumerate(subset)}
-            words = words[subset]
-            constrained = [position[j] for j in constrained if j in position]
-            rows = len(subset)
         host = self._bitmask_host
         if host is None or host.shape[0] < rows or host.shape[1] != mask.num_words:
             # Pinned (CUDA), so the copy to the device is asynchronous; kept between steps.

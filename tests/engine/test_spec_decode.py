@@ -1,9 +1,9 @@
 """Speculative decoding (n-gram) through the engine on the default model (SmolLM2-135M, float32
 on the CPU): greedy outputs equal the engine without speculation, token for token, on editing
 prompts (a file the answer repeats, where n-gram drafts are accepted) and plain ones; in the
-same batch, requests with logprobs, penalties, a logit bias, bad words, min_tokens or allowed ids
-speculate (each draft position processed with the drafts before it in its history), and a
-grammar's request, which does not, is unchanged;
+same batch, requests with logprobs, penalties, a logit bias, bad words, min_tokens, allowed ids
+or a grammar speculate (each draft position processed and masked with the drafts before it in
+its history);
 preemption and the prefix cache; seeded sampling gives the same tokens; n > 1; the suffix
 method."""
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_greedy_outputs_equal_the_engine_without_speculation(plain_llm, spec_llm
     assert sum(after.spec_accepted_per_pos) == after.spec_num_accepted_tokens
 
 
-def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> None:
+def test_requests_with_every_sampling_option_share_the_batch(plain_llm, spec_llm) -> None:
     prompts = _editing_prompts()[:2] * 2 + _prompts(2, seed=4)
     schema = {"type": "object", "properties": {"name": {"type": "string"}},
               "required": ["name"]}
@@ -108,6 +108,36 @@ def test_requests_that_do_not_speculate_share_the_batch(plain_llm, spec_llm) -> 
         for t in a:
             assert abs(a[t].logprob - b[t].logprob) < 1e-3 and a[t].rank == b[t].rank
     json.loads(got[4].outputs[0].text)
+
+
+_RECORDS = [{"name": "Ada Lovelace", "born": 1815, "field": "mathematics"},
+            {"name": "Alan Turing", "born": 1912, "field": "computing"},
+            {"name": "Grace Hopper", "born": 1906, "field": "compilers"}]
+_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                            "born": {"type": "integer"},
+                                            "field": {"type": "string"}},
+           "required": ["name", "born", "field"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_grammar_requests_speculate_within_their_grammar(backend: str) -> None:
+    """JSON answers that copy a record from the prompt: the n-gram drafts are masked per
+    position by the grammar (each draft row after the drafts before it), so drafts are kept,
+    the answers equal the engine's without speculation, and they follow the schema."""
+    prompts = [f"Copy this JSON record exactly:\n{json.dumps(r)}\nCopy:\n" for r in _RECORDS]
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=_SCHEMA))
+    config = {"backend": backend}
+    want = _ids(_make(None, structured_outputs_config=config).generate(
+        prompts, params, use_tqdm=False))
+    llm = _make(SPEC, structured_outputs_config=config)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _ids(outs) == want
+    for out in outs:
+        record = json.loads(out.outputs[0].text)
+        assert set(record) == {"name", "born", "field"} and isinstance(record["born"], int)
+    stats = _spec_stats(llm)
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
 
 
 def test_preemption_and_the_prefix_cache(plain_llm) -> None:

@@ -1,20 +1,11 @@
-"""Which requests speculate, and how many draft tokens each step carries.
+"""How many draft tokens each step verifies (speculative decoding).
 
-A request speculates when the verification step can honour everything its sampling asks for:
-every sampling option is (greedy and random sampling, temperature, top-k, top-p, min-p,
-seeds, the logit processors, logprobs); requests with a grammar decode one token per step as
-before.
+Every request speculates: verification honours every sampling option (greedy and random
+sampling, temperature, top-k, top-p, min-p, seeds, the logit processors, logprobs) and the
+structured-output grammar (a mask per draft position; worker/spec_verify.py and
+engine/grammar_manager.py). What is left to decide is how far.
 """
 from __future__ import annotations
-
-from folio.sampling_params import SamplingParams
-
-
-def speculation_supported(params: SamplingParams, has_grammar: bool) -> bool:
-    """Every sampling option is verified (the logit processors per position, with the drafts
-    before it in the history; logprobs for every kept token); a grammar is not yet (its
-    matcher would have to check the drafts and roll back over rejected ones)."""
-    return not has_grammar
 
 
 class AdaptiveDraftLength:
