@@ -257,9 +257,12 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+# The methods whose drafts come from a model the worker runs (its own KV cache, beside the
+# target's); the others draft on the host, in the scheduler.
+MODEL_SPEC_METHODS = ("draft_model",)
 # vLLM's other methods: accepted names that this build does not run yet (a clear refusal).
-_SPEC_METHODS_LATER = ("draft_model", "eagle", "eagle3", "mtp")
+_SPEC_METHODS_LATER = ("eagle", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -278,12 +281,18 @@ class SpeculativeConfig:
     the match length while each token's frequency share is at least min_token_prob.
     Each step verifies the number of drafts that maximises the expected tokens per second
     (measured step costs and acceptance; spec/policy.py) unless adaptive_draft_length is false.
-    `num_speculative_tokens` left out: 4 for ngram, the tree depth (at most 32) for suffix.
+    `draft_model`: `model` (a path or hub id of any model folio runs, with the target's
+    vocabulary) drafts greedily, k steps per verify step, on its own KV cache (the target's
+    block table, so its capacity in blocks is the target's). Giving `model` without `method`
+    picks it, as vLLM does.
+    `num_speculative_tokens` left out: 4 for ngram and draft_model, the tree depth (at most 32) for suffix.
     The shared suffix index holds depth entries per output token, so its default cache is 64
     requests (vLLM's is 10,000, in a C++ suffix tree)."""
 
-    method: str = "ngram"
+    method: str | None = None       # None: "draft_model" when `model` is given, else ngram
     num_speculative_tokens: int | None = None
+    model: str | None = None
+    revision: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -295,10 +304,19 @@ class SpeculativeConfig:
     adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
                  f"{self.method!r} is not supported yet; supported: {list(SPEC_METHODS)}")
         _require(self.method in SPEC_METHODS, "speculative_config.method",
                  f"must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        if self.method in MODEL_SPEC_METHODS:
+            _require(isinstance(self.model, str) and self.model != "",
+                     "speculative_config.model",
+                     f"method {self.method!r} needs the draft model's path or hub id")
+        else:
+            _require(self.model is None, "speculative_config.model",
+                     f"is for a draft model; method {self.method!r} drafts without one")
         depth = self.suffix_decoding_max_tree_depth
         _require(isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 64,
                  "speculative_config.suffix_decoding_max_tree_depth",
@@ -319,8 +337,8 @@ class SpeculativeConfig:
                  "speculative_config.adaptive_draft_length",
                  f"must be true or false, got {self.adaptive_draft_length!r}")
         if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = 4 if self.method == "ngram" \
-                else min(depth, MAX_SPECULATIVE_TOKENS)
+            self.num_speculative_tokens = min(depth, MAX_SPECULATIVE_TOKENS) \
+                if self.method == "suffix" else 4
         k = self.num_speculative_tokens
         _require(isinstance(k, int) and not isinstance(k, bool)
                  and 1 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -340,6 +358,11 @@ class SpeculativeConfig:
         _require(lo <= hi, "speculative_config.prompt_lookup_min",
                  f"({lo}) must not exceed prompt_lookup_max ({hi})")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @property
+    def drafts_on_worker(self) -> bool:
+        """The drafts come from a model the worker runs, not from the scheduler's host."""
+        return self.method in MODEL_SPEC_METHODS
 
     @classmethod
     def from_json(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -65,16 +65,19 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None, *,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
-        after `new_computed_blocks`, prefix-cache hits being attached now). Returns the newly
-        allocated blocks, or None when the pool cannot supply them (nothing is changed then)."""
+        after `new_computed_blocks`, prefix-cache hits being attached now), plus
+        `num_lookahead_tokens` slots past them that a draft model writes its drafts into
+        (not cached: their tokens are not known yet). Returns the newly allocated blocks, or
+        None when the pool cannot supply them (nothing is changed then)."""
         if not new_computed_blocks:
             # Fast path (every decode step of every running request): room in the last block.
             blocks = self.req_to_blocks.get(request.request_id)
             if blocks is not None:
                 total_tokens = request.num_computed_tokens + num_new_tokens
-                if total_tokens <= len(blocks) * self.block_size:
+                if total_tokens + num_lookahead_tokens <= len(blocks) * self.block_size:
                     if self.enable_caching and total_tokens // self.block_size > \
                             self.num_cached_blocks.get(request.request_id, 0):
                         self._cache_full_blocks(request, blocks, total_tokens)
@@ -84,7 +87,8 @@ class KVCacheManager:
         block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
-        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = (cdiv(total_tokens + num_lookahead_tokens, self.block_size) - len(blocks)
+                      - len(new_computed_blocks))
         # Hits on free blocks leave the free queue, so they count against what is available.
         num_hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_needed, 0) > self.block_pool.num_free_blocks - num_hits_on_free:

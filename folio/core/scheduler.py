@@ -22,8 +22,14 @@ from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRun
 
 
 class Drafter(Protocol):
-    """A proposer of draft tokens (folio.core.spec): `propose` after a request's tokens were
-    updated, `drop` when it is freed (finished, aborted)."""
+    """A proposer of draft tokens (folio.core.spec): `receive` gets each step's drafts made
+    by the worker (a draft model; host drafters have none), `propose` after a request's
+    tokens were updated, `drop` when it is freed (finished, aborted). `lookahead`: KV slots
+    each request needs past its step's tokens (a draft model writes its drafts there)."""
+
+    lookahead: int
+
+    def receive(self, drafts: dict[str, list[int]]) -> None: ...
 
     def propose(self, request: Request) -> list[int]: ...
 
@@ -260,7 +266,9 @@ class Scheduler:
                 else:
                     drafts = []
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new,
+                                                    num_lookahead_tokens=self._lookahead(
+                                                        request.num_computed_tokens + num_new))
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -305,7 +313,9 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            new_blocks = self.kv.allocate_slots(
+                request, num_new, hit_blocks,
+                num_lookahead_tokens=self._lookahead(num_hit_tokens + num_new))
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -402,11 +412,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
 
+    def _lookahead(self, end: int) -> int:
+        """KV slots past a step that ends at token `end` that the drafter writes into (a
+        draft model's drafts), up to max_model_len."""
+        if self.drafter is None or not self.drafter.lookahead:
+            return 0
+        return max(0, min(self.drafter.lookahead, self.max_model_len - end))
+
     def update_from_output(self, scheduler_output: ScheduledStep,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Runs for every request every step: locals and plain comparisons instead of
         # properties (at batch 256 this loop was a millisecond-scale part of each step).
         outputs: list[EngineCoreOutput] = []
+        if self.drafter is not None:
+            self.drafter.receive(runner_output.draft_token_ids)
         # One token per request per step, or with drafts the accepted ones and one more.
         sampled = {rid: tokens for rid, tokens in
                    zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}

@@ -110,6 +110,9 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     logprobs_req_ids: list[str] = []
     logprobs: LogprobsLists | None = None
     prompt_logprobs: dict[str, PromptLogprobsLists] = {}
+    # Draft tokens for each sampling request's next step, made by a draft model in this
+    # step (speculative decoding with a model on the worker; empty otherwise).
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

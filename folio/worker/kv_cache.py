@@ -48,8 +48,10 @@ def default_cpu_kv_bytes() -> int:
 
 def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
                          max_model_len: int, kv_cache_memory_bytes: int | None,
-                         num_blocks_override: int | None) -> int:
-    per_block = bytes_per_block(spec, block_size, dtype)
+                         num_blocks_override: int | None, extra_bytes_per_block: int = 0) -> int:
+    """Blocks that fit the budget; `extra_bytes_per_block`: a draft model's cache, which
+    has the same blocks beside the target's."""
+    per_block = bytes_per_block(spec, block_size, dtype) + extra_bytes_per_block
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     else:

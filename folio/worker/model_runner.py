@@ -21,6 +21,7 @@ from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
+    from folio.worker.draft_model import DraftModelProposer
     from folio.worker.mixed_graphs import MixedGraphRunner
 
 
@@ -54,6 +55,9 @@ class ModelRunner:
         # pending inputs from here.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # Speculative decoding with a draft model (worker/draft_model.py): it sees every
+        # step's tokens and drafts after each sampling request's newest one.
+        self.draft_proposer: DraftModelProposer | None = None
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -176,6 +180,7 @@ class ModelRunner:
         graphs, mixed = self.graph_runner, self.mixed_graph_runner
         if self.calculate_kv_scales:
             graphs = mixed = None  # the scales are set eagerly; the graphs only read them
+        eager_inputs = None
         if graphs is not None and graphs.can_run(step):
             hidden, query_start_loc = graphs.run(step, batch, self._prev_rows,
                                                  self._fill_pending_inputs)
@@ -183,11 +188,15 @@ class ModelRunner:
             hidden, query_start_loc = mixed.run(step, batch, self._prev_rows,
                                                 self._fill_pending_inputs)
         else:
-            input_ids, positions, meta = self._eager_inputs(step)
+            eager_inputs = input_ids, positions, meta = self._eager_inputs(step)
             meta.calculate_kv_scales = self.calculate_kv_scales
             self.calculate_kv_scales = False   # once
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
+        if self.draft_proposer is not None:
+            # the step's tokens into the draft model's cache (inputs built again if a graph
+            # ran the target: they live in its buffers)
+            self.draft_proposer.observe_step(*(eager_inputs or self._eager_inputs(step)))
         requests = batch.requests
         req_ids = list(order)
 
@@ -244,7 +253,13 @@ class ModelRunner:
             logits, [s.sampling for s in sampled_states], columns, self._prev_sampled)
         self._prev_sampled = sampled
         self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
-        return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs)
+        drafts = None
+        if self.draft_proposer is not None:
+            drafts = self.draft_proposer.propose(
+                batch, sampling, sampled,
+                [s.num_computed_tokens + order[s.req_id] for s in sampled_states])
+        return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs,
+                                   draft_token_ids=drafts)
 
     def _verify_step(self, step: SchedulerOutput, hidden: torch.Tensor,
                      query_start_loc: list[int], req_ids: list[str],
@@ -309,8 +324,18 @@ class ModelRunner:
                                                            num_top).lists())
                     lp_ids += [rid] * len(kept)
         self._prev_sampled, self._prev_rows = None, {}
+        drafts = None
+        if self.draft_proposer is not None:
+            # each request's newest token: its last kept one, after the rejected drafts
+            order = step.num_scheduled_tokens
+            drafts = self.draft_proposer.propose(
+                self.input_batch, sampling,
+                device_tensor([kept[-1] for kept in token_lists], self.device, torch.int64),
+                [s.num_computed_tokens + order[s.req_id] - (len(spec.get(s.req_id, ())) + 1
+                                                            - len(kept))
+                 for s, kept in zip(states, token_lists)])
         return PendingRunnerOutput(list(sampling), prompt_logprobs=prompt_logprobs,
-                                   token_lists=token_lists,
+                                   draft_token_ids=drafts, token_lists=token_lists,
                                    logprobs_lists=(lp_ids, _concat_lists(lp_parts))
                                    if lp_ids else None)
 
@@ -353,8 +378,10 @@ class PendingRunnerOutput:
                  logprobs: RowLogprobs | None = None,
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None, *,
                  token_lists: list[list[int]] | None = None,
-                 logprobs_lists: tuple[list[str], LogprobsLists] | None = None) -> None:
+                 logprobs_lists: tuple[list[str], LogprobsLists] | None = None,
+                 draft_token_ids: dict[str, list[int]] | None = None) -> None:
         self._request_ids = request_ids or []
+        self._draft_token_ids = draft_token_ids or {}
         # A verify step's kept tokens per request, and its logprobs rows (a request's id
         # once per token it kept), already on the host.
         self._token_lists = token_lists
@@ -399,6 +426,7 @@ class PendingRunnerOutput:
             output.logprobs = self._logprobs.tensors.lists()
         output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
+        output.draft_token_ids = self._draft_token_ids
         self._host = self._event = self._logprobs = self._token_lists = None
         self._logprobs_lists = None
         self._prompt_logprobs = {}

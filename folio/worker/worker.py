@@ -73,6 +73,9 @@ class Worker:
                                            quantization=self.quantization)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
+        # Speculative decoding's draft model (None without one): loaded like the target,
+        # its KV cache sized and addressed in the target's blocks.
+        self.draft_model, self.draft_spec = self._load_draft_model(kernel_config)
         self.load_seconds = time.perf_counter() - start
         self.timings["load_s"] = self.load_seconds
         cache = config.cache
@@ -87,9 +90,13 @@ class Worker:
             self.spec, block_size=cache.block_size, dtype=self.kv_cache_dtype,
             max_model_len=config.model.max_model_len,
             kv_cache_memory_bytes=kv_bytes,
-            num_blocks_override=cache.num_gpu_blocks_override)
+            num_blocks_override=cache.num_gpu_blocks_override,
+            extra_bytes_per_block=0 if self.draft_spec is None else
+            bytes_per_block(self.draft_spec, cache.block_size, self.kv_cache_dtype))
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
                                             self.kv_cache_dtype, self.device)
+        self.draft_kv_caches = [] if self.draft_spec is None else allocate_kv_caches(
+            self.draft_spec, self.num_blocks, cache.block_size, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the allocation's memset, not the next stage's
         self.timings["kv_alloc_s"] = time.perf_counter() - start
@@ -97,6 +104,12 @@ class Worker:
         self.runner = self._new_runner(
             self.kv_caches,
             calculate_kv_scales=cache.calculate_kv_scales and is_fp8(self.kv_cache_dtype))
+        if self.draft_model is not None:
+            from folio.worker.draft_model import DraftModelProposer
+            self.runner.draft_proposer = DraftModelProposer(
+                self.draft_model, self.draft_kv_caches, block_size=cache.block_size,
+                num_speculative_tokens=config.speculative.num_speculative_tokens,
+                max_model_len=config.model.max_model_len, device=self.device)
         if self.device.type == "cuda":
             start = time.perf_counter()
             logger.info("warming up kernels (Triton compiles and autotunes on a first start)")
@@ -120,6 +133,30 @@ class Worker:
                     str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total))
         if is_fp8(self.kv_cache_dtype):
             self._log_kv_scales()
+
+    def _load_draft_model(self, kernel_config) -> tuple[Any, ArchSpec | None]:
+        """speculative_config's draft model, on this device in the target's dtype, with its
+        own quantization (as its files say). Its vocabulary must be the target's: its token
+        ids are proposed to the target as they are."""
+        spec_config = self.config.speculative
+        if spec_config is None or not spec_config.drafts_on_worker:
+            return None, None
+        from folio.model.discovery import load_hf_config, resolve_model_source
+        try:
+            source = resolve_model_source(spec_config.model, spec_config.revision)
+            hf_config, _ = load_hf_config(source)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model: {exc}") from None
+        quantization = resolve_quantization(None, source, self.device.type, hf_config)
+        logger.info("loading the draft model from %s", source.path)
+        model, spec = load_model(source, hf_config, self.dtype, self.device,
+                                 self.config.model.max_model_len, kernel_config=kernel_config,
+                                 quantization=quantization)
+        if spec.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft model's vocabulary has "
+                             f"{spec.vocab_size} tokens, the target's {self.spec.vocab_size}; "
+                             "a draft model must share the target's tokenizer")
+        return model, spec
 
     def _log_kv_scales(self) -> None:
         """Where the FP8 cache's scales come from; vLLM warns of 1.0 too."""

@@ -9,7 +9,7 @@ from folio.config import SpeculativeConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.request import Request, RequestStatus
 from folio.core.scheduler import Scheduler
-from folio.core.spec.drafter import NgramDrafter
+from folio.core.spec.drafter import HostDrafter, NgramDrafter, WorkerDrafts
 from folio.core.spec.ngram import NgramProposer
 from folio.core.step_messages import ModelRunnerOutput
 from folio.sampling_params import SamplingParams
@@ -92,8 +92,8 @@ def test_speculative_config_validates_like_vllm() -> None:
 
 # ---- the scheduler ------------------------------------------------------------------------
 
-class FixedDrafter:
-    """Proposes `drafts` for every request (or what `fn` says)."""
+class FixedDrafter(HostDrafter):
+    """Proposes `drafts` for every request."""
 
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
@@ -156,6 +156,32 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
     assert step.scheduled[0].num_computed_tokens == 9
 
 
+def test_drafts_made_by_the_worker_with_slots_for_them() -> None:
+    """A draft model's drafts come in the runner output; every step allocates k slots past
+    its tokens (the draft model writes its drafts' keys and values there), up to
+    max_model_len, and none of them enter the prefix cache."""
+    drafter = WorkerDrafts(SpeculativeConfig(model="draft", num_speculative_tokens=3,
+                                             adaptive_draft_length=False))
+    s = make(drafter, max_model_len=40)
+    r = request("a", prompt_len=BS)          # the prompt fills one block exactly
+    s.add_request(r)
+    step = s.schedule()
+    assert len(s.kv.get_block_ids("a")) == 2  # lookahead: 3 slots past the prompt
+    out = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[50]],
+                            draft_token_ids={"a": [7, 8, 9, 10]})
+    s.update_from_output(step, out)
+    assert r.spec_token_ids == [7, 8, 9]     # at most k
+    step = s.schedule()
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
+    # this step's tokens end at BS + 4; three more slots for the next drafts
+    assert len(s.kv.get_block_ids("a")) * BS >= BS + 4 + 3
+    s.update_from_output(step, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7, 60]]))
+    assert r.spec_token_ids == []            # this output carried no drafts
+    assert s.kv.allocate_slots(r, 1, num_lookahead_tokens=0) == []
+    # near max_model_len the lookahead stops there
+    assert s._lookahead(39) == 1 and s._lookahead(40) == 0
+
+
 def test_a_stop_inside_the_accepted_tokens_drops_the_rest() -> None:
     s = make(FixedDrafter([EOS, 5]))
     r = request("a")
@@ -186,12 +212,15 @@ def test_drafts_are_capped_by_max_tokens_the_model_length_and_the_budget() -> No
     assert step.message.num_scheduled_tokens == {"b": 5, "c": 1}
 
 
-def test_which_requests_speculate() -> None:
-    """Every sampling option is verified (logprobs, bias, penalties...); a grammar is not."""
+def test_every_request_speculates() -> None:
+    """Every sampling option is verified (logprobs, bias, penalties...), and a grammar (a
+    mask per draft position, filled by the engine layer): every request drafts."""
     s = make(FixedDrafter([7, 8]))
     plain, logprobs, penalty, grammar = request("a"), request("b", logprobs=2), \
         request("c", repetition_penalty=1.2), request("d")
     class AnyGrammar:       # a grammar state that accepts everything: enough to be one
+        ready = True
+
         def accept_tokens(self, tokens):
             return True
     grammar.structured_output = AnyGrammar()
@@ -199,9 +228,9 @@ def test_which_requests_speculate() -> None:
         s.add_request(r)
     s.update_from_output(s.schedule(), reply({"a": [50], "b": [50], "c": [50], "d": [50]}))
     step = s.schedule()
-    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "b": [7, 8],
-                                                         "c": [7, 8]}
-    assert step.message.num_scheduled_tokens == {"a": 3, "b": 3, "c": 3, "d": 1}
+    assert step.message.scheduled_spec_decode_tokens == {r: [7, 8] for r in "abcd"}
+    assert step.message.num_scheduled_tokens == {r: 3 for r in "abcd"}
+    assert step.message.has_grammar
 
 
 def test_preemption_drops_the_drafts() -> None:

@@ -1,5 +1,10 @@
 """The scheduler's drafter for a SpeculativeConfig: proposes a running request's draft tokens
-once its latest tokens are known."""
+once its latest tokens are known. Host drafters (n-gram, suffix) compute them here; for a
+draft model the worker computes them in the step and the runner's output carries them
+(`WorkerDrafts`).
+
+`lookahead` is how many KV slots past a step's tokens each request needs: a draft model
+writes its k drafts' keys and values there before the next step verifies them."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -12,7 +17,16 @@ if TYPE_CHECKING:
     from folio.core.request import Request
 
 
-class NgramDrafter:
+class HostDrafter:
+    """Drafts made here from the request's tokens: nothing comes from the worker."""
+
+    lookahead = 0
+
+    def receive(self, drafts: dict[str, list[int]]) -> None:
+        """Host drafters make their own drafts."""
+
+
+class NgramDrafter(HostDrafter):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -24,7 +38,7 @@ class NgramDrafter:
         self.proposer.drop(request.request_id)
 
 
-class SuffixDrafter:
+class SuffixDrafter(HostDrafter):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.proposer = SuffixProposer(config.suffix_decoding_max_tree_depth,
@@ -41,9 +55,33 @@ class SuffixDrafter:
         self.proposer.finish(request.request_id, request.output_token_ids)
 
 
-def make_drafter(config: SpeculativeConfig | None) -> NgramDrafter | SuffixDrafter | None:
+class WorkerDrafts:
+    """Drafts made by the worker (a draft model) in the step just finished: `receive` takes
+    the runner output's drafts, `propose` hands each request its own."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.lookahead = self.k
+        self._drafts: dict[str, list[int]] = {}
+
+    def receive(self, drafts: dict[str, list[int]]) -> None:
+        self._drafts = drafts
+
+    def propose(self, request: Request) -> list[int]:
+        return list(self._drafts.get(request.request_id, ()))[:self.k]
+
+    def drop(self, request: Request) -> None:
+        self._drafts.pop(request.request_id, None)
+
+
+Drafter = NgramDrafter | SuffixDrafter | WorkerDrafts
+
+
+def make_drafter(config: SpeculativeConfig | None) -> Drafter | None:
     if config is None:
         return None
+    if config.drafts_on_worker:
+        return WorkerDrafts(config)
     if config.method == "ngram":
         return NgramDrafter(config)
     if config.method == "suffix":
