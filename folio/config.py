@@ -257,12 +257,12 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "suffix", "draft_model")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
 # The methods whose drafts come from a model the worker runs (its own KV cache, beside the
 # target's); the others draft on the host, in the scheduler.
-MODEL_SPEC_METHODS = ("draft_model",)
+MODEL_SPEC_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's other methods: accepted names that this build does not run yet (a clear refusal).
-_SPEC_METHODS_LATER = ("eagle", "eagle3", "mtp")
+_SPEC_METHODS_LATER = ("mtp",)
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -283,8 +283,11 @@ class SpeculativeConfig:
     (measured step costs and acceptance; spec/policy.py) unless adaptive_draft_length is false.
     `draft_model`: `model` (a path or hub id of any model folio runs, with the target's
     vocabulary) drafts greedily, k steps per verify step, on its own KV cache (the target's
-    block table, so its capacity in blocks is the target's). Giving `model` without `method`
-    picks it, as vLLM does.
+    block table, so its capacity in blocks is the target's).
+    `eagle` / `eagle3`: `model` is an EAGLE or EAGLE-3 head in the published format
+    (folio/model/eagle.py), drafting greedily in a chain from the target's hidden states.
+    Giving `model` without `method` picks eagle3 or eagle when the name says so, else
+    draft_model, as vLLM does.
     `num_speculative_tokens` left out: 4 for ngram and draft_model, the tree depth (at most 32) for suffix.
     The shared suffix index holds depth entries per output token, so its default cache is 64
     requests (vLLM's is 10,000, in a C++ suffix tree)."""
@@ -305,7 +308,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = "draft_model" if self.model is not None else "ngram"
+            # vLLM's guess from the name when only a model is given
+            name = (self.model or "").lower()
+            self.method = "ngram" if self.model is None else "eagle3" if "eagle3" in name \
+                else "eagle" if "eagle" in name else "draft_model"
         _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
                  f"{self.method!r} is not supported yet; supported: {list(SPEC_METHODS)}")
         _require(self.method in SPEC_METHODS, "speculative_config.method",

@@ -80,6 +80,10 @@ class DecoderLM(nn.Module):
         self.lm_head_packed: nn.Module | None = None
         # Whether the checkpoint held FP8 KV cache scales (load_weights), for the start-up log.
         self.kv_scales_loaded = False
+        # Layers whose input residual stream each forward keeps in `aux_hidden_states`, in
+        # this order (an EAGLE-3 draft head reads them; empty = none kept).
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -87,8 +91,15 @@ class DecoderLM(nn.Module):
         the rows that need them (compute_logits)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = self.aux_hidden_layers
+        if aux:
+            kept: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if aux and i in aux:
+                kept[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if aux:
+            self.aux_hidden_states = [kept[i] for i in aux]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -21,7 +21,7 @@ from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
-    from folio.worker.draft_model import DraftModelProposer
+    from folio.worker.spec_propose import DraftProposer
     from folio.worker.mixed_graphs import MixedGraphRunner
 
 
@@ -55,9 +55,9 @@ class ModelRunner:
         # pending inputs from here.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
-        # Speculative decoding with a draft model (worker/draft_model.py): it sees every
-        # step's tokens and drafts after each sampling request's newest one.
-        self.draft_proposer: DraftModelProposer | None = None
+        # Speculative decoding with a draft model or an EAGLE head (worker/spec_propose.py):
+        # it sees every step and drafts after each sampling request's newest token.
+        self.draft_proposer: DraftProposer | None = None
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -193,10 +193,6 @@ class ModelRunner:
             self.calculate_kv_scales = False   # once
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
-        if self.draft_proposer is not None:
-            # the step's tokens into the draft model's cache (inputs built again if a graph
-            # ran the target: they live in its buffers)
-            self.draft_proposer.observe_step(*(eager_inputs or self._eager_inputs(step)))
         requests = batch.requests
         req_ids = list(order)
 
@@ -222,10 +218,12 @@ class ModelRunner:
         sampling = step.sampling_req_ids
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
+            if self.draft_proposer is not None:   # prompt chunks into the proposer's cache
+                self._propose(step, eager_inputs, hidden, query_start_loc, {})
             return PendingRunnerOutput(prompt_logprobs=prompt_logprobs)
         if step.scheduled_spec_decode_tokens:
             return self._verify_step(step, hidden, query_start_loc, req_ids, prompt_logprobs,
-                                     grammar_bitmask)
+                                     grammar_bitmask, eager_inputs)
         if len(sampling) == len(req_ids) == hidden.shape[0]:
             # Every request decodes one token and samples: its row is its hidden state, so no
             # index tensor (a host-to-device copy) and no gather.
@@ -255,16 +253,16 @@ class ModelRunner:
         self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
         drafts = None
         if self.draft_proposer is not None:
-            drafts = self.draft_proposer.propose(
-                batch, sampling, sampled,
-                [s.num_computed_tokens + order[s.req_id] for s in sampled_states])
+            drafts = self._propose(step, eager_inputs, hidden, query_start_loc,
+                                   {rid: [t] for rid, t in zip(sampling, sampled.tolist())})
         return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs,
                                    draft_token_ids=drafts)
 
     def _verify_step(self, step: SchedulerOutput, hidden: torch.Tensor,
                      query_start_loc: list[int], req_ids: list[str],
                      prompt_logprobs: dict[str, tuple[int, LogprobsTensors]],
-                     grammar_bitmask: GrammarBitmaskFn | None) -> PendingRunnerOutput:
+                     grammar_bitmask: GrammarBitmaskFn | None,
+                     eager_inputs) -> PendingRunnerOutput:
         """A step carrying draft tokens (speculative decoding): logits at each drafting
         request's last token and after each of its drafts, verified (worker/spec_verify.py);
         the other sampling requests sample one token as usual. Synchronous: speculation runs
@@ -326,18 +324,41 @@ class ModelRunner:
         self._prev_sampled, self._prev_rows = None, {}
         drafts = None
         if self.draft_proposer is not None:
-            # each request's newest token: its last kept one, after the rejected drafts
-            order = step.num_scheduled_tokens
-            drafts = self.draft_proposer.propose(
-                self.input_batch, sampling,
-                device_tensor([kept[-1] for kept in token_lists], self.device, torch.int64),
-                [s.num_computed_tokens + order[s.req_id] - (len(spec.get(s.req_id, ())) + 1
-                                                            - len(kept))
-                 for s, kept in zip(states, token_lists)])
+            drafts = self._propose(step, eager_inputs, hidden, query_start_loc,
+                                   dict(zip(sampling, token_lists)))
         return PendingRunnerOutput(list(sampling), prompt_logprobs=prompt_logprobs,
                                    draft_token_ids=drafts, token_lists=token_lists,
                                    logprobs_lists=(lp_ids, _concat_lists(lp_parts))
                                    if lp_ids else None)
+
+    def _propose(self, step: SchedulerOutput, eager_inputs, hidden: torch.Tensor,
+                 query_start_loc: list[int], kept: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The draft proposer's turn after a step: `kept` maps each sampling request to the
+        tokens it got (one, or a verify step's kept drafts and one more). The step's inputs
+        are built again if a CUDA graph ran the target (they live in its buffers)."""
+        input_ids, positions, meta = eager_inputs or self._eager_inputs(step)
+        spec = step.scheduled_spec_decode_tokens
+        batch = self.input_batch
+        req_ids = list(step.num_scheduled_tokens)
+        last_rows, last_positions, next_tokens, drafting = [], [], [], []
+        for i, rid in enumerate(req_ids):
+            state = batch.requests[rid]
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            tokens = kept.get(rid)
+            if tokens is None:       # a prompt chunk: the next prompt token follows it
+                row = end - 1
+                token = int(batch.token_ids_of(state)[state.num_computed_tokens + end - start])
+            else:                    # after the kept tokens; rejected drafts' rows beyond
+                row = end - 1 - (len(spec.get(rid, ())) + 1 - len(tokens))
+                token = tokens[-1]
+            last_rows.append(row)
+            last_positions.append(state.num_computed_tokens + row - start)
+            next_tokens.append(token)
+            drafting.append(tokens is not None)
+        from folio.worker.spec_propose import DraftInputs
+        return self.draft_proposer.propose(
+            DraftInputs(input_ids, positions, meta, hidden, req_ids, last_rows,
+                        last_positions, next_tokens, drafting), batch)
 
     def _apply_bitmask(self, logits: torch.Tensor, mask: GrammarBitmask,
                        sampling: list[str]) -> None:

@@ -105,11 +105,7 @@ class Worker:
             self.kv_caches,
             calculate_kv_scales=cache.calculate_kv_scales and is_fp8(self.kv_cache_dtype))
         if self.draft_model is not None:
-            from folio.worker.draft_model import DraftModelProposer
-            self.runner.draft_proposer = DraftModelProposer(
-                self.draft_model, self.draft_kv_caches, block_size=cache.block_size,
-                num_speculative_tokens=config.speculative.num_speculative_tokens,
-                max_model_len=config.model.max_model_len, device=self.device)
+            self.runner.draft_proposer = self._new_proposer()
         if self.device.type == "cuda":
             start = time.perf_counter()
             logger.info("warming up kernels (Triton compiles and autotunes on a first start)")
@@ -134,10 +130,21 @@ class Worker:
         if is_fp8(self.kv_cache_dtype):
             self._log_kv_scales()
 
+    def _new_proposer(self):
+        spec_config = self.config.speculative
+        common = dict(block_size=self.config.cache.block_size,
+                      num_speculative_tokens=spec_config.num_speculative_tokens,
+                      max_model_len=self.config.model.max_model_len, device=self.device)
+        if spec_config.method == "draft_model":
+            from folio.worker.draft_model import DraftModelProposer
+            return DraftModelProposer(self.draft_model, self.draft_kv_caches, **common)
+        from folio.worker.eagle_proposer import EagleProposer
+        return EagleProposer(self.draft_model, self.model, self.draft_kv_caches, **common)
+
     def _load_draft_model(self, kernel_config) -> tuple[Any, ArchSpec | None]:
-        """speculative_config's draft model, on this device in the target's dtype, with its
-        own quantization (as its files say). Its vocabulary must be the target's: its token
-        ids are proposed to the target as they are."""
+        """speculative_config's draft model or EAGLE head, on this device in the target's
+        dtype (a draft model with its own quantization, as its files say). Its vocabulary
+        must be the target's: its token ids are proposed to the target as they are."""
         spec_config = self.config.speculative
         if spec_config is None or not spec_config.drafts_on_worker:
             return None, None
@@ -147,6 +154,9 @@ class Worker:
             hf_config, _ = load_hf_config(source)
         except ValueError as exc:
             raise ValueError(f"speculative_config.model: {exc}") from None
+        if spec_config.method in ("eagle", "eagle3"):
+            return self._load_eagle_head(spec_config.method, source.path, hf_config,
+                                         kernel_config)
         quantization = resolve_quantization(None, source, self.device.type, hf_config)
         logger.info("loading the draft model from %s", source.path)
         model, spec = load_model(source, hf_config, self.dtype, self.device,
@@ -157,6 +167,24 @@ class Worker:
                              f"{spec.vocab_size} tokens, the target's {self.spec.vocab_size}; "
                              "a draft model must share the target's tokenizer")
         return model, spec
+
+    def _load_eagle_head(self, method: str, path: str, hf_config: Any, kernel_config):
+        from folio.model.attention.selector import get_attention_backend
+        from folio.model.eagle import default_aux_layers, load_eagle_head
+        logger.info("loading the %s head from %s", method, path)
+        head, spec = load_eagle_head(method, path, hf_config, self.model, self.spec,
+                                     self.dtype, self.device, self.config.model.max_model_len,
+                                     get_attention_backend(self.device, kernel_config),
+                                     kernel_config)
+        if method == "eagle3":
+            layers = tuple(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+                           or default_aux_layers(self.spec.num_layers))
+            if len(layers) != 3 or not all(0 <= i < self.spec.num_layers for i in layers):
+                raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids "
+                                 f"{list(layers)} must be three of the target's "
+                                 f"{self.spec.num_layers} layers")
+            self.model.aux_hidden_layers = layers
+        return head, spec
 
     def _log_kv_scales(self) -> None:
         """Where the FP8 cache's scales come from; vLLM warns of 1.0 too."""
@@ -196,6 +224,10 @@ class Worker:
         its addresses). None on CPU, with enforce_eager, or with a backend that has no static
         path (FOLIO_ATTENTION=torch)."""
         if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return None
+        if self.model.aux_hidden_layers:
+            # an EAGLE-3 head reads streams the forward keeps aside: not from graph buffers
+            logger.info("CUDA graphs off: the EAGLE-3 head reads the target's inner states")
             return None
         from folio.worker.cuda_graphs import DecodeGraphRunner, triton_backend_of
         if triton_backend_of(self.model) is None:

@@ -1,0 +1,88 @@
+"""Speculative decoding with an EAGLE / EAGLE-3 head (folio/model/eagle.py) on the worker: chain
+drafting (one draft per step, no tree), greedy.
+
+After each step:
+1. Every row of the step goes through the head as the pair (the token after the row, the
+   target's hidden state at the row) at the row's position, writing the head's KV cache
+   there. The token after row r is the next row's input, except after each request's
+   `last_rows` entry, where it is the newest token (sampled, kept by verification, or the
+   next prompt token); rows past it (rejected drafts) are rewritten by later steps.
+2. A drafting request's output at that row gives its first draft; k - 1 one-token steps
+   then feed (draft, the head's own output state) at the positions after it.
+
+The target's hidden state is its final normed one (EAGLE) or its residual streams entering
+three layers (EAGLE-3, `DecoderLM.aux_hidden_layers`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from folio.model.decoder import DecoderLM
+from folio.model.eagle import EagleHead
+from folio.model.host_copy import device_tensor
+from folio.worker.input_batch import InputBatch
+from folio.worker.spec_propose import DraftInputs, chain_lengths, gather_drafts, one_token_meta
+
+
+class EagleProposer:
+    def __init__(self, head: EagleHead, target: DecoderLM, kv_caches: list[torch.Tensor], *,
+                 block_size: int, num_speculative_tokens: int, max_model_len: int,
+                 device: torch.device) -> None:
+        self.head = head
+        self.target = target
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.device = device
+
+    def _target_hidden(self, inputs: DraftInputs) -> torch.Tensor:
+        rows = inputs.input_ids.shape[0]
+        if self.head.method == "eagle3":
+            streams = self.target.aux_hidden_states
+            return self.head.combine(torch.cat([s[:rows] for s in streams], dim=-1))
+        return inputs.hidden[:rows]
+
+    def propose(self, inputs: DraftInputs, batch: InputBatch) -> dict[str, list[int]]:
+        # 1. every row as (the token after it, the target's state at it)
+        shifted = torch.roll(inputs.input_ids, -1)
+        shifted[device_tensor(inputs.last_rows, self.device, torch.int64)] = device_tensor(
+            inputs.next_tokens, self.device, shifted.dtype)
+        out_logits, out_next = self.head(shifted, inputs.positions, self._target_hidden(inputs),
+                                         self.kv_caches,
+                                         dataclasses.replace(inputs.meta, cache={}))
+        which = [i for i, d in enumerate(inputs.drafting) if d]
+        req_ids = [inputs.req_ids[i] for i in which]
+        if not req_ids or self.k <= 0:
+            return {}
+        # 2. the first draft from each request's newest row, then k - 1 chained steps
+        rows = np.asarray([batch.requests[rid].row for rid in req_ids], dtype=np.int64)
+        newest = np.asarray([inputs.last_positions[i] + 1 for i in which], dtype=np.int64)
+        steps = chain_lengths(self.k, self.max_model_len, newest)
+        at = device_tensor([inputs.last_rows[i] for i in which], self.device, torch.int64)
+        tokens = self.head.compute_logits(out_logits[at]).argmax(dim=-1)
+        hidden = out_next[at]
+        active = np.flatnonzero(steps > 0)
+        if len(active) < len(req_ids):
+            index = device_tensor(active.tolist(), self.device, torch.int64)
+            tokens, hidden = tokens[index], hidden[index]
+        drafted: list[tuple[np.ndarray, torch.Tensor]] = [(active, tokens)] if len(active) \
+            else []
+        for j in range(1, int(steps.max(initial=0))):
+            keep = steps[active] > j
+            if not keep.all():
+                index = device_tensor(np.flatnonzero(keep).tolist(), self.device, torch.int64)
+                tokens, hidden = tokens[index], hidden[index]
+                active = active[keep]
+            # draft j at position newest + j - 1 + 1: its pair sits at newest + j - 1
+            pos = newest[active] + j - 1
+            meta = one_token_meta(batch, rows[active], pos, self.block_size, self.device)
+            out_logits, hidden = self.head(tokens, device_tensor(pos.tolist(), self.device,
+                                                                 torch.int64),
+                                           hidden, self.kv_caches, meta)
+            tokens = self.head.compute_logits(out_logits).argmax(dim=-1)
+            drafted.append((active, tokens))
+        return gather_drafts(drafted, req_ids, self.device)

@@ -1,0 +1,221 @@
+"""EAGLE and EAGLE-3 heads (random weights, in the published checkpoint layouts) drafting for a
+tiny Llama target on the CPU: every draft the engine makes equals a plain-torch reference of
+the heads' math (no KV cache: each draft recomputed over the whole context from transformers'
+hidden states of the target), and the answers equal the engine without speculation, greedy
+and seeded; the configuration's errors."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from folio import LLM, SamplingParams
+
+from model_utils import load_hf_model
+from test_invariants import _prompts
+
+VOCAB = 49152
+H, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
+HEAD_DIM = H // HEADS
+DRAFT_VOCAB = 512
+
+
+def _matrix(gen: torch.Generator, out: int, inp: int) -> torch.Tensor:
+    # wide weights, so the heads' logits are far from ties
+    return torch.randn(out, inp, generator=gen) * (2.0 / math.sqrt(inp))
+
+
+def _norm(gen: torch.Generator) -> torch.Tensor:
+    return 1.0 + 0.3 * torch.randn(H, generator=gen)
+
+
+def _layer(gen: torch.Generator, prefix: str, attn_in: int, input_norm: bool) -> dict:
+    w = {f"{prefix}self_attn.q_proj.weight": _matrix(gen, HEADS * HEAD_DIM, attn_in),
+         f"{prefix}self_attn.k_proj.weight": _matrix(gen, KV_HEADS * HEAD_DIM, attn_in),
+         f"{prefix}self_attn.v_proj.weight": _matrix(gen, KV_HEADS * HEAD_DIM, attn_in),
+         f"{prefix}self_attn.o_proj.weight": _matrix(gen, H, HEADS * HEAD_DIM),
+         f"{prefix}mlp.gate_proj.weight": _matrix(gen, FFN, H),
+         f"{prefix}mlp.up_proj.weight": _matrix(gen, FFN, H),
+         f"{prefix}mlp.down_proj.weight": _matrix(gen, H, FFN),
+         f"{prefix}post_attention_layernorm.weight": _norm(gen)}
+    if input_norm:
+        w[f"{prefix}input_layernorm.weight"] = _norm(gen)
+    return w
+
+
+def build_head(path: str, method: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """An EAGLE head (2 layers, fc with a bias, the target's embedding) or an EAGLE-3 head
+    (midlayer, own embedding, a 512-token draft vocabulary mapped by d2t), saved as
+    config.json + model.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    gen = torch.Generator().manual_seed(seed)
+    layers = 2 if method == "eagle" else 1
+    config = LlamaConfig(hidden_size=H, intermediate_size=FFN, num_hidden_layers=layers,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    if method == "eagle":
+        config.architectures = ["EagleLlamaForCausalLM"]
+        w = {"fc.weight": _matrix(gen, H, 2 * H), "fc.bias": 0.1 * torch.randn(H, generator=gen)}
+        w.update(_layer(gen, "layers.0.", H, input_norm=False))
+        w.update(_layer(gen, "layers.1.", H, input_norm=True))
+    else:
+        config.architectures = ["LlamaForCausalLMEagle3"]
+        config.draft_vocab_size = DRAFT_VOCAB
+        config.eagle_aux_hidden_state_layer_ids = [0, 1, 2]
+        targets = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
+        w = {"fc.weight": _matrix(gen, H, 3 * H),
+             "embed_tokens.weight": torch.randn(VOCAB, H, generator=gen),
+             "midlayer.input_layernorm.weight": _norm(gen),
+             "midlayer.hidden_norm.weight": _norm(gen),
+             "norm.weight": _norm(gen), "lm_head.weight": _matrix(gen, DRAFT_VOCAB, H),
+             "d2t": targets - torch.arange(DRAFT_VOCAB),
+             "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, targets, True)}
+        w.update(_layer(gen, "midlayer.", 2 * H, input_norm=False))
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    return w
+
+
+# ---- the reference: the heads' math in plain torch, over the whole context ---------------
+
+def _rms(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rope(x, positions):
+    """Llama's rotary embedding (base 10000, halves rotated) on [S, heads, HEAD_DIM]."""
+    inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    angles = positions[:, None].float() * inv[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    half = HEAD_DIM // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attention(x, w, prefix):
+    S = x.shape[0]
+    positions = torch.arange(S)
+    q = _rope((x @ w[prefix + "q_proj.weight"].T).view(S, HEADS, HEAD_DIM), positions)
+    k = _rope((x @ w[prefix + "k_proj.weight"].T).view(S, KV_HEADS, HEAD_DIM), positions)
+    v = (x @ w[prefix + "v_proj.weight"].T).view(S, KV_HEADS, HEAD_DIM)
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
+    scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(S, HEADS * HEAD_DIM)
+    return out @ w[prefix + "o_proj.weight"].T
+
+
+def _mlp(x, w, prefix):
+    return (F.silu(x @ w[prefix + "gate_proj.weight"].T) * (x @ w[prefix + "up_proj.weight"].T)) \
+        @ w[prefix + "down_proj.weight"].T
+
+
+def _eagle_rows(method, w, tokens, feats, target):
+    """(state for logits, state for the next step) of every row (token q+1, feature q)."""
+    if method == "eagle":
+        x = torch.cat([target.model.embed_tokens.weight[tokens], feats], -1) @ w["fc.weight"].T \
+            + w["fc.bias"]
+        for i in range(2):
+            p = f"layers.{i}."
+            h = x + _attention(x if i == 0 else _rms(x, w[p + "input_layernorm.weight"]), w,
+                               p + "self_attn.")
+            x = h + _mlp(_rms(h, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+        return x, x
+    p = "midlayer."
+    e = _rms(w["embed_tokens.weight"][tokens], w[p + "input_layernorm.weight"])
+    h = _rms(feats, w[p + "hidden_norm.weight"])
+    r = feats + _attention(torch.cat([e, h], -1), w, p + "self_attn.")
+    prenorm = r + _mlp(_rms(r, w[p + "post_attention_layernorm.weight"]), w, p + "mlp.")
+    return _rms(prenorm, w["norm.weight"]), prenorm
+
+
+def _greedy(method, w, state, target):
+    if method == "eagle":
+        return int((state @ target.lm_head.weight.T).argmax())
+    draft = int((state @ w["lm_head.weight"].T).argmax())
+    return draft + int(w["d2t"][draft])
+
+
+def reference_drafts(method, w, target, context: list[int], k: int) -> list[int]:
+    with torch.no_grad():
+        out = target(torch.tensor([context]), output_hidden_states=True)
+        if method == "eagle":
+            feats = out.hidden_states[-1][0]             # the final, normed state
+        else:                                            # streams entering layers 0, 1, 2
+            feats = torch.cat([out.hidden_states[i][0] for i in (0, 1, 2)], -1) @ w["fc.weight"].T
+        tokens = list(context[1:])
+        feats = feats[:len(context) - 1]
+        drafts = []
+        for _ in range(k):
+            logit_state, next_state = _eagle_rows(method, w, torch.tensor(tokens), feats, target)
+            drafts.append(_greedy(method, w, logit_state[-1], target))
+            tokens.append(drafts[-1])
+            feats = torch.cat([feats, next_state[-1:]])
+        return drafts
+
+
+# ---- the engine ---------------------------------------------------------------------------
+
+def _make(target: str, spec: dict | None, **overrides) -> LLM:
+    kwargs = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=512,
+                  num_gpu_blocks_override=256, max_num_seqs=8, device="cpu",
+                  speculative_config=spec)
+    kwargs.update(overrides)
+    return LLM(target, **kwargs)
+
+
+def _ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path, method) -> None:
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / method)
+    weights = build_head(head, method, seed=3 if method == "eagle" else 4)
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3,
+            "adaptive_draft_length": False}
+    # no prefix cache: a cached block's head entries were written with the token after the
+    # block in another request (lossless still, but not this reference's drafts)
+    llm = _make(target, spec, enable_prefix_caching=False)
+    drafter = llm.llm_engine.engine_core.scheduler.drafter
+    seen, propose = [], drafter.propose
+
+    def recording(request):
+        drafts = propose(request)
+        seen.append((list(request.all_token_ids), list(drafts)))
+        return drafts
+
+    drafter.propose = recording
+    prompts = _prompts(4, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=16),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=16)] * 2
+    got = _ids(llm.generate(prompts, params, use_tqdm=False))
+    assert got == _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+    reference = load_hf_model(target)
+    checked = 0
+    for context, drafts in seen[:20]:
+        assert len(drafts) == 3
+        assert drafts == reference_drafts(method, weights, reference, context, 3), len(context)
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_name_picks_the_method_and_bad_heads_are_refused(tiny_model_dir, tmp_path) -> None:
+    from folio.config import SpeculativeConfig
+    assert SpeculativeConfig(model="org/EAGLE3-LLaMA3.1-8B").method == "eagle3"
+    assert SpeculativeConfig(model="org/EAGLE-LLaMA3-8B").method == "eagle"
+    assert SpeculativeConfig(model="org/Llama-3.2-1B").method == "draft_model"
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / "head")
+    build_head(head, "eagle3")
+    with pytest.raises(ValueError, match="EAGLE head"):
+        _make(target, {"method": "eagle", "model": head})   # an EAGLE-3 checkpoint as EAGLE
+    with pytest.raises(ValueError, match="not supported yet"):
+        _make(target, {"method": "mtp"})
