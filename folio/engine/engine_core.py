@@ -2,6 +2,8 @@
 text is the front end's business."""
 from __future__ import annotations
 
+import logging
+
 import gc
 import time
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from folio.engine.grammar_manager import StructuredOutputManager
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,10 +56,13 @@ class EngineCore:
         sched = config.scheduler
         drafter = make_drafter(config.speculative)
         if drafter is not None and sched.async_scheduling:
-            raise ValueError("speculative_config needs async_scheduling off (each step's "
-                             "tokens are drafted from before the next is scheduled)")
+            # A verify step's kept count decides the next step's positions, and host drafters
+            # need its tokens: the next step cannot be built before it returns. Speculation
+            # wins over the overlap (it saves whole steps); say so rather than refuse.
+            logger.warning("async_scheduling is off while speculative decoding runs: each "
+                           "step's kept drafts are needed before the next is scheduled")
         self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
-                                 else self.executor.device_type == "cuda" and drafter is None)
+                                 else self.executor.device_type == "cuda") and drafter is None
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,

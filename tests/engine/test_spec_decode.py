@@ -180,9 +180,19 @@ def test_the_adaptive_draft_length_keeps_the_outputs(plain_llm) -> None:
         _ids(plain_llm.generate(prompts, params, use_tqdm=False))
 
 
-def test_async_scheduling_with_speculation_is_refused() -> None:
-    with pytest.raises(ValueError, match="async_scheduling"):
-        _make(SPEC, async_scheduling=True)
+def test_async_scheduling_steps_aside_for_speculation(plain_llm, caplog) -> None:
+    """Asked for together, speculation runs and async scheduling is turned off (the next
+    step needs this one's kept drafts), with a warning; the answers are unchanged."""
+    import logging
+    with caplog.at_level(logging.WARNING):
+        llm = _make(SPEC, async_scheduling=True)
+    assert "async_scheduling is off" in caplog.text
+    assert llm.llm_engine.engine_core.async_scheduling is False
+    prompts = _editing_prompts()[:1]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == \
+        _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    assert _spec_stats(llm).spec_num_accepted_tokens > 0
 
 
 def test_suffix_greedy_outputs_equal_and_learn_across_requests(plain_llm) -> None:
