@@ -107,17 +107,19 @@ class FixedDrafter(HostDrafter):
         self.dropped.append(request.request_id)
 
 
-def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256):
+def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256,
+         policy: str = "fcfs"):
     return Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, True), max_num_seqs=8,
                      max_num_batched_tokens=budget, max_model_len=max_model_len,
-                     drafter=drafter)
+                     drafter=drafter, policy=policy)
 
 
-def request(rid: str, prompt_len: int = 6, **params) -> Request:
+def request(rid: str, prompt_len: int = 6, priority: int = 0, first: int = 100,
+            **params) -> Request:
     params.setdefault("max_tokens", 20)
     params.setdefault("temperature", 0)
-    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(**params), (EOS,),
-                   block_size=BS, max_model_len=256)
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(**params), (EOS,),
+                   block_size=BS, max_model_len=256, priority=priority)
 
 
 def reply(tokens: dict[str, list[int]]) -> ModelRunnerOutput:
@@ -244,6 +246,29 @@ def test_preemption_drops_the_drafts() -> None:
     step = s.schedule()      # 4 blocks of 4: both cannot grow by 3, the later is preempted
     assert step.preempted_req_ids == ["b"]
     assert r2.spec_token_ids == [] and r2.status == RequestStatus.PREEMPTED
+
+
+def test_priority_preempts_a_speculating_request_and_it_resumes() -> None:
+    """Priority scheduling: when blocks run short for two verifying requests, the less urgent
+    one (here the earlier) is preempted, its drafts dropped; once back it recomputes and
+    drafts again."""
+    s = make(FixedDrafter([7, 8]), num_blocks=5, policy="priority")
+    low = request("low", prompt_len=6, priority=5)
+    high = request("high", prompt_len=6, first=300)     # no prefix shared with low
+    s.add_request(low)
+    s.add_request(high)
+    step = s.schedule()
+    s.update_from_output(step, reply({"low": [50], "high": [60]}))
+    step = s.schedule()          # 2 + 2 of 5 blocks; each verify step needs a third
+    assert step.preempted_req_ids == ["low"] and low.spec_token_ids == []
+    assert step.message.scheduled_spec_decode_tokens == {"high": [7, 8]}
+    s.update_from_output(step, reply({"high": [7, 8, 61]}))
+    s.abort_requests(["high"])
+    step = s.schedule()          # low back: its first block from the prefix cache, the rest
+    assert step.message.num_scheduled_tokens == {"low": 3}   # (2 prompt tokens + 1) recomputed
+    s.update_from_output(step, reply({"low": [51]}))
+    step = s.schedule()
+    assert step.message.scheduled_spec_decode_tokens == {"low": [7, 8]}
 
 
 def test_async_scheduling_with_a_drafter_is_refused() -> None:

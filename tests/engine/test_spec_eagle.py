@@ -18,7 +18,7 @@ from model_utils import load_hf_model
 from test_invariants import _prompts
 
 VOCAB = 49152
-H, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
+H, HEADS, KV_HEADS = 64, 4, 2
 HEAD_DIM = H // HEADS
 DRAFT_VOCAB = 512
 
@@ -28,53 +28,60 @@ def _matrix(gen: torch.Generator, out: int, inp: int) -> torch.Tensor:
     return torch.randn(out, inp, generator=gen) * (2.0 / math.sqrt(inp))
 
 
-def _norm(gen: torch.Generator) -> torch.Tensor:
-    return 1.0 + 0.3 * torch.randn(H, generator=gen)
+def _norm(gen: torch.Generator, h: int = H) -> torch.Tensor:
+    return 1.0 + 0.3 * torch.randn(h, generator=gen)
 
 
-def _layer(gen: torch.Generator, prefix: str, attn_in: int, input_norm: bool) -> dict:
-    w = {f"{prefix}self_attn.q_proj.weight": _matrix(gen, HEADS * HEAD_DIM, attn_in),
-         f"{prefix}self_attn.k_proj.weight": _matrix(gen, KV_HEADS * HEAD_DIM, attn_in),
-         f"{prefix}self_attn.v_proj.weight": _matrix(gen, KV_HEADS * HEAD_DIM, attn_in),
-         f"{prefix}self_attn.o_proj.weight": _matrix(gen, H, HEADS * HEAD_DIM),
-         f"{prefix}mlp.gate_proj.weight": _matrix(gen, FFN, H),
-         f"{prefix}mlp.up_proj.weight": _matrix(gen, FFN, H),
-         f"{prefix}mlp.down_proj.weight": _matrix(gen, H, FFN),
-         f"{prefix}post_attention_layernorm.weight": _norm(gen)}
+def _layer(gen: torch.Generator, prefix: str, attn_in: int, input_norm: bool,
+           h: int = H) -> dict:
+    hd = h // HEADS
+    w = {f"{prefix}self_attn.q_proj.weight": _matrix(gen, HEADS * hd, attn_in),
+         f"{prefix}self_attn.k_proj.weight": _matrix(gen, KV_HEADS * hd, attn_in),
+         f"{prefix}self_attn.v_proj.weight": _matrix(gen, KV_HEADS * hd, attn_in),
+         f"{prefix}self_attn.o_proj.weight": _matrix(gen, h, HEADS * hd),
+         f"{prefix}mlp.gate_proj.weight": _matrix(gen, 2 * h, h),
+         f"{prefix}mlp.up_proj.weight": _matrix(gen, 2 * h, h),
+         f"{prefix}mlp.down_proj.weight": _matrix(gen, h, 2 * h),
+         f"{prefix}post_attention_layernorm.weight": _norm(gen, h)}
     if input_norm:
-        w[f"{prefix}input_layernorm.weight"] = _norm(gen)
+        w[f"{prefix}input_layernorm.weight"] = _norm(gen, h)
     return w
 
 
-def build_head(path: str, method: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def build_head(path: str, method: str, seed: int = 0, *, hidden: int = H, vocab: int = VOCAB,
+               aux_layers: tuple[int, int, int] = (0, 1, 2)) -> dict[str, torch.Tensor]:
     """An EAGLE head (2 layers, fc with a bias, the target's embedding) or an EAGLE-3 head
-    (midlayer, own embedding, a 512-token draft vocabulary mapped by d2t), saved as
-    config.json + model.safetensors."""
+    (midlayer, own embedding, a 512-token draft vocabulary mapped by d2t), for a target of
+    `hidden` and `vocab`, saved as config.json + model.safetensors."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
     gen = torch.Generator().manual_seed(seed)
     layers = 2 if method == "eagle" else 1
-    config = LlamaConfig(hidden_size=H, intermediate_size=FFN, num_hidden_layers=layers,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, vocab_size=vocab, rms_norm_eps=1e-6,
+                         max_position_embeddings=1024)
     if method == "eagle":
         config.architectures = ["EagleLlamaForCausalLM"]
-        w = {"fc.weight": _matrix(gen, H, 2 * H), "fc.bias": 0.1 * torch.randn(H, generator=gen)}
-        w.update(_layer(gen, "layers.0.", H, input_norm=False))
-        w.update(_layer(gen, "layers.1.", H, input_norm=True))
+        w = {"fc.weight": _matrix(gen, hidden, 2 * hidden),
+             "fc.bias": 0.1 * torch.randn(hidden, generator=gen)}
+        w.update(_layer(gen, "layers.0.", hidden, input_norm=False, h=hidden))
+        w.update(_layer(gen, "layers.1.", hidden, input_norm=True, h=hidden))
     else:
+        draft_vocab = min(DRAFT_VOCAB, vocab)
         config.architectures = ["LlamaForCausalLMEagle3"]
-        config.draft_vocab_size = DRAFT_VOCAB
-        config.eagle_aux_hidden_state_layer_ids = [0, 1, 2]
-        targets = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
-        w = {"fc.weight": _matrix(gen, H, 3 * H),
-             "embed_tokens.weight": torch.randn(VOCAB, H, generator=gen),
-             "midlayer.input_layernorm.weight": _norm(gen),
-             "midlayer.hidden_norm.weight": _norm(gen),
-             "norm.weight": _norm(gen), "lm_head.weight": _matrix(gen, DRAFT_VOCAB, H),
-             "d2t": targets - torch.arange(DRAFT_VOCAB),
-             "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, targets, True)}
-        w.update(_layer(gen, "midlayer.", 2 * H, input_norm=False))
+        config.draft_vocab_size = draft_vocab
+        config.eagle_aux_hidden_state_layer_ids = list(aux_layers)
+        targets = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+        w = {"fc.weight": _matrix(gen, hidden, 3 * hidden),
+             "embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+             "midlayer.input_layernorm.weight": _norm(gen, hidden),
+             "midlayer.hidden_norm.weight": _norm(gen, hidden),
+             "norm.weight": _norm(gen, hidden),
+             "lm_head.weight": _matrix(gen, draft_vocab, hidden),
+             "d2t": targets - torch.arange(draft_vocab),
+             "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, targets, True)}
+        w.update(_layer(gen, "midlayer.", 2 * hidden, input_norm=False, h=hidden))
     os.makedirs(path, exist_ok=True)
     config.save_pretrained(path)
     save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))

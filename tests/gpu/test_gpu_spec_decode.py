@@ -75,3 +75,37 @@ def test_greedy_and_seeded_equal_without_speculation(model_dir, eager) -> None:
           f"accepted {stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens}")
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert exact >= len(prompts) // 2
+
+
+def test_draft_model_and_eagle3_heads_on_cuda(model_dir, tmp_path) -> None:
+    """The target as its own draft model (bf16: the draft's one-token steps and the verify
+    step round alike enough that most drafts are kept) and a random EAGLE-3 head (its
+    inner-state capture runs with CUDA graphs off): answers as without speculation up to
+    near-ties, drafts made."""
+    import os
+    import sys
+    from folio import SamplingParams
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
+    from test_spec_eagle import build_head
+    prompts = _prompts(8, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
+    want, _ = _run(model_dir, None, prompts, params)
+    got, stats = _run(model_dir, {"model": model_dir, "num_speculative_tokens": 4,
+                                  "adaptive_draft_length": False}, prompts, params)
+    exact = sum(_close(a, b, f"draft model, prompt {i}") for i, (a, b) in
+                enumerate(zip(got, want)))
+    print(f"draft model: {exact} of {len(prompts)} identical; accepted "
+          f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens}")
+    assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens // 2
+    assert exact >= len(prompts) // 2
+    from transformers import AutoConfig
+    target = AutoConfig.from_pretrained(model_dir)
+    head = str(tmp_path / "eagle3")
+    build_head(head, "eagle3", hidden=target.hidden_size, vocab=target.vocab_size,
+               aux_layers=(0, 1, target.num_hidden_layers - 1))
+    got, stats = _run(model_dir, {"method": "eagle3", "model": head,
+                                  "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False}, prompts, params)
+    exact = sum(_close(a, b, f"eagle3, prompt {i}") for i, (a, b) in enumerate(zip(got, want)))
+    print(f"eagle3: {exact} of {len(prompts)} identical; drafts {stats.spec_num_drafts}")
+    assert stats.spec_num_drafts > 0 and exact >= len(prompts) // 2
