@@ -321,6 +321,25 @@ def test_adaptive_draft_length_maximises_tokens_per_second() -> None:
     assert "b" not in policy.acceptance
 
 
+def test_drafting_steps_in_a_bucket_do_not_make_drafts_look_free() -> None:
+    """At batch 64 plain steps (64 tokens) and drafting ones (64 + 56) share a size bucket;
+    the bucket is a point at its steps' mean, so a step costs what it measured: 1 ms per
+    token here, plain or drafting."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    policy.observe_step(32, 0.032)
+    for _ in range(30):
+        policy.observe_step(64, 0.064)
+        policy.observe_step(120, 0.120)
+    assert abs(policy.cost(64) - 0.064) < 2e-3 and abs(policy.cost(120) - 0.120) < 2e-3
+    # every token costs the same: drafts that are kept half the time do not pay
+    drafting = {str(i): 4 for i in range(64)}
+    for rid in drafting:
+        for _ in range(10):
+            policy.observe_acceptance(rid, 4, 1)
+    assert policy.choose(drafting, 0) == 0
+
+
 def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
     """A noisy time (another process held the core) must not turn speculation off for
     good: after probe_after k = 0 steps one step drafts in full, its time replaces the stale

@@ -47,7 +47,11 @@ class AdaptiveDraftLength:
     STALE_AFTER_STEPS = 64
 
     def __init__(self) -> None:
-        self.bucket_cost: dict[int, float] = {}      # log2 bucket -> seconds
+        # log2 bucket of the step's tokens -> (mean tokens, mean seconds) of its steps, EMAs:
+        # each bucket is a measured point of the cost curve where its steps actually were
+        # (a step of 64 tokens and one of 64 + 56 drafts share a bucket; read at its lower
+        # edge, the drafting steps' times would make plain steps look dear and drafts free)
+        self.bucket_points: dict[int, tuple[float, float]] = {}
         self._bucket_timed_at: dict[int, int] = {}   # log2 bucket -> step count when last timed
         self._steps_timed = 0
         self.acceptance: dict[str, float] = {}
@@ -63,26 +67,28 @@ class AdaptiveDraftLength:
             return
         b = self._bucket(num_tokens)
         self._steps_timed += 1
-        old = self.bucket_cost.get(b)
+        old = self.bucket_points.get(b)
         if old is not None and self._steps_timed - self._bucket_timed_at[b] > self.STALE_AFTER_STEPS:
             old = None
         self._bucket_timed_at[b] = self._steps_timed
-        # stored per the bucket's lower edge: the time scaled to 2^b tokens where it grows
-        self.bucket_cost[b] = seconds if old is None else \
-            (1 - self._EMA_STEP) * old + self._EMA_STEP * seconds
+        if old is None:
+            self.bucket_points[b] = (float(num_tokens), seconds)
+        else:
+            w = self._EMA_STEP
+            self.bucket_points[b] = ((1 - w) * old[0] + w * num_tokens,
+                                     (1 - w) * old[1] + w * seconds)
 
     def cost(self, num_tokens: int) -> float | None:
         """The expected seconds of a step of num_tokens tokens (None before any step)."""
-        if not self.bucket_cost:
+        if not self.bucket_points:
             return None
-        known = sorted(self.bucket_cost)
+        pts = sorted(self.bucket_points.values())
         x = max(num_tokens, 1)
-        pts = [(1 << b, self.bucket_cost[b]) for b in known]
         if x <= pts[0][0]:
             return pts[0][1]
         for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
             if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
         x_last, y_last = pts[-1]
         if len(pts) == 1:
             return y_last                              # nothing known past it: flat
