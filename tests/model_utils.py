@@ -129,6 +129,17 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("use_sliding_window", False), ("rope_parameters", {"rope_type": "default",
                                                             "rope_theta": 1000000.0}),
     )),
+    # Gemma 3: sandwich norms, (1 + w) norms, scaled embeddings, q/k norms, a query scale
+    # that is not head_dim's, sliding layers (window 16) around a full one, each kind with
+    # its own rotary (the full layer's scaled), soft-capped logits.
+    "gemma3": TinyArch("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", (
+        ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
+        ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
+        ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1000000.0}}),
+        ("final_logit_softcapping", 30.0),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),

@@ -17,9 +17,11 @@ token (the offsets stay put, so the bytes are re-decoded together later).
 
 ``spaces_between_special_tokens``: transformers 5 ignores this kwarg for every
 tokenizer backend, so we implement it ourselves the way the old "slow"
-tokenizers did: the output is split into runs at every rendered added token,
-each run is decoded on its own, and the pieces (runs and added-token strings)
-are joined with a single space. :func:`detokenize_ids` is the whole-sequence
+tokenizers did for special tokens: the output is split into runs at every
+rendered special added token, each run is decoded on its own, and the pieces
+(runs and special-token strings) are joined with a single space. Added tokens
+not flagged special (Gemma's "\n\n" and whitespace runs) are ordinary text:
+splitting at them would put spaces inside the text itself. :func:`detokenize_ids` is the whole-sequence
 reference for exactly the text the incremental detokenizer produces.
 
 Known, deliberate divergence: a byte-fallback decoder (``<0xE4>`` tokens)
@@ -55,7 +57,9 @@ class _TokenizerInfo:
 
     vocab_len: int  # len(tokenizer) when computed; a change invalidates the cache
     special_ids: frozenset[int]  # dropped when skip_special_tokens=True
-    added_tokens: dict[int, str] = field(default_factory=dict)  # id -> content
+    # id -> content of the added tokens flagged special: the pieces spaces_between_special_
+    # tokens separates. Plain added tokens (Gemma's whitespace runs, "\n\n") decode as text.
+    added_tokens: dict[int, str] = field(default_factory=dict)
 
 
 _INFO_CACHE: "weakref.WeakKeyDictionary[Any, _TokenizerInfo]" = weakref.WeakKeyDictionary()
@@ -71,7 +75,8 @@ def _tokenizer_info(tokenizer: Any) -> _TokenizerInfo:
         return cached
 
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    added_tokens = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
+    added_tokens = {int(i): str(getattr(t, "content", t)) for i, t in added.items()
+                    if getattr(t, "special", True)}
     # For fast tokenizers the backend skips exactly the added tokens flagged
     # special; the Python backend skips ``all_special_ids``. Use the flag when
     # it is available so we agree with the backend's decode().

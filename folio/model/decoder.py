@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
             hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
             qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
-            sliding_window=sliding_window, kernels=kernels)
+            sliding_window=sliding_window, kernels=kernels, scale=spec.attn_scale)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias,
                             spec.hidden_act, kernels)
@@ -57,6 +57,49 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3's layer: besides the input norm, a norm on the attention's output before it
+    joins the stream, and norms before and after the MLP. Returns (the MLP's normed output,
+    the stream before it), so the next layer's input norm adds the two, as DecoderLayer's
+    callers expect."""
+
+    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 sliding_window: int | None,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__(spec, rotary, backend, sliding_window, kernels)
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+
+    def forward(self, positions, hidden, residual, kv_cache, metadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache,
+                                                              metadata))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+def make_rotaries(spec: ArchSpec, max_positions: int, hf_config: Any,
+                  kernels: KernelConfig) -> list[RotaryEmbedding]:
+    """Each layer's rotary table: one shared by all layers, or one per distinct set of
+    parameters (Gemma 3's local and global bases). They are buffers, not weights."""
+    if not spec.layer_rope_parameters:
+        rotary = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config, kernels)
+        return [rotary] * spec.num_layers
+    tables: dict[str, RotaryEmbedding] = {}
+    out = []
+    for params in spec.layer_rope_parameters:
+        key = repr(sorted(params.items()))
+        if key not in tables:
+            tables[key] = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config,
+                                          kernels, params=params)
+        out.append(tables[key])
+    return out
+
+
 class DecoderLM(nn.Module):
     def __init__(self, spec: ArchSpec, hf_config: Any, backend: AttentionBackend,
                  max_positions: int, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
@@ -65,12 +108,12 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.kernel_config = kernels
-        # One rotary table shared by all layers (it is a buffer, not a weight).
-        rotary = RotaryEmbedding(spec.head_dim, max(max_positions, 1), hf_config, kernels)
+        rotaries = make_rotaries(spec, max_positions, hf_config, kernels)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         windows = spec.sliding_windows or (None,) * spec.num_layers
+        layer_type = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary, backend, windows[i], kernels)
+            layer_type(spec, rotaries[i], backend, windows[i], kernels)
             for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
@@ -90,6 +133,9 @@ class DecoderLM(nn.Module):
         """Flat batch in, final hidden states out ([T, hidden]); logits are computed only for
         the rows that need them (compute_logits)."""
         hidden = self.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:
+            # Gemma: the scale rounded to the activations' dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
         residual = None
         aux = self.aux_hidden_layers
         if aux:
@@ -105,9 +151,14 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None:
-            return self.lm_head_packed(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+            logits = self.lm_head_packed(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = hidden @ weight.t()
+        cap = self.spec.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -176,6 +227,9 @@ class DecoderLM(nn.Module):
             if param.shape != tensor.shape:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
+            if self.spec.norm_offset and name.endswith("norm.weight"):
+                # Gemma's norms scale by 1 + w: stored here as the scale itself
+                tensor = tensor.float() + self.spec.norm_offset
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)

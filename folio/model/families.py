@@ -27,6 +27,18 @@ class ArchSpec:
     hidden_act: str = "silu"
     # Sliding window per layer (None = full attention on that layer).
     sliding_windows: tuple[int | None, ...] = ()
+    # Rotary parameters per layer (Gemma 3: a local base on sliding layers, the global one
+    # on full ones); empty = the config's one set for every layer.
+    layer_rope_parameters: tuple[dict, ...] = ()
+    # Gemma: embeddings scaled by sqrt(hidden); norm weights stored as w for a scale of
+    # 1 + w (norm_offset 1.0, added at load); "sandwich" layers with a norm after attention
+    # and around the MLP; attention scaled by query_pre_attn_scalar^-0.5 (None: head_dim's);
+    # Gemma 2's tanh soft-capping of the final logits (None: none).
+    embed_scale: float = 1.0
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 def _base(cfg: Any) -> dict:
@@ -39,7 +51,8 @@ def _base(cfg: Any) -> dict:
         rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        hidden_act=getattr(cfg, "hidden_act", "silu"),
+        hidden_act=getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+        or "silu",
     )
 
 
@@ -84,11 +97,37 @@ def _qwen3(cfg: Any) -> ArchSpec:
     return spec
 
 
+def _gemma3(cfg: Any) -> ArchSpec:
+    """Gemma 3 (text): q/k norms, sandwich norms, (1 + w) norm weights, scaled embeddings,
+    sliding layers interleaved with full ones, each kind with its own rotary base."""
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError("attn_logit_softcapping is not supported by folio's attention "
+                         "backends yet")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention (an encoder variant) is not supported")
+    spec = ArchSpec(**_base(cfg))
+    spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", False))
+    spec.qk_norm = True
+    spec.sandwich_norms = True
+    spec.norm_offset = 1.0
+    spec.embed_scale = float(cfg.hidden_size) ** 0.5
+    spec.attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
+    spec.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * spec.num_layers)
+    spec.sliding_windows = tuple(cfg.sliding_window if t == "sliding_attention" else None
+                                 for t in types)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if all(t in rope for t in set(types)):
+        spec.layer_rope_parameters = tuple(dict(rope[t]) for t in types)
+    return spec
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "Gemma3ForCausalLM": _gemma3,
 }
 
 

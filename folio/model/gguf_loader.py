@@ -93,7 +93,7 @@ def _build_checkpoint(reader, path: str, arch: str, spec,
     for name, t in {t.name: t for t in reader.tensors}.items():
         if name == ROPE_FREQS:
             continue
-        hf = hf_tensor_name(name, n_layers)
+        hf = hf_tensor_name(name, n_layers, arch)
         permuted = spec.qk_permuted and (".attn_q." in name or ".attn_k." in name)
         heads = (n_heads if ".attn_q." in name else n_kv) if permuted else None
         if keep_quantized and t.tensor_type.name in kept_types and len(t.shape) == 2:
@@ -102,6 +102,8 @@ def _build_checkpoint(reader, path: str, arch: str, spec,
         w = _dequantize(t, path)
         if permuted:
             w = _unpermute_rows(w, heads)
+        if spec.norm_shift and hf.endswith("norm.weight"):
+            w = w - spec.norm_shift
         state_dict[hf] = w
     return GGUFCheckpoint(hf_config=cfg, state_dict=state_dict, chat_template=meta.chat_template,
                           extra_eos_token_ids=meta.extra_eos_token_ids, name=meta.name,

@@ -44,13 +44,28 @@ class _ArchSpec:
     # rotate-half layout. Qwen models are converted with NEOX rope and are left
     # untouched (transformers' GGUF loader only un-permutes "llama" too).
     qk_permuted: bool
+    # llama.cpp's Gemma converter stores norm weights as 1 + w (its norms scale by the
+    # weight); Hugging Face's Gemma stores w (its norms scale by 1 + w): subtracted on read.
+    norm_shift: float = 0.0
+    # GGUF layer tensor names whose Hugging Face name differs from the llama mapping.
+    layer_names: tuple[tuple[str, str], ...] = ()
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("LlamaForCausalLM", "llama", qk_permuted=True),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", "qwen2", qk_permuted=False),
     "qwen3": _ArchSpec("Qwen3ForCausalLM", "qwen3", qk_permuted=False),
+    # Gemma 3 text: sandwich norms (ffn_norm is the norm before the MLP here)
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", "gemma3_text", qk_permuted=False, norm_shift=1.0,
+                        layer_names=(("ffn_norm", "pre_feedforward_layernorm"),
+                                     ("post_attention_norm", "post_attention_layernorm"),
+                                     ("post_ffw_norm", "post_feedforward_layernorm"))),
 }
+# llama.cpp's Gemma 3 constants that its GGUF files do not carry: every sixth layer is full
+# attention, the others sliding; sliding layers rotate with base 10,000; queries are scaled
+# by head_dim^-0.5 (all sizes but 27B, which GGUF cannot tell apart by name here).
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
 # GGUF per-layer tensor suffix -> HF per-layer parameter suffix.
@@ -168,16 +183,24 @@ def dequantize_array(t, path: str) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def hf_tensor_name(gguf_name: str, n_layers: int) -> str | None:
+def hf_tensor_name(gguf_name: str, n_layers: int, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if m is None:
         return None
     layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
-    if part not in _LAYER_NAMES or layer >= n_layers:
+    names = _layer_names(arch)
+    if part not in names or layer >= n_layers:
         return None
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def _layer_names(arch: str) -> dict[str, str]:
+    spec = _ARCHS.get(arch)
+    if spec is None or not spec.layer_names:
+        return _LAYER_NAMES
+    return {**_LAYER_NAMES, **dict(spec.layer_names)}
 
 
 # --------------------------------------------------------------------------- #
@@ -333,13 +356,15 @@ def metadata_from_reader(reader, path: str, arch: str, spec: _ArchSpec) -> GGUFM
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
     if spec.model_type in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    if spec.model_type == "gemma3_text":
+        _gemma3_config(cfg, reader, arch, rope_scaling)
     for gkey, hkey in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         v = _meta(reader, f"tokenizer.ggml.{gkey}_token_id", None)
         if v is not None:
             cfg[hkey] = int(v)
 
     unknown = [name for name in tensors
-               if name != ROPE_FREQS and hf_tensor_name(name, n_layers) is None]
+               if name != ROPE_FREQS and hf_tensor_name(name, n_layers, arch) is None]
     if unknown:
         # An unexpected tensor means a variant (MoE, extra norms, ...) we would
         # otherwise silently drop and then run a wrong model.
@@ -358,6 +383,29 @@ def metadata_from_reader(reader, path: str, arch: str, spec: _ArchSpec) -> GGUFM
         extra_eos_token_ids=extra_eos,
         name=_meta(reader, "general.name", None),
     )
+
+
+def _gemma3_config(cfg: dict[str, Any], reader, arch: str, rope_scaling: dict | None) -> None:
+    """Gemma 3's Hugging Face config keys from its GGUF metadata and llama.cpp's constants."""
+    n_layers = cfg["num_hidden_layers"]
+    cfg.pop("hidden_act")
+    cfg.pop("rope_theta")
+    cfg.pop("rope_scaling", None)
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    cfg["sliding_window"] = _as_int(_meta(reader, f"{arch}.attention.sliding_window", 4096),
+                                    "sliding_window")
+    cfg["layer_types"] = ["full_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0
+                          else "sliding_attention" for i in range(n_layers)]
+    full = {"rope_type": "default", "rope_theta": float(_meta(reader, f"{arch}.rope.freq_base",
+                                                               1_000_000.0))}
+    if rope_scaling is not None:
+        full.update(rope_scaling)
+    cfg["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}}
+    cfg["final_logit_softcapping"] = None
+    cfg["attn_logit_softcapping"] = None
 
 
 def load_gguf_tokenizer(path: str, *, chat_template: str | None = None):

@@ -100,10 +100,13 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding, neox layout (halves rotated), with a cos/sin table built once."""
 
     def __init__(self, head_dim: int, max_positions: int, hf_config: Any,
-                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
+                 params: dict | None = None) -> None:
+        """`params`: this table's rope parameters when they differ by layer (Gemma 3's
+        local and global bases); None = the config's."""
         super().__init__()
         self.kernels = kernels
-        params = _rope_parameters(hf_config)
+        params = dict(params) if params is not None else _rope_parameters(hf_config)
         rope_type = params.get("rope_type", "default")
         base = float(params.get("rope_theta", 10000.0))
         rotary_dim = int(head_dim * params.get("partial_rotary_factor",
@@ -239,7 +242,8 @@ class Attention(nn.Module):
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, rms_norm_eps: float,
                  rotary: RotaryEmbedding, backend: AttentionBackend,
                  sliding_window: int | None,
-                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
@@ -252,7 +256,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.sliding_window = sliding_window
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         # The FP8 KV cache's scales (vLLM's k_scale / v_scale; the cache holds K / k_scale,
         # V / v_scale: folio/model/attention/fp8.py): float32, one per KV head (a per-tensor
         # scale repeated), 1.0 unless the checkpoint has them (load_kv_scale) or

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from folio.model.attention import get_attention_backend
-from folio.model.decoder import DecoderLM
+from folio.model.decoder import DecoderLM, make_rotaries
 from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
@@ -136,9 +136,8 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     # The rotary tables were meta buffers; build them for real, in float32 (positions need
     # the precision; they are cast to the activation dtype at each use, as transformers does).
     with torch.device(device):
-        rotary = type(model.layers[0].self_attn.rotary)(spec.head_dim, max(max_model_len, 1),
-                                                        hf_config, kernel_config)
-    for layer in model.layers:
+        rotaries = make_rotaries(spec, max_model_len, hf_config, kernel_config)
+    for layer, rotary in zip(model.layers, rotaries):
         layer.self_attn.rotary = rotary
     model.eval()
     return model, spec
