@@ -15,9 +15,8 @@ from folio import LLM, SamplingParams
 from model_utils import check_greedy_close, folio_position_dict, torch_threads
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
-           "Once upon a time, in a small village,", "The three primary colors are",
-           "def fibonacci(n):", "The largest planet in the solar system is"]
-MAX_TOKENS = 16
+           "Once upon a time, in a small village,", "def fibonacci(n):"]
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")

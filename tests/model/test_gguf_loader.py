@@ -18,7 +18,7 @@ import folio.model.default_model as dm  # noqa: E402
 import folio.model.gguf_loader as gl  # noqa: E402
 from folio.model.default_model import default_gguf_path, ensure_hf_dir_from_gguf, folio_cache_dir  # noqa: E402
 from folio.model.gguf_loader import read_gguf  # noqa: E402
-from folio.model.gguf_metadata import read_gguf_metadata  # noqa: E402
+from folio.model.gguf_metadata import load_gguf_tokenizer, read_gguf_metadata  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -316,12 +316,19 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(hf: str) -> str:
+# Gemma's sandwich norms, as llama.cpp names them (its ffn_norm is the norm before the MLP).
+_TO_GGUF_GEMMA3 = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     if hf in fixed:
         return fixed[hf]
     parts = hf.split(".")  # model.layers.N.<module...>.<weight|bias>
-    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+    names = _TO_GGUF_GEMMA3 if arch == "gemma3" else _TO_GGUF
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 def _write_tiny_gguf(path: Path, arch: str, model, permute: bool, rope_freqs: np.ndarray | None = None) -> None:
@@ -333,9 +340,13 @@ def _write_tiny_gguf(path: Path, arch: str, model, permute: bool, rope_freqs: np
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "gemma3":
+        w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(c.sliding_window)
+    else:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_bos_token_id(1)
@@ -350,7 +361,9 @@ def _write_tiny_gguf(path: Path, arch: str, model, permute: bool, rope_freqs: np
             arr = _llamacpp_permute(arr, c.num_attention_heads)
         elif permute and ".k_proj." in name:
             arr = _llamacpp_permute(arr, c.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1.0   # llama.cpp's Gemma converter stores 1 + w
+        w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(arr))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
@@ -434,6 +447,44 @@ def test_tiny_qwen3_roundtrip(tmp_path):
     ck = _roundtrip_logits(tmp_path, "qwen3", model, permute=False)
     assert ck.hf_config["head_dim"] == 32
     assert "model.layers.1.self_attn.k_norm.weight" in ck.state_dict
+
+
+def test_tiny_gemma3_roundtrip(tmp_path):
+    """llama.cpp's Gemma 3 layout: sandwich norms under its names, norm weights stored as
+    1 + w, and what the file does not say (every sixth layer full, the local rotary base
+    10,000, queries scaled by head_dim) from llama.cpp's constants."""
+    model = _tiny("gemma3_text", num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                  sliding_window=8, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                  layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    model.config.architectures = ["Gemma3ForCausalLM"]
+    ck = _roundtrip_logits(tmp_path, "gemma3", model, permute=False)
+    assert ck.hf_config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    torch.testing.assert_close(ck.state_dict["model.layers.0.pre_feedforward_layernorm.weight"],
+                               model.model.layers[0].pre_feedforward_layernorm.weight)
+
+
+def test_parsed_files_and_converted_tokenizers_are_reused(gguf_path, tmp_path, monkeypatch):
+    """gguf-py parses a file's metadata in Python (~17 s for Gemma 3's 262,144-token
+    vocabulary): the last file parsed is reused while unchanged, and the tokenizer
+    transformers converts from it is saved once under FOLIO_CACHE_DIR."""
+    from folio.model import gguf_metadata
+    assert gguf_metadata._open_reader(gguf_path) is gguf_metadata._open_reader(gguf_path)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(open(gguf_path, "rb").read())
+    first = gguf_metadata._open_reader(str(copy))
+    os.utime(copy, ns=(1, 1))                       # changed: parsed again
+    assert gguf_metadata._open_reader(str(copy)) is not first
+    monkeypatch.setenv("FOLIO_CACHE_DIR", str(tmp_path / "cache"))
+    fresh = load_gguf_tokenizer(gguf_path)
+    saved = gguf_metadata._tokenizer_cache_dir(gguf_path)
+    assert os.path.isfile(os.path.join(saved, "tokenizer.json"))
+    reloaded = load_gguf_tokenizer(gguf_path)
+    text = "Hello there!\n\n  Two spaces, 日本語, and <|im_start|> a special token."
+    assert reloaded(text).input_ids == fresh(text).input_ids
+    assert reloaded.chat_template == fresh.chat_template
+    assert reloaded.eos_token_id == fresh.eos_token_id
 
 
 def test_unsupported_architecture(tmp_path):
