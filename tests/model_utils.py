@@ -140,6 +140,10 @@ TINY_ARCHS: dict[str, TinyArch] = {
                                                 "rope_theta": 1000000.0}}),
         ("final_logit_softcapping", 30.0),
     )),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint, half the head rotated, a window.
+    "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
+        ("partial_rotary_factor", 0.5), ("sliding_window", 16),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),

@@ -233,6 +233,11 @@ class DecoderLM(nn.Module):
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
+            module = self.get_submodule(module_path) if module_path else self
+            if isinstance(module, MergedLinear):
+                # a checkpoint that stores the projections fused (Phi-3's qkv_proj,
+                # gate_up_proj), in the merged module's shard order
+                loaded.update(f"{module_path}.{attr}:{shard}" for shard in module.shard_offsets)
         for name in preloaded:
             target = self.weight_target(name)
             if target is not None:

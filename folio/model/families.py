@@ -122,12 +122,23 @@ def _gemma3(cfg: Any) -> ArchSpec:
     return spec
 
 
+def _phi3(cfg: Any) -> ArchSpec:
+    """Phi-3: Llama's layer with q/k/v and gate/up fused in the checkpoint (loaded whole into
+    the merged projections, whose shard order is the same), partial rotary, one sliding
+    window on every layer when the config sets one."""
+    spec = ArchSpec(**_base(cfg))
+    window = getattr(cfg, "sliding_window", None)
+    spec.sliding_windows = (window,) * spec.num_layers
+    return spec
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "Gemma3ForCausalLM": _gemma3,
+    "Phi3ForCausalLM": _phi3,
 }
 
 
