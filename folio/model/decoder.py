@@ -46,12 +46,15 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias,
                             spec.hidden_act, kernels)
 
-    def forward(self, positions, hidden, residual, kv_cache, metadata):
+    def _input_norm(self, hidden, residual):
+        """The input norm, adding the previous layer's output to the stream first (the
+        first layer's input is the stream itself)."""
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def forward(self, positions, hidden, residual, kv_cache, metadata):
+        hidden, residual = self._input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -71,11 +74,7 @@ class SandwichDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self._input_norm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache,
                                                               metadata))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

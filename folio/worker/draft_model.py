@@ -22,7 +22,7 @@ import torch
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor
 from folio.worker.input_batch import InputBatch
-from folio.worker.spec_propose import DraftInputs, chain_lengths, gather_drafts, one_token_meta
+from folio.worker.spec_propose import DraftInputs, drafting_requests, gather_drafts, one_token_meta
 
 
 class DraftModelProposer:
@@ -42,14 +42,12 @@ class DraftModelProposer:
         self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                    dataclasses.replace(inputs.meta, cache={}))
         # 2. k greedy steps from each drafting request's newest token
-        which = [i for i, d in enumerate(inputs.drafting) if d]
-        req_ids = [inputs.req_ids[i] for i in which]
-        if not req_ids or self.k <= 0:
+        d = drafting_requests(inputs, batch, self.k, self.max_model_len)
+        if not d.req_ids or self.k <= 0:
             return {}
-        rows = np.asarray([batch.requests[rid].row for rid in req_ids], dtype=np.int64)
-        start = np.asarray([inputs.last_positions[i] + 1 for i in which], dtype=np.int64)
-        steps = chain_lengths(self.k, self.max_model_len, start)
-        tokens = device_tensor([inputs.next_tokens[i] for i in which], self.device, torch.int64)
+        req_ids, rows, start, steps = d.req_ids, d.rows, d.newest, d.steps
+        tokens = device_tensor([inputs.next_tokens[i] for i in d.which], self.device,
+                               torch.int64)
         active = np.arange(len(req_ids))
         drafted: list[tuple[np.ndarray, torch.Tensor]] = []
         for j in range(int(steps.max(initial=0))):

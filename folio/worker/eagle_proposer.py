@@ -24,7 +24,7 @@ from folio.model.decoder import DecoderLM
 from folio.model.eagle import EagleHead
 from folio.model.host_copy import device_tensor
 from folio.worker.input_batch import InputBatch
-from folio.worker.spec_propose import DraftInputs, chain_lengths, gather_drafts, one_token_meta
+from folio.worker.spec_propose import DraftInputs, drafting_requests, gather_drafts, one_token_meta
 
 
 class EagleProposer:
@@ -54,15 +54,12 @@ class EagleProposer:
         out_logits, out_next = self.head(shifted, inputs.positions, self._target_hidden(inputs),
                                          self.kv_caches,
                                          dataclasses.replace(inputs.meta, cache={}))
-        which = [i for i, d in enumerate(inputs.drafting) if d]
-        req_ids = [inputs.req_ids[i] for i in which]
-        if not req_ids or self.k <= 0:
+        d = drafting_requests(inputs, batch, self.k, self.max_model_len)
+        if not d.req_ids or self.k <= 0:
             return {}
         # 2. the first draft from each request's newest row, then k - 1 chained steps
-        rows = np.asarray([batch.requests[rid].row for rid in req_ids], dtype=np.int64)
-        newest = np.asarray([inputs.last_positions[i] + 1 for i in which], dtype=np.int64)
-        steps = chain_lengths(self.k, self.max_model_len, newest)
-        at = device_tensor([inputs.last_rows[i] for i in which], self.device, torch.int64)
+        req_ids, rows, newest, steps = d.req_ids, d.rows, d.newest, d.steps
+        at = device_tensor([inputs.last_rows[i] for i in d.which], self.device, torch.int64)
         tokens = self.head.compute_logits(out_logits[at]).argmax(dim=-1)
         hidden = out_next[at]
         active = np.flatnonzero(steps > 0)

@@ -43,6 +43,26 @@ class DraftProposer(Protocol):
         ...
 
 
+@dataclass
+class Drafting:
+    """The requests that draft after a step: their indices into DraftInputs' lists, ids,
+    batch rows, newest tokens' positions, and how many drafts each can take."""
+    which: list[int]
+    req_ids: list[str]
+    rows: np.ndarray
+    newest: np.ndarray
+    steps: np.ndarray
+
+
+def drafting_requests(inputs: DraftInputs, batch: InputBatch, k: int,
+                      max_model_len: int) -> Drafting:
+    which = [i for i, d in enumerate(inputs.drafting) if d]
+    req_ids = [inputs.req_ids[i] for i in which]
+    rows = np.asarray([batch.requests[rid].row for rid in req_ids], dtype=np.int64)
+    newest = np.asarray([inputs.last_positions[i] + 1 for i in which], dtype=np.int64)
+    return Drafting(which, req_ids, rows, newest, chain_lengths(k, max_model_len, newest))
+
+
 def chain_lengths(k: int, max_model_len: int, newest_positions: np.ndarray) -> np.ndarray:
     """Drafts each request can take: a draft's position (newest + i) stays below
     max_model_len."""
