@@ -31,6 +31,7 @@ LAYER_OF = {
     "folio.model.discovery": "model_info",
     "folio.model.families": "model_info",
     "folio.model.default_model": "model_info",
+    "folio.model.cache_dir": "model_info",
     "folio.model.gguf_metadata": "model_info",
     "folio.model.quant.scheme": "model_info",
     "folio.core": "core",                   # scheduler, KV cache manager, requests

@@ -61,7 +61,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def random_model_dir(name: str, num_layers: int | None = None,
                      quantization: str | None = None) -> str:
-    from folio.model.default_model import folio_cache_dir
+    from folio.model.cache_dir import folio_cache_dir
     suffix = f"-L{num_layers}" if num_layers is not None else ""
     suffix += f"-{quantization}" if quantization else ""
     return os.path.join(folio_cache_dir(), "random", f"{name}{suffix}")

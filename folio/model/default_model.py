@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from folio.model.cache_dir import folio_cache_dir  # noqa: F401 (its users import it from here too)
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ _HEAD_BYTES = 1 << 16
 # Temp dirs older than this are leftovers of a crashed conversion.
 _STALE_TMP_S = 3600.0
 _MARKER = "folio_source.json"
-
-
-def folio_cache_dir() -> str:
-    """$FOLIO_CACHE_DIR, else ~/.cache/folio."""
-    env = os.environ.get("FOLIO_CACHE_DIR")
-    return os.path.abspath(os.path.expanduser(env)) if env else os.path.expanduser("~/.cache/folio")
 
 
 def default_gguf_path() -> str:

@@ -30,7 +30,7 @@ def gguf_file_of(source: ModelSource) -> str | None:
         return source.path
     # Only folio's own conversions (the cache, default_model.py): a copy elsewhere is a user's
     # Hugging Face directory, whose own weight files are what it means.
-    from folio.model.default_model import folio_cache_dir
+    from folio.model.cache_dir import folio_cache_dir
     cache = os.path.realpath(os.path.join(folio_cache_dir(), "hf"))
     if not os.path.realpath(source.path).startswith(cache + os.sep):
         return None

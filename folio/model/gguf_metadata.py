@@ -463,7 +463,7 @@ def _tokenizer_cache_dir(path: str) -> str:
     file's real path, size and mtime."""
     import hashlib
 
-    from folio.model.default_model import folio_cache_dir
+    from folio.model.cache_dir import folio_cache_dir
     stat = os.stat(path)
     key = f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
