@@ -149,9 +149,9 @@ ALLOWED = {
     # TRITON_INTERPRET is Triton's own switch and must be read at import, before the kernels
     # are decorated (the interpreter gets a single autotune config).
     "kernels/_common.py",
-    # $FOLIO_CACHE_DIR: where the default model's conversion is cached. Start-up, front end
-    # (model discovery), never forward code.
-    "default_model.py",
+    # $FOLIO_CACHE_DIR: where converted checkpoints and GGUF tokenizers are cached. Start-up,
+    # front end (model discovery), never forward code.
+    "cache_dir.py",
 }
 
 
