@@ -43,15 +43,15 @@ class CountingRunner:
                 tokens.append(self.last[item.request_id])   # on the GPU: a device copy
             end = item.num_computed_tokens + item.num_new_tokens
             assert end == len(tokens) or not item.samples
-            assert len(item.block_ids) >= cdiv(end, BS)
+            assert len(item.block_ids[0]) >= cdiv(end, BS)
             inputs[item.request_id] = tokens
             for pos in range(item.num_computed_tokens, end):
-                self.slots[(item.block_ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
+                self.slots[(item.block_ids[0][pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
         sampled: dict[str, int] = {}
         for item in out.scheduled:
             tokens = inputs[item.request_id]
             for pos in range(item.num_computed_tokens + item.num_new_tokens):
-                slot = (item.block_ids[pos // BS], pos % BS)
+                slot = (item.block_ids[0][pos // BS], pos % BS)
                 assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
                     f"{item.request_id} reads stale KV at position {pos}")
             if item.samples:

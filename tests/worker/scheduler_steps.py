@@ -57,7 +57,7 @@ def scheduler_steps(seed: int, *, block_size: int, max_model_len: int, max_reqs:
         prev_rows = ({rid: j for j, rid in enumerate(in_flight[0].message.sampling_req_ids)}
                      if in_flight is not None else {})
         case = StepCase(step, {s.request_id: list(s.request.all_token_ids) for s in step.scheduled},
-                        {s.request_id: list(s.block_ids) for s in step.scheduled},
+                        {s.request_id: list(s.block_ids[0]) for s in step.scheduled},
                         {s.request_id: prev_tokens[s.request_id] for s in step.scheduled
                          if s.has_pending_input}, prev_rows)
         yield case

@@ -122,12 +122,12 @@ def test_seeded_generator_survives_preemption():
         return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], list(finished),
                                list(preempted))
 
-    batch.update(step(1, new=[NewRequestData("a", [1, 2], SamplingParams(seed=7), [2], [5], 0)]))
+    batch.update(step(1, new=[NewRequestData("a", [1, 2], SamplingParams(seed=7), [2], [[5]], 0)]))
     state = batch.requests["a"]
     first = torch.rand(1, generator=state.sampling.generator)
     batch.update(step(2, preempted=["a"]))
     assert state.row == -1 and "a" in batch.requests
-    batch.update(step(3, cached=[CachedRequestData("a", [8, 9], [11], 0, True)]))
+    batch.update(step(3, cached=[CachedRequestData("a", [[8, 9]], [11], 0, True)]))
     assert batch.requests["a"] is state and state.row >= 0
     assert batch.block_table[state.row, :batch.num_blocks[state.row]].tolist() == [8, 9]
     assert batch.token_ids_of(state).tolist() == [1, 2, 11] and state.num_prompt_tokens == 2
@@ -157,14 +157,14 @@ def test_sampling_columns_follow_rows_through_preemption():
     def step(step_id, new=(), cached=(), preempted=()):
         return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], [], list(preempted))
 
-    batch.update(step(1, new=[NewRequestData(r, prompts[r], params[r], [i], [0], 0)
+    batch.update(step(1, new=[NewRequestData(r, prompts[r], params[r], [i], [[0]], 0)
                               for i, r in enumerate("abc")]))
     outputs = {"a": [9], "b": [8], "c": [7]}
-    batch.update(step(2, cached=[CachedRequestData(r, [], outputs[r], len(prompts[r]), False)
+    batch.update(step(2, cached=[CachedRequestData(r, [[]], outputs[r], len(prompts[r]), False)
                                  for r in "abc"]))
     batch.update(step(3, preempted=["a"]))
-    batch.update(step(4, new=[NewRequestData("d", [11], SamplingParams(), [3], [0], 0)]))
-    batch.update(step(5, cached=[CachedRequestData("a", [5], [10], 0, True)]))
+    batch.update(step(4, new=[NewRequestData("d", [11], SamplingParams(), [3], [[0]], 0)]))
+    batch.update(step(5, cached=[CachedRequestData("a", [[5]], [10], 0, True)]))
     outputs["a"].append(10)
     assert batch.requests["a"].row == 3 and batch.requests["d"].row == 0
     order = ["c", "a", "b"]
@@ -184,13 +184,13 @@ def test_sampling_columns_follow_rows_through_preemption():
     assert got.history([1], True, -1).tolist() == [[9, 10]]
     # The next step of the same rows reuses the columns but sees the new token counts; a row
     # handed to another request makes the batch gather again.
-    batch.update(step(6, cached=[CachedRequestData("c", [], [12], 3, False)]))
+    batch.update(step(6, cached=[CachedRequestData("c", [[]], [12], 3, False)]))
     again = batch.sampling_columns(rows)
     assert again.num_tokens.tolist() == [4, 5, 2] and (again.pending_row == -1).all()
     assert again.temperature is got.temperature
     batch.update(SchedulerOutput(7, [], [], {}, 0, [], ["b"], []))
     batch.update(step(8, new=[NewRequestData("e", [13], SamplingParams(temperature=0.3),
-                                             [2], [0], 0)]))
+                                             [2], [[0]], 0)]))
     assert batch.requests["e"].row == rows[2]
     fresh = batch.sampling_columns(rows)
     assert fresh.temperature.tolist() == pytest.approx([1.2, 0.7, 0.3])
