@@ -56,6 +56,8 @@ class InputBatch:
         self.group_num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         self.block_table = self.block_tables[0]
         self.num_blocks = self.group_num_blocks[0]
+        # (table, counts) views per group, made once: every step appends blocks through them.
+        self._group_views = list(zip(self.block_tables, self.group_num_blocks))
         self.columns = {name: np.zeros(max_num_reqs, dtype=dtype)
                         for name, dtype in SCALAR_COLUMNS.items()}
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
@@ -156,8 +158,7 @@ class InputBatch:
 
     def _append_blocks(self, row: int, group_block_ids: list[list[int]]) -> None:
         """Each KV cache group's new block ids, appended to the row's table of that group."""
-        for table, counts, block_ids in zip(self.block_tables, self.group_num_blocks,
-                                            group_block_ids):
+        for (table, counts), block_ids in zip(self._group_views, group_block_ids):
             if block_ids:
                 n = int(counts[row])
                 table[row, n:n + len(block_ids)] = block_ids

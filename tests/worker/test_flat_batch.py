@@ -138,6 +138,45 @@ def test_seeded_generator_survives_preemption():
     assert "a" not in batch.requests and len(batch._free_rows) == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_kv_cache_groups_get_their_own_tables_and_slots(seed, async_scheduling):
+    """Sliding-window layers beside a full one: each KV cache group's block-table row and the
+    step's slot mapping follow that group's block ids (the worker keeps the ids it was sent
+    where the scheduler has since put the null block: those lie before every window)."""
+    windows = (8, None, 8)
+    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"), MAX_LEN, num_kv_groups=3)
+    eager = StepBuffers(BUDGET, MAX_REQS, WIDTH, pin=False, num_kv_groups=3)
+    freed = 0
+    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
+                                budget=BUDGET, num_blocks=40, async_scheduling=async_scheduling,
+                                num_steps=150, windows=windows):
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
+                                         type=SchedulerOutput)
+        batch.update(message)
+        if case.step.is_empty:
+            continue
+        flat = build_flat_batch(message, batch, case.prev_rows, eager, BS)
+        start = 0
+        for i, item in enumerate(case.step.scheduled):
+            state = batch.requests[item.request_id]
+            end = item.num_computed_tokens + item.num_new_tokens
+            for g, ids in enumerate(case.group_block_ids[item.request_id]):
+                held = batch.block_tables[g][state.row, :batch.group_num_blocks[g][state.row]]
+                assert len(held) == len(ids)
+                first = 0 if g == 0 else max(0, item.num_computed_tokens - 8 + 1) // BS
+                assert held[first:].tolist() == ids[first:]
+                assert eager.group_bt[g][i, first:-(-end // BS)].tolist() == \
+                    ids[first:-(-end // BS)]
+                freed += ids[:first].count(0)
+                positions = range(item.num_computed_tokens, end)
+                assert eager.group_slots[g][start:start + item.num_new_tokens].tolist() == \
+                    [ids[p // BS] * BS + p % BS for p in positions]
+            start += item.num_new_tokens
+        assert flat.widths[0] == flat.width and len(flat.widths) == 3
+    assert freed > 0, "no block was freed out of a window"
+
+
 def test_sampling_columns_follow_rows_through_preemption():
     """The batch's per-row sampling columns and token rows give, for any order of sampling
     rows, what the requests themselves say — also after a request was preempted, parked its
