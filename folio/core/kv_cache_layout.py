@@ -87,11 +87,15 @@ class KVCacheLayout:
         return (num_blocks - self.num_reserved_blocks) * block_size // len(self.groups)
 
 
-def kv_cache_layout(sliding_windows: Sequence[int | None], num_layers: int) -> KVCacheLayout:
+def kv_cache_layout(sliding_windows: Sequence[int | None], num_layers: int,
+                    max_model_len: int | None = None) -> KVCacheLayout:
     """The groups of a model with these per-layer windows (None = full attention; an empty
-    sequence = every layer full). Full-attention groups come first."""
+    sequence = every layer full). A window of at least `max_model_len` never hides a key, so
+    its layers count as full attention. Full-attention groups come first."""
     windows = list(sliding_windows) or [None] * num_layers
     assert len(windows) == num_layers, "one window per layer"
+    if max_model_len is not None:
+        windows = [None if w is not None and w >= max_model_len else w for w in windows]
     by_type: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
         by_type.setdefault(w, []).append(layer)

@@ -139,7 +139,7 @@ class Worker:
                     str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total),
                     "" if layout.num_groups == 1 else
                     f" shared by {layout.num_groups} KV cache groups of {layout.group_size} "
-                    "layers", max_len,
+                    f"layer{'s' if layout.group_size > 1 else ''}", max_len,
                     (self.num_blocks - layout.num_reserved_blocks)
                     / layout.blocks_per_sequence(max_len, cache.block_size))
         if is_fp8(self.kv_cache_dtype):
@@ -155,7 +155,7 @@ class Worker:
                         "kept): the %s shares the target's block table",
                         self.config.speculative.method)
             return full_attention_layout(self.spec.num_layers)
-        return kv_cache_layout(windows, self.spec.num_layers)
+        return kv_cache_layout(windows, self.spec.num_layers, self.config.model.max_model_len)
 
     def _new_proposer(self):
         spec_config = self.config.speculative

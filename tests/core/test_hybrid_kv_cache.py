@@ -52,6 +52,13 @@ def test_layout_of_uniform_models_is_one_group():
     assert not sliding.is_single_full and sliding.num_reserved_blocks == 1
 
 
+def test_a_window_as_long_as_the_context_is_full_attention():
+    assert kv_cache_layout((16, None, 16), 3, max_model_len=16).is_single_full
+    assert kv_cache_layout((16, None, 16), 3, max_model_len=17).num_groups == 3
+    assert kv_cache_layout((32, None, 16), 3, max_model_len=20).groups == (
+        KVCacheGroup((0,), None), KVCacheGroup((1,), None), KVCacheGroup((2,), 16))
+
+
 def test_layout_of_interleaved_layers_groups_by_type_full_first():
     layout = kv_cache_layout((16, None, 16), 3)
     assert layout.group_size == 1
