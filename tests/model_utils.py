@@ -144,6 +144,24 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
         ("partial_rotary_factor", 0.5), ("sliding_window", 16),
     )),
+    # Mixtral: 4 experts, top 2, renormalized softmax routing, Mistral's attention.
+    "mixtral": TinyArch("mixtral", "MixtralConfig", "MixtralForCausalLM", (
+        ("num_local_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 48),
+    )),
+    # Qwen2-MoE: unnormalized top-2 of 6 experts, a sigmoid-gated shared expert, and a
+    # dense MLP on layer 1 (mlp_only_layers) of a different width.
+    "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", (
+        ("num_experts", 6), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32),
+        ("shared_expert_intermediate_size", 48), ("norm_topk_prob", False),
+        ("mlp_only_layers", [1]), ("use_sliding_window", False),
+    )),
+    # Qwen3-MoE: q/k norms, normalized top-3 of 8 experts on every other layer
+    # (decoder_sparse_step 2: layer 1 only; layers 0 and 2 dense).
+    "qwen3_moe": TinyArch("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", (
+        ("num_experts", 8), ("num_experts_per_tok", 3), ("moe_intermediate_size", 32),
+        ("norm_topk_prob", True), ("decoder_sparse_step", 2), ("head_dim", 32),
+        ("use_sliding_window", False),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),

@@ -5,7 +5,33 @@ Adding a Llama-like family is one entry here, not a new decoder.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
+
+
+class MoEScoring(str, Enum):
+    """How a router turns its logits into expert scores."""
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: which layers have one, the routing, the experts' shape."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int           # each routed expert's
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP
+    scoring: MoEScoring = MoEScoring.SOFTMAX
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    # DeepSeek-V3: a learned per-expert bias added to the scores for the choice only
+    score_correction_bias: bool = False
+    # Always-on experts beside the routed ones (Qwen2-MoE: one, behind a sigmoid gate)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
 
 @dataclass
@@ -39,6 +65,8 @@ class ArchSpec:
     sandwich_norms: bool = False
     attn_scale: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture-of-experts MLPs (None: every layer dense)
+    moe: MoESpec | None = None
 
 
 def _base(cfg: Any) -> dict:
@@ -132,6 +160,43 @@ def _phi3(cfg: Any) -> ArchSpec:
     return spec
 
 
+def _sparse_layers(cfg: Any, num_layers: int) -> tuple[bool, ...]:
+    """Qwen-MoE's placement: every decoder_sparse_step-th layer, minus mlp_only_layers."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _mixtral(cfg: Any) -> ArchSpec:
+    spec = _mistral(cfg)
+    spec.moe = MoESpec(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.intermediate_size,
+                       sparse_layers=(True,) * spec.num_layers, renormalize=True)
+    return spec
+
+
+def _qwen2_moe(cfg: Any) -> ArchSpec:
+    spec = ArchSpec(**_base(cfg))
+    spec.qkv_bias = bool(getattr(cfg, "qkv_bias", True))
+    spec.sliding_windows = _qwen_windows(cfg, spec.num_layers)
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    spec.moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.moe_intermediate_size,
+                       sparse_layers=_sparse_layers(cfg, spec.num_layers),
+                       renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                       shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return spec
+
+
+def _qwen3_moe(cfg: Any) -> ArchSpec:
+    spec = _qwen3(cfg)
+    spec.moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.moe_intermediate_size,
+                       sparse_layers=_sparse_layers(cfg, spec.num_layers),
+                       renormalize=bool(getattr(cfg, "norm_topk_prob", False)))
+    return spec
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
@@ -139,6 +204,9 @@ FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "Qwen3ForCausalLM": _qwen3,
     "Gemma3ForCausalLM": _gemma3,
     "Phi3ForCausalLM": _phi3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
 
 

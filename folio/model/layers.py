@@ -228,6 +228,11 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
+    def checkpoint_shards(self) -> dict[str, list[str]]:
+        """Per parameter, the shards a checkpoint with separate projections fills."""
+        shards = list(self.shard_offsets)
+        return {"weight": shards, **({"bias": shards} if self.bias is not None else {})}
+
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard]
         target = getattr(self, param_name)
@@ -318,6 +323,22 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, q_size))
 
 
+def is_silu(act: str) -> bool:
+    """Whether config activation name `act` is SiLU (which has fused kernels)."""
+    return act in ("silu", "swish")
+
+
+def gate_activation(act: str):
+    """The function a gated MLP applies to its gate, from the config's activation name."""
+    if is_silu(act):
+        return F.silu
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu
+    raise ValueError(f"activation {act!r} is not supported")
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up in one matmul."""
 
@@ -329,15 +350,8 @@ class GatedMLP(nn.Module):
                                                        "up": intermediate_size}, bias=bias,
                                          kernels=kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, kernels=kernels)
-        self.fused_silu = act in ("silu", "swish")
-        if act in ("silu", "swish"):
-            self.act = F.silu
-        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        elif act == "gelu":
-            self.act = F.gelu
-        else:
-            raise ValueError(f"activation {act!r} is not supported")
+        self.fused_silu = is_silu(act)
+        self.act = gate_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.gate_up_proj.packed

@@ -99,6 +99,9 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
+    if spec.moe is not None and quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
+                         f"models yet (their experts load in the model's dtype only)")
     backend = get_attention_backend(device, kernel_config)
     with torch.device("meta"):
         # Build on the meta device in the target dtype, then materialise once on the target
