@@ -162,6 +162,25 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("norm_topk_prob", True), ("decoder_sparse_step", 2), ("head_dim", 32),
         ("use_sliding_window", False),
     )),
+    # DeepSeek-V2 (Lite's layout: no q compression): latent attention with interleaved
+    # rotary, a dense first layer, then softmax routing limited to the best 2 of 4 expert
+    # groups, scaled, plus two shared experts.
+    "deepseek_v2": TinyArch("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", (
+        ("q_lora_rank", None), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16),
+        ("qk_rope_head_dim", 16), ("v_head_dim", 24), ("n_routed_experts", 8),
+        ("num_experts_per_tok", 2), ("moe_intermediate_size", 32), ("n_shared_experts", 2),
+        ("first_k_dense_replace", 1), ("topk_method", "group_limited_greedy"), ("n_group", 4),
+        ("topk_group", 2), ("routed_scaling_factor", 1.5), ("num_key_value_heads", 4),
+    )),
+    # DeepSeek-V3: compressed queries too, sigmoid routing with a (perturbed) correction
+    # bias over 2 groups of 4, renormalized and scaled, one shared expert.
+    "deepseek_v3": TinyArch("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", (
+        ("q_lora_rank", 24), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16),
+        ("qk_rope_head_dim", 16), ("v_head_dim", 24), ("n_routed_experts", 8),
+        ("num_experts_per_tok", 3), ("moe_intermediate_size", 32), ("n_shared_experts", 1),
+        ("first_k_dense_replace", 1), ("n_group", 2), ("topk_group", 1),
+        ("routed_scaling_factor", 2.5), ("norm_topk_prob", True), ("num_key_value_heads", 4),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),
@@ -197,6 +216,10 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+        # DeepSeek-V3's router bias starts at zero, which would leave its use untested
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from folio.model.attention import AttentionBackend, AttentionMetadata
 from folio.model.families import ArchSpec
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from folio.model.mla import MLAttention
 from folio.model.moe.layer import EXPERT_SHARDS, SparseMoeBlock
 
 # Checkpoint names of projections that folio stores merged: (merged module, shard).
@@ -47,11 +48,15 @@ class DecoderLayer(nn.Module):
                  kernels: KernelConfig = DEFAULT_KERNEL_CONFIG, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(
-            hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
-            qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
-            sliding_window=sliding_window, kernels=kernels, scale=spec.attn_scale)
+        if spec.mla is not None:
+            self.self_attn = MLAttention(spec, rotary, backend, kernels)
+        else:
+            self.self_attn = Attention(
+                hidden_size=spec.hidden_size, num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, qkv_bias=spec.qkv_bias,
+                o_bias=spec.o_bias, qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps,
+                rotary=rotary, backend=backend, sliding_window=sliding_window, kernels=kernels,
+                scale=spec.attn_scale)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = make_mlp(spec, layer_idx, kernels)
 
@@ -186,7 +191,13 @@ class DecoderLM(nn.Module):
         if sep and rest in _UNUSED_ATTN_SCALES:
             return None
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
         parts = name.split(".")
+        if self.spec.num_mtp_layers and len(parts) > 2 and parts[0] == "layers" \
+                and parts[1].isdigit() and int(parts[1]) >= self.spec.num_layers:
+            return None  # a multi-token-prediction module, not a decoder layer
+        if self.spec.mla is not None and parts[-2] == "q_proj":
+            return ".".join(parts[:-1]), None, parts[-1]  # MLA's own q_proj, not a merged shard
         if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
                 and parts[-2] in EXPERT_SHARDS:
             # one expert's projection, into its slice of the stacked weights (FusedMoE)
@@ -270,3 +281,6 @@ class DecoderLM(nn.Module):
         missing += [n for n in params if n not in loaded and n not in merged_names]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.after_load()

@@ -4,6 +4,7 @@ Adding a Llama-like family is one entry here, not a new decoder.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
@@ -32,6 +33,25 @@ class MoESpec:
     # Always-on experts beside the routed ones (Qwen2-MoE: one, behind a sigmoid gate)
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # The router's matmul in float32 whatever the model's dtype (DeepSeek's routers)
+    router_float32: bool = False
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3; folio/model/mla.py)."""
+    q_lora_rank: int | None      # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool        # rotary on interleaved pairs (DeepSeek's checkpoints)
+    softmax_scale: float
+
+    @property
+    def latent_width(self) -> int:
+        """Cache elements per token and layer: the latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -67,6 +87,23 @@ class ArchSpec:
     final_logit_softcapping: float | None = None
     # Mixture-of-experts MLPs (None: every layer dense)
     moe: MoESpec | None = None
+    # Multi-head latent attention in place of the usual (None: q/k/v heads)
+    mla: MLASpec | None = None
+    # Checkpoint layers past num_layers that are multi-token-prediction modules (DeepSeek-V3's
+    # MTP), not decoder layers: skipped when loading the model
+    num_mtp_layers: int = 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer in the cache: K and V, or MLA's one latent plane."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_entry(self) -> tuple[int, int]:
+        """(heads, width) of one token's cache entry in one plane of one layer."""
+        if self.mla is not None:
+            return 1, self.mla.latent_width
+        return self.num_kv_heads, self.head_dim
 
 
 def _base(cfg: Any) -> dict:
@@ -197,6 +234,67 @@ def _qwen3_moe(cfg: Any) -> ArchSpec:
     return spec
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_spec(cfg: Any, rope_interleave: bool) -> MLASpec:
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    scale = (nope + rope) ** -0.5
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type", "default")) != "default" \
+            and params.get("mscale_all_dim"):
+        # YaRN's attention temperature, applied to the softmax scale (DeepSeek's rule)
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return MLASpec(q_lora_rank=getattr(cfg, "q_lora_rank", None), kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=cfg.v_head_dim,
+                   rope_interleave=rope_interleave, softmax_scale=scale)
+
+
+def _deepseek(cfg: Any, v3: bool) -> ArchSpec:
+    spec = ArchSpec(**_base(cfg))
+    spec.head_dim = cfg.qk_rope_head_dim  # the rotary part's width (RotaryEmbedding's)
+    spec.num_kv_heads = 1                 # one latent per token (kv_entry)
+    spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", False))
+    spec.sliding_windows = (None,) * spec.num_layers
+    spec.mla = _mla_spec(cfg, bool(getattr(cfg, "rope_interleave", True)) if v3 else True)
+    first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    experts = cfg.n_routed_experts
+    groups = int(getattr(cfg, "n_group", None) or 1)
+    if v3:
+        method = "noaux_tc"
+    else:
+        method = getattr(cfg, "topk_method", None) or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"DeepSeek topk_method {method!r} is not supported")
+    grouped = method != "greedy" and groups > 1
+    spec.moe = MoESpec(
+        num_experts=experts, top_k=cfg.num_experts_per_tok,
+        intermediate_size=cfg.moe_intermediate_size,
+        sparse_layers=tuple(i >= first_dense for i in range(spec.num_layers)),
+        scoring=MoEScoring.SIGMOID if v3 else MoEScoring.SOFTMAX,
+        # transformers' DeepSeek-V2 never renormalizes (whatever norm_topk_prob says)
+        renormalize=bool(getattr(cfg, "norm_topk_prob", False)) if v3 else False,
+        routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+        num_groups=groups if grouped else 1,
+        topk_groups=int(getattr(cfg, "topk_group", None) or 1) if grouped else 1,
+        score_correction_bias=v3,
+        shared_expert_intermediate_size=cfg.moe_intermediate_size
+        * int(getattr(cfg, "n_shared_experts", 0) or 0),
+        router_float32=True)
+    spec.num_mtp_layers = int(getattr(cfg, "num_nextn_predict_layers", None)
+                              or getattr(cfg, "num_mtp_layers", 0) or 0) if v3 else 0
+    return spec
+
+
+def _deepseek_v2(cfg: Any) -> ArchSpec:
+    return _deepseek(cfg, v3=False)
+
+
+def _deepseek_v3(cfg: Any) -> ArchSpec:
+    return _deepseek(cfg, v3=True)
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
@@ -207,6 +305,8 @@ FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "MixtralForCausalLM": _mixtral,
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 

@@ -37,7 +37,8 @@ def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype,
 
 def bytes_per_block(spec: ArchSpec, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+    heads, width = spec.kv_entry
+    return spec.kv_planes * spec.num_layers * block_size * heads * width * element
 
 
 def default_cpu_kv_bytes() -> int:
@@ -69,10 +70,11 @@ def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
 
 def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer. Zeroed, so padded
-    reads of never-written slots hold finite values (0 * NaN would poison masked attention);
-    a float8 zero is all zero bits too."""
-    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer ([1, ..., 1,
+    latent width] for multi-head latent attention: ArchSpec.kv_planes, kv_entry). Zeroed, so
+    padded reads of never-written slots hold finite values (0 * NaN would poison masked
+    attention); a float8 zero is all zero bits too."""
+    shape = (spec.kv_planes, num_blocks, block_size, *spec.kv_entry)
     if device.type == "cpu":
         return [_lazily_zeroed(shape, dtype) for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]

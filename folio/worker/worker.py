@@ -70,7 +70,8 @@ class Worker:
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len,
                                            kernel_config=kernel_config,
-                                           quantization=self.quantization)
+                                           quantization=self.quantization,
+                                           kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,

@@ -43,7 +43,7 @@ LOGPROB_ATOL = 1e-3
 # only flip a near-tie, never a clear preference.
 NEAR_TIE = 1e-2
 TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "mixtral",
-              "qwen2_moe", "qwen3_moe"]
+              "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 
 @dataclass

@@ -11,6 +11,7 @@ threads.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -23,12 +24,26 @@ _SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention
 _lock = threading.Lock()
 
 
+def _source_tag(here: str) -> str:
+    """A short hash of the sources (headers included): the build's name carries it, so two
+    folio versions (or checkouts) on one machine keep one build each instead of rebuilding
+    over each other in torch's shared extension directory."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name.endswith((".cpp", ".h", ".hpp")):
+            digest.update(name.encode())
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 @functools.lru_cache(maxsize=None)
 def _build() -> Any:
     from torch.utils.cpp_extension import load
     here = os.path.join(os.path.dirname(__file__), "csrc")
     logger.info("building folio's CPU kernels (first use on this machine only)")
-    return load(name=_NAME, sources=[os.path.join(here, s) for s in _SOURCES], verbose=False,
+    name = f"{_NAME}_{_source_tag(here)}"
+    return load(name=name, sources=[os.path.join(here, s) for s in _SOURCES], verbose=False,
                 extra_include_paths=[here], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
 

@@ -116,10 +116,14 @@ class MoERouter(nn.Module):
             num_experts=moe.num_experts, top_k=moe.top_k, scoring=moe.scoring,
             renormalize=moe.renormalize, num_groups=moe.num_groups,
             topk_groups=moe.topk_groups, routed_scaling_factor=moe.routed_scaling_factor)
+        self.float32 = moe.router_float32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(F.linear(x, self.weight), self.config,
-                              self.e_score_correction_bias)
+        if self.float32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        return select_experts(logits, self.config, self.e_score_correction_bias)
 
 
 class SparseMoeBlock(nn.Module):

@@ -201,11 +201,11 @@ inline T to_cache(float x, float scale) {
 
 template <typename T>
 void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* slots,
-                 int64_t T_tokens, int64_t slots_total, int64_t KVH, int64_t D,
+                 int64_t T_tokens, int64_t plane, int64_t KVH, int64_t D,
                  const float* k_scale, const float* v_scale) {
   const int64_t row = KVH * D;
   T* k_cache = cache;
-  T* v_cache = cache + slots_total * row;
+  T* v_cache = cache + plane;
   at::parallel_for(0, T_tokens, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t slot = slots[t];
@@ -339,11 +339,10 @@ template <typename T>
 void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
             int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
             int64_t T_tokens, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
-            int64_t block_size, float scale, int64_t window, const float* k_scale,
+            int64_t plane, int64_t block_size, float scale, int64_t window, const float* k_scale,
             const float* v_scale) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;              // elements of one cache slot
-  const int64_t plane = num_blocks * block_size * row;  // K plane, then V plane
   folio_cpu::parallel_tasks(T_tokens * KVH, [&](const auto& take) {
     std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
     std::vector<int64_t> offs;
@@ -427,18 +426,22 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   auto heads = [](const torch::Tensor& x) {
     return Heads{x.data_ptr<float>(), x.stride(0), x.stride(1)};
   };
+  // The V plane's offset: the K plane's size, or 0 where one latent plane serves as both
+  // (multi-head latent attention, whose values are its keys)
+  const int64_t plane = kv_cache.stride(0);
   write_cache<T>(heads(key), heads(value), cache, slots.data_ptr<int64_t>(), T_tokens,
-                 num_blocks * block_size, KVH, D, ks, vs);
+                 plane, KVH, D, ks, vs);
   attend<T>(out.data_ptr<float>(), heads(query), cache, tables.data_ptr<int64_t>(),
             tables.size(1), token_req.data(), token_pos.data(), T_tokens, H, KVH, D,
-            num_blocks, block_size, static_cast<float>(scale), window, ks, vs);
+            num_blocks, plane, block_size, static_cast<float>(scale), window, ks, vs);
 }
 
 }  // namespace
 
 // out [T, H, D] float32 contiguous; query [T, H, D] and key/value [T, KVH, D] float32 with
 // a contiguous last dimension (rows may be strided); kv_cache [2, num_blocks,
-// block_size, KVH, D] float32/bfloat16/float16/float8_e4m3fn/float8_e5m2; slot_mapping [T]
+// block_size, KVH, D] (contiguous, or one contiguous plane viewed twice: stride 0 on the
+// first dimension) float32/bfloat16/float16/float8_e4m3fn/float8_e5m2; slot_mapping [T]
 // int64; block_tables [B, max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B]
 // int64 (CPU tensors, all contiguous); sliding_window <= 0 for none; k_scale / v_scale [KVH]
 // float32, read for an FP8 cache only.
@@ -458,8 +461,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(),
                 "slot_mapping, block_tables, query_start_loc and seq_lens must be contiguous int64");
   }
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
+                  (kv_cache.stride(0) == 0 || kv_cache.stride(0) == kv_cache[0].numel()),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] "
+              "(or one plane expanded to two)");
   const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && key.size(1) == KVH && key.size(2) == D &&
