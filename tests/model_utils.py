@@ -131,14 +131,23 @@ TINY_ARCHS: dict[str, TinyArch] = {
     )),
     # Gemma 3: sandwich norms, (1 + w) norms, scaled embeddings, q/k norms, a query scale
     # that is not head_dim's, sliding layers (window 16) around a full one, each kind with
-    # its own rotary (the full layer's scaled), soft-capped logits.
+    # its own rotary (the full layer's scaled), soft-capped logits. attn_logit_softcapping is
+    # set but, as in transformers' Gemma 3, not applied (Gemma 2 applies it).
     "gemma3": TinyArch("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", (
         ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
         ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
         ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 1000000.0}}),
-        ("final_logit_softcapping", 30.0),
+        ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 8.0),
+    )),
+    # Gemma 2: Gemma 3's layer without q/k norms, one rotary table, sliding layers by
+    # transformers' default layer_types (sliding, full, sliding), a window of 16, and both
+    # soft caps small enough to change the results (checked: without either cap the greedy
+    # outputs differ).
+    "gemma2": TinyArch("gemma2", "Gemma2Config", "Gemma2ForCausalLM", (
+        ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
+        ("attn_logit_softcapping", 5.0), ("final_logit_softcapping", 10.0),
     )),
     # Phi-3: q/k/v and gate/up fused in the checkpoint, half the head rotated, a window.
     "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
@@ -188,8 +197,12 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
 @functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model of a directory, loaded once per (dir, dtype)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs = {}
+    if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
+        # transformers' SDPA path refuses a soft cap (Gemma 2 defaults to eager, Gemma 3 not)
+        kwargs["attn_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()
 
 

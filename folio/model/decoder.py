@@ -41,7 +41,8 @@ class DecoderLayer(nn.Module):
             hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
             qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
-            sliding_window=sliding_window, kernels=kernels, scale=spec.attn_scale)
+            sliding_window=sliding_window, kernels=kernels, scale=spec.attn_scale,
+            logits_soft_cap=spec.attn_logit_softcapping, sinks=spec.attention_sinks)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias,
                             spec.hidden_act, kernels)

@@ -243,9 +243,18 @@ class Attention(nn.Module):
                  rotary: RotaryEmbedding, backend: AttentionBackend,
                  sliding_window: int | None,
                  kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False) -> None:
+        """`logits_soft_cap`: Gemma 2's attn_logit_softcapping (None = none). `sinks`: a
+        learned per-head sink logit (GPT-OSS), loaded from the checkpoint's
+        `self_attn.sinks`."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.logits_soft_cap = logits_soft_cap or None
+        # float32 [H] as the backends take it; a weight, so the loader fills it (and casts
+        # it to the model's dtype: forward hands the backends a float32 copy then).
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32),
+                                  requires_grad=False) if sinks else None
         self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
                                                    "k": num_kv_heads * head_dim,
                                                    "v": num_kv_heads * head_dim}, bias=qkv_bias,
@@ -312,9 +321,13 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         if metadata.calculate_kv_scales and is_fp8(kv_cache.dtype):
             self.calculate_kv_scales(k, v)
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
                                    sliding_window=self.sliding_window,
-                                   k_scale=self.k_scale, v_scale=self.v_scale)
+                                   k_scale=self.k_scale, v_scale=self.v_scale,
+                                   logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return self.o_proj(out.reshape(t, q_size))
 
 

@@ -11,6 +11,7 @@ transformers is the plain reference. Checks, per prompt:
 Families: SmolLM2-135M-Instruct (real weights, Llama), and tiny random Llama, Llama with
 Llama-3.1 rope scaling, Mistral with a sliding window, Qwen2 (qkv bias), Qwen3 (qk-norm),
 Gemma 3 (sandwich norms, sliding and full layers with their own rotary, soft-capped logits),
+Gemma 2 (sandwich norms, soft-capped attention scores and logits, alternating windows),
 Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ LOGPROB_ATOL = 1e-3
 # When greedy picks differ, HF's logprobs of the two tokens must be this close: rounding can
 # only flip a near-tie, never a clear preference.
 NEAR_TIE = 1e-2
-TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
+TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
 
 
 @dataclass
