@@ -153,6 +153,28 @@ TINY_ARCHS: dict[str, TinyArch] = {
     "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
         ("partial_rotary_factor", 0.5), ("sliding_window", 16),
     )),
+    # Phi-3 with LongRoPE: per-pair short factors well away from 1 and an attention factor
+    # from max_position_embeddings / original (1024 / 700); the original length is above
+    # every test sequence (prompts up to 620 tokens + 24), where folio's table (short
+    # factors below the original length, long ones beyond) is exactly transformers'.
+    "phi3_longrope": TinyArch("phi3_longrope", "Phi3Config", "Phi3ForCausalLM", (
+        ("original_max_position_embeddings", 700),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                             "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 20.0]}),
+    )),
+    # YaRN over a short original context (256): a ramp across head_dim 16's pairs and an
+    # attention factor of 0.1 ln 4 + 1 on cos and sin.
+    "llama_yarn": TinyArch("llama_yarn", "LlamaConfig", "LlamaForCausalLM", (
+        ("head_dim", 16),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256}),
+    )),
+    # Dynamic NTK: the default table while sequences stay within max_position_embeddings,
+    # on both sides (folio/model/rope_scaling.py).
+    "llama_dynamic": TinyArch("llama_dynamic", "LlamaConfig", "LlamaForCausalLM", (
+        ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),

@@ -12,7 +12,8 @@ Families: SmolLM2-135M-Instruct (real weights, Llama), and tiny random Llama, Ll
 Llama-3.1 rope scaling, Mistral with a sliding window, Qwen2 (qkv bias), Qwen3 (qk-norm),
 Gemma 3 (sandwich norms, sliding and full layers with their own rotary, soft-capped logits),
 Gemma 2 (sandwich norms, soft-capped attention scores and logits, alternating windows),
-Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window).
+Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window), and the rope scalings
+(rope_scaling.py): Phi-3 with LongRoPE, Llama with YaRN, Llama with dynamic NTK.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ LOGPROB_ATOL = 1e-3
 # When greedy picks differ, HF's logprobs of the two tokens must be this close: rounding can
 # only flip a near-tie, never a clear preference.
 NEAR_TIE = 1e-2
-TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
+TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
+              "phi3_longrope", "llama_yarn", "llama_dynamic"]
 
 
 @dataclass
