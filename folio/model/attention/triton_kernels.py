@@ -121,11 +121,9 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
 
     @triton.jit
-    def _start_from_sinks(SINKS, heads, ok, m_i, l_i, use):
-        """The online-softmax state of rows whose softmax has a sink: (sink * log2(e), 1) where
-        `use`, else the state given."""
-        sink = tl.load(SINKS + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        return tl.where(use, sink, m_i), tl.where(use, 1.0, l_i)
+    def _sink_logits(SINKS, heads, ok):
+        """The rows' sink logits in the log2 domain (sink * log2(e)); 0 where not `ok`."""
+        return tl.load(SINKS + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
     @triton.jit
     def _attend_tile(
@@ -240,8 +238,9 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        if HAS_SINKS:
-            m_i, l_i = _start_from_sinks(SINKS, heads, row_ok, m_i, l_i, True)
+        if HAS_SINKS:  # the sink as a first key: logit sink, weight exp2(0) = 1, no value
+            m_i = _sink_logits(SINKS, heads, row_ok)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         BT_row = BT + b.to(tl.int64) * stride_bt
         for start in range(kv_start, kv_end, BLOCK_N):
@@ -313,7 +312,9 @@ if HAS_TRITON:
         m_i = tl.full([G_M], float("-inf"), tl.float32)
         l_i = tl.zeros([G_M], tl.float32)
         if HAS_SINKS:  # split 0 only: the merge adds the splits' denominators
-            m_i, l_i = _start_from_sinks(SINKS, heads, hd < G, m_i, l_i, split == 0)
+            first = split == 0
+            m_i = tl.where(first, _sink_logits(SINKS, heads, hd < G), m_i)
+            l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([G_M, D_PAD], tl.float32)
         BT_row = BT + b64 * stride_bt
         for s0 in range(start, end, BLOCK_N):
