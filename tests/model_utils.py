@@ -222,7 +222,7 @@ def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     kwargs = {}
     if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
-        # transformers' SDPA path refuses a soft cap (Gemma 2 defaults to eager, Gemma 3 not)
+        # eager: transformers' SDPA path cannot soft-cap scores (Gemma 2 picks eager itself)
         kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()
