@@ -131,18 +131,49 @@ TINY_ARCHS: dict[str, TinyArch] = {
     )),
     # Gemma 3: sandwich norms, (1 + w) norms, scaled embeddings, q/k norms, a query scale
     # that is not head_dim's, sliding layers (window 16) around a full one, each kind with
-    # its own rotary (the full layer's scaled), soft-capped logits.
+    # its own rotary (the full layer's scaled), soft-capped logits. attn_logit_softcapping is
+    # set but, as in transformers' Gemma 3, not applied (Gemma 2 applies it).
     "gemma3": TinyArch("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", (
         ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
         ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
         ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 1000000.0}}),
-        ("final_logit_softcapping", 30.0),
+        ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 8.0),
+    )),
+    # Gemma 2: Gemma 3's layer without q/k norms, one rotary table, sliding layers by
+    # transformers' default layer_types (sliding, full, sliding), a window of 16, and both
+    # soft caps small enough to change the results (checked: without either cap the greedy
+    # outputs differ).
+    "gemma2": TinyArch("gemma2", "Gemma2Config", "Gemma2ForCausalLM", (
+        ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
+        ("attn_logit_softcapping", 5.0), ("final_logit_softcapping", 10.0),
     )),
     # Phi-3: q/k/v and gate/up fused in the checkpoint, half the head rotated, a window.
     "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
         ("partial_rotary_factor", 0.5), ("sliding_window", 16),
+    )),
+    # Phi-3 with LongRoPE: per-pair short factors well away from 1 and an attention factor
+    # from max_position_embeddings / original (1024 / 700); the original length is above
+    # every test sequence (prompts up to 620 tokens + 24), where folio's table (short
+    # factors below the original length, long ones beyond) is exactly transformers'.
+    "phi3_longrope": TinyArch("phi3_longrope", "Phi3Config", "Phi3ForCausalLM", (
+        ("original_max_position_embeddings", 700),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                             "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 20.0]}),
+    )),
+    # YaRN over a short original context (256): a ramp across head_dim 16's pairs and an
+    # attention factor of 0.1 ln 4 + 1 on cos and sin.
+    "llama_yarn": TinyArch("llama_yarn", "LlamaConfig", "LlamaForCausalLM", (
+        ("head_dim", 16),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256}),
+    )),
+    # Dynamic NTK: the default table while sequences stay within max_position_embeddings,
+    # on both sides (folio/model/rope_scaling.py).
+    "llama_dynamic": TinyArch("llama_dynamic", "LlamaConfig", "LlamaForCausalLM", (
+        ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
     )),
     # Mixtral: 4 experts, top 2, renormalized softmax routing, Mistral's attention.
     "mixtral": TinyArch("mixtral", "MixtralConfig", "MixtralForCausalLM", (
@@ -229,8 +260,12 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
 @functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model of a directory, loaded once per (dir, dtype)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs = {}
+    if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
+        # eager: transformers' SDPA path cannot soft-cap scores (Gemma 2 picks eager itself)
+        kwargs["attn_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()
 
 

@@ -56,7 +56,8 @@ class DecoderLayer(nn.Module):
                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, qkv_bias=spec.qkv_bias,
                 o_bias=spec.o_bias, qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps,
                 rotary=rotary, backend=backend, sliding_window=sliding_window, kernels=kernels,
-                scale=spec.attn_scale)
+                scale=spec.attn_scale, logits_soft_cap=spec.attn_logit_softcapping,
+                sinks=spec.attention_sinks)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = make_mlp(spec, layer_idx, kernels)
 

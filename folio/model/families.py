@@ -85,6 +85,12 @@ class ArchSpec:
     sandwich_norms: bool = False
     attn_scale: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2's tanh soft-capping of the attention scores, after scaling, before the mask and
+    # softmax (None: none); every attention backend applies it.
+    attn_logit_softcapping: float | None = None
+    # GPT-OSS: a learned logit per query head (checkpoint `self_attn.sinks`) that joins each
+    # softmax's denominator and carries no value.
+    attention_sinks: bool = False
     # Mixture-of-experts MLPs (None: every layer dense)
     moe: MoESpec | None = None
     # Multi-head latent attention in place of the usual (None: q/k/v heads)
@@ -162,25 +168,45 @@ def _qwen3(cfg: Any) -> ArchSpec:
     return spec
 
 
-def _gemma3(cfg: Any) -> ArchSpec:
-    """Gemma 3 (text): q/k norms, sandwich norms, (1 + w) norm weights, scaled embeddings,
-    sliding layers interleaved with full ones, each kind with its own rotary base."""
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise ValueError("attn_logit_softcapping is not supported by folio's attention "
-                         "backends yet")
+def _gemma_layers(cfg: Any, spec: ArchSpec, default_types: list[str]) -> list[str]:
+    """What Gemma 2 and 3 share: sandwich norms, (1 + w) norm weights, scaled embeddings,
+    query_pre_attn_scalar, both soft caps, and sliding layers by `layer_types` (`default_types`
+    when the config has none). Returns the layer types."""
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder variant) is not supported")
-    spec = ArchSpec(**_base(cfg))
     spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", False))
-    spec.qk_norm = True
     spec.sandwich_norms = True
     spec.norm_offset = 1.0
     spec.embed_scale = float(cfg.hidden_size) ** 0.5
     spec.attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
-    spec.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * spec.num_layers)
+    spec.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None) or None
+    spec.attn_logit_softcapping = getattr(cfg, "attn_logit_softcapping", None) or None
+    types = list(getattr(cfg, "layer_types", None) or default_types)
     spec.sliding_windows = tuple(cfg.sliding_window if t == "sliding_attention" else None
                                  for t in types)
+    return types
+
+
+def _gemma2(cfg: Any) -> ArchSpec:
+    """Gemma 2: Gemma 3's layer without q/k norms and with one rotary table; attention
+    scores soft-capped; sliding layers first and every other one after (transformers'
+    default layer_types: sliding where (i + 1) is odd)."""
+    spec = ArchSpec(**_base(cfg))
+    _gemma_layers(cfg, spec, ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(spec.num_layers)])
+    return spec
+
+
+def _gemma3(cfg: Any) -> ArchSpec:
+    """Gemma 3 (text): q/k norms, sandwich norms, (1 + w) norm weights, scaled embeddings,
+    sliding layers interleaved with full ones, each kind with its own rotary base."""
+    spec = ArchSpec(**_base(cfg))
+    spec.qk_norm = True
+    types = _gemma_layers(cfg, spec, ["full_attention"] * spec.num_layers)
+    # Gemma 3's config keeps attn_logit_softcapping (None in the published checkpoints: q/k
+    # norms replaced the cap), and transformers' Gemma 3 never applies it; neither do we, so
+    # a config that sets it runs as the reference runs it.
+    spec.attn_logit_softcapping = None
     rope = getattr(cfg, "rope_parameters", None) or {}
     if all(t in rope for t in set(types)):
         spec.layer_rope_parameters = tuple(dict(rope[t]) for t in types)
@@ -300,6 +326,7 @@ FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
     "Phi3ForCausalLM": _phi3,
     "MixtralForCausalLM": _mixtral,
