@@ -257,12 +257,12 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model the worker runs (its own KV cache, beside the
 # target's); the others draft on the host, in the scheduler.
-MODEL_SPEC_METHODS = ("draft_model", "eagle", "eagle3")
-# vLLM's other methods: accepted names that this build does not run yet (a clear refusal).
-_SPEC_METHODS_LATER = ("mtp",)
+MODEL_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# The methods that need `model` (mtp's module is in the target's own checkpoint).
+_SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -286,9 +286,12 @@ class SpeculativeConfig:
     block table, so its capacity in blocks is the target's).
     `eagle` / `eagle3`: `model` is an EAGLE or EAGLE-3 head in the published format
     (folio/model/eagle.py), drafting greedily in a chain from the target's hidden states.
+    `mtp`: the target's own multi-token-prediction module (DeepSeek-V3's
+    num_nextn_predict_layers, folio/model/mtp.py) drafts the same way; `model` is left out.
     Giving `model` without `method` picks eagle3 or eagle when the name says so, else
     draft_model, as vLLM does.
-    `num_speculative_tokens` left out: 4 for ngram and draft_model, the tree depth (at most 32) for suffix.
+    `num_speculative_tokens` left out: 4 for ngram, draft_model and the heads, the tree depth
+    (at most 32) for suffix.
     The shared suffix index holds depth entries per output token, so its default cache is 64
     requests (vLLM's is 10,000, in a C++ suffix tree)."""
 
@@ -312,11 +315,13 @@ class SpeculativeConfig:
             name = (self.model or "").lower()
             self.method = "ngram" if self.model is None else "eagle3" if "eagle3" in name \
                 else "eagle" if "eagle" in name else "draft_model"
-        _require(self.method not in _SPEC_METHODS_LATER, "speculative_config.method",
-                 f"{self.method!r} is not supported yet; supported: {list(SPEC_METHODS)}")
         _require(self.method in SPEC_METHODS, "speculative_config.method",
                  f"must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        if self.method in MODEL_SPEC_METHODS:
+        if self.method == "mtp":
+            _require(self.model is None or isinstance(self.model, str),
+                     "speculative_config.model",
+                     "for mtp is the target model (its own MTP layers), or left out")
+        elif self.method in _SPEC_METHODS_WITH_MODEL:
             _require(isinstance(self.model, str) and self.model != "",
                      "speculative_config.model",
                      f"method {self.method!r} needs the draft model's path or hub id")

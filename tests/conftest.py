@@ -53,7 +53,7 @@ def smollm2_tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
                    smollm2_tokenizer: Any) -> Callable[[str], str]:
-    """Factory: tiny_model_dir("llama" | "llama3_rope" | "mistral" | "qwen2" | "qwen3") -> an
+    """Factory: tiny_model_dir(a model_utils.TINY_ARCHS key, e.g. "llama", "gemma2") -> an
     HF directory of a tiny random float32 model (fixed seed), built on first request."""
     root = tmp_path_factory.mktemp("tiny_models")
     built: dict[str, str] = {}

@@ -131,18 +131,86 @@ TINY_ARCHS: dict[str, TinyArch] = {
     )),
     # Gemma 3: sandwich norms, (1 + w) norms, scaled embeddings, q/k norms, a query scale
     # that is not head_dim's, sliding layers (window 16) around a full one, each kind with
-    # its own rotary (the full layer's scaled), soft-capped logits.
+    # its own rotary (the full layer's scaled), soft-capped logits. attn_logit_softcapping is
+    # set but, as in transformers' Gemma 3, not applied (Gemma 2 applies it).
     "gemma3": TinyArch("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", (
         ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
         ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
         ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 1000000.0}}),
-        ("final_logit_softcapping", 30.0),
+        ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 8.0),
+    )),
+    # Gemma 2: Gemma 3's layer without q/k norms, one rotary table, sliding layers by
+    # transformers' default layer_types (sliding, full, sliding), a window of 16, and both
+    # soft caps small enough to change the results (checked: without either cap the greedy
+    # outputs differ).
+    "gemma2": TinyArch("gemma2", "Gemma2Config", "Gemma2ForCausalLM", (
+        ("head_dim", 16), ("query_pre_attn_scalar", 24), ("sliding_window", 16),
+        ("attn_logit_softcapping", 5.0), ("final_logit_softcapping", 10.0),
     )),
     # Phi-3: q/k/v and gate/up fused in the checkpoint, half the head rotated, a window.
     "phi3": TinyArch("phi3", "Phi3Config", "Phi3ForCausalLM", (
         ("partial_rotary_factor", 0.5), ("sliding_window", 16),
+    )),
+    # Phi-3 with LongRoPE: per-pair short factors well away from 1 and an attention factor
+    # from max_position_embeddings / original (1024 / 700); the original length is above
+    # every test sequence (prompts up to 620 tokens + 24), where folio's table (short
+    # factors below the original length, long ones beyond) is exactly transformers'.
+    "phi3_longrope": TinyArch("phi3_longrope", "Phi3Config", "Phi3ForCausalLM", (
+        ("original_max_position_embeddings", 700),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                             "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 20.0]}),
+    )),
+    # YaRN over a short original context (256): a ramp across head_dim 16's pairs and an
+    # attention factor of 0.1 ln 4 + 1 on cos and sin.
+    "llama_yarn": TinyArch("llama_yarn", "LlamaConfig", "LlamaForCausalLM", (
+        ("head_dim", 16),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256}),
+    )),
+    # Dynamic NTK: the default table while sequences stay within max_position_embeddings,
+    # on both sides (folio/model/rope_scaling.py).
+    "llama_dynamic": TinyArch("llama_dynamic", "LlamaConfig", "LlamaForCausalLM", (
+        ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    )),
+    # Mixtral: 4 experts, top 2, renormalized softmax routing, Mistral's attention.
+    "mixtral": TinyArch("mixtral", "MixtralConfig", "MixtralForCausalLM", (
+        ("num_local_experts", 4), ("num_experts_per_tok", 2), ("intermediate_size", 48),
+    )),
+    # Qwen2-MoE: unnormalized top-2 of 6 experts, a sigmoid-gated shared expert, and a
+    # dense MLP on layer 1 (mlp_only_layers) of a different width.
+    "qwen2_moe": TinyArch("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", (
+        ("num_experts", 6), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32),
+        ("shared_expert_intermediate_size", 48), ("norm_topk_prob", False),
+        ("mlp_only_layers", [1]), ("use_sliding_window", False),
+    )),
+    # Qwen3-MoE: q/k norms, normalized top-3 of 8 experts on every other layer
+    # (decoder_sparse_step 2: layer 1 only; layers 0 and 2 dense).
+    "qwen3_moe": TinyArch("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", (
+        ("num_experts", 8), ("num_experts_per_tok", 3), ("moe_intermediate_size", 32),
+        ("norm_topk_prob", True), ("decoder_sparse_step", 2), ("head_dim", 32),
+        ("use_sliding_window", False),
+    )),
+    # DeepSeek-V2 (Lite's layout: no q compression): latent attention with interleaved
+    # rotary, a dense first layer, then softmax routing limited to the best 2 of 4 expert
+    # groups, scaled, plus two shared experts.
+    "deepseek_v2": TinyArch("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", (
+        ("q_lora_rank", None), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16),
+        ("qk_rope_head_dim", 16), ("v_head_dim", 24), ("n_routed_experts", 8),
+        ("num_experts_per_tok", 2), ("moe_intermediate_size", 32), ("n_shared_experts", 2),
+        ("first_k_dense_replace", 1), ("topk_method", "group_limited_greedy"), ("n_group", 4),
+        ("topk_group", 2), ("routed_scaling_factor", 1.5), ("num_key_value_heads", 4),
+    )),
+    # DeepSeek-V3: compressed queries too, sigmoid routing with a (perturbed) correction
+    # bias over 2 groups of 4, renormalized and scaled, one shared expert.
+    "deepseek_v3": TinyArch("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", (
+        ("q_lora_rank", 24), ("kv_lora_rank", 32), ("qk_nope_head_dim", 16),
+        ("qk_rope_head_dim", 16), ("v_head_dim", 24), ("n_routed_experts", 8),
+        ("num_experts_per_tok", 3), ("moe_intermediate_size", 32), ("n_shared_experts", 1),
+        ("first_k_dense_replace", 1), ("n_group", 2), ("topk_group", 1),
+        ("routed_scaling_factor", 2.5), ("norm_topk_prob", True), ("num_key_value_heads", 4),
     )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
@@ -179,6 +247,10 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+        # DeepSeek-V3's router bias starts at zero, which would leave its use untested
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +260,12 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
 @functools.lru_cache(maxsize=4)
 def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model of a directory, loaded once per (dir, dtype)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs = {}
+    if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
+        # eager: transformers' SDPA path cannot soft-cap scores (Gemma 2 picks eager itself)
+        kwargs["attn_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     return model.eval()
 
 

@@ -9,7 +9,9 @@ from torch import nn
 from folio.model.attention import AttentionBackend, AttentionMetadata
 from folio.model.families import ArchSpec
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
-from folio.model.layers import Attention, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
+from folio.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from folio.model.mla import MLAttention
+from folio.model.moe.layer import EXPERT_SHARDS, SparseMoeBlock
 
 # Checkpoint names of projections that folio stores merged: (merged module, shard).
 _MERGED_SHARDS = {
@@ -31,20 +33,33 @@ _KV_SCALE_ATTRS = frozenset(_KV_SCALE_NAMES.values())
 _UNUSED_ATTN_SCALES = ("q_scale", "prob_scale")
 
 
+def make_mlp(spec: ArchSpec, layer_idx: int, kernels: KernelConfig) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the mixture of experts where the spec places one, else the
+    dense gated MLP."""
+    if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
+        return SparseMoeBlock(spec, kernels)
+    return GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.hidden_act,
+                    kernels)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
                  sliding_window: int | None,
-                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.self_attn = Attention(
-            hidden_size=spec.hidden_size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias,
-            qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps, rotary=rotary, backend=backend,
-            sliding_window=sliding_window, kernels=kernels, scale=spec.attn_scale)
+        if spec.mla is not None:
+            self.self_attn = MLAttention(spec, rotary, backend, kernels)
+        else:
+            self.self_attn = Attention(
+                hidden_size=spec.hidden_size, num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, qkv_bias=spec.qkv_bias,
+                o_bias=spec.o_bias, qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps,
+                rotary=rotary, backend=backend, sliding_window=sliding_window, kernels=kernels,
+                scale=spec.attn_scale, logits_soft_cap=spec.attn_logit_softcapping,
+                sinks=spec.attention_sinks)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias,
-                            spec.hidden_act, kernels)
+        self.mlp = make_mlp(spec, layer_idx, kernels)
 
     def _input_norm(self, hidden, residual):
         """The input norm, adding the previous layer's output to the stream first (the
@@ -68,8 +83,8 @@ class SandwichDecoderLayer(DecoderLayer):
 
     def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, backend: AttentionBackend,
                  sliding_window: int | None,
-                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
-        super().__init__(spec, rotary, backend, sliding_window, kernels)
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG, layer_idx: int = 0) -> None:
+        super().__init__(spec, rotary, backend, sliding_window, kernels, layer_idx)
         self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
@@ -112,7 +127,7 @@ class DecoderLM(nn.Module):
         windows = spec.sliding_windows or (None,) * spec.num_layers
         layer_type = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_type(spec, rotaries[i], backend, windows[i], kernels)
+            layer_type(spec, rotaries[i], backend, windows[i], kernels, i)
             for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
@@ -176,7 +191,19 @@ class DecoderLM(nn.Module):
             return f"{layer}.self_attn", None, _KV_SCALE_NAMES[rest]
         if sep and rest in _UNUSED_ATTN_SCALES:
             return None
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
         parts = name.split(".")
+        if self.spec.num_mtp_layers and len(parts) > 2 and parts[0] == "layers" \
+                and parts[1].isdigit() and int(parts[1]) >= self.spec.num_layers:
+            return None  # a multi-token-prediction module, not a decoder layer
+        if self.spec.mla is not None and parts[-2] == "q_proj":
+            return ".".join(parts[:-1]), None, parts[-1]  # MLA's own q_proj, not a merged shard
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
+                and parts[-2] in EXPERT_SHARDS:
+            # one expert's projection, into its slice of the stacked weights (FusedMoE)
+            param, part = EXPERT_SHARDS[parts[-2]]
+            return ".".join(parts[:-3]), f"{parts[-3]}.{part}", param
         merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
         if merged is not None:
             return ".".join(parts[:-2] + [merged[0]]), merged[1], parts[-1]
@@ -213,9 +240,7 @@ class DecoderLM(nn.Module):
                 if full not in params:
                     unexpected.append(name)
                     continue
-                module = self.get_submodule(module_path)
-                assert isinstance(module, MergedLinear)
-                module.load_shard(shard, attr, tensor)
+                self.get_submodule(module_path).load_shard(shard, attr, tensor)
                 loaded.add(f"{full}:{shard}")
                 continue
             name = f"{module_path}.{attr}"
@@ -233,10 +258,11 @@ class DecoderLM(nn.Module):
                 param.copy_(tensor)
             loaded.add(name)
             module = self.get_submodule(module_path) if module_path else self
-            if isinstance(module, MergedLinear):
+            if hasattr(module, "checkpoint_shards"):
                 # a checkpoint that stores the projections fused (Phi-3's qkv_proj,
-                # gate_up_proj), in the merged module's shard order
-                loaded.update(f"{module_path}.{attr}:{shard}" for shard in module.shard_offsets)
+                # gate_up_proj; stacked experts), in the merged module's shard order
+                loaded.update(f"{module_path}.{attr}:{shard}"
+                              for shard in module.checkpoint_shards().get(attr, ()))
         for name in preloaded:
             target = self.weight_target(name)
             if target is not None:
@@ -246,15 +272,16 @@ class DecoderLM(nn.Module):
             raise ValueError(f"checkpoint has weights this model does not use: {unexpected[:5]}"
                              f"{' ...' if len(unexpected) > 5 else ''}")
         missing = []
+        merged_names = set()
         for pname, module in self.named_modules():
-            if isinstance(module, MergedLinear):
-                for shard in module.shard_offsets:
-                    for attr in ("weight", "bias"):
-                        if getattr(module, attr, None) is not None and \
-                                f"{pname}.{attr}:{shard}" not in loaded:
-                            missing.append(f"{pname}.{attr}:{shard}")
-        merged_names = {f"{n}.{a}" for n, m in self.named_modules() if isinstance(m, MergedLinear)
-                        for a in ("weight", "bias")}
+            if hasattr(module, "checkpoint_shards"):
+                for attr, shards in module.checkpoint_shards().items():
+                    merged_names.add(f"{pname}.{attr}")
+                    missing += [f"{pname}.{attr}:{shard}" for shard in shards
+                                if f"{pname}.{attr}:{shard}" not in loaded]
         missing += [n for n in params if n not in loaded and n not in merged_names]
         if missing:
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.after_load()

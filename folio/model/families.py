@@ -4,8 +4,54 @@ Adding a Llama-like family is one entry here, not a new decoder.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
+
+
+class MoEScoring(str, Enum):
+    """How a router turns its logits into expert scores."""
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: which layers have one, the routing, the experts' shape."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int           # each routed expert's
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP
+    scoring: MoEScoring = MoEScoring.SOFTMAX
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    # DeepSeek-V3: a learned per-expert bias added to the scores for the choice only
+    score_correction_bias: bool = False
+    # Always-on experts beside the routed ones (Qwen2-MoE: one, behind a sigmoid gate)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # The router's matmul in float32 whatever the model's dtype (DeepSeek's routers)
+    router_float32: bool = False
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3; folio/model/mla.py)."""
+    q_lora_rank: int | None      # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool        # rotary on interleaved pairs (DeepSeek's checkpoints)
+    softmax_scale: float
+
+    @property
+    def latent_width(self) -> int:
+        """Cache elements per token and layer: the latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -39,6 +85,31 @@ class ArchSpec:
     sandwich_norms: bool = False
     attn_scale: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2's tanh soft-capping of the attention scores, after scaling, before the mask and
+    # softmax (None: none); every attention backend applies it.
+    attn_logit_softcapping: float | None = None
+    # GPT-OSS: a learned logit per query head (checkpoint `self_attn.sinks`) that joins each
+    # softmax's denominator and carries no value.
+    attention_sinks: bool = False
+    # Mixture-of-experts MLPs (None: every layer dense)
+    moe: MoESpec | None = None
+    # Multi-head latent attention in place of the usual (None: q/k/v heads)
+    mla: MLASpec | None = None
+    # Checkpoint layers past num_layers that are multi-token-prediction modules (DeepSeek-V3's
+    # MTP), not decoder layers: skipped when loading the model
+    num_mtp_layers: int = 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer in the cache: K and V, or MLA's one latent plane."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_entry(self) -> tuple[int, int]:
+        """(heads, width) of one token's cache entry in one plane of one layer."""
+        if self.mla is not None:
+            return 1, self.mla.latent_width
+        return self.num_kv_heads, self.head_dim
 
 
 def _base(cfg: Any) -> dict:
@@ -97,25 +168,45 @@ def _qwen3(cfg: Any) -> ArchSpec:
     return spec
 
 
-def _gemma3(cfg: Any) -> ArchSpec:
-    """Gemma 3 (text): q/k norms, sandwich norms, (1 + w) norm weights, scaled embeddings,
-    sliding layers interleaved with full ones, each kind with its own rotary base."""
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise ValueError("attn_logit_softcapping is not supported by folio's attention "
-                         "backends yet")
+def _gemma_layers(cfg: Any, spec: ArchSpec, default_types: list[str]) -> list[str]:
+    """What Gemma 2 and 3 share: sandwich norms, (1 + w) norm weights, scaled embeddings,
+    query_pre_attn_scalar, both soft caps, and sliding layers by `layer_types` (`default_types`
+    when the config has none). Returns the layer types."""
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder variant) is not supported")
-    spec = ArchSpec(**_base(cfg))
     spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", False))
-    spec.qk_norm = True
     spec.sandwich_norms = True
     spec.norm_offset = 1.0
     spec.embed_scale = float(cfg.hidden_size) ** 0.5
     spec.attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
-    spec.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * spec.num_layers)
+    spec.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None) or None
+    spec.attn_logit_softcapping = getattr(cfg, "attn_logit_softcapping", None) or None
+    types = list(getattr(cfg, "layer_types", None) or default_types)
     spec.sliding_windows = tuple(cfg.sliding_window if t == "sliding_attention" else None
                                  for t in types)
+    return types
+
+
+def _gemma2(cfg: Any) -> ArchSpec:
+    """Gemma 2: Gemma 3's layer without q/k norms and with one rotary table; attention
+    scores soft-capped; sliding layers first and every other one after (transformers'
+    default layer_types: sliding where (i + 1) is odd)."""
+    spec = ArchSpec(**_base(cfg))
+    _gemma_layers(cfg, spec, ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(spec.num_layers)])
+    return spec
+
+
+def _gemma3(cfg: Any) -> ArchSpec:
+    """Gemma 3 (text): q/k norms, sandwich norms, (1 + w) norm weights, scaled embeddings,
+    sliding layers interleaved with full ones, each kind with its own rotary base."""
+    spec = ArchSpec(**_base(cfg))
+    spec.qk_norm = True
+    types = _gemma_layers(cfg, spec, ["full_attention"] * spec.num_layers)
+    # Gemma 3's config keeps attn_logit_softcapping (None in the published checkpoints: q/k
+    # norms replaced the cap), and transformers' Gemma 3 never applies it; neither do we, so
+    # a config that sets it runs as the reference runs it.
+    spec.attn_logit_softcapping = None
     rope = getattr(cfg, "rope_parameters", None) or {}
     if all(t in rope for t in set(types)):
         spec.layer_rope_parameters = tuple(dict(rope[t]) for t in types)
@@ -132,13 +223,117 @@ def _phi3(cfg: Any) -> ArchSpec:
     return spec
 
 
+def _sparse_layers(cfg: Any, num_layers: int) -> tuple[bool, ...]:
+    """Qwen-MoE's placement: every decoder_sparse_step-th layer, minus mlp_only_layers."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _mixtral(cfg: Any) -> ArchSpec:
+    spec = _mistral(cfg)
+    spec.moe = MoESpec(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.intermediate_size,
+                       sparse_layers=(True,) * spec.num_layers, renormalize=True)
+    return spec
+
+
+def _qwen2_moe(cfg: Any) -> ArchSpec:
+    spec = ArchSpec(**_base(cfg))
+    spec.qkv_bias = bool(getattr(cfg, "qkv_bias", True))
+    spec.sliding_windows = _qwen_windows(cfg, spec.num_layers)
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    spec.moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.moe_intermediate_size,
+                       sparse_layers=_sparse_layers(cfg, spec.num_layers),
+                       renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                       shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    return spec
+
+
+def _qwen3_moe(cfg: Any) -> ArchSpec:
+    spec = _qwen3(cfg)
+    spec.moe = MoESpec(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                       intermediate_size=cfg.moe_intermediate_size,
+                       sparse_layers=_sparse_layers(cfg, spec.num_layers),
+                       renormalize=bool(getattr(cfg, "norm_topk_prob", False)))
+    return spec
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_spec(cfg: Any, rope_interleave: bool) -> MLASpec:
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    scale = (nope + rope) ** -0.5
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type", "default")) != "default" \
+            and params.get("mscale_all_dim"):
+        # YaRN's attention temperature, applied to the softmax scale (DeepSeek's rule)
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return MLASpec(q_lora_rank=getattr(cfg, "q_lora_rank", None), kv_lora_rank=cfg.kv_lora_rank,
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=cfg.v_head_dim,
+                   rope_interleave=rope_interleave, softmax_scale=scale)
+
+
+def _deepseek(cfg: Any, v3: bool) -> ArchSpec:
+    spec = ArchSpec(**_base(cfg))
+    spec.head_dim = cfg.qk_rope_head_dim  # the rotary part's width (RotaryEmbedding's)
+    spec.num_kv_heads = 1                 # one latent per token (kv_entry)
+    spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", False))
+    spec.sliding_windows = (None,) * spec.num_layers
+    spec.mla = _mla_spec(cfg, bool(getattr(cfg, "rope_interleave", True)) if v3 else True)
+    first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    experts = cfg.n_routed_experts
+    groups = int(getattr(cfg, "n_group", None) or 1)
+    if v3:
+        method = "noaux_tc"
+    else:
+        method = getattr(cfg, "topk_method", None) or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"DeepSeek topk_method {method!r} is not supported")
+    grouped = method != "greedy" and groups > 1
+    spec.moe = MoESpec(
+        num_experts=experts, top_k=cfg.num_experts_per_tok,
+        intermediate_size=cfg.moe_intermediate_size,
+        sparse_layers=tuple(i >= first_dense for i in range(spec.num_layers)),
+        scoring=MoEScoring.SIGMOID if v3 else MoEScoring.SOFTMAX,
+        # transformers' DeepSeek-V2 never renormalizes (whatever norm_topk_prob says)
+        renormalize=bool(getattr(cfg, "norm_topk_prob", False)) if v3 else False,
+        routed_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+        num_groups=groups if grouped else 1,
+        topk_groups=int(getattr(cfg, "topk_group", None) or 1) if grouped else 1,
+        score_correction_bias=v3,
+        shared_expert_intermediate_size=cfg.moe_intermediate_size
+        * int(getattr(cfg, "n_shared_experts", 0) or 0),
+        router_float32=True)
+    spec.num_mtp_layers = int(getattr(cfg, "num_nextn_predict_layers", None)
+                              or getattr(cfg, "num_mtp_layers", 0) or 0) if v3 else 0
+    return spec
+
+
+def _deepseek_v2(cfg: Any) -> ArchSpec:
+    return _deepseek(cfg, v3=False)
+
+
+def _deepseek_v3(cfg: Any) -> ArchSpec:
+    return _deepseek(cfg, v3=True)
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
     "Phi3ForCausalLM": _phi3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 

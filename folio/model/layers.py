@@ -1,7 +1,6 @@
 """Shared layers of decoder-only transformers. A model family is a choice among these."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from folio.model.attention import AttentionBackend, AttentionMetadata
 from folio.model.attention.fp8 import CALCULATED_K_RANGE, CALCULATED_V_RANGE, is_fp8
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
+from folio.model.rope_scaling import rope_frequencies
 
 
 # Every layer below takes the KernelConfig the model is built with (load_model resolves it once
@@ -81,21 +81,6 @@ def _rope_parameters(hf_config: Any) -> dict:
     return scaling
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
-    blend between."""
-    factor = params["factor"]
-    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
-    original = params["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = original / low, original / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, neox layout (halves rotated), with a cos/sin table built once."""
 
@@ -107,30 +92,27 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.kernels = kernels
         params = dict(params) if params is not None else _rope_parameters(hf_config)
-        rope_type = params.get("rope_type", "default")
-        base = float(params.get("rope_theta", 10000.0))
         rotary_dim = int(head_dim * params.get("partial_rotary_factor",
                                                getattr(hf_config, "partial_rotary_factor", 1.0)))
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        attention_scaling = 1.0
-        if rope_type == "default":
-            pass
-        elif rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, params)
-        elif rope_type in ("yarn", "longrope"):
-            # These need the model's full config; transformers' reference formulas serve.
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-        else:
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+        # Phi-3 keeps original_max_position_embeddings beside the rope parameters, and it
+        # takes precedence there (transformers' standardize_rope_params)
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        if original:
+            params["original_max_position_embeddings"] = original
+        max_position_embeddings = int(getattr(hf_config, "max_position_embeddings", None)
+                                      or max_positions)
+        # rope_scaling.py: every scaling type, and where one table departs from transformers
+        found = rope_frequencies(params, rotary_dim, max_position_embeddings)
         self.rotary_dim = rotary_dim
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float().to(positions.device))
+        freqs = torch.outer(positions, found.inv_freq.float())
+        if found.long_inv_freq is not None and found.long_from < max_positions:
+            # LongRoPE: the long factors from the original context on
+            tail = positions[found.long_from:]
+            freqs[found.long_from:] = torch.outer(tail, found.long_inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        self.register_buffer("cos", emb.cos() * found.attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * found.attention_scaling, persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +210,11 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
+    def checkpoint_shards(self) -> dict[str, list[str]]:
+        """Per parameter, the shards a checkpoint with separate projections fills."""
+        shards = list(self.shard_offsets)
+        return {"weight": shards, **({"bias": shards} if self.bias is not None else {})}
+
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard]
         target = getattr(self, param_name)
@@ -243,9 +230,18 @@ class Attention(nn.Module):
                  rotary: RotaryEmbedding, backend: AttentionBackend,
                  sliding_window: int | None,
                  kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False) -> None:
+        """`logits_soft_cap`: Gemma 2's attn_logit_softcapping (None = none). `sinks`: a
+        learned per-head sink logit (GPT-OSS), loaded from the checkpoint's
+        `self_attn.sinks`."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.logits_soft_cap = logits_soft_cap or None
+        # float32 [H] as the backends take it; a weight, so the loader fills it (and casts
+        # it to the model's dtype: forward hands the backends a float32 copy then).
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32),
+                                  requires_grad=False) if sinks else None
         self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim,
                                                    "k": num_kv_heads * head_dim,
                                                    "v": num_kv_heads * head_dim}, bias=qkv_bias,
@@ -317,10 +313,30 @@ class Attention(nn.Module):
             self.calculate_kv_scales(k, v)
         if metadata.groups is not None:
             metadata = metadata.groups[self.kv_group]
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
                                    sliding_window=self.sliding_window,
-                                   k_scale=self.k_scale, v_scale=self.v_scale)
+                                   k_scale=self.k_scale, v_scale=self.v_scale,
+                                   logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return self.o_proj(out.reshape(t, q_size))
+
+
+def is_silu(act: str) -> bool:
+    """Whether config activation name `act` is SiLU (which has fused kernels)."""
+    return act in ("silu", "swish")
+
+
+def gate_activation(act: str):
+    """The function a gated MLP applies to its gate, from the config's activation name."""
+    if is_silu(act):
+        return F.silu
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu
+    raise ValueError(f"activation {act!r} is not supported")
 
 
 class GatedMLP(nn.Module):
@@ -334,15 +350,8 @@ class GatedMLP(nn.Module):
                                                        "up": intermediate_size}, bias=bias,
                                          kernels=kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, kernels=kernels)
-        self.fused_silu = act in ("silu", "swish")
-        if act in ("silu", "swish"):
-            self.act = F.silu
-        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        elif act == "gelu":
-            self.act = F.gelu
-        else:
-            raise ValueError(f"activation {act!r} is not supported")
+        self.fused_silu = is_silu(act)
+        self.act = gate_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.gate_up_proj.packed

@@ -81,7 +81,8 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
 def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_model_len: int, *,
                kernel_config: KernelConfig | None = None,
-               quantization: str = "none") -> tuple[DecoderLM, ArchSpec]:
+               quantization: str = "none",
+               kv_cache_dtype: torch.dtype | None = None) -> tuple[DecoderLM, ArchSpec]:
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
@@ -90,7 +91,9 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     projection and the output matrix quantized per output channel as the checkpoint streams
     in (folio.model.quant.int8_install, CPU); "fp8", "compressed-tensors", "awq", "gptq": the
     checkpoint's quantized projections (or, for "fp8" on a float checkpoint, its projections
-    quantized on load) run on quantized kernels (folio.model.quant.checkpoint_install)."""
+    quantized on load) run on quantized kernels (folio.model.quant.checkpoint_install).
+    `kv_cache_dtype`: the cache's, checked against the architecture before any weight is
+    read (None: not checked)."""
     if quantization == "int8":
         from folio.model.quant import int8_install
         int8_install.check_device(device)  # before anything is built
@@ -99,6 +102,13 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
+    if spec.mla is not None and kv_cache_dtype is not None and kv_cache_dtype.is_floating_point \
+            and kv_cache_dtype.itemsize == 1:
+        raise ValueError("an FP8 KV cache is not supported for multi-head latent attention "
+                         "(DeepSeek) models yet; use --kv-cache-dtype auto")
+    if (spec.moe is not None or spec.mla is not None) and quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
+                         f"or latent-attention models yet (they load in the model's dtype only)")
     backend = get_attention_backend(device, kernel_config)
     with torch.device("meta"):
         # Build on the meta device in the target dtype, then materialise once on the target

@@ -42,7 +42,8 @@ def bytes_per_block(spec: ArchSpec, block_size: int, dtype: torch.dtype,
     layer's by default; a KVCacheLayout's group_size when layers share tensors)."""
     element = torch.empty((), dtype=dtype).element_size()
     layers = spec.num_layers if num_layers is None else num_layers
-    return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * element
+    heads, width = spec.kv_entry
+    return spec.kv_planes * layers * block_size * heads * width * element
 
 
 def default_cpu_kv_bytes() -> int:
@@ -81,12 +82,13 @@ def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
 def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device,
                        layout: KVCacheLayout | None = None) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer slot of `layout`
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor ([1, ..., 1, latent width]
+    for multi-head latent attention: ArchSpec.kv_planes, kv_entry) per layer slot of `layout`
     (default: one per layer), returned per model layer: layers in the same slot of different
     KV cache groups get the same tensor (each reads only its group's block ids). Zeroed, so
     padded reads of never-written slots hold finite values (0 * NaN would poison masked
     attention); a float8 zero is all zero bits too."""
-    shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.kv_planes, num_blocks, block_size, *spec.kv_entry)
     num_tensors = spec.num_layers if layout is None else layout.group_size
     if device.type == "cpu":
         tensors = [_lazily_zeroed(shape, dtype) for _ in range(num_tensors)]

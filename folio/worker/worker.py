@@ -71,12 +71,14 @@ class Worker:
         self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                            config.model.max_model_len,
                                            kernel_config=kernel_config,
-                                           quantization=self.quantization)
+                                           quantization=self.quantization,
+                                           kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,
         # its KV cache sized and addressed in the target's blocks.
-        self.draft_model, self.draft_spec = self._load_draft_model(kernel_config)
+        self.draft_model, self.draft_spec = self._load_draft_model(kernel_config, source,
+                                                                   hf_config)
         self.load_seconds = time.perf_counter() - start
         self.timings["load_s"] = self.load_seconds
         self.kv_cache_layout = self._kv_cache_layout()
@@ -168,13 +170,26 @@ class Worker:
         from folio.worker.eagle_proposer import EagleProposer
         return EagleProposer(self.draft_model, self.model, self.draft_kv_caches, **common)
 
-    def _load_draft_model(self, kernel_config) -> tuple[Any, ArchSpec | None]:
-        """speculative_config's draft model or EAGLE head, on this device in the target's
-        dtype (a draft model with its own quantization, as its files say). Its vocabulary
-        must be the target's: its token ids are proposed to the target as they are."""
+    def _load_draft_model(self, kernel_config, target_source: ModelSource,
+                          target_hf_config: Any) -> tuple[Any, ArchSpec | None]:
+        """speculative_config's draft model, EAGLE head or (mtp) the target's own
+        multi-token-prediction module, on this device in the target's dtype (a draft model
+        with its own quantization, as its files say). Its vocabulary must be the target's:
+        its token ids are proposed to the target as they are."""
         spec_config = self.config.speculative
         if spec_config is None or not spec_config.drafts_on_worker:
             return None, None
+        if spec_config.method == "mtp":
+            from folio.model.attention.selector import get_attention_backend
+            from folio.model.loader import iter_checkpoint_weights
+            from folio.model.mtp import load_mtp_head
+            logger.info("loading the multi-token-prediction module from %s",
+                        target_source.path)
+            return load_mtp_head(iter_checkpoint_weights(target_source), target_hf_config,
+                                 self.spec, self.dtype, self.device,
+                                 self.config.model.max_model_len,
+                                 get_attention_backend(self.device, kernel_config),
+                                 kernel_config)
         from folio.model.discovery import load_hf_config, resolve_model_source
         try:
             source = resolve_model_source(spec_config.model, spec_config.revision)

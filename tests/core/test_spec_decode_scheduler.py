@@ -74,7 +74,7 @@ def test_speculative_config_validates_like_vllm() -> None:
         .num_speculative_tokens == 32
     for bad, field in [({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "nope"}, "method"),
-                       ({"method": "mtp"}, "not supported yet"),
+                       ({"method": "mtp", "model": 3}, "speculative_config.model"),
                        ({"method": "eagle3"}, "speculative_config.model"),
                        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2},
                         "prompt_lookup_min"),

@@ -11,7 +11,11 @@ transformers is the plain reference. Checks, per prompt:
 Families: SmolLM2-135M-Instruct (real weights, Llama), and tiny random Llama, Llama with
 Llama-3.1 rope scaling, Mistral with a sliding window, Qwen2 (qkv bias), Qwen3 (qk-norm),
 Gemma 3 (sandwich norms, sliding and full layers with their own rotary, soft-capped logits),
-Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window).
+Gemma 2 (sandwich norms, soft-capped attention scores and logits, alternating windows),
+Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window), the rope scalings
+(rope_scaling.py): Phi-3 with LongRoPE, Llama with YaRN, Llama with dynamic NTK; the mixtures
+of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE (sparse every
+other layer); DeepSeek-V2 and V3 (latent attention, grouped routing, shared experts).
 """
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ LOGPROB_ATOL = 1e-3
 # When greedy picks differ, HF's logprobs of the two tokens must be this close: rounding can
 # only flip a near-tie, never a clear preference.
 NEAR_TIE = 1e-2
-TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
+TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
+              "phi3_longrope", "llama_yarn", "llama_dynamic", "mixtral", "qwen2_moe",
+              "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 
 @dataclass
@@ -309,7 +315,7 @@ def test_bfloat16_matches_float32(tiny_cases: Callable[[str], Case],
 
 # ---- sliding windows with a small block size: blocks freed out of the window, prefix hits --
 
-SLIDING_ARCHS = ["mistral", "gemma3", "phi3"]
+SLIDING_ARCHS = ["mistral", "gemma3", "gemma2", "phi3"]
 
 
 @pytest.mark.parametrize("arch", SLIDING_ARCHS)

@@ -47,6 +47,18 @@ CASES: list[dict[str, Any]] = [
          reqs=[(0, 6), (21, 5), (9, 1)], backend=True),
     dict(name="backend_decode_fp32_window", dtype="float32", H=4, KVH=1, D=64, bs=16, win=30,
          reqs=[(120, 1), (40, 1), (2, 1)], backend=True),
+    # Soft cap (Gemma 2) and attention sinks (GPT-OSS): scores are about N(0, 1) here, so a
+    # cap of 1.5 bends most of them and sinks near +1 take a real share of the softmax. Split
+    # decode checks that the sink is counted once across splits.
+    dict(name="softcap_mixed_fp32_g2", dtype="float32", H=4, KVH=2, D=64, bs=16, win=None,
+         reqs=MIXED, cap=1.5),
+    dict(name="sinks_mixed_fp16_g4_window", dtype="float16", H=8, KVH=2, D=64, bs=16, win=20,
+         reqs=[(45, 7), (0, 9), (60, 1)], sinks=True),
+    dict(name="softcap_sinks_decode_fp32_g4", dtype="float32", H=8, KVH=2, D=64, bs=16,
+         win=None, reqs=[(0, 1), (16, 1), (99, 1), (180, 1)], splits=[1, 4], cap=2.0,
+         sinks=True),
+    dict(name="softcap_sinks_backend_mixed_fp32", dtype="float32", H=4, KVH=2, D=80, bs=16,
+         win=None, reqs=[(0, 6), (21, 5), (9, 1)], backend=True, cap=1.5, sinks=True),
 ]
 
 
@@ -62,9 +74,12 @@ def _run_case(case: dict) -> dict:
     q, k, v, cache, meta = make_step(case, gen)
     scale = case["D"] ** -0.5
     win = case["win"]
+    cap = case.get("cap")
+    sinks = (torch.randn(case["H"], generator=gen) + 1.0) if case.get("sinks") else None
+    extra = dict(logits_soft_cap=cap, sinks=sinks)
     ref_cache = cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale=scale,
-                                        sliding_window=win)
+                                        sliding_window=win, **extra)
     result: dict[str, Any] = {"name": case["name"], "checks": {}}
 
     def record(label: str, out: torch.Tensor) -> None:
@@ -74,7 +89,8 @@ def _run_case(case: dict) -> dict:
     backend = TritonPagedAttention()
     if case.get("backend"):
         tri_cache = cache.clone()
-        out = backend.forward(q, k, v, tri_cache, meta, scale=scale, sliding_window=win)
+        out = backend.forward(q, k, v, tri_cache, meta, scale=scale, sliding_window=win,
+                              **extra)
         record("backend", out)
         result["cache_equal"] = bool(torch.equal(tri_cache, ref_cache))
         return result
@@ -87,12 +103,12 @@ def _run_case(case: dict) -> dict:
     tk.paged_attention_varlen(
         q, tri_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
         block_tables=st.block_tables, max_query_len=st.max_query_len,
-        max_seq_len=st.max_seq_len, scale=scale, sliding_window=win, out=out)
+        max_seq_len=st.max_seq_len, scale=scale, sliding_window=win, out=out, **extra)
     record("varlen", out)
     for splits in case.get("splits", []):
         out = torch.full_like(q, float("nan"))
         tk.paged_attention_decode(q, tri_cache, st.seq_lens, st.block_tables, scale, win,
-                                  num_splits=splits, out=out)
+                                  num_splits=splits, out=out, **extra)
         record(f"decode_splits{splits}", out)
     return result
 

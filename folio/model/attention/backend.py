@@ -53,8 +53,15 @@ class AttentionBackend(ABC):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D].
         Returns [T, H, D]. An FP8 cache (fp8.py) holds key / k_scale and value / v_scale,
-        the scales float32 [KVH] (or one element; None = 1.0); other caches ignore them."""
+        the scales float32 [KVH] (or one element; None = 1.0); other caches ignore them.
+
+        `logits_soft_cap` (Gemma 2's attn_logit_softcapping; None = none): each score, after
+        `scale`, becomes cap * tanh(score / cap) before masking and the softmax.
+        `sinks` (GPT-OSS; None = none): float32 [H], one learned logit per query head that
+        joins the softmax's denominator only: p_i = exp(s_i - m) / (sum_j exp(s_j - m) +
+        exp(sink - m)); it has no value, so a row's weights sum to less than one."""
 

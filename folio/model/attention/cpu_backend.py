@@ -39,7 +39,7 @@ class CpuPagedAttention(AttentionBackend):
         return layout
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
         slots, tables, qsl, lens = self._layout(metadata)
         dtype = query.dtype
         q, k, v = (_rows(x) for x in (query, key, value))
@@ -49,7 +49,10 @@ class CpuPagedAttention(AttentionBackend):
                                      float(scale),
                                      0 if sliding_window is None else int(sliding_window),
                                      per_head_scales(k_scale, kv_heads, kv_cache.device),
-                                     per_head_scales(v_scale, kv_heads, kv_cache.device))
+                                     per_head_scales(v_scale, kv_heads, kv_cache.device),
+                                     float(logits_soft_cap or 0.0),
+                                     None if sinks is None else
+                                     sinks.to(torch.float32).contiguous())
         return out if dtype == torch.float32 else out.to(dtype)
 
 

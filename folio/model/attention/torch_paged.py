@@ -14,6 +14,9 @@ the result does not depend on how a prompt was chunked.
 An FP8 cache (fp8.py) holds K / k_scale and V / v_scale: quantized on write, and on read
 dequantized to float32 times the scale, then cast to the query's dtype, element by element:
 exactly the arithmetic of attending over a cache that holds the dequantized values.
+
+A soft cap (Gemma 2) or attention sinks (GPT-OSS) are beyond SDPA: with either, the same
+calls go through `_attend_explicit`, the scores written out in float32.
 """
 from __future__ import annotations
 
@@ -64,6 +67,29 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return mask
 
 
+def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, soft_cap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale), masked, with sinks in the denominator) v, in float32, in
+    q's dtype. q [..., M, D], k and v [..., L, D] (broadcast against q's leading dimensions:
+    the grouped heads of one KV head), mask bool broadcastable to [..., M, L] (True =
+    visible; None = causal with M == L), sinks broadcastable to [..., M, 1]."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if soft_cap:
+        s = torch.tanh(s / soft_cap) * soft_cap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        # The sink as one more column of logits, dropped after the softmax: it takes its
+        # share of the denominator and adds no value.
+        sink_col = sinks.float().expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat((s, sink_col), dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 class TorchPagedAttention(AttentionBackend):
     def _plan(self, meta: AttentionMetadata, sliding_window: int | None) -> dict:
         key = ("torch_plan", sliding_window)
@@ -105,7 +131,7 @@ class TorchPagedAttention(AttentionBackend):
         return plan
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         k_scale = per_head_scales(k_scale, kv_heads, kv_cache.device)
@@ -114,6 +140,9 @@ class TorchPagedAttention(AttentionBackend):
         plan = self._plan(metadata, sliding_window)
         out = torch.empty_like(query)
         dtype = query.dtype
+        num_heads = query.shape[1]
+        group = num_heads // kv_heads
+        explicit = bool(logits_soft_cap) or sinks is not None
 
         for entry in plan["prefills"]:
             s, e = entry["start"], entry["end"]
@@ -129,15 +158,23 @@ class TorchPagedAttention(AttentionBackend):
             k = from_cache(k, dtype, k_scale).transpose(0, 1)  # [KVH, ctx, D]
             v = from_cache(v, dtype, v_scale).transpose(0, 1)
             mask = entry["mask"]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            if explicit:
+                n = e - s
+                o = _attend_explicit(
+                    q.reshape(kv_heads, group, n, head_dim), k[:, None], v[:, None], mask,
+                    scale, logits_soft_cap,
+                    None if sinks is None else sinks.view(kv_heads, group, 1, 1),
+                ).reshape(num_heads, n, head_dim)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=True)
             out[s:e] = o.transpose(0, 1)
 
         if plan["decode_reqs"]:
             tokens = plan["decode_tokens"]
             tables = plan["decode_tables"]                      # [B, nb]
             batch = tables.shape[0]
-            num_heads = query.shape[1]
             # Grouped layout: the G query heads sharing a KV head become G "query positions"
             # of that KV head, so K/V are never repeated across heads.
             q = query[tokens].view(batch, kv_heads, num_heads // kv_heads, head_dim)
@@ -145,7 +182,12 @@ class TorchPagedAttention(AttentionBackend):
             v = _rows(v_cache, tables).reshape(batch, -1, kv_heads, head_dim)
             k = from_cache(k, dtype, k_scale).transpose(1, 2)
             v = from_cache(v, dtype, v_scale).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=plan["decode_mask"], scale=scale)
+            if explicit:
+                o = _attend_explicit(
+                    q, k, v, plan["decode_mask"], scale, logits_soft_cap,
+                    None if sinks is None else sinks.view(kv_heads, group, 1))
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=plan["decode_mask"], scale=scale)
             out[tokens] = o.reshape(batch, num_heads, head_dim)
         return out

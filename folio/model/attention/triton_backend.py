@@ -80,7 +80,7 @@ class TritonPagedAttention(AttentionBackend):
                                     max_splits=self.max_splits)
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None):
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
         st = self.step_tensors(metadata)
         # Write first: a request may read, in this same step, blocks another request fills.
         tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping, pdl=self.pdl,
@@ -91,9 +91,10 @@ class TritonPagedAttention(AttentionBackend):
                 splits = self.num_splits(st, kv_cache.shape[3], query.device)
             return tk.paged_attention_decode(
                 query, kv_cache, st.seq_lens, st.block_tables, scale, sliding_window,
-                num_splits=splits, pdl=self.pdl, k_scale=k_scale, v_scale=v_scale)
+                num_splits=splits, pdl=self.pdl, k_scale=k_scale, v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap, sinks=sinks)
         return tk.paged_attention_varlen(
             query, kv_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
             block_tables=st.block_tables, max_query_len=st.max_query_len,
             max_seq_len=st.max_seq_len, scale=scale, sliding_window=sliding_window,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks)

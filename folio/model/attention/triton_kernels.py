@@ -24,6 +24,14 @@ of the tiles: a program serves one KV head, so k_scale folds into the score scal
 into the output (the split-K partials), one multiply per program instead of one per element.
 The scales are read from their tensors, so a captured CUDA graph sees the values they hold.
 
+Soft cap (Gemma 2) and attention sinks (GPT-OSS), both optional and compiled in only when
+used (SOFTCAP, HAS_SINKS). The cap works in the log2 domain unchanged: with s2 = s * log2(e)
+and cap2 = cap * log2(e), cap2 * tanh(s2 / cap2) = log2(e) * cap * tanh(s / cap). tanh is
+written with exp2 (1 - 2 / (e^2x + 1)), which Triton's interpreter and every GPU have. A
+sink is a key of logit `sink` with a zero value: the online softmax starts from it (m = sink
+* log2(e), l = 1) instead of (-inf, 0). In split-K decode only split 0 starts from it, so
+the merge counts it once.
+
 Importing this module needs no GPU: `triton.jit` only records the function; compilation happens
 at the first launch. Autotuning is cut to one config under TRITON_INTERPRET=1 (read at import)
 so the CPU interpreter runs each kernel once.
@@ -108,11 +116,21 @@ if HAS_TRITON:
 
     # ------------------------------------------------------------------ shared tile step
     @triton.jit
+    def _tanh(x):
+        # 1 - 2 / (e^2x + 1): exact limits (e^2x overflows to inf -> 1, underflows to 0 -> -1)
+        return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+    @triton.jit
+    def _sink_logits(SINKS, heads, ok):
+        """The rows' sink logits in the log2 domain (sink * log2(e)); 0 where not `ok`."""
+        return tl.load(SINKS + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+
+    @triton.jit
     def _attend_tile(
-        q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
+        q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale, soft_cap,
         stride_c0, stride_cblk, stride_coff, stride_ch,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
+        SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
         Keys past `kv_end`, after the query (causal) or outside the window are masked. K/V
@@ -126,6 +144,8 @@ if HAS_TRITON:
         kv_mask = in_ctx[:, None] & (d[None, :] < D)
         k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale            # [M, N] fp32
+        if SOFTCAP:  # soft_cap = cap * log2(e): see the module's docstring
+            s = soft_cap * _tanh(s / soft_cap)
         visible = in_ctx[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -150,20 +170,21 @@ if HAS_TRITON:
                                   (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
                                   (32, 64, 4, 2)]],
         ),
-        key=["G", "D", "BLOCK_SIZE", "SLIDING", "q_bucket"],
+        key=["G", "D", "BLOCK_SIZE", "SLIDING", "q_bucket", "SOFTCAP", "HAS_SINKS"],
         prune_configs_by={"early_config_prune": _prune_block_m},
     )
     # Per-step integers are not specialized on (== 1, % 16): each distinct pattern would be
     # another compile, paid in the middle of serving.
     @triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window", "q_bucket"])
     def _varlen_kernel(
-        Q, KV, O, QSL, SEQ, BT, K_SCALE, V_SCALE,
+        Q, KV, O, QSL, SEQ, BT, K_SCALE, V_SCALE, SINKS,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
-        num_reqs, window, qk_scale, q_bucket,
+        num_reqs, window, qk_scale, soft_cap, q_bucket,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
-        FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
         pid = tl.program_id(0)
@@ -217,14 +238,17 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink as a first key: logit sink, weight exp2(0) = 1, no value
+            m_i = _sink_logits(SINKS, heads, row_ok)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         BT_row = BT + b.to(tl.int64) * stride_bt
         for start in range(kv_start, kv_end, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
-                stride_c0, stride_cblk, stride_coff, stride_ch,
-                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
+                soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP)
 
         if FP8:  # the weighted sum of the stored V / v_scale, times v_scale
             acc = acc * tl.load(V_SCALE + kvh)
@@ -239,18 +263,18 @@ if HAS_TRITON:
             [({"BLOCK_N": bn}, w, s)
              for bn, w, s in [(32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
         ),
-        key=["G", "D", "BLOCK_SIZE", "SLIDING", "USE_SPLITS"],
+        key=["G", "D", "BLOCK_SIZE", "SLIDING", "USE_SPLITS", "SOFTCAP", "HAS_SINKS"],
     )
     @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
     def _decode_kernel(
-        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT, K_SCALE, V_SCALE,
+        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT, K_SCALE, V_SCALE, SINKS,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
-        num_splits, window, qk_scale,
+        num_splits, window, qk_scale, soft_cap,
         G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
-        FP8: tl.constexpr, USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+        USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         b = tl.program_id(0)
@@ -287,14 +311,18 @@ if HAS_TRITON:
 
         m_i = tl.full([G_M], float("-inf"), tl.float32)
         l_i = tl.zeros([G_M], tl.float32)
+        if HAS_SINKS:  # split 0 only: the merge adds the splits' denominators
+            first = split == 0
+            m_i = tl.where(first, _sink_logits(SINKS, heads, hd < G), m_i)
+            l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([G_M, D_PAD], tl.float32)
         BT_row = BT + b64 * stride_bt
         for s0 in range(start, end, BLOCK_N):
             k_pos = s0 + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
-                stride_c0, stride_cblk, stride_coff, stride_ch,
-                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC)
+                soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP)
 
         if FP8:  # the weighted sum of the stored V / v_scale, times v_scale (before the merge)
             acc = acc * tl.load(V_SCALE + kvh)
@@ -384,6 +412,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     )
 
 
+def _soft_cap_and_sinks(query: torch.Tensor, logits_soft_cap: float | None,
+                       sinks: torch.Tensor | None) -> tuple[bool, float, bool, torch.Tensor]:
+    """(SOFTCAP, cap * log2(e), HAS_SINKS, sinks) as the kernels take them; without sinks the
+    query stands in for the pointer, never read."""
+    softcap = bool(logits_soft_cap)
+    if sinks is None:
+        return softcap, float(logits_soft_cap or 0.0) * _LOG2E, False, query
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous() and \
+        sinks.numel() == query.shape[1], "sinks must be contiguous float32 [heads]"
+    return softcap, float(logits_soft_cap or 0.0) * _LOG2E, True, sinks
+
+
 def _check_query(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
     assert query.dim() == 3 and query.stride(2) == 1, "query must be [T, H, D], D contiguous"
     num_heads, d = query.shape[1], query.shape[2]
@@ -401,10 +441,13 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
                            scale: float, sliding_window: int | None = None,
                            out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a mixed batch in one launch. query [T, H, D]; query i of
     request b sits at absolute position seq_lens[b] - q_len_b + i. An FP8 cache is read with
-    its scales (reshape_and_cache). Returns out [T, H, D]."""
+    its scales (reshape_and_cache). `logits_soft_cap`, `sinks` (float32 [H]): as
+    AttentionBackend.forward. Returns out [T, H, D]."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     T = query.shape[0]
@@ -419,6 +462,7 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
     s0, sblk, soff, sh = _cache_strides(kv_cache)
     fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
+    softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     # Autotune per coarse bucket of the longest query (decode-heavy / short chunks / long
     # prefills): a few buckets, so a server autotunes a few times, not at every new length.
@@ -429,13 +473,13 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
         return (T // block_q + num_reqs, kvh)
 
     _varlen_kernel[grid](
-        query, kv_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
+        query, kv_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale, sinks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
-        num_reqs, sliding_window if sliding else 0, scale * _LOG2E, q_bucket,
+        num_reqs, sliding_window if sliding else 0, scale * _LOG2E, soft_cap, q_bucket,
         G=g, G_PAD=g_pad, D=d, D_PAD=max(16, _next_pow2(d)),
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        FP8=fp8,
+        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks,
     )
     return out
 
@@ -456,11 +500,14 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                            sliding_window: int | None = None, num_splits: int = 1,
                            out: torch.Tensor | None = None, pdl: bool = False,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
     With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel.
     An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch both with
-    programmatic dependent launch where the GPU has it."""
+    programmatic dependent launch where the GPU has it. `logits_soft_cap`, `sinks` (float32
+    [H]): as AttentionBackend.forward."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     B = query.shape[0]
@@ -474,6 +521,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     d_pad = max(16, _next_pow2(d))
     s0, sblk, soff, sh = _cache_strides(kv_cache)
     fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
+    softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     num_splits = max(1, int(num_splits))
     use_splits = num_splits > 1
@@ -487,12 +535,13 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     pdl = pdl_launch(query, pdl)
     _decode_kernel[(B, kvh, num_splits)](
         query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables, k_scale, v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
-        num_splits, sliding_window if sliding else 0, scale * _LOG2E,
+        num_splits, sliding_window if sliding else 0, scale * _LOG2E, soft_cap,
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        FP8=fp8, USE_SPLITS=use_splits, USE_PDL=pdl, launch_pdl=pdl,
+        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits, USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     if use_splits:
         _decode_merge_kernel[(B, num_heads)](

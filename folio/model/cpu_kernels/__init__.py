@@ -4,13 +4,17 @@ SiLU-and-mul of folio.model.layers.
 
 One extension, compiled on first use with torch's extension builder and cached
 (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions): the first start on a machine takes about
-a minute, later ones load the built library (ninja rebuilds only a changed source). Built for
-the machine it runs on (-march=native), with OpenMP so that at::parallel_for uses torch's
-threads.
+a minute, later ones load the built library. The extension's name carries a hash of the
+sources and flags (`_extension_name`), so a changed source builds into a directory of its own:
+torch's builder keys its build directory by name only, and two checkouts of different sources
+(or an edited kernel whose bindings changed) sharing one name would rebuild over each other's
+library, or load one built from the other's sources. Built for the machine it runs on
+(-march=native), with OpenMP so that at::parallel_for uses torch's threads.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -20,7 +24,20 @@ logger = logging.getLogger(__name__)
 
 _NAME = "folio_cpu_kernels"
 _SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
+
+
+def _extension_name(here: str) -> str:
+    """`_NAME` plus a hash of every file in csrc/ (the headers too) and the flags: one build
+    directory per version of the sources."""
+    digest = hashlib.sha256(repr((_CFLAGS, _LDFLAGS)).encode())
+    for name in sorted(os.listdir(here)):
+        digest.update(name.encode())
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return f"{_NAME}_{digest.hexdigest()[:16]}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,9 +45,9 @@ def _build() -> Any:
     from torch.utils.cpp_extension import load
     here = os.path.join(os.path.dirname(__file__), "csrc")
     logger.info("building folio's CPU kernels (first use on this machine only)")
-    return load(name=_NAME, sources=[os.path.join(here, s) for s in _SOURCES], verbose=False,
-                extra_include_paths=[here], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+    return load(name=_extension_name(here), sources=[os.path.join(here, s) for s in _SOURCES],
+                verbose=False, extra_include_paths=[here], extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS)
 
 
 def extension() -> Any:

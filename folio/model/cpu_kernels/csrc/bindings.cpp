@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scale"));
   m.def("paged_attention", &paged_attention,
         "write K/V into the paged cache (FP8: scaled by k_scale / v_scale), then causal "
-        "attention over it, float32 queries");
+        "attention over it, float32 queries; optional soft cap and attention sinks");
   m.def("rms_norm", &rms_norm, "RMSNorm (with the residual add), float32", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding, float32");

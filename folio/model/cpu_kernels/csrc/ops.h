@@ -14,12 +14,15 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale);
 
 // Writes this step's K/V into the paged cache, then attends every query token over its
-// request's visible context; an FP8 cache scaled by k_scale / v_scale (paged_attention.cpp).
+// request's visible context; an FP8 cache scaled by k_scale / v_scale; scores soft-capped
+// (logits_soft_cap > 0) and per-head sink logits in the denominator (sinks) when given
+// (paged_attention.cpp).
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                     torch::Tensor k_scale, torch::Tensor v_scale);
+                     torch::Tensor k_scale, torch::Tensor v_scale, double logits_soft_cap,
+                     c10::optional<torch::Tensor> sinks);
 
 // RMSNorm of each row of x (after adding residual when given: returns {out, x + residual}),
 // float32 (elementwise.cpp).

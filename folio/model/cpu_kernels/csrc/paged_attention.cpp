@@ -13,6 +13,10 @@
 // scale, element by element: the arithmetic of a float32 cache holding the dequantized values,
 // and the torch reference's. The kernel reads only visible slots, so the cache need not be
 // zeroed.
+// Two optional changes to the softmax: a soft cap (Gemma 2: each scaled score s becomes
+// cap * tanh(s / cap) before the softmax) and attention sinks (GPT-OSS: a learned logit per
+// query head that joins the softmax's denominator and carries no value, so the weights of a
+// row sum to less than one).
 #include "ops.h"
 #include "parallel.h"
 
@@ -148,9 +152,15 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// s[i] = softmax(s)[i] over n scores, in place.
-inline void softmax(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
+// s[i] = softmax(s)[i] over n scores, in place. cap > 0 soft-caps the scores first (a scalar
+// tanh pass: only capped models pay for it); sink (-inf: none) is one more logit in the
+// denominator, with no value of its own.
+inline void softmax(float* s, int64_t n, float cap, float sink) {
+  if (cap > 0.0f) {
+    const float inv_cap = 1.0f / cap;
+    for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
+  }
+  float m = sink;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
   int64_t i = 0;
   float total = 0.0f;
@@ -175,6 +185,7 @@ inline void softmax(float* s, int64_t n) {
     s[i] = std::exp(s[i] - m);
     total += s[i];
   }
+  if (sink > -std::numeric_limits<float>::infinity()) total += std::exp(sink - m);
   const float inv = 1.0f / total;
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 }
@@ -201,11 +212,11 @@ inline T to_cache(float x, float scale) {
 
 template <typename T>
 void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* slots,
-                 int64_t T_tokens, int64_t slots_total, int64_t KVH, int64_t D,
+                 int64_t T_tokens, int64_t plane, int64_t KVH, int64_t D,
                  const float* k_scale, const float* v_scale) {
   const int64_t row = KVH * D;
   T* k_cache = cache;
-  T* v_cache = cache + slots_total * row;
+  T* v_cache = cache + plane;
   at::parallel_for(0, T_tokens, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t slot = slots[t];
@@ -281,7 +292,7 @@ constexpr int64_t kValueAhead = 8;  // value rows prefetched this many keys ahea
 template <typename T, int NV>
 void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
                  const int64_t* offs, int64_t n, int64_t G, float scale, float k_scale,
-                 float v_scale, float* scores) {
+                 float v_scale, float cap, const float* sinks, float* scores) {
   const auto prefetch_rows = prefetch_rows_n<T, NV>;
   const __m512 ks = _mm512_set1_ps(k_scale), vs = _mm512_set1_ps(v_scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -309,7 +320,7 @@ void attend_task(float* out, const float* const* q_heads, const T* k_base, const
       }
       _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << count) - 1), reduce16(acc));
     }
-    softmax(sg, n);
+    softmax(sg, n, cap, sinks ? sinks[g] : -std::numeric_limits<float>::infinity());
   }
   constexpr int kHeadsPerPass = NV <= 4 ? 3 : 1;  // accumulators: at most 12 registers
   for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
@@ -339,11 +350,10 @@ template <typename T>
 void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
             int64_t max_blocks, const int64_t* token_req, const int64_t* token_pos,
             int64_t T_tokens, int64_t H, int64_t KVH, int64_t D, int64_t num_blocks,
-            int64_t block_size, float scale, int64_t window, const float* k_scale,
-            const float* v_scale) {
+            int64_t plane, int64_t block_size, float scale, int64_t window,
+            const float* k_scale, const float* v_scale, float cap, const float* sinks) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;              // elements of one cache slot
-  const int64_t plane = num_blocks * block_size * row;  // K plane, then V plane
   folio_cpu::parallel_tasks(T_tokens * KVH, [&](const auto& take) {
     std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
     std::vector<int64_t> offs;
@@ -355,6 +365,7 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
       const int64_t n = pos - lo + 1;
       const int64_t* table = tables + b * max_blocks;
       const float ks = k_scale[kvh], vs = v_scale[kvh];
+      const float* group_sinks = sinks ? sinks + kvh * G : nullptr;  // this task's G heads
 #if defined(__AVX512F__)
       if (D == 64 || D == 128) {
         // Each visible key's element offset in the cache plane, once for the K and V passes.
@@ -370,10 +381,10 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         float* o = out + (t * H + kvh * G) * D;
         if (D == 64)
           attend_task<T, 4>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            ks, vs, scores.data());
+                            ks, vs, cap, group_sinks, scores.data());
         else
           attend_task<T, 8>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            ks, vs, scores.data());
+                            ks, vs, cap, group_sinks, scores.data());
         continue;
       }
 #endif
@@ -393,7 +404,10 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
           for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * n, n);
+      for (int64_t g = 0; g < G; ++g) {
+        softmax(scores.data() + g * n, n, cap,
+                group_sinks ? group_sinks[g] : -std::numeric_limits<float>::infinity());
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = lo; j <= pos;) {
         const int64_t block = table[j / block_size];
@@ -417,7 +431,8 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
          const torch::Tensor& value, torch::Tensor& kv_cache, const torch::Tensor& slots,
          const torch::Tensor& tables, const std::vector<int64_t>& token_req,
          const std::vector<int64_t>& token_pos, double scale, int64_t window,
-         const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
+         const torch::Tensor& k_scale, const torch::Tensor& v_scale, float cap,
+         const float* sinks) {
   const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t KVH = kv_cache.size(3);
@@ -427,26 +442,33 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   auto heads = [](const torch::Tensor& x) {
     return Heads{x.data_ptr<float>(), x.stride(0), x.stride(1)};
   };
+  // The V plane's offset: the K plane's size, or 0 where one latent plane serves as both
+  // (multi-head latent attention, whose values are its keys)
+  const int64_t plane = kv_cache.stride(0);
   write_cache<T>(heads(key), heads(value), cache, slots.data_ptr<int64_t>(), T_tokens,
-                 num_blocks * block_size, KVH, D, ks, vs);
+                 plane, KVH, D, ks, vs);
   attend<T>(out.data_ptr<float>(), heads(query), cache, tables.data_ptr<int64_t>(),
             tables.size(1), token_req.data(), token_pos.data(), T_tokens, H, KVH, D,
-            num_blocks, block_size, static_cast<float>(scale), window, ks, vs);
+            num_blocks, plane, block_size, static_cast<float>(scale), window, ks, vs, cap,
+            sinks);
 }
 
 }  // namespace
 
 // out [T, H, D] float32 contiguous; query [T, H, D] and key/value [T, KVH, D] float32 with
 // a contiguous last dimension (rows may be strided); kv_cache [2, num_blocks,
-// block_size, KVH, D] float32/bfloat16/float16/float8_e4m3fn/float8_e5m2; slot_mapping [T]
+// block_size, KVH, D] (contiguous, or one contiguous plane viewed twice: stride 0 on the
+// first dimension) float32/bfloat16/float16/float8_e4m3fn/float8_e5m2; slot_mapping [T]
 // int64; block_tables [B, max_blocks] int64; query_start_loc [B + 1] int64; seq_lens [B]
 // int64 (CPU tensors, all contiguous); sliding_window <= 0 for none; k_scale / v_scale [KVH]
-// float32, read for an FP8 cache only.
+// float32, read for an FP8 cache only; logits_soft_cap <= 0 for none; sinks [H] float32 or
+// None.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                      torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                      torch::Tensor block_tables, torch::Tensor query_start_loc,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                     torch::Tensor k_scale, torch::Tensor v_scale) {
+                     torch::Tensor k_scale, torch::Tensor v_scale, double logits_soft_cap,
+                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 3,
               "out must be contiguous float32 [T, heads, head_dim]");
   for (const torch::Tensor* t : {&query, &key, &value}) {
@@ -458,8 +480,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(),
                 "slot_mapping, block_tables, query_start_loc and seq_lens must be contiguous int64");
   }
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
+                  (kv_cache.stride(0) == 0 || kv_cache.stride(0) == kv_cache[0].numel()),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] "
+              "(or one plane expanded to two)");
   const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && key.size(1) == KVH && key.size(2) == D &&
@@ -470,6 +494,14 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == KVH,
                 "k_scale and v_scale must be contiguous float32 [kv_heads]");
   }
+  const float* sink_data = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+                    sinks->numel() == H,
+                "sinks must be contiguous float32 [heads]");
+    sink_data = sinks->data_ptr<float>();
+  }
+  const float cap = logits_soft_cap > 0.0 ? static_cast<float>(logits_soft_cap) : 0.0f;
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.dim() == 2 &&
                   block_tables.size(0) >= B && slot_mapping.size(0) == T_tokens,
@@ -497,23 +529,23 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
   switch (kv_cache.scalar_type()) {
     case torch::kFloat32:
       run<float>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
-                 token_pos, scale, sliding_window, k_scale, v_scale);
+                 token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
     case torch::kBFloat16:
       run<c10::BFloat16>(out, query, key, value, kv_cache, slot_mapping, block_tables,
-                         token_req, token_pos, scale, sliding_window, k_scale, v_scale);
+                         token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
     case torch::kFloat16:
       run<c10::Half>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
-                     token_pos, scale, sliding_window, k_scale, v_scale);
+                     token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
     case torch::kFloat8_e4m3fn:
       run<c10::Float8_e4m3fn>(out, query, key, value, kv_cache, slot_mapping, block_tables,
-                              token_req, token_pos, scale, sliding_window, k_scale, v_scale);
+                              token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
     case torch::kFloat8_e5m2:
       run<c10::Float8_e5m2>(out, query, key, value, kv_cache, slot_mapping, block_tables,
-                            token_req, token_pos, scale, sliding_window, k_scale, v_scale);
+                            token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
     default:
       TORCH_CHECK(false, "the KV cache must be float32, bfloat16, float16, float8_e4m3fn or "

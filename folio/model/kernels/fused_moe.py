@@ -1,0 +1,118 @@
+"""Grouped expert GEMMs for mixture-of-experts layers, one Triton launch per projection.
+
+The (token, slot) pairs arrive sorted by expert and padded so that every BLOCK_M-row block
+belongs to one expert (folio.model.moe.dispatch.align_to_blocks). A program owns one block of
+rows and BLOCK_N output columns: it gathers its rows of the input (row = pair // TOP_K for the
+first projection, whose input is per token; the pair itself for the second, whose input is per
+pair), streams its expert's [BLOCK_N, K] slice of the weights, and scatters the results back
+to the pairs' rows of the output, optionally scaled by each pair's routing weight. Blocks past
+the last used one return at once: the grid is sized by an upper bound so that the launch
+needs no host sync (and a CUDA graph can hold it).
+
+`fused_experts` chains the two projections around the activation:
+  x [T, H] -> gate|up [T*k, 2I] -> act(gate) * up [T*k, I] -> down, * weight [T*k, H] (float32)
+  -> summed over each token's k slots [T, H].
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from folio.model.kernels._common import HAS_TRITON, require_triton, tl, triton
+from folio.model.moe.dispatch import align_to_blocks
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _grouped_gemm_kernel(A, B, C, WEIGHTS, SORTED_PAIRS, BLOCK_EXPERT,
+                             N, K, num_pairs, stride_am, stride_be, stride_bn, stride_bk,
+                             stride_cm,
+                             TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(BLOCK_EXPERT + pid_m)
+        if expert < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(SORTED_PAIRS + rows)
+        valid = pairs < num_pairs
+        a_rows = (pairs // TOP_K).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        b_base = B + expert.to(tl.int64) * stride_be + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = tl.load(A + a_rows[:, None] * stride_am + kk[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_base + kk[:, None] * stride_bk, mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        if MUL_WEIGHT:
+            w = tl.load(WEIGHTS + pairs, mask=valid, other=0.0)
+            acc = acc * w[:, None]
+        out = C + pairs[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _tiles(num_pairs: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a batch of `num_pairs` (token, slot) pairs.
+    Decode (few pairs, most experts seeing one row) wants the smallest row block tl.dot takes,
+    so the padding rows cost little; prefill wants square tiles for the tensor cores."""
+    if num_pairs <= 64:
+        return 16, 64, 128, 4
+    if num_pairs <= 1024:
+        return 32, 64, 64, 4
+    return 64, 128, 64, 8
+
+
+def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, alignment,
+                 top_k: int, pair_weights: torch.Tensor | None,
+                 tiles: tuple[int, int, int, int]) -> None:
+    """out[pair] = a[pair // top_k] @ weights[expert of pair]^T (* pair_weights[pair]), for
+    every pair of `alignment`. a [rows, K] (last dim contiguous), weights [E, N, K]."""
+    block_m, block_n, block_k, warps = tiles
+    n, k = weights.shape[1], weights.shape[2]
+    grid = (alignment.block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, weights, out, pair_weights if pair_weights is not None else out,
+        alignment.sorted_pairs, alignment.block_expert,
+        n, k, alignment.num_pairs, a.stride(0), weights.stride(0), weights.stride(1),
+        weights.stride(2), out.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=pair_weights is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], topk_weights [T, k] (float32), topk_ids
+    [T, k] -> [T, H] in x's dtype. `act`: the gate's activation; None = SiLU, fused with the
+    multiply."""
+    require_triton()
+    t, k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    tiles = _tiles(t * k)
+    alignment = align_to_blocks(topk_ids, num_experts, tiles[0])
+    inter = torch.empty((t * k, gate_up.shape[1]), dtype=x.dtype, device=x.device)
+    grouped_gemm(x, gate_up, inter, alignment, k, None, tiles)
+    if act is None:
+        from folio.model.kernels.activation import silu_and_mul
+        gated = silu_and_mul(inter)
+    else:
+        gate, up = inter.chunk(2, dim=-1)
+        gated = (act(gate) * up).contiguous()
+    # float32 partial outputs: the k slots are summed before the one rounding to x's dtype
+    out = torch.empty((t * k, down.shape[1]), dtype=torch.float32, device=x.device)
+    grouped_gemm(gated, down, out, alignment, 1, topk_weights.reshape(-1).to(torch.float32)
+                 .contiguous(), tiles)
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)

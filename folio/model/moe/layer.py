@@ -1,0 +1,153 @@
+"""The mixture-of-experts MLP: a router picks k experts per token, the experts' gated MLPs run
+as grouped GEMMs over the tokens sorted by expert, and their outputs are summed by routing
+weight (plus, for Qwen2-MoE, a shared expert every token visits).
+
+The experts' weights are stored stacked, as transformers 5 holds them: gate_up_proj
+[E, 2I, H] (each expert's gate rows then its up rows) and down_proj [E, H, I]. Checkpoints
+that store one tensor per expert (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) load into
+their expert's slice (`load_shard`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.model.families import ArchSpec, MoESpec
+from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
+from folio.model.layers import GatedMLP, _cpu_kernels, _fused_kernels_on, gate_activation, is_silu
+from folio.model.moe.dispatch import sort_by_expert
+from folio.model.moe.routing import RouterConfig, select_experts
+
+# A per-expert checkpoint tensor's part of the stacked weights: (parameter, shard of it).
+EXPERT_SHARDS = {
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", "down"),
+    # Mixtral's names
+    "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"), "w2": ("down_proj", "down"),
+}
+
+
+class FusedMoE(nn.Module):
+    """The routed experts: x [T, H], routing (weights [T, k], ids [T, k]) -> [T, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str,
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.silu = is_silu(act)
+        self.act = gate_activation(act)
+        self.kernels = kernels
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def checkpoint_shards(self) -> dict[str, list[str]]:
+        """Per parameter, the shards a per-expert checkpoint fills ("<expert>.<part>")."""
+        experts = range(self.num_experts)
+        return {"gate_up_proj": [f"{e}.{p}" for e in experts for p in ("gate", "up")],
+                "down_proj": [f"{e}.down" for e in experts]}
+
+    @torch.no_grad()
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        expert_s, _, part = shard.partition(".")
+        expert = int(expert_s)
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
+        inter = self.intermediate_size
+        target = getattr(self, param_name)[expert]
+        if part == "gate":
+            target = target[:inter]
+        elif part == "up":
+            target = target[inter:]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert} {part} weight has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if _fused_kernels_on(x, self.kernels):
+            from folio.model.kernels.fused_moe import fused_experts
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                 None if self.silu else self.act)
+        return self._grouped_torch(x, weights, ids)
+
+    def _grouped_torch(self, x: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """The CPU path (and CUDA's without Triton): the (token, slot) pairs sorted by expert,
+        one pair of matmuls per expert that has any over its run of rows, then unsorted and
+        summed by routing weight. A Python loop over experts, never over tokens."""
+        t, k = ids.shape
+        order, counts = sort_by_expert(ids, self.num_experts)
+        rows = x[order // k]
+        out = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            seg = rows[start:start + n]
+            gate_up = F.linear(seg, self.gate_up_proj[expert])
+            ops = _cpu_kernels(gate_up, self.kernels) if self.silu else None
+            if ops is not None:
+                act = ops.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act(gate) * up
+            out[order[start:start + n]] = F.linear(act, self.down_proj[expert]).float()
+            start += n
+        out = out.view(t, k, -1) * weights.unsqueeze(-1)
+        return out.sum(dim=1).to(x.dtype)
+
+
+class MoERouter(nn.Module):
+    """The router's logits ([E, H] weight, as checkpoints name it `gate`), and DeepSeek-V3's
+    score correction bias when the spec has one."""
+
+    def __init__(self, hidden_size: int, moe: MoESpec) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(moe.num_experts))
+                                        if moe.score_correction_bias else None)
+        self.config = RouterConfig(
+            num_experts=moe.num_experts, top_k=moe.top_k, scoring=moe.scoring,
+            renormalize=moe.renormalize, num_groups=moe.num_groups,
+            topk_groups=moe.topk_groups, routed_scaling_factor=moe.routed_scaling_factor)
+        self.float32 = moe.router_float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.float32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        return select_experts(logits, self.config, self.e_score_correction_bias)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one decoder layer (in place of GatedMLP)."""
+
+    def __init__(self, spec: ArchSpec, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        self.gate = MoERouter(spec.hidden_size, moe)
+        self.experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size,
+                                spec.hidden_act, kernels)
+        self.shared_expert = (GatedMLP(spec.hidden_size, moe.shared_expert_intermediate_size,
+                                       False, spec.hidden_act, kernels)
+                              if moe.shared_expert_intermediate_size else None)
+        self.shared_expert_gate = (nn.Linear(spec.hidden_size, 1, bias=False)
+                                   if moe.shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
