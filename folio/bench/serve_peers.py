@@ -49,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
@@ -232,9 +232,12 @@ def folio_serve_env(threads: int) -> dict[str, str]:
 
 # The worker's start-up line ("model loaded in 3.1 s (torch.float32, cpu); KV cache: 5825 blocks
 # of 16 = 93200 tokens (float32, 4.00 GiB)") and the server's ("KV cache: 5825 blocks x 16 =
-# 93200 tokens | ..."): the block count, block size and, where given, the cache dtype and size.
+# 93200 tokens | ..."): the block count, block size and, where given, the cache dtype and size,
+# and with KV cache groups (sliding-window layers beside full ones) the layers one block id
+# spans ("... shared by 7 KV cache groups of 4 layers").
 _KV_LINE = re.compile(r"KV cache: (?P<blocks>\d+) blocks (?:of|x) (?P<block_size>\d+) = "
-                      r"\d+ tokens(?: \((?P<dtype>\w+), (?P<size>[\d.]+) (?P<unit>GiB|MiB)\))?")
+                      r"\d+ tokens(?: \((?P<dtype>\w+), (?P<size>[\d.]+) (?P<unit>GiB|MiB)\))?"
+                      r"(?: shared by \d+ KV cache groups of (?P<group_size>\d+) layers?)?")
 _MODEL_DTYPE = re.compile(r"model loaded in [\d.]+ s \((?:torch\.)?(?P<dtype>\w+), ")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
                 "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -285,6 +288,9 @@ def folio_kv_cache(log_text: str, shape: KVShape | None) -> dict[str, Any] | Non
                            "tokens": blocks * block_size, "dtype": dtype,
                            "logged_bytes": logged}
     element = _DTYPE_BYTES.get(dtype or "")
+    if shape is not None and line.group("group_size"):
+        # A block id holds a page of group_size layers, not of every layer.
+        shape = replace(shape, num_layers=int(line.group("group_size")))
     if shape is not None and element is not None:
         out["bytes"] = blocks * block_size * shape.bytes_per_token(element)
         out["how"] = (f"{blocks} blocks x {block_size} tokens x {shape.bytes_per_token(element)} "

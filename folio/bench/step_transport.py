@@ -30,7 +30,7 @@ _STOP = 2**63  # the sequence number that ends the far side
 
 
 def decode_step_message(num_reqs: int) -> SchedulerOutput:
-    cached = [CachedRequestData(f"req-{i}", [1000 + i] if i % 16 == 0 else [], [7], 500 + i)
+    cached = [CachedRequestData(f"req-{i}", [[1000 + i] if i % 16 == 0 else []], [7], 500 + i)
               for i in range(num_reqs)]
     rids = [c.req_id for c in cached]
     return SchedulerOutput(1, [], cached, dict.fromkeys(rids, 1), num_reqs, rids, [], [])
@@ -39,7 +39,7 @@ def decode_step_message(num_reqs: int) -> SchedulerOutput:
 def prefill_step_message(num_reqs: int, prompt_len: int) -> SchedulerOutput:
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=256)
     new = [NewRequestData(f"req-{i}", list(range(prompt_len)), params, [2],
-                          list(range(i * 40, i * 40 + prompt_len // 16 + 1)), 0)
+                          [list(range(i * 40, i * 40 + prompt_len // 16 + 1))], 0)
            for i in range(num_reqs)]
     rids = [n.req_id for n in new]
     return SchedulerOutput(1, new, [], dict.fromkeys(rids, prompt_len), num_reqs * prompt_len,

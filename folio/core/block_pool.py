@@ -81,13 +81,22 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 null_block: bool = False) -> None:
+        """`null_block`: reserve block 0, never handed out, to stand in a sliding-window
+        group's table for the blocks freed out of its window (it holds a reference forever)."""
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = None
+        if null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1
+        # Blocks requests can hold (all but the null block).
+        self.num_usable_blocks = num_blocks - null_block
+        self.free_queue = FreeBlockQueue(self.blocks[int(null_block):])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -98,7 +107,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (held by a request)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -160,7 +169,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Refused (False) while any block is in use, since a running
         request's blocks must keep their hashes to be freed consistently."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

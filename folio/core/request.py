@@ -120,10 +120,11 @@ class Request:
         # Constrained decoding state; None = unconstrained.
         self.structured_output: GrammarState | None = None
         # What the workers hold of this request (the step messages send only what is new):
-        # whether it was ever sent, how many of its tokens and of its current blocks.
+        # whether it was ever sent, how many of its tokens and of its current blocks (per KV
+        # cache group).
         self.sent_to_workers = False
         self.num_sent_tokens = 0
-        self.num_sent_blocks = 0
+        self.num_sent_blocks: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, *, block_size: int,

@@ -66,7 +66,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int      # tokens already in the KV cache before this step
     num_new_tokens: int           # tokens computed this step
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]   # one list per KV cache group
     # The step reaches the end of the request's tokens, so a new one is sampled. Set when
     # scheduled (the request's token count moves on before the step's output is read under
     # async scheduling).
@@ -289,7 +289,7 @@ class Scheduler:
                 # it rank higher and may fit in the blocks it just gave back.
                 continue
             scheduled[request.request_id] = ScheduledRequest(
-                request, request.num_computed_tokens, num_new, [], spec_token_ids=drafts)
+                request, request.num_computed_tokens, num_new, (), spec_token_ids=drafts)
             budget -= num_new
             index += 1
 
@@ -328,7 +328,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._first_scheduled.setdefault(request.request_id, time.monotonic())
-            scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, [],
+            scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, (),
                                                              resumed=resumed)
             budget -= num_new
 
@@ -373,17 +373,20 @@ class Scheduler:
                 request.sent_to_workers = True
                 new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params,
-                    list(request.eos_token_ids), list(blocks), item.num_computed_tokens))
+                    list(request.eos_token_ids), [list(ids) for ids in blocks],
+                    item.num_computed_tokens))
                 # The prompt is all a new request has (its output starts empty).
                 request.num_sent_tokens = len(tokens)
             else:
                 if item.resumed:
-                    request.num_sent_blocks = 0
+                    new_blocks = [list(ids) for ids in blocks]
+                else:
+                    new_blocks = [ids[n:] for ids, n in zip(blocks, request.num_sent_blocks)]
                 cached_reqs.append(CachedRequestData(
-                    rid, blocks[request.num_sent_blocks:], tokens[request.num_sent_tokens:],
+                    rid, new_blocks, tokens[request.num_sent_tokens:],
                     item.num_computed_tokens, item.resumed))
                 request.num_sent_tokens = len(tokens)
-            request.num_sent_blocks = len(blocks)
+            request.num_sent_blocks = [len(ids) for ids in blocks]
         self._step_id += 1
         return SchedulerOutput(
             step_id=self._step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,

@@ -28,7 +28,8 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]
-    block_ids: list[int]
+    # One list per KV cache group (folio/core/kv_cache_layout.py), in group order.
+    block_ids: list[list[int]]
     # Tokens already in the KV cache (prefix-cache hits) before this step.
     num_computed_tokens: int
 
@@ -36,8 +37,11 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     """A request the workers hold, as a diff since the last step that scheduled it."""
     req_id: str
-    # Blocks appended to its block table; after a preemption, the whole new table.
-    new_block_ids: list[int]
+    # Blocks appended to its block table of each KV cache group; after a preemption, the
+    # whole new tables. A sliding-window group's table may hold the null block where blocks
+    # were freed out of its window; entries the worker holds are never rewritten (a freed
+    # block's entry lies before the window, where no query reads).
+    new_block_ids: list[list[int]]
     # Tokens appended to it since the workers last heard of it (the ones sampled by earlier
     # steps, which reach the scheduler one step later under async scheduling). Sent rather
     # than kept from the worker's own sampling, so a worker's state is a function of the

@@ -94,7 +94,7 @@ class AsyncLLM:
         except Exception:
             self.shutdown()
             raise
-        self.preparer.kv_capacity_tokens = self.ready.num_blocks * self.ready.block_size
+        self.preparer.kv_capacity_tokens = self.ready.kv_capacity_tokens
         # The front end left it open with device "auto" (deciding needs torch); now it is known.
         config.scheduler.max_num_seqs = self.ready.max_num_seqs
         self._receiver = threading.Thread(target=self._receive_loop, name="folio-output-receiver",

@@ -46,7 +46,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         core = EngineCore(config, info.source, info.hf_config, info.tokenizer)
         outbox.send_multipart(msg.encode(msg.READY, msg.ReadyInfo(
             core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid(),
-            config.scheduler.max_num_seqs)))
+            config.scheduler.max_num_seqs, core.kv_capacity_tokens)))
         _busy_loop(core, inbox, outbox, parent_pid)
     except Exception as exc:  # report, then die: the front end fails requests with 500s
         detail = f"{type(exc).__name__}: {exc}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from folio.config import EngineConfig
-from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.kv_cache_manager import make_kv_cache_manager
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
@@ -51,8 +51,12 @@ class EngineCore:
             gc.collect()
         self.executor = make_executor(config, source, hf_config)
         self.num_blocks = self.executor.num_blocks
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+        layout = self.executor.kv_cache_layout
+        self.kv_cache_manager = make_kv_cache_manager(layout, self.num_blocks,
+                                                      config.cache.block_size,
+                                                      config.cache.enable_prefix_caching)
+        # Tokens the cache surely holds, for the front end's check of n > 1 requests.
+        self.kv_capacity_tokens = layout.token_capacity(self.num_blocks, config.cache.block_size)
         sched = config.scheduler
         drafter = make_drafter(config.speculative)
         if drafter is not None and sched.async_scheduling:

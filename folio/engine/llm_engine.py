@@ -23,7 +23,7 @@ class LLMEngine:
                                       self.model_info.tokenizer)
         self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
                                         config.limits)
-        self.preparer.kv_capacity_tokens = self.engine_core.num_blocks * config.cache.block_size
+        self.preparer.kv_capacity_tokens = self.engine_core.kv_capacity_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

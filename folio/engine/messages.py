@@ -32,6 +32,8 @@ class ReadyInfo:
     pid: int
     # The engine core's (it resolves the device, and so this default, with device "auto").
     max_num_seqs: int
+    # Tokens the KV cache surely holds (its groups counted: KVCacheLayout.token_capacity).
+    kv_capacity_tokens: int
 
 
 @dataclass

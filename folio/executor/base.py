@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from folio.core.kv_cache_layout import KVCacheLayout
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 
 
@@ -16,6 +17,7 @@ class PendingOutput(Protocol):
 class Executor(Protocol):
     device_type: str      # "cuda" or "cpu"
     num_blocks: int       # KV cache blocks per worker
+    kv_cache_layout: KVCacheLayout   # how the layers share those blocks (KV cache groups)
     vocab_size: int       # the width of the model's logits
     timings: dict[str, float]  # seconds of each worker start-up stage
 

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from folio.config import EngineConfig
+from folio.core.kv_cache_layout import KVCacheLayout
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 from folio.executor import step_codec
 from folio.executor import worker_proc as wp
@@ -77,6 +78,7 @@ class MultiprocExecutor:
         # Replicas size their caches alike; the smallest is what every rank can hold.
         self.num_blocks: int = min(info.num_blocks for info in infos)
         self.vocab_size: int = first.vocab_size
+        self.kv_cache_layout: KVCacheLayout = first.kv_cache_layout
         self.timings: dict[str, float] = dict(first.timings)
         logger.info("%d worker processes ready (%s)", self.num_workers, self.device_type)
 

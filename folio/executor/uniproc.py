@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from folio.config import EngineConfig
+from folio.core.kv_cache_layout import KVCacheLayout
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 from folio.executor import step_codec
 from folio.model.discovery import ModelSource
@@ -29,6 +30,10 @@ class UniProcExecutor:
     @property
     def num_blocks(self) -> int:
         return self.worker.num_blocks
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        return self.worker.kv_cache_layout
 
     @property
     def timings(self) -> dict[str, float]:

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from folio.config import EngineConfig
+from folio.core.kv_cache_layout import KVCacheLayout
 from folio.executor import step_codec
 from folio.model.discovery import ModelSource
 
@@ -73,6 +74,7 @@ class WorkerInfo(msgspec.Struct):
     num_blocks: int
     vocab_size: int
     timings: dict[str, float]
+    kv_cache_layout: KVCacheLayout
 
 
 def frame_int(value: int) -> bytes:
@@ -98,7 +100,7 @@ def run_worker(args: WorkerArgs) -> None:
         worker = _start_worker(args)
         outbox.send_multipart([READY, rank, frame_int(-1), step_codec.encode(WorkerInfo(
             worker.device.type, worker.num_blocks, worker.arch_spec.vocab_size,
-            dict(worker.timings)))])
+            dict(worker.timings), worker.kv_cache_layout))])
         _serve(worker, args, inbox, outbox)
     except Exception as exc:
         detail = f"worker {args.rank}: {type(exc).__name__}: {exc}"

@@ -252,6 +252,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.sliding_window = sliding_window
+        # The KV cache group whose block tables this layer reads (AttentionMetadata.groups;
+        # set by the worker from its KVCacheLayout when the model has several).
+        self.kv_group = 0
         self.scale = head_dim ** -0.5 if scale is None else scale
         # The FP8 KV cache's scales (vLLM's k_scale / v_scale; the cache holds K / k_scale,
         # V / v_scale: folio/model/attention/fp8.py): float32, one per KV head (a per-tensor
@@ -308,6 +311,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         if metadata.calculate_kv_scales and is_fp8(kv_cache.dtype):
             self.calculate_kv_scales(k, v)
+        if metadata.groups is not None:
+            metadata = metadata.groups[self.kv_group]
         sinks = self.sinks
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()

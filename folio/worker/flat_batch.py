@@ -38,9 +38,12 @@ class Padding(enum.Enum):
 
 class StepBuffers:
     """Host buffers for steps of up to `max_tokens` tokens and `max_reqs` request slots, as
-    torch tensors (pinned on CUDA, for asynchronous copies) and numpy views of them."""
+    torch tensors (pinned on CUDA, for asynchronous copies) and numpy views of them. Slot
+    mapping and block tables exist once per KV cache group (`slot_mapping`, `block_tables`:
+    group 0's; `slot_mapping.g`, `block_tables.g`: group g's)."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool) -> None:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool,
+                 num_kv_groups: int = 1) -> None:
         def host(shape, dtype, fill=0):
             return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
 
@@ -52,6 +55,9 @@ class StepBuffers:
             "seq_lens": host((max_reqs,), torch.int32),
             "block_tables": host((max_reqs, max_blocks), torch.int32),
         }
+        for g in range(1, num_kv_groups):
+            self.tensors[f"slot_mapping.{g}"] = host((max_tokens,), torch.int64, -1)
+            self.tensors[f"block_tables.{g}"] = host((max_reqs, max_blocks), torch.int32)
         arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self.ids = arrays["input_ids"]
         self.pos = arrays["positions"]
@@ -59,6 +65,9 @@ class StepBuffers:
         self.qsl = arrays["query_start_loc"]
         self.seq = arrays["seq_lens"]
         self.bt = arrays["block_tables"]
+        self.group_slots = [self.slots] + [arrays[f"slot_mapping.{g}"]
+                                           for g in range(1, num_kv_groups)]
+        self.group_bt = [self.bt] + [arrays[f"block_tables.{g}"] for g in range(1, num_kv_groups)]
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         # Recorded after the copies out of these buffers (CUDA): the next step waits for it
         # before writing them again.
@@ -85,11 +94,13 @@ class FlatBatch:
     query_start_loc: list[int]     # B + 1 entries, the real requests only
     seq_lens: list[int]
     num_computed_tokens: list[int]
-    width: int                     # block-table columns the real requests use
+    width: int                     # block-table columns the real requests use (group 0)
     # Flat positions whose input id is still being sampled by the step before (async
     # scheduling), and those requests' rows in that step's sampled ids.
     pending_dst: list[int]
     pending_src: list[int]
+    # Block-table columns of each KV cache group.
+    widths: list[int]
 
 
 def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows: dict[str, int],
@@ -149,14 +160,18 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
                 pieces.append(_PLACEHOLDER)
             ids[:T] = np.concatenate(pieces)
 
-    width = int(batch.num_blocks[rows].max()) if B else 0
-    if width:
-        bt[:B, :width] = batch.block_table[rows, :width]
     req_of = np.repeat(np.arange(B), counts)
     positions = starts[req_of] + (np.arange(T) - qsl[:-1][req_of])
     pos[:T] = positions
-    slots[:T] = bt[req_of, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
+    widths = []
+    for g, (g_bt, g_slots) in enumerate(zip(buf.group_bt, buf.group_slots)):
+        width = int(batch.group_num_blocks[g][rows].max()) if B else 0
+        if width:
+            g_bt[:B, :width] = batch.block_tables[g][rows, :width]
+        g_slots[:T] = g_bt[req_of, positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        widths.append(width)
+    assert padding is Padding.NONE or len(widths) == 1, "padded steps have one KV cache group"
     seq = starts + counts
     buf.qsl[:B + 1] = qsl
     buf.seq[:B] = seq
@@ -174,6 +189,6 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
         buf.qsl[B + 1:] = n          # slot B (the dummy) owns [T, n); later slots are empty
         buf.seq[B] = n - T
         buf.seq[B + 1:] = 0
-    return FlatBatch(T, B, n, qsl.tolist(), seq.tolist(), starts.tolist(), width,
-                     pending_dst, pending_src)
+    return FlatBatch(T, B, n, qsl.tolist(), seq.tolist(), starts.tolist(), widths[0],
+                     pending_dst, pending_src, widths)
 

@@ -39,19 +39,25 @@ class RequestState:
 class InputBatch:
     """Rows of the running requests: `token_ids[row, :num_tokens[row]]` are a request's tokens
     (under async scheduling the latest sampled one may be missing: it is read on the device),
-    `block_table[row, :num_blocks[row]]` its blocks, and `columns[name][row]` its sampling
-    knobs. Rows are reused as requests come and go."""
+    `block_tables[g][row, :group_num_blocks[g][row]]` its blocks in KV cache group g
+    (`block_table`, `num_blocks`: group 0's), and `columns[name][row]` its sampling knobs.
+    Rows are reused as requests come and go."""
 
     def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_kv_groups: int = 1) -> None:
         self.device = device
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = np.zeros((num_kv_groups, max_num_reqs, max_blocks_per_req),
+                                     dtype=np.int32)
+        self.group_num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
+        self.block_table = self.block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
+        # (table, counts) views per group, made once: every step appends blocks through them.
+        self._group_views = list(zip(self.block_tables, self.group_num_blocks))
         self.columns = {name: np.zeros(max_num_reqs, dtype=dtype)
                         for name, dtype in SCALAR_COLUMNS.items()}
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
@@ -89,7 +95,7 @@ class InputBatch:
             if state.row < 0:
                 self._assign_row(state)
             elif diff.resumed_from_preemption:
-                self.num_blocks[state.row] = 0
+                self.group_num_blocks[:, state.row] = 0
             self._append_blocks(state.row, diff.new_block_ids)
             self._append_tokens(state.row, diff.new_token_ids)
             state.num_computed_tokens = diff.num_computed_tokens
@@ -123,7 +129,7 @@ class InputBatch:
             raise RuntimeError(f"more than {self.max_num_reqs} requests scheduled at once")
         row = state.row = self._free_rows.pop()
         self._layout_version += 1
-        self.num_blocks[row] = 0
+        self.group_num_blocks[:, row] = 0
         tokens, state.parked_tokens = state.parked_tokens, None
         self.num_tokens[row] = 0
         self._append_tokens(row, tokens)
@@ -150,8 +156,10 @@ class InputBatch:
             self.token_ids[row, n:n + k] = token_ids
             self.num_tokens[row] = n + k
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
-            n = int(self.num_blocks[row])
-            self.block_table[row, n:n + len(block_ids)] = block_ids
-            self.num_blocks[row] = n + len(block_ids)
+    def _append_blocks(self, row: int, group_block_ids: list[list[int]]) -> None:
+        """Each KV cache group's new block ids, appended to the row's table of that group."""
+        for (table, counts), block_ids in zip(self._group_views, group_block_ids):
+            if block_ids:
+                n = int(counts[row])
+                table[row, n:n + len(block_ids)] = block_ids
+                counts[row] = n + len(block_ids)

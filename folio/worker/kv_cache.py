@@ -7,6 +7,7 @@ from typing import Callable
 import psutil
 import torch
 
+from folio.core.kv_cache_layout import KVCacheLayout, full_attention_layout
 from folio.model.families import ArchSpec
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,14 @@ def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype,
     return model_dtype
 
 
-def bytes_per_block(spec: ArchSpec, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(spec: ArchSpec, block_size: int, dtype: torch.dtype,
+                    num_layers: int | None = None) -> int:
+    """One block id's bytes: a page of K and V in each of `num_layers` cache tensors (every
+    layer's by default; a KVCacheLayout's group_size when layers share tensors)."""
     element = torch.empty((), dtype=dtype).element_size()
+    layers = spec.num_layers if num_layers is None else num_layers
     heads, width = spec.kv_entry
-    return spec.kv_planes * spec.num_layers * block_size * heads * width * element
+    return spec.kv_planes * layers * block_size * heads * width * element
 
 
 def default_cpu_kv_bytes() -> int:
@@ -49,16 +54,22 @@ def default_cpu_kv_bytes() -> int:
 
 def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
                          max_model_len: int, kv_cache_memory_bytes: int | None,
-                         num_blocks_override: int | None, extra_bytes_per_block: int = 0) -> int:
+                         num_blocks_override: int | None, extra_bytes_per_block: int = 0,
+                         layout: KVCacheLayout | None = None, max_step_tokens: int = 1) -> int:
     """Blocks that fit the budget; `extra_bytes_per_block`: a draft model's cache, which
-    has the same blocks beside the target's."""
-    per_block = bytes_per_block(spec, block_size, dtype) + extra_bytes_per_block
+    has the same blocks beside the target's. The cache must hold one sequence of
+    max_model_len in every KV cache group of `layout` (default: one group of every layer; a
+    sliding group holds only its window and a step of `max_step_tokens`), besides the
+    reserved null block."""
+    layout = layout or full_attention_layout(spec.num_layers)
+    per_block = bytes_per_block(spec, block_size, dtype, layout.group_size) + extra_bytes_per_block
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     else:
         budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_cpu_kv_bytes()
         num_blocks = budget // per_block
-    needed = -(-max_model_len // block_size)
+    needed = (layout.blocks_per_sequence(max_model_len, block_size, max_step_tokens)
+              + layout.num_reserved_blocks)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than "
@@ -69,15 +80,23 @@ def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
 
 
 def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer ([1, ..., 1,
-    latent width] for multi-head latent attention: ArchSpec.kv_planes, kv_entry). Zeroed, so
+                       device: torch.device,
+                       layout: KVCacheLayout | None = None) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor ([1, ..., 1, latent width]
+    for multi-head latent attention: ArchSpec.kv_planes, kv_entry) per layer slot of `layout`
+    (default: one per layer), returned per model layer: layers in the same slot of different
+    KV cache groups get the same tensor (each reads only its group's block ids). Zeroed, so
     padded reads of never-written slots hold finite values (0 * NaN would poison masked
     attention); a float8 zero is all zero bits too."""
     shape = (spec.kv_planes, num_blocks, block_size, *spec.kv_entry)
+    num_tensors = spec.num_layers if layout is None else layout.group_size
     if device.type == "cpu":
-        return [_lazily_zeroed(shape, dtype) for _ in range(spec.num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        tensors = [_lazily_zeroed(shape, dtype) for _ in range(num_tensors)]
+    else:
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+    if layout is None:
+        return tensors
+    return [tensors[slot] for _, slot in layout.layer_placement(spec.num_layers)]
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -29,7 +29,9 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, *, max_num_seqs: int, max_model_len: int,
                  max_num_tokens: int, graph_runner: DecodeGraphRunner | None = None,
-                 calculate_kv_scales: bool = False) -> None:
+                 calculate_kv_scales: bool = False, num_kv_groups: int = 1) -> None:
+        """`kv_caches`: one tensor per model layer (layers of different KV cache groups may
+        share one: folio/core/kv_cache_layout.py); `num_kv_groups`: block tables per request."""
         self.model = model
         # Set until the first real step has run: that step, eager, sets each layer's FP8 KV
         # cache scales from its keys and values (--calculate-kv-scales); warm-up, profiling and
@@ -45,10 +47,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.max_blocks = -(-max_model_len // block_size)
         # The requests this worker runs, as the step messages have described them.
-        self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device, max_model_len)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device, max_model_len,
+                                      num_kv_groups)
         self._pin = device.type == "cuda"
         self._eager_buffers = StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks,
-                                          pin=self._pin)
+                                          pin=self._pin, num_kv_groups=num_kv_groups)
         self._bitmask_host: torch.Tensor | None = None
         # The last launched step's sampled ids (on the device) and each sampling request's row
         # in them: the next step, scheduled before those ids reach the host, reads its
@@ -74,6 +77,13 @@ class ModelRunner:
             num_computed_tokens=flat.num_computed_tokens,
             block_tables=to_device(t["block_tables"][:B, :max(flat.width, 1)]),
             block_size=self.block_size)
+        if len(flat.widths) > 1:
+            meta.groups = [meta] + [AttentionMetadata(
+                slot_mapping=to_device(t[f"slot_mapping.{g}"][:T]),
+                query_start_loc=flat.query_start_loc, seq_lens=flat.seq_lens,
+                num_computed_tokens=flat.num_computed_tokens,
+                block_tables=to_device(t[f"block_tables.{g}"][:B, :max(flat.widths[g], 1)]),
+                block_size=self.block_size) for g in range(1, len(flat.widths))]
         buf.copies_queued()
         if flat.pending_dst:
             self._fill_pending_inputs(ids, flat.pending_dst, flat.pending_src)

@@ -9,6 +9,7 @@ import torch
 
 from folio.config import EngineConfig
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+from folio.core.kv_cache_layout import KVCacheLayout, full_attention_layout, kv_cache_layout
 from folio.model.attention.fp8 import fp8_max, is_fp8
 from folio.model.attention.selector import check_kv_cache_dtype
 from folio.model.families import ArchSpec
@@ -80,6 +81,7 @@ class Worker:
                                                                    hf_config)
         self.load_seconds = time.perf_counter() - start
         self.timings["load_s"] = self.load_seconds
+        self.kv_cache_layout = self._kv_cache_layout()
         cache = config.cache
         kv_bytes = cache.kv_cache_memory_bytes
         if self.device.type == "cuda" and cache.num_gpu_blocks_override is None and kv_bytes is None:
@@ -88,15 +90,21 @@ class Worker:
                                           cache.gpu_memory_utilization)
             self.timings["profile_s"] = time.perf_counter() - start
         start = time.perf_counter()
+        layout = self.kv_cache_layout
         self.num_blocks = determine_num_blocks(
             self.spec, block_size=cache.block_size, dtype=self.kv_cache_dtype,
             max_model_len=config.model.max_model_len,
             kv_cache_memory_bytes=kv_bytes,
             num_blocks_override=cache.num_gpu_blocks_override,
             extra_bytes_per_block=0 if self.draft_spec is None else
-            bytes_per_block(self.draft_spec, cache.block_size, self.kv_cache_dtype))
+            bytes_per_block(self.draft_spec, cache.block_size, self.kv_cache_dtype),
+            layout=layout, max_step_tokens=config.scheduler.max_num_batched_tokens)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
-                                            self.kv_cache_dtype, self.device)
+                                            self.kv_cache_dtype, self.device, layout)
+        if layout.num_groups > 1:
+            for layer, (group, _) in zip(self.model.layers,
+                                         layout.layer_placement(self.spec.num_layers)):
+                layer.self_attn.kv_group = group
         self.draft_kv_caches = [] if self.draft_spec is None else allocate_kv_caches(
             self.draft_spec, self.num_blocks, cache.block_size, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
@@ -124,13 +132,32 @@ class Worker:
         if self.device.type == "cuda":
             self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
         kv_total = self.num_blocks * bytes_per_block(self.spec, cache.block_size,
-                                                     self.kv_cache_dtype)
+                                                     self.kv_cache_dtype, layout.group_size)
+        max_len = config.model.max_model_len
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens "
-                    "(%s, %s)", self.load_seconds, self.dtype, self.device, self.num_blocks,
-                    cache.block_size, self.num_blocks * cache.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total))
+                    "(%s, %s)%s; max concurrency at %d tokens: %.1fx", self.load_seconds,
+                    self.dtype, self.device, self.num_blocks, cache.block_size,
+                    self.num_blocks * cache.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total),
+                    "" if layout.num_groups == 1 else
+                    f" shared by {layout.num_groups} KV cache groups of {layout.group_size} "
+                    f"layer{'s' if layout.group_size > 1 else ''}", max_len,
+                    (self.num_blocks - layout.num_reserved_blocks)
+                    / layout.blocks_per_sequence(max_len, cache.block_size))
         if is_fp8(self.kv_cache_dtype):
             self._log_kv_scales()
+
+    def _kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache groups (folio/core/kv_cache_layout.py) by the layers' windows. A draft
+        model or EAGLE head keeps its K/V in the target's blocks through one block table, so
+        with one the cache stays a single full-attention group (every block kept)."""
+        windows = self.spec.sliding_windows
+        if self.draft_model is not None and any(w is not None for w in windows):
+            logger.info("KV cache: one full-attention group (blocks out of the sliding window "
+                        "kept): the %s shares the target's block table",
+                        self.config.speculative.method)
+            return full_attention_layout(self.spec.num_layers)
+        return kv_cache_layout(windows, self.spec.num_layers, self.config.model.max_model_len)
 
     def _new_proposer(self):
         spec_config = self.config.speculative
@@ -232,7 +259,8 @@ class Worker:
                            max_num_seqs=sched.max_num_seqs,
                            max_model_len=self.config.model.max_model_len,
                            max_num_tokens=sched.max_num_batched_tokens,
-                           calculate_kv_scales=calculate_kv_scales)
+                           calculate_kv_scales=calculate_kv_scales,
+                           num_kv_groups=self.kv_cache_layout.num_groups)
 
     def _capture_decode_graphs(self):
         """CUDA graphs for pure-decode steps, captured once the KV cache exists (they bake in
@@ -243,6 +271,11 @@ class Worker:
         if self.model.aux_hidden_layers:
             # an EAGLE-3 head reads streams the forward keeps aside: not from graph buffers
             logger.info("CUDA graphs off: the EAGLE-3 head reads the target's inner states")
+            return None
+        if self.kv_cache_layout.num_groups > 1:
+            # The graphs' static buffers hold one block table and slot mapping per step.
+            logger.info("CUDA graphs off: the KV cache has %d groups (sliding-window and full "
+                        "layers)", self.kv_cache_layout.num_groups)
             return None
         from folio.worker.cuda_graphs import DecodeGraphRunner, triton_backend_of
         if triton_backend_of(self.model) is None:

@@ -372,6 +372,10 @@ def test_folio_kv_cache_from_the_start_up_log() -> None:
              "tokens\n")
     assert serve_peers.folio_kv_cache(older, shape)["bytes"] == 10 * 16 * 2 * 30 * 3 * 64 * 2
     assert serve_peers.folio_kv_cache("nothing here", shape) is None
+    # KV cache groups: a block id is a page of a group's layers (here 6 of the 30).
+    grouped = WORKER_LINE.replace("(float32, 4.00 GiB)",
+                                  "(float32, 0.80 GiB) shared by 5 KV cache groups of 6 layers")
+    assert serve_peers.folio_kv_cache(grouped, shape)["bytes"] == kv["bytes"] // 5
     assert serve_peers.llama_kv_cache_estimate(1000, shape) == 1000 * 2 * 30 * 3 * 64 * 2
     line = "0.01.133 I srv    load_model: initializing, n_slots = 64, n_ctx_slot = 512, kv_unified"
     assert serve_peers.llama_server_ctx_from_log("x\n" + line + "\n") == 64 * 512

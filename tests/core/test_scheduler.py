@@ -15,7 +15,8 @@ from typing import Callable
 import msgspec
 import pytest
 
-from folio.core.kv_cache_manager import KVCacheManager, cdiv
+from folio.core.kv_cache_layout import kv_cache_layout
+from folio.core.kv_cache_manager import KVCacheManager, cdiv, make_kv_cache_manager
 from folio.core.engine_core_outputs import EngineCoreOutput
 from folio.core.request import Request, RequestStatus
 from folio.core.scheduler import ScheduledStep, Scheduler
@@ -44,8 +45,12 @@ def make_request(rid: str, prompt_len: int | list[int], *, max_model_len: int = 
 
 def make_scheduler(*, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
                    max_model_len: int = 256, chunked: bool = True, policy: str = "fcfs",
-                   caching: bool = True) -> Scheduler:
-    return Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, caching),
+                   caching: bool = True, windows: tuple[int | None, ...] = ()) -> Scheduler:
+    """`windows`: a sliding window per model layer (None: full attention), for KV cache groups;
+    empty: today's one group."""
+    kv = (make_kv_cache_manager(kv_cache_layout(windows, len(windows)), num_blocks, BS, caching)
+          if windows else KVCacheManager(num_blocks, BS, caching))
+    return Scheduler(kv_cache_manager=kv,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      max_model_len=max_model_len, enable_chunked_prefill=chunked, policy=policy)
 
@@ -54,7 +59,8 @@ class FakeRunner:
     """Samples `next_token(request)` for each request whose step reaches its last token."""
 
     def __init__(self, next_token: Callable[[Request], int] | None = None,
-                 max_steps: int = 500) -> None:
+                 max_steps: int = 500, windows: tuple[int | None, ...] = (None,),
+                 null_block_id: int | None = None) -> None:
         # Never EOS by default: 1000 + the index of the output token.
         self.next_token = next_token or (lambda req: 1000 + req.num_output_tokens)
         # Tests loop "until done"; a scheduler that stops making progress fails, not hangs.
@@ -64,28 +70,37 @@ class FakeRunner:
         # Which requests sampled in the last step (`samples` is read live, so tests cannot ask
         # it after update_from_output has appended the token).
         self.sampled: set[str] = set()
-        self.worker = MessageMirror()
+        self.worker = MessageMirror(null_block_id)
+        # The sliding window of each KV cache group (None = full attention): a group's reads
+        # are checked inside its window only, where its blocks must still be its own.
+        self.windows = windows
 
     def execute(self, out: ScheduledStep) -> ModelRunnerOutput:
         self.num_steps += 1
         assert self.num_steps <= self.max_steps, "no progress"
         self.worker.apply(out)
         # All of a step's K/V is written before attention reads any of it.
+        # Block ids come from one pool for every group, so a slot is keyed by block id alone:
+        # a group reading a block another group (or request) took over fails too.
         for item in out.scheduled:
             tokens = item.request.all_token_ids
             end = item.num_computed_tokens + item.num_new_tokens
             assert end <= item.request.num_tokens
-            assert len(item.block_ids) >= cdiv(end, BS), "not enough blocks for the step"
-            for pos in range(item.num_computed_tokens, end):
-                self.slots[(item.block_ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
+            assert len(item.block_ids) == len(self.windows)
+            for ids in item.block_ids:
+                assert len(ids) >= cdiv(end, BS), "not enough blocks for the step"
+                for pos in range(item.num_computed_tokens, end):
+                    self.slots[(ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
         sampled: dict[str, int] = {}
         self.sampled = {s.request_id for s in out.scheduled if s.samples}
         for item in out.scheduled:
             tokens = item.request.all_token_ids
-            for pos in range(item.num_computed_tokens + item.num_new_tokens):
-                slot = (item.block_ids[pos // BS], pos % BS)
-                assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
-                    f"{item.request_id} reads stale KV at position {pos} (block {slot[0]})")
+            for ids, window in zip(item.block_ids, self.windows):
+                first = 0 if window is None else max(0, item.num_computed_tokens - window + 1)
+                for pos in range(first, item.num_computed_tokens + item.num_new_tokens):
+                    slot = (ids[pos // BS], pos % BS)
+                    assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
+                        f"{item.request_id} reads stale KV at position {pos} (block {slot[0]})")
             if item.samples:
                 sampled[item.request_id] = self.next_token(item.request)
         return sampled_output(sampled)
@@ -95,9 +110,12 @@ class MessageMirror:
     """A worker's view built from the step messages alone (through msgpack), checked against
     the scheduler's own records every step: the diffs must add up to the whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, null_block_id: int | None = None) -> None:
         self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[list[int]]] = {}
+        # Where the scheduler's table holds the null block (freed out of a window), the
+        # worker keeps the id it was sent: nobody reads there.
+        self.null_block_id = null_block_id
 
     def apply(self, out: ScheduledStep) -> None:
         message = msgspec.msgpack.decode(msgspec.msgpack.encode(out.message), type=StepMessage)
@@ -111,19 +129,24 @@ class MessageMirror:
         for new in message.scheduled_new_reqs:
             assert new.req_id not in self.tokens, "sent whole twice"
             self.tokens[new.req_id] = list(new.prompt_token_ids)
-            self.blocks[new.req_id] = list(new.block_ids)
+            self.blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             computed[new.req_id] = new.num_computed_tokens
         for diff in message.scheduled_cached_reqs:
-            if diff.resumed_from_preemption:
-                self.blocks[diff.req_id] = []
-            self.blocks[diff.req_id] += diff.new_block_ids
+            if diff.resumed_from_preemption or not self.blocks[diff.req_id]:
+                self.blocks[diff.req_id] = [[] for _ in diff.new_block_ids]
+            for held, ids in zip(self.blocks[diff.req_id], diff.new_block_ids):
+                held += ids
             self.tokens[diff.req_id] += diff.new_token_ids
             computed[diff.req_id] = diff.num_computed_tokens
         assert list(message.num_scheduled_tokens) == [s.request_id for s in out.scheduled]
         assert message.sampling_req_ids == [s.request_id for s in out.scheduled if s.samples]
         for item in out.scheduled:
             rid = item.request_id
-            assert self.blocks[rid] == item.block_ids
+            null = self.null_block_id
+            assert [[b for b, ours in zip(held, ids) if ours != null] for held, ids in
+                    zip(self.blocks[rid], item.block_ids)] == \
+                [[b for b in ids if b != null] for ids in item.block_ids]
+            assert [len(held) for held in self.blocks[rid]] == [len(ids) for ids in item.block_ids]
             assert self.tokens[rid] == item.request.all_token_ids
             assert computed[rid] == item.num_computed_tokens
             assert message.num_scheduled_tokens[rid] == item.num_new_tokens
@@ -165,9 +188,17 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 100
 def assert_all_free(sched: Scheduler) -> None:
     pool = sched.kv.block_pool
     pool.check_invariants()
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
     assert sched.kv.req_to_blocks == {}
     assert sched.running == [] and len(sched.waiting) == 0
+
+
+def held_blocks(tables: list, null: object) -> list:
+    """A request's blocks in the manager's record: one list (one group) or one per group,
+    without the null block."""
+    if tables and isinstance(tables[0], list):
+        return [b for table in tables for b in table if b is not null]
+    return list(tables)
 
 
 def num_new(out: ScheduledStep) -> dict[str, int]:
@@ -663,19 +694,31 @@ def test_outputs_carry_one_token_per_step():
 
 # ---- randomized stress -------------------------------------------------------------------
 
+# KV cache layouts for the stress test: (per-layer windows, blocks). One group of full
+# attention; one sliding group; a full group and two sliding ones (a sequence of 64 tokens
+# then holds 16 + 2 x 8 blocks, with a step of 24 tokens).
+STRESS_LAYOUTS = {"full": ((), 20), "sliding": ((6, 6), 12), "hybrid": ((6, None, 6), 40)}
+
+
+@pytest.mark.parametrize("layout", sorted(STRESS_LAYOUTS))
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_stress(policy: str, chunked: bool, seed: int):
+def test_randomized_stress(policy: str, chunked: bool, seed: int, layout: str):
     rng = random.Random(seed)
     # Without chunked prefill the config requires budget >= max_model_len: a preempted request
     # must be able to recompute all its tokens in one step.
     budget, max_model_len = (24, 64) if chunked else (32, 32)
-    sched = make_scheduler(num_blocks=20, max_num_seqs=6, budget=budget, policy=policy,
-                           chunked=chunked, max_model_len=max_model_len)
+    windows, num_blocks = STRESS_LAYOUTS[layout]
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=6, budget=budget, policy=policy,
+                           chunked=chunked, max_model_len=max_model_len, windows=windows)
+    null = sched.kv.block_pool.null_block
+    group_windows = (tuple(g.sliding_window for g in sched.kv.layout.groups) if windows
+                     else (None,))
     # Random tokens from a small vocabulary: prompts share prefixes often enough to hit.
     runner = FakeRunner(lambda req: rng.choice([EOS] + [5] * 15 + [6] * 15 + [7] * 15),
-                        max_steps=5000)
+                        max_steps=5000, windows=group_windows,
+                        null_block_id=None if null is None else null.block_id)
     expected: dict[str, Request] = {}
     aborted: set[str] = set()
     finished: dict[str, EngineCoreOutput] = {}
@@ -712,8 +755,8 @@ def test_randomized_stress(policy: str, chunked: bool, seed: int):
                 finished[o.request_id] = o
         pool = sched.kv.block_pool
         pool.check_invariants()
-        held = sum(len(b) for b in sched.kv.req_to_blocks.values())
-        assert pool.num_blocks - pool.num_free_blocks <= held
+        held = sum(len(held_blocks(b, null)) for b in sched.kv.req_to_blocks.values())
+        assert pool.num_usable_blocks - pool.num_free_blocks <= held
         if step_no >= 200 and not sched.has_unfinished_requests():
             break
     assert not sched.has_unfinished_requests()

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from folio.core.kv_cache_manager import KVCacheManager, cdiv
+from folio.core.kv_cache_layout import kv_cache_layout
+from folio.core.kv_cache_manager import KVCacheManager, cdiv, make_kv_cache_manager
 from folio.core.step_messages import ModelRunnerOutput
 from folio.core.request import Request
 from folio.core.scheduler import ScheduledStep, Scheduler
@@ -29,8 +30,10 @@ class CountingRunner:
     """Token k of a request is 1000 + k, or EOS at the request's chosen index; checks that
     every position a step attends over holds the request's own prefix."""
 
-    def __init__(self, eos_at: dict[str, int]) -> None:
+    def __init__(self, eos_at: dict[str, int], windows: tuple[int | None, ...] = (None,)) -> None:
         self.eos_at = eos_at
+        # Each KV cache group's sliding window (None: full): its reads are checked inside it.
+        self.windows = windows
         self.count: dict[str, int] = {}
         self.last: dict[str, int] = {}      # the previous step's sample per request
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -43,17 +46,20 @@ class CountingRunner:
                 tokens.append(self.last[item.request_id])   # on the GPU: a device copy
             end = item.num_computed_tokens + item.num_new_tokens
             assert end == len(tokens) or not item.samples
-            assert len(item.block_ids) >= cdiv(end, BS)
             inputs[item.request_id] = tokens
-            for pos in range(item.num_computed_tokens, end):
-                self.slots[(item.block_ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
+            for ids in item.block_ids:
+                assert len(ids) >= cdiv(end, BS)
+                for pos in range(item.num_computed_tokens, end):
+                    self.slots[(ids[pos // BS], pos % BS)] = tuple(tokens[:pos + 1])
         sampled: dict[str, int] = {}
         for item in out.scheduled:
             tokens = inputs[item.request_id]
-            for pos in range(item.num_computed_tokens + item.num_new_tokens):
-                slot = (item.block_ids[pos // BS], pos % BS)
-                assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
-                    f"{item.request_id} reads stale KV at position {pos}")
+            for ids, window in zip(item.block_ids, self.windows):
+                first = 0 if window is None else max(0, item.num_computed_tokens - window + 1)
+                for pos in range(first, item.num_computed_tokens + item.num_new_tokens):
+                    slot = (ids[pos // BS], pos % BS)
+                    assert self.slots.get(slot) == tuple(tokens[:pos + 1]), (
+                        f"{item.request_id} reads stale KV at position {pos}")
             if item.samples:
                 rid = item.request_id
                 k = self.count.get(rid, 0)
@@ -78,14 +84,19 @@ def _requests(seed: int, n: int) -> tuple[list[Request], dict[str, int]]:
     return requests, eos_at
 
 
-def _run(seed: int, *, async_scheduling: bool, num_blocks: int, budget: int, n: int = 24):
+def _run(seed: int, *, async_scheduling: bool, num_blocks: int, budget: int, n: int = 24,
+         windows: tuple[int | None, ...] = ()):
+    """`windows`: a sliding window per model layer, for KV cache groups (empty: one group)."""
     requests, eos_at = _requests(seed, n)
-    sched = Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, True), max_num_seqs=8,
+    kv = (make_kv_cache_manager(kv_cache_layout(windows, len(windows)), num_blocks, BS)
+          if windows else KVCacheManager(num_blocks, BS, True))
+    sched = Scheduler(kv_cache_manager=kv, max_num_seqs=8,
                       max_num_batched_tokens=budget, max_model_len=48,
                       async_scheduling=async_scheduling)
     for r in requests:
         sched.add_request(r)
-    runner = CountingRunner(eos_at)
+    runner = CountingRunner(eos_at, tuple(g.sliding_window for g in kv.layout.groups)
+                            if windows else (None,))
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     reasons: dict[str, str] = {}
     in_flight = None
@@ -120,7 +131,7 @@ def _run(seed: int, *, async_scheduling: bool, num_blocks: int, budget: int, n: 
     else:
         pytest.fail("no progress")
     assert not sched.has_unfinished_requests()
-    assert sched.kv.num_free_blocks == num_blocks
+    assert sched.kv.num_free_blocks == sched.kv.block_pool.num_usable_blocks
     return tokens, reasons, sched.num_preemptions
 
 
@@ -132,6 +143,20 @@ def test_async_matches_sync(seed, num_blocks, budget):
     assert got[0] == expected[0]
     assert got[1] == expected[1]
     assert set(expected[1].values()) <= {"stop", "length"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_blocks,budget", [(200, 7), (40, 32)])
+def test_async_matches_sync_with_sliding_window_groups(seed, num_blocks, budget):
+    """A full group and two sliding ones (window 6): blocks freed out of the window while a
+    step is in flight are reused only by later steps, and the tokens are the synchronous
+    schedule's."""
+    windows = (6, None, 6)
+    expected = _run(seed, async_scheduling=False, num_blocks=num_blocks, budget=budget,
+                    windows=windows)
+    got = _run(seed, async_scheduling=True, num_blocks=num_blocks, budget=budget,
+               windows=windows)
+    assert got[:2] == expected[:2]
 
 
 def test_tight_cache_preempts():

@@ -142,7 +142,7 @@ def test_drafts_are_scheduled_verified_and_rolled_back() -> None:
     assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
     assert step.message.sampling_req_ids == ["a"]
     assert r.num_computed_tokens == 6 + 4
-    assert len(s.kv.get_block_ids("a")) * BS >= 10
+    assert len(s.kv.get_block_ids("a")[0]) * BS >= 10
     # two drafts accepted, then the model's own token
     out = s.update_from_output(step, reply({"a": [7, 8, 60]}))
     assert out[0].new_token_ids == [7, 8, 60]
@@ -169,7 +169,7 @@ def test_drafts_made_by_the_worker_with_slots_for_them() -> None:
     r = request("a", prompt_len=BS)          # the prompt fills one block exactly
     s.add_request(r)
     step = s.schedule()
-    assert len(s.kv.get_block_ids("a")) == 2  # lookahead: 3 slots past the prompt
+    assert len(s.kv.get_block_ids("a")[0]) == 2  # lookahead: 3 slots past the prompt
     out = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[50]],
                             draft_token_ids={"a": [7, 8, 9, 10]})
     s.update_from_output(step, out)
@@ -177,7 +177,7 @@ def test_drafts_made_by_the_worker_with_slots_for_them() -> None:
     step = s.schedule()
     assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
     # this step's tokens end at BS + 4; three more slots for the next drafts
-    assert len(s.kv.get_block_ids("a")) * BS >= BS + 4 + 3
+    assert len(s.kv.get_block_ids("a")[0]) * BS >= BS + 4 + 3
     s.update_from_output(step, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7, 60]]))
     assert r.spec_token_ids == []            # this output carried no drafts
     assert s.kv.allocate_slots(r, 1, num_lookahead_tokens=0) == []

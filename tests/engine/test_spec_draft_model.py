@@ -139,3 +139,43 @@ def test_configuration_errors(tiny_model_dir, tmp_path) -> None:
                                  num_key_value_heads=1)).save_pretrained(small_vocab)
     with pytest.raises(ValueError, match="vocabulary"):
         _make(target, {"model": str(small_vocab)})
+
+
+# ---- a target with sliding-window layers -----------------------------------------------------
+
+def _layout(llm: LLM):
+    return llm.llm_engine.engine_core.executor.kv_cache_layout
+
+
+def test_a_draft_model_keeps_a_sliding_targets_cache_one_full_group(tiny_model_dir) -> None:
+    """A draft model keeps its K/V in the target's blocks through one block table, so with one
+    the cache of an interleaved sliding target (Gemma 3) is one full-attention group (no
+    block freed early); greedy answers equal the engine without speculation, whose cache has
+    three groups and frees blocks out of the window."""
+    target = tiny_model_dir("gemma3")
+    prompts = _prompts(4, seed=14)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = _make(target, None, block_size=4, num_gpu_blocks_override=512)
+    assert _layout(plain).num_groups == 3
+    want = _ids(plain.generate(prompts, params, use_tqdm=False))
+    llm = _make(target, _spec(target, k=3), block_size=4, num_gpu_blocks_override=512)
+    assert _layout(llm).is_single_full
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert _stats(llm).spec_num_drafts > 0
+
+
+def test_ngram_drafts_on_a_sliding_target_free_blocks_as_usual(tiny_model_dir) -> None:
+    """Host drafts need no lookahead slots: the sliding groups stay, and verify steps that
+    step back over rejected drafts never move a window backwards."""
+    target = tiny_model_dir("gemma3")
+    pattern = list(range(300, 340))
+    prompts = [{"prompt_token_ids": pattern * 3 + pattern[:i]} for i in (5, 17, 29)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4, "adaptive_draft_length": False}
+    plain = _make(target, None, block_size=4, num_gpu_blocks_override=512)
+    want = _ids(plain.generate(prompts, params, use_tqdm=False))
+    llm = _make(target, spec, block_size=4, num_gpu_blocks_override=512)
+    assert _layout(llm).num_groups == 3
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert _stats(llm).spec_num_draft_tokens > 0

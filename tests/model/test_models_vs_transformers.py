@@ -311,3 +311,43 @@ def test_bfloat16_matches_float32(tiny_cases: Callable[[str], Case],
                                         fp32.prompt_logprobs[1:])]
         mean_diff = sum(diffs) / len(diffs)
         assert mean_diff < 0.1, f"bf16 prompt {i}: mean prompt-logprob error {mean_diff:.3f}"
+
+
+# ---- sliding windows with a small block size: blocks freed out of the window, prefix hits --
+
+SLIDING_ARCHS = ["mistral", "gemma3", "gemma2", "phi3"]
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_tiny_sliding_small_blocks_with_prefix_hits(tiny_model_dir: Callable[[str], str],
+                                                    smollm2_tokenizer: Any, arch: str) -> None:
+    """Blocks of 4 tokens under a window of 16: each sliding group frees blocks as requests
+    move on (chunked prefill and decode), and requests sharing a long prefix with one before
+    them start from prefix hits whose sliding blocks were freed by that one (they stay
+    cached). No prompt logprobs: those turn the prefix cache off. Token-exact as ever."""
+    gen = torch.Generator().manual_seed(4321)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, len(smollm2_tokenizer), (n,), generator=gen).tolist()
+
+    shared = rand(150)
+    prompts = [shared + rand(30), rand(90), shared + rand(7), shared[:100] + rand(40), shared]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=NUM_LOGPROBS)
+    model_dir = tiny_model_dir(arch)
+    with torch_threads(1):
+        llm = LLM(model=model_dir, dtype="float32", max_model_len=512, seed=0, block_size=4,
+                  num_gpu_blocks_override=200, max_num_batched_tokens=64)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+        finally:
+            del llm
+            gc.collect()
+        greedy = hf_greedy_batch(model_dir, prompts, MAX_TOKENS)
+    load_hf_model.cache_clear()
+    case = Case(f"{arch} small blocks", outputs, [g.token_ids for g in greedy],
+                [g.logprobs for g in greedy], [[] for _ in prompts])
+    check_token_ids(case)
+    check_sample_logprobs(case)
+    assert any(out.num_cached_tokens >= 100 for out in outputs), "no prefix hit exercised"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.kv_cache_layout import kv_cache_layout
+from folio.core.kv_cache_manager import KVCacheManager, make_kv_cache_manager
 from folio.core.request import Request
 from folio.core.scheduler import ScheduledStep, Scheduler
 from folio.core.step_messages import ModelRunnerOutput
@@ -24,13 +25,18 @@ class StepCase:
     pending_tokens: dict[str, int]
     # Each sampling request's row in the previous step's sampled ids.
     prev_rows: dict[str, int]
+    # Every KV cache group's block ids (block_ids: group 0's).
+    group_block_ids: dict[str, list[list[int]]]
 
 
 def scheduler_steps(seed: int, *, block_size: int, max_model_len: int, max_reqs: int,
                     budget: int, num_blocks: int, async_scheduling: bool, num_steps: int,
-                    vocab: int = 90):
+                    vocab: int = 90, windows: tuple[int | None, ...] = ()):
+    """`windows`: a sliding window per model layer, for KV cache groups (empty: one group)."""
     rng = random.Random(seed)
-    sched = Scheduler(kv_cache_manager=KVCacheManager(num_blocks, block_size, True),
+    kv = (make_kv_cache_manager(kv_cache_layout(windows, len(windows)), num_blocks, block_size)
+          if windows else KVCacheManager(num_blocks, block_size, True))
+    sched = Scheduler(kv_cache_manager=kv,
                       max_num_seqs=max_reqs, max_num_batched_tokens=budget,
                       max_model_len=max_model_len, async_scheduling=async_scheduling)
     counter = 0
@@ -48,7 +54,7 @@ def scheduler_steps(seed: int, *, block_size: int, max_model_len: int, max_reqs:
         step = sched.schedule()
         if step.is_empty:
             # Still a message: it tells the workers which requests finished meanwhile.
-            yield StepCase(step, {}, {}, {}, {})
+            yield StepCase(step, {}, {}, {}, {}, {})
             if in_flight is not None:
                 sched.update_from_output(in_flight[0], _output(in_flight[1]))
                 in_flight = None
@@ -57,9 +63,10 @@ def scheduler_steps(seed: int, *, block_size: int, max_model_len: int, max_reqs:
         prev_rows = ({rid: j for j, rid in enumerate(in_flight[0].message.sampling_req_ids)}
                      if in_flight is not None else {})
         case = StepCase(step, {s.request_id: list(s.request.all_token_ids) for s in step.scheduled},
-                        {s.request_id: list(s.block_ids) for s in step.scheduled},
+                        {s.request_id: list(s.block_ids[0]) for s in step.scheduled},
                         {s.request_id: prev_tokens[s.request_id] for s in step.scheduled
-                         if s.has_pending_input}, prev_rows)
+                         if s.has_pending_input}, prev_rows,
+                        {s.request_id: [list(ids) for ids in s.block_ids] for s in step.scheduled})
         yield case
         sampled = {rid: rng.randrange(3, vocab) for rid in step.message.sampling_req_ids}
         if in_flight is not None:

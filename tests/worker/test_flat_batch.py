@@ -122,12 +122,12 @@ def test_seeded_generator_survives_preemption():
         return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], list(finished),
                                list(preempted))
 
-    batch.update(step(1, new=[NewRequestData("a", [1, 2], SamplingParams(seed=7), [2], [5], 0)]))
+    batch.update(step(1, new=[NewRequestData("a", [1, 2], SamplingParams(seed=7), [2], [[5]], 0)]))
     state = batch.requests["a"]
     first = torch.rand(1, generator=state.sampling.generator)
     batch.update(step(2, preempted=["a"]))
     assert state.row == -1 and "a" in batch.requests
-    batch.update(step(3, cached=[CachedRequestData("a", [8, 9], [11], 0, True)]))
+    batch.update(step(3, cached=[CachedRequestData("a", [[8, 9]], [11], 0, True)]))
     assert batch.requests["a"] is state and state.row >= 0
     assert batch.block_table[state.row, :batch.num_blocks[state.row]].tolist() == [8, 9]
     assert batch.token_ids_of(state).tolist() == [1, 2, 11] and state.num_prompt_tokens == 2
@@ -136,6 +136,45 @@ def test_seeded_generator_survives_preemption():
     assert torch.equal(torch.cat([first, second]), torch.rand(2, generator=fresh))
     batch.update(step(4, finished=["a"]))
     assert "a" not in batch.requests and len(batch._free_rows) == 2
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_kv_cache_groups_get_their_own_tables_and_slots(seed, async_scheduling):
+    """Sliding-window layers beside a full one: each KV cache group's block-table row and the
+    step's slot mapping follow that group's block ids (the worker keeps the ids it was sent
+    where the scheduler has since put the null block: those lie before every window)."""
+    windows = (8, None, 8)
+    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"), MAX_LEN, num_kv_groups=3)
+    eager = StepBuffers(BUDGET, MAX_REQS, WIDTH, pin=False, num_kv_groups=3)
+    freed = 0
+    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
+                                budget=BUDGET, num_blocks=40, async_scheduling=async_scheduling,
+                                num_steps=150, windows=windows):
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
+                                         type=SchedulerOutput)
+        batch.update(message)
+        if case.step.is_empty:
+            continue
+        flat = build_flat_batch(message, batch, case.prev_rows, eager, BS)
+        start = 0
+        for i, item in enumerate(case.step.scheduled):
+            state = batch.requests[item.request_id]
+            end = item.num_computed_tokens + item.num_new_tokens
+            for g, ids in enumerate(case.group_block_ids[item.request_id]):
+                held = batch.block_tables[g][state.row, :batch.group_num_blocks[g][state.row]]
+                assert len(held) == len(ids)
+                first = 0 if g == 0 else max(0, item.num_computed_tokens - 8 + 1) // BS
+                assert held[first:].tolist() == ids[first:]
+                assert eager.group_bt[g][i, first:-(-end // BS)].tolist() == \
+                    ids[first:-(-end // BS)]
+                freed += ids[:first].count(0)
+                positions = range(item.num_computed_tokens, end)
+                assert eager.group_slots[g][start:start + item.num_new_tokens].tolist() == \
+                    [ids[p // BS] * BS + p % BS for p in positions]
+            start += item.num_new_tokens
+        assert flat.widths[0] == flat.width and len(flat.widths) == 3
+    assert freed > 0, "no block was freed out of a window"
 
 
 def test_sampling_columns_follow_rows_through_preemption():
@@ -157,14 +196,14 @@ def test_sampling_columns_follow_rows_through_preemption():
     def step(step_id, new=(), cached=(), preempted=()):
         return SchedulerOutput(step_id, list(new), list(cached), {}, 0, [], [], list(preempted))
 
-    batch.update(step(1, new=[NewRequestData(r, prompts[r], params[r], [i], [0], 0)
+    batch.update(step(1, new=[NewRequestData(r, prompts[r], params[r], [i], [[0]], 0)
                               for i, r in enumerate("abc")]))
     outputs = {"a": [9], "b": [8], "c": [7]}
-    batch.update(step(2, cached=[CachedRequestData(r, [], outputs[r], len(prompts[r]), False)
+    batch.update(step(2, cached=[CachedRequestData(r, [[]], outputs[r], len(prompts[r]), False)
                                  for r in "abc"]))
     batch.update(step(3, preempted=["a"]))
-    batch.update(step(4, new=[NewRequestData("d", [11], SamplingParams(), [3], [0], 0)]))
-    batch.update(step(5, cached=[CachedRequestData("a", [5], [10], 0, True)]))
+    batch.update(step(4, new=[NewRequestData("d", [11], SamplingParams(), [3], [[0]], 0)]))
+    batch.update(step(5, cached=[CachedRequestData("a", [[5]], [10], 0, True)]))
     outputs["a"].append(10)
     assert batch.requests["a"].row == 3 and batch.requests["d"].row == 0
     order = ["c", "a", "b"]
@@ -184,13 +223,13 @@ def test_sampling_columns_follow_rows_through_preemption():
     assert got.history([1], True, -1).tolist() == [[9, 10]]
     # The next step of the same rows reuses the columns but sees the new token counts; a row
     # handed to another request makes the batch gather again.
-    batch.update(step(6, cached=[CachedRequestData("c", [], [12], 3, False)]))
+    batch.update(step(6, cached=[CachedRequestData("c", [[]], [12], 3, False)]))
     again = batch.sampling_columns(rows)
     assert again.num_tokens.tolist() == [4, 5, 2] and (again.pending_row == -1).all()
     assert again.temperature is got.temperature
     batch.update(SchedulerOutput(7, [], [], {}, 0, [], ["b"], []))
     batch.update(step(8, new=[NewRequestData("e", [13], SamplingParams(temperature=0.3),
-                                             [2], [0], 0)]))
+                                             [2], [[0]], 0)]))
     assert batch.requests["e"].row == rows[2]
     fresh = batch.sampling_columns(rows)
     assert fresh.temperature.tolist() == pytest.approx([1.2, 0.7, 0.3])

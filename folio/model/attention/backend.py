@@ -31,6 +31,10 @@ class AttentionMetadata:
     # its K/V scales from this step's keys and values before writing them (Attention.forward).
     # Always an eager step: the captured CUDA graphs only read the scales.
     calculate_kv_scales: bool = False
+    # Several KV cache groups (sliding-window layers beside full ones): one metadata per group,
+    # alike but for slot_mapping and block_tables; each layer reads its group's
+    # (Attention.kv_group). None: one group, this metadata.
+    groups: list["AttentionMetadata"] | None = None
     # Backend-specific precomputed tensors (masks, gather indices), filled lazily and reused
     # by all layers of the step.
     cache: dict[str, Any] = field(default_factory=dict)
