@@ -421,6 +421,24 @@ def test_registry():
     ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]", "mistral"),
     ("<|python_start|>{{ call }}<|python_end|>", "pythonic"),
     ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    # Phi-4-mini: vLLM's example template (asks for functools[...]) and the official one
+    ("* all function calls should be generated in a single JSON list formatted as "
+     "functools[{\"name\": [function name], \"arguments\": [function arguments as JSON]}, ...]",
+     "phi4_mini_json"),
+    ("{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + "
+     "'<|/tool|>' + '<|end|>' }}", "phi4_mini_json"),
+    # DeepSeek-V3.1: the same markers as V3; one parser reads both call forms
+    ("{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+     "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v3"),
+    # no call syntax: Gemma 3 (system folded into the first user turn), Phi-3, Mixtral-8x7B
+    ("{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = "
+     "messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}", None),
+    ("{{'<|user|>' + '\n' + message['content'] + '<|end|>' + '\n' + '<|assistant|>' + '\n'}}",
+     None),
+    ("{{ '[INST] ' + message['content'] + ' [/INST]' }}", None),
+    ("import functools  # the word alone is not the marker", None),
     ("{{ messages }}", None),
     (None, None),
 ])
