@@ -438,6 +438,10 @@ def test_registry():
     ("{{'<|user|>' + '\n' + message['content'] + '<|end|>' + '\n' + '<|assistant|>' + '\n'}}",
      None),
     ("{{ '[INST] ' + message['content'] + ' [/INST]' }}", None),
+    # vLLM's Gemma 3 tool template asks for a python list of calls
+    ("{{ '<start_of_turn>' + role + '\n' -}}{{- \"Example Format: [func_name1(params_name1="
+     "params_value1, params_name2=params_value2...), func_name2(params)] \\n\" -}}"
+     "{{ '<tool_response>\n' -}}", "pythonic"),
     ("import functools  # the word alone is not the marker", None),
     ("{{ messages }}", None),
     (None, None),

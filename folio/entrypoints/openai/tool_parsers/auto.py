@@ -5,8 +5,9 @@ contain ``<tool_call>``; pythonic Llama templates may mention python tags).
 ``functools`` is an ordinary word, so Phi-4-mini's rules come last.
 
 Templates with no call syntax detect nothing: Gemma 3's and Phi-3's official
-templates, Mixtral-8x7B's, Qwen2-MoE's. Gemma 3 is commonly served with
-``pythonic`` (and a template that asks for it); name the parser explicitly.
+templates, Mixtral-8x7B's, Qwen2-MoE's. Gemma 3 is served with ``pythonic``
+through vLLM's example template (tool_chat_template_gemma3_pythonic.jinja),
+which its ``[func_name1(`` example detects.
 """
 from __future__ import annotations
 
