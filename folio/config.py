@@ -173,7 +173,7 @@ class SchedulerConfig:
 
 
 _STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
-_REASONING_PARSERS = tuple(REASONING_FORMATS)  # deepseek_r1, qwen3, mistral
+_REASONING_PARSERS = tuple(REASONING_FORMATS)  # deepseek_r1, qwen3, mistral, deepseek_v3
 
 
 @dataclass

@@ -57,12 +57,19 @@ def _last_index_of(seq: list[int], sub: list[int]) -> int:
 class ReasoningGate:
     """Tracks whether a request is still reasoning: the constraint waits for the end tag."""
 
-    def __init__(self, start_ids: list[int], end_ids: list[int], prompt_ids: list[int]) -> None:
+    def __init__(self, start_ids: list[int], end_ids: list[int], prompt_ids: list[int],
+                 prompt_opens: bool = False) -> None:
         self.end_ids = end_ids
-        # Ended in the prompt: the template already closed a reasoning block it opened last
-        # (e.g. Qwen3 with enable_thinking=False writes an empty <think></think>).
         last_end = _last_index_of(prompt_ids, end_ids)
-        self.ended = last_end >= 0 and last_end > _last_index_of(prompt_ids, start_ids)
+        last_start = _last_index_of(prompt_ids, start_ids)
+        if prompt_opens:
+            # Reasoning only when the prompt leaves a block open (DeepSeek-V3.1 thinking
+            # ends the prompt with <think>; its other mode, and V3's template, do not).
+            self.ended = last_start <= last_end
+        else:
+            # Ended in the prompt: the template already closed a reasoning block it opened
+            # last (e.g. Qwen3 with enable_thinking=False writes an empty <think></think>).
+            self.ended = last_end >= 0 and last_end > last_start
         self._tail: list[int] = []
 
     def feed(self, token_ids: list[int]) -> list[int]:
@@ -162,7 +169,7 @@ class StructuredOutputManager:
         self._tokenizer: Any = None
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
-        self._reasoning_tags: tuple[list[int], list[int]] | None = None
+        self._reasoning_tags: tuple[list[int], list[int], bool] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Request] = []
         self._bitmask: torch.Tensor | None = None
@@ -201,9 +208,10 @@ class StructuredOutputManager:
             tokenizer = self._get_tokenizer()
             self._reasoning_tags = (
                 list(tokenizer.encode(fmt.start_tag, add_special_tokens=False)),
-                list(tokenizer.encode(fmt.end_tag, add_special_tokens=False)))
-        start_ids, end_ids = self._reasoning_tags
-        return ReasoningGate(start_ids, end_ids, request.prompt_token_ids)
+                list(tokenizer.encode(fmt.end_tag, add_special_tokens=False)),
+                fmt.prompt_opens)
+        start_ids, end_ids, prompt_opens = self._reasoning_tags
+        return ReasoningGate(start_ids, end_ids, request.prompt_token_ids, prompt_opens)
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs

@@ -227,6 +227,16 @@ def test_reasoning_gate_starts_the_constraint_after_the_end_tag():
     assert gate.feed([6]) == [6]
 
 
+def test_reasoning_gate_when_only_the_prompt_opens_reasoning():
+    """deepseek_v3: reasoning only if the prompt leaves a think block open."""
+    start, end = [7], [8, 9]
+    assert ReasoningGate(start, end, [1, 2], prompt_opens=True).ended  # V3 template: no tags
+    assert ReasoningGate(start, end, [1, 7, 3, 8, 9, 5, 8, 9], prompt_opens=True).ended  # V3.1 off
+    gate = ReasoningGate(start, end, [1, 8, 9, 5, 7], prompt_opens=True)  # V3.1 thinking
+    assert not gate.ended
+    assert gate.feed([3, 8, 9, 4]) == [4] and gate.ended
+
+
 def test_json_after_reasoning_with_a_reasoning_parser():
     """With reasoning_parser=qwen3 the model thinks freely; the schema binds after </think>.
     SmolLM2 never writes </think> by itself, so the prompt ends inside a think block the test

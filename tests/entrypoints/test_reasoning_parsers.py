@@ -82,8 +82,50 @@ def test_mistral(text, expected):
     check("mistral", text, expected)
 
 
+V31_THOUGHT = "The user greets me.</think>Hello! 你好"
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (None, (None, V31_THOUGHT)),  # thinking is off by default: all content
+    ({}, (None, V31_THOUGHT)),
+    ({"thinking": False}, (None, V31_THOUGHT)),
+    ({"enable_thinking": False}, (None, V31_THOUGHT)),
+    ({"thinking": True}, ("The user greets me.", "Hello! 你好")),  # <think> was in the prompt
+    ({"enable_thinking": True}, ("The user greets me.", "Hello! 你好")),
+    ({"thinking": False, "enable_thinking": True}, ("The user greets me.", "Hello! 你好")),
+])
+def test_deepseek_v3_thinking_switch(kwargs, expected):
+    cls = get_reasoning_parser("deepseek_v3")
+    parser = cls.for_request(kwargs)
+    assert parser.enable_thinking == (expected[0] is not None)
+    assert parser.extract(V31_THOUGHT) == expected
+    check("deepseek_v3", V31_THOUGHT, expected, enable_thinking=parser.enable_thinking)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>plan</think>answer", ("plan", "answer")),
+    ("unterminated thought", ("unterminated thought", None)),
+    ("</think>", (None, None)),
+])
+def test_deepseek_v3_thinking(text, expected):
+    check("deepseek_v3", text, expected, enable_thinking=True)
+
+
+def test_for_request_reads_enable_thinking():
+    for name in ("qwen3", "deepseek_r1", "mistral"):
+        cls = get_reasoning_parser(name)
+        assert cls.for_request(None).enable_thinking
+        assert cls.for_request({"thinking": False}).enable_thinking  # not their switch
+        assert not cls.for_request({"enable_thinking": False}).enable_thinking
+
+
+def test_no_reasoning_parser_for_gemma_or_phi():
+    """vLLM has none for Gemma 3 or Phi; folio invents none (see docs/architecture.md)."""
+    assert not {"gemma3", "phi4", "phi4_mini", "phi3"} & set(REASONING_PARSERS)
+
+
 def test_registry():
-    assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3", "mistral"}
+    assert set(REASONING_PARSERS) >= {"deepseek_r1", "qwen3", "mistral", "deepseek_v3"}
     with pytest.raises(KeyError):
         get_reasoning_parser("nope")
 

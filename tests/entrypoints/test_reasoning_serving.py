@@ -54,3 +54,15 @@ def test_streaming_splits_reasoning(tokenizer):
     assert content == "Hello there!"
     assert all("<think>" not in (d.get("content") or "") + (d.get("reasoning") or "") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_deepseek_v3_thinks_only_when_asked(tokenizer):
+    """deepseek_v3 (DeepSeek-V3.1): thinking is off unless chat_template_kwargs set `thinking`."""
+    text = "Short plan.</think>Hello there!"  # V3.1's template put <think> in the prompt
+    engine = FakeEngine(tokenizer, texts=(text,))
+    message = _chat(engine, "deepseek_v3").model_dump()["choices"][0]["message"]
+    assert message["content"] == text and "reasoning" not in message
+    engine = FakeEngine(tokenizer, texts=(text,))
+    message = _chat(engine, "deepseek_v3", chat_template_kwargs={"thinking": True}
+                    ).model_dump()["choices"][0]["message"]
+    assert message["reasoning"] == "Short plan." and message["content"] == "Hello there!"

@@ -342,11 +342,71 @@ def test_granite_malformed(text, stream):
     r = check(GRANITE, text, stream=stream)
     assert not r.tools_called and r.content == text
 
+# ----------------------------------------------------------------- phi4_mini_json
+
+PHI4 = get_tool_parser("phi4_mini_json")
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    ('Let me check. functools [{"name": "a", "arguments": ' + NESTED_JSON + '},\n'
+     ' {"name": "b", "parameters": {"s": "functools[{\\"name\\": 1}]"}}] ok',
+     "Let me check.  ok", [("a", NESTED), ("b", {"s": 'functools[{"name": 1}]'})]),
+    ('functools[{"name": "noargs"}, {"arguments": "{\\"x\\": 1}", "name": "s"}]', None,
+     [("noargs", {}), ("s", {"x": 1})]),
+    # the word alone is content; a later marker with a list still opens calls
+    ('Use functools.partial, or functools [\n{"name": "f", "arguments": {"a": [1]}}]',
+     "Use functools.partial, or ", [("f", {"a": [1]})]),
+    ("import functools\nprint(functools.reduce)", "import functools\nprint(functools.reduce)",
+     []),
+    ("ends with the word functools", "ends with the word functools", []),
+    ("no calls, just func", "no calls, just func", []),
+])
+def test_phi4_mini_json(text, content, calls):
+    r = check(PHI4, text)
+    assert r.content == content and calls_of(r) == calls and r.tools_called == bool(calls)
+
+
+@pytest.mark.parametrize("text,stream", [
+    ('functools[{"name": "f", "arguments": {"a": 1}}', False),  # list never closed
+    ('functools[{"name": "f", "arguments": {"a": 1,}}]', False),  # bad JSON
+    ('functools[{"name": "f", "arguments": [1]}]', False),  # arguments not an object
+    ("functools[0]", True),  # e.g. code indexing something named functools
+    ('functools[{"arguments": {}}]', True),  # no name
+    ("functools[]", True),
+    ("x = functools[", True),
+])
+def test_phi4_mini_json_malformed(text, stream):
+    r = check(PHI4, text, stream=stream)
+    assert not r.tools_called and r.tool_calls == [] and r.content == text
+
+
+def test_phi4_mini_json_streams_arguments_incrementally():
+    text = 'functools[{"name": "f", "arguments": {"city": "Paris", "days": 3}}, {"name": "g"}]'
+    p = PHI4(id_factory=_ids())
+    frags: dict[int, list[str]] = {0: [], 1: []}
+    names = []
+    for ch in text:
+        d = p.extract_streaming(ch)
+        assert d is None or d.content is None  # nothing of the marker or list leaks as content
+        for tc in d.tool_calls if d else []:
+            if tc.name:
+                names.append(tc.name)
+            if tc.arguments:
+                frags[tc.index].append(tc.arguments)
+    d = p.finish()
+    assert d is None or d.content is None
+    assert names == ["f", "g"] and len(frags[0]) > 5
+    assert json.loads("".join(frags[0])) == {"city": "Paris", "days": 3}
+    assert json.loads("".join(frags[1])) == {}
+
 # ----------------------------------------------------------------- registry / auto
 
 
 def test_registry():
-    for name in ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_xml", "deepseek_v3", "granite"):
+    for name in ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_xml", "deepseek_v3", "granite",
+                 "phi4_mini_json"):
         assert issubclass(TOOL_PARSERS[name], ToolParser)
         assert get_tool_parser(name).name
     with pytest.raises(KeyError):
@@ -361,6 +421,28 @@ def test_registry():
     ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]", "mistral"),
     ("<|python_start|>{{ call }}<|python_end|>", "pythonic"),
     ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    # Phi-4-mini: vLLM's example template (asks for functools[...]) and the official one
+    ("* all function calls should be generated in a single JSON list formatted as "
+     "functools[{\"name\": [function name], \"arguments\": [function arguments as JSON]}, ...]",
+     "phi4_mini_json"),
+    ("{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + "
+     "'<|/tool|>' + '<|end|>' }}", "phi4_mini_json"),
+    # DeepSeek-V3.1: the same markers as V3; one parser reads both call forms
+    ("{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+     "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v3"),
+    # no call syntax: Gemma 3 (system folded into the first user turn), Phi-3, Mixtral-8x7B
+    ("{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = "
+     "messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}", None),
+    ("{{'<|user|>' + '\n' + message['content'] + '<|end|>' + '\n' + '<|assistant|>' + '\n'}}",
+     None),
+    ("{{ '[INST] ' + message['content'] + ' [/INST]' }}", None),
+    # vLLM's Gemma 3 tool template asks for a python list of calls
+    ("{{ '<start_of_turn>' + role + '\n' -}}{{- \"Example Format: [func_name1(params_name1="
+     "params_value1, params_name2=params_value2...), func_name2(params)] \\n\" -}}"
+     "{{ '<tool_response>\n' -}}", "pythonic"),
+    ("import functools  # the word alone is not the marker", None),
     ("{{ messages }}", None),
     (None, None),
 ])

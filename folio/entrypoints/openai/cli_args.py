@@ -11,6 +11,8 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from folio.engine.arg_utils import add_engine_args
+    from folio.entrypoints.openai.tool_parsers.registry import TOOL_PARSERS
+    from folio.reasoning import REASONING_FORMATS
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind; 127.0.0.1 is loopback only, 0.0.0.0 exposes it")
@@ -26,16 +28,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults: 'auto' (the model's generation_config.json), "
                              "'folio' (none), or a directory holding a generation_config.json")
     parser.add_argument("--reasoning-parser", default=None,
-                        choices=["deepseek_r1", "qwen3", "mistral"],
+                        choices=list(REASONING_FORMATS),
                         help="split the model's thinking (<think>…</think>, [THINK]…[/THINK]) into "
                              "the message's reasoning / reasoning_content fields")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="let tool_choice \"auto\" parse tool calls out of the model's text "
                              "(needs --tool-call-parser)")
     parser.add_argument("--tool-call-parser", default=None,
-                        choices=["auto", "hermes", "llama3_json", "llama4_json", "pythonic",
-                                 "llama4_pythonic", "mistral", "qwen3_xml", "qwen3_coder",
-                                 "deepseek_v3", "deepseek_v31", "granite"],
+                        choices=["auto", *TOOL_PARSERS],
                         help="the model's tool-call format; 'auto' picks it from the chat template")
     parser.add_argument("--allowed-origins", nargs="*", default=[],
                         help="CORS origins allowed (default: none, CORS off)")

@@ -7,6 +7,9 @@
   opening tag; no tags (e.g. thinking disabled) means all content. Models whose
   template pre-fills ``<think>`` (Qwen3 *-Thinking-2507) should use deepseek_r1.
 * ``mistral``: like qwen3 with ``[THINK]…[/THINK]`` (Magistral).
+* ``deepseek_v3``: DeepSeek-V3.1's hybrid modes; thinking is off unless
+  ``chat_template_kwargs`` set ``thinking`` (or ``enable_thinking``), and then it
+  is read like deepseek_r1. Off, everything is content (as vLLM's deepseek_v3).
 
 An unterminated think block is all reasoning. With ``enable_thinking=False``
 everything is content. Empty parts are reported as None.
@@ -36,6 +39,12 @@ class ReasoningParser:
     # True when the prompt may already hold the opening tag, so output starts
     # inside the reasoning block.
     starts_in_reasoning: ClassVar[bool] = False
+
+    @classmethod
+    def for_request(cls, chat_template_kwargs: dict | None) -> "ReasoningParser":
+        """A parser for one request: thinking on or off per its chat_template_kwargs
+        (``enable_thinking``, default on; deepseek_v3: ``thinking``, default off)."""
+        return cls(enable_thinking=REASONING_FORMATS[cls.name].thinking(chat_template_kwargs))
 
     def __init__(self, enable_thinking: bool = True) -> None:
         self.enable_thinking = enable_thinking
@@ -116,9 +125,18 @@ class MistralReasoningParser(ReasoningParser):
     name, start_tag, end_tag, starts_in_reasoning = _tags("mistral")
 
 
+class DeepSeekV3ReasoningParser(ReasoningParser):
+    """deepseek_r1's reading when thinking is on; see ``for_request`` for the switch."""
+    name, start_tag, end_tag, starts_in_reasoning = _tags("deepseek_v3")
+
+    def __init__(self, enable_thinking: bool = False) -> None:
+        super().__init__(enable_thinking)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls
-    for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, MistralReasoningParser)
+    for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, MistralReasoningParser,
+                DeepSeekV3ReasoningParser)
 }
 
 

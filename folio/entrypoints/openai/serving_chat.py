@@ -93,8 +93,7 @@ class OpenAIServingChat(ServingBase):
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_parser_cls is None:
             return None
-        kwargs = request.chat_template_kwargs or {}
-        return self.reasoning_parser_cls(enable_thinking=bool(kwargs.get("enable_thinking", True)))
+        return self.reasoning_parser_cls.for_request(request.chat_template_kwargs)
 
     # ---- checks -----------------------------------------------------------------------
 

@@ -2,6 +2,12 @@
 
 Order matters: more specific formats first (Qwen3-Coder templates also
 contain ``<tool_call>``; pythonic Llama templates may mention python tags).
+``functools`` is an ordinary word, so Phi-4-mini's rules come last.
+
+Templates with no call syntax detect nothing: Gemma 3's and Phi-3's official
+templates, Mixtral-8x7B's, Qwen2-MoE's. Gemma 3 is served with ``pythonic``
+through vLLM's example template (tool_chat_template_gemma3_pythonic.jinja),
+which its ``[func_name1(`` example detects.
 """
 from __future__ import annotations
 
@@ -18,6 +24,10 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pythonic", ("[func_name1(",)),
     ("hermes", ("<tool_call>",)),
     ("llama3_json", ("<|python_tag|>",)),
+    # Phi-4-mini: vLLM's example template asks for functools[...]; the official one
+    # declares tools between <|tool|> and <|/tool|> in the system turn.
+    ("phi4_mini_json", ("functools[",)),
+    ("phi4_mini_json", ("<|tool|>", "<|/tool|>")),
 )
 
 

@@ -7,6 +7,7 @@ from .granite import GraniteToolParser
 from .hermes import HermesToolParser
 from .llama3_json import Llama3JsonToolParser
 from .mistral import MistralToolParser
+from .phi4_mini import Phi4MiniJsonToolParser
 from .pythonic import PythonicToolParser
 from .qwen3_coder import Qwen3CoderToolParser
 
@@ -22,6 +23,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV3ToolParser,
     "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
 }
 
 
