@@ -212,6 +212,18 @@ TINY_ARCHS: dict[str, TinyArch] = {
         ("first_k_dense_replace", 1), ("n_group", 2), ("topk_group", 1),
         ("routed_scaling_factor", 2.5), ("norm_topk_prob", True), ("num_key_value_heads", 4),
     )),
+    # GPT-OSS: sinks, biased attention, sliding (16) and full layers alternating, YaRN over
+    # a short original context, 4 experts with biases and the clamped SwiGLU (a low limit
+    # so the clamp bites), routing by softmax over the top 2 logits.
+    "gpt_oss": TinyArch("gpt_oss", "GptOssConfig", "GptOssForCausalLM", (
+        ("head_dim", 16), ("num_local_experts", 4), ("num_experts_per_tok", 2),
+        ("intermediate_size", 48), ("sliding_window", 16), ("swiglu_limit", 1.5),
+        ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 256,
+                             "rope_theta": 150000.0}),
+    )),
     # Qwen3: per-head q/k RMSNorm, and an explicit head_dim wider than hidden/heads.
     "qwen3": TinyArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM", (
         ("head_dim", 32), ("use_sliding_window", False), ("tie_word_embeddings", True),
@@ -247,6 +259,11 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+        # GPT-OSS's expert and router biases start at zero: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias",
+                              "router.bias")):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
         # DeepSeek-V3's router bias starts at zero, which would leave its use untested
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -193,6 +193,7 @@ class DecoderLM(nn.Module):
             return None
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
+        name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's router
         parts = name.split(".")
         if self.spec.num_mtp_layers and len(parts) > 2 and parts[0] == "layers" \
                 and parts[1].isdigit() and int(parts[1]) >= self.spec.num_layers:
@@ -248,6 +249,9 @@ class DecoderLM(nn.Module):
                 unexpected.append(name)
                 continue
             param = params[name]
+            module = self.get_submodule(module_path) if module_path else self
+            if hasattr(module, "convert_checkpoint_tensor"):
+                tensor = module.convert_checkpoint_tensor(attr, tensor)  # stacked experts
             if param.shape != tensor.shape:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
@@ -257,7 +261,6 @@ class DecoderLM(nn.Module):
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
-            module = self.get_submodule(module_path) if module_path else self
             if hasattr(module, "checkpoint_shards"):
                 # a checkpoint that stores the projections fused (Phi-3's qkv_proj,
                 # gate_up_proj; stacked experts), in the merged module's shard order

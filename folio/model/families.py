@@ -14,6 +14,15 @@ class MoEScoring(str, Enum):
     """How a router turns its logits into expert scores."""
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    # top-k on the raw logits, then a softmax over the k chosen (GPT-OSS)
+    TOPK_SOFTMAX = "topk_softmax"
+
+
+class ExpertActivation(str, Enum):
+    """The experts' gated activation: act(gate) * up with the config's act, or GPT-OSS's
+    clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)."""
+    GATED = "gated"
+    SWIGLU_OAI = "swiglu_oai"
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,15 @@ class MoESpec:
     shared_expert_gate: bool = False
     # The router's matmul in float32 whatever the model's dtype (DeepSeek's routers)
     router_float32: bool = False
+    # GPT-OSS: biases on the router and on every expert's projections, its clamped SwiGLU,
+    # and checkpoints that store the stacked experts transposed ([E, H, 2I], [E, I, H]) with
+    # gate and up interleaved column by column
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: ExpertActivation = ExpertActivation.GATED
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    transposed_interleaved_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,6 +331,26 @@ def _deepseek(cfg: Any, v3: bool) -> ArchSpec:
     return spec
 
 
+def _gpt_oss(cfg: Any) -> ArchSpec:
+    """GPT-OSS: biased q/k/v/o, attention sinks, sliding layers alternating with full ones,
+    YaRN rotary; every MLP a mixture of experts with biases and a clamped SwiGLU."""
+    spec = ArchSpec(**_base(cfg))
+    spec.qkv_bias = spec.o_bias = bool(getattr(cfg, "attention_bias", True))
+    spec.attention_sinks = True
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * spec.num_layers)
+    spec.sliding_windows = tuple(cfg.sliding_window if t == "sliding_attention" else None
+                                 for t in types)
+    spec.moe = MoESpec(
+        num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+        intermediate_size=cfg.intermediate_size, sparse_layers=(True,) * spec.num_layers,
+        scoring=MoEScoring.TOPK_SOFTMAX, renormalize=False, router_bias=True,
+        expert_bias=True, activation=ExpertActivation.SWIGLU_OAI,
+        swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
+        transposed_interleaved_checkpoint=True)
+    return spec
+
+
 def _deepseek_v2(cfg: Any) -> ArchSpec:
     return _deepseek(cfg, v3=False)
 
@@ -334,6 +372,7 @@ FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,
+    "GptOssForCausalLM": _gpt_oss,
 }
 
 

@@ -6,15 +6,29 @@ import torch
 import torch.nn.functional as F
 
 
-def experts_loop(x, gate_up, down, weights, ids, act=F.silu):
-    """For each token, for each of its k slots: that expert's gated MLP, scaled, summed."""
+def swiglu_oai(gate, up, alpha=1.702, limit=7.0):
+    """GPT-OSS's clamped SwiGLU, written out."""
+    gate = torch.minimum(gate, torch.tensor(limit, dtype=gate.dtype))
+    up = torch.maximum(torch.minimum(up, torch.tensor(limit, dtype=up.dtype)),
+                       torch.tensor(-limit, dtype=up.dtype))
+    return (up + 1) * gate / (1 + torch.exp(-alpha * gate))
+
+
+def experts_loop(x, gate_up, down, weights, ids, act=F.silu, gated=None, b13=None, b2=None):
+    """For each token, for each of its k slots: that expert's gated MLP (biases optional;
+    `gated(gate, up)` replaces act(gate) * up), scaled, summed."""
     inter = gate_up.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for slot in range(ids.shape[1]):
             e = int(ids[t, slot])
             h = gate_up[e].double() @ x[t].double()
-            y = down[e].double() @ (act(h[:inter]) * h[inter:])
+            if b13 is not None:
+                h = h + b13[e].double()
+            a = gated(h[:inter], h[inter:]) if gated else act(h[:inter]) * h[inter:]
+            y = down[e].double() @ a
+            if b2 is not None:
+                y = y + b2[e].double()
             out[t] += float(weights[t, slot]) * y
     return out
 

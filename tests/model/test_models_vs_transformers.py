@@ -15,7 +15,8 @@ Gemma 2 (sandwich norms, soft-capped attention scores and logits, alternating wi
 Phi-3 (fused q/k/v and gate/up weights, partial rotary, a window), the rope scalings
 (rope_scaling.py): Phi-3 with LongRoPE, Llama with YaRN, Llama with dynamic NTK; the mixtures
 of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE (sparse every
-other layer); DeepSeek-V2 and V3 (latent attention, grouped routing, shared experts).
+other layer); DeepSeek-V2 and V3 (latent attention, grouped routing, shared experts); GPT-OSS
+(sinks, alternating windows, YaRN, biased experts with the clamped SwiGLU).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ LOGPROB_ATOL = 1e-3
 NEAR_TIE = 1e-2
 TINY_ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "phi3",
               "phi3_longrope", "llama_yarn", "llama_dynamic", "mixtral", "qwen2_moe",
-              "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+              "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 
 
 @dataclass

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.model.families import MoEScoring
+from folio.model.families import ExpertActivation, MoEScoring
 from folio.model.moe.dispatch import align_to_blocks, max_padded_rows, sort_by_expert
 from folio.model.moe.layer import FusedMoE
 from folio.model.moe.routing import RouterConfig, select_experts
-from moe_reference import experts_loop, make_routes, route_loop
+from moe_reference import experts_loop, make_routes, route_loop, swiglu_oai
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -57,6 +57,19 @@ def test_grouped_softmax_routing() -> None:
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
     torch.testing.assert_close(w.sort(-1).values.double(), ref_w.sort(-1).values,
                                rtol=1e-6, atol=1e-7)
+
+
+def test_topk_softmax_routing() -> None:
+    """GPT-OSS's rule: top-k on the raw logits, softmax over the k chosen."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(19, 6, generator=gen)
+    w, ids = select_experts(logits, RouterConfig(6, 3, scoring=MoEScoring.TOPK_SOFTMAX,
+                                                 renormalize=False))
+    for t in range(19):
+        order = sorted(range(6), key=lambda e: -float(logits[t, e]))[:3]
+        assert ids[t].tolist() == order
+        ref = torch.softmax(logits[t, order].double(), -1)
+        torch.testing.assert_close(w[t].double(), ref, rtol=1e-6, atol=1e-7)
 
 
 def test_router_config_refuses_bad_shapes() -> None:
@@ -230,3 +243,43 @@ def test_quantized_moe_is_refused(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="mixture-of-experts"):
         load_model(resolve_model_source(src), AutoConfig.from_pretrained(src), torch.float32,
                    torch.device("cpu"), 64, quantization="int8")
+
+
+def test_cpu_experts_with_biases_and_clamped_swiglu() -> None:
+    """GPT-OSS's experts: biases on both projections and the clamped SwiGLU (a low limit, so
+    the clamp changes values)."""
+    gen = torch.Generator().manual_seed(6)
+    E, Hd, I, T, k = 5, 24, 16, 17, 2
+    moe = FusedMoE(E, Hd, I, "silu", bias=True, activation=ExpertActivation.SWIGLU_OAI,
+                   swiglu_alpha=1.702, swiglu_limit=0.8)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = torch.randn(T, Hd, generator=gen)
+    ids = make_routes("skewed", T, k, E, gen)
+    w = torch.rand(T, k, generator=gen)
+    with torch.no_grad():
+        out = moe(x, w, ids)
+    ref = experts_loop(x, moe.gate_up_proj.data, moe.down_proj.data, w, ids,
+                       gated=lambda g, u: swiglu_oai(g, u, 1.702, 0.8),
+                       b13=moe.gate_up_proj_bias.data, b2=moe.down_proj_bias.data)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    unclamped = experts_loop(x, moe.gate_up_proj.data, moe.down_proj.data, w, ids,
+                             gated=lambda g, u: swiglu_oai(g, u, 1.702, 100.0),
+                             b13=moe.gate_up_proj_bias.data, b2=moe.down_proj_bias.data)
+    assert (unclamped - ref).abs().max() > 1e-2   # the clamp mattered
+
+
+def test_transposed_interleaved_checkpoint_layout() -> None:
+    """GPT-OSS stores gate_up [E, H, 2I] with gate/up interleaved by column, down [E, I, H]."""
+    moe = FusedMoE(2, 3, 2, "silu", bias=True, transposed_interleaved_checkpoint=True)
+    gate = torch.randn(2, 2, 3)      # [E, I, H] in folio's orientation
+    up = torch.randn(2, 2, 3)
+    stored = torch.stack([gate, up], dim=2).reshape(2, 4, 3).transpose(1, 2)  # [E, H, 2I]
+    assert torch.equal(moe.convert_checkpoint_tensor("gate_up_proj", stored),
+                       torch.cat([gate, up], dim=1))
+    bias = torch.tensor([[0., 10., 1., 11.], [2., 12., 3., 13.]])
+    assert moe.convert_checkpoint_tensor("gate_up_proj_bias", bias).tolist() == \
+        [[0., 1., 10., 11.], [2., 3., 12., 13.]]
+    down = torch.randn(2, 2, 3)
+    assert torch.equal(moe.convert_checkpoint_tensor("down_proj", down), down.transpose(1, 2))

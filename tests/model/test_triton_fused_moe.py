@@ -19,6 +19,9 @@ CASES = [
          routes="random", act="gelu"),
     dict(name="t300_k4_e6_skewed_fp16", T=300, k=4, E=6, H=32, I=32, dtype="float16",
          routes="skewed"),
+    # GPT-OSS's experts: biases on both projections, the clamped SwiGLU
+    dict(name="t21_k2_e5_bias_swiglu_fp32", T=21, k=2, E=5, H=40, I=24, dtype="float32",
+         routes="random", act="swiglu_oai", bias=True),
 ]
 
 
@@ -27,7 +30,7 @@ def _run(case: dict) -> dict:
     import torch.nn.functional as F
 
     from folio.model.kernels.fused_moe import fused_experts
-    from moe_reference import experts_loop, make_routes
+    from moe_reference import experts_loop, make_routes, swiglu_oai
 
     dtype = getattr(torch, case["dtype"])
     gen = torch.Generator().manual_seed(len(case["name"]))
@@ -37,10 +40,21 @@ def _run(case: dict) -> dict:
     down = torch.randn(E, H, I, generator=gen) * I ** -0.5
     ids = make_routes(case["routes"], T, k, E, gen)
     w = torch.rand(T, k, generator=gen)
-    act = (lambda h: F.gelu(h, approximate="tanh")) if case.get("act") == "gelu" else None
-    out = fused_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids, act)
+    b13 = torch.randn(E, 2 * I, generator=gen) * 0.5 if case.get("bias") else None
+    b2 = torch.randn(E, H, generator=gen) * 0.5 if case.get("bias") else None
+    gelu = lambda h: F.gelu(h, approximate="tanh")  # noqa: E731
+    if case.get("act") == "gelu":
+        gated, ref_kw = (lambda gu: gelu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1]), {"act": gelu}
+    elif case.get("act") == "swiglu_oai":
+        gated = lambda gu: swiglu_oai(*gu.chunk(2, -1), 1.702, 0.9)  # noqa: E731
+        ref_kw = {"gated": lambda g, u: swiglu_oai(g, u, 1.702, 0.9)}
+    else:
+        gated, ref_kw = None, {}
+    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+    out = fused_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids, gated,
+                        cast(b13), cast(b2))
     ref = experts_loop(x.to(dtype).float(), gate_up.to(dtype).float(), down.to(dtype).float(),
-                       w, ids, act=act or F.silu)
+                       w, ids, b13=b13, b2=b2, **ref_kw)
     return {"name": case["name"], "err": rel_err(out, ref),
             "finite": bool(torch.isfinite(out).all()), "dtype": str(out.dtype),
             "shape": list(out.shape)}

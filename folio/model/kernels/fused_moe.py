@@ -10,7 +10,8 @@ the last used one return at once: the grid is sized by an upper bound so that th
 needs no host sync (and a CUDA graph can hold it).
 
 `fused_experts` chains the two projections around the activation:
-  x [T, H] -> gate|up [T*k, 2I] -> act(gate) * up [T*k, I] -> down, * weight [T*k, H] (float32)
+  x [T, H] -> gate|up (+ bias) [T*k, 2I] -> act(gate) * up [T*k, I] -> down (+ bias),
+  * weight [T*k, H] (float32)
   -> summed over each token's k slots [T, H].
 """
 from __future__ import annotations
@@ -25,10 +26,11 @@ from folio.model.moe.dispatch import align_to_blocks
 if HAS_TRITON:
 
     @triton.jit
-    def _grouped_gemm_kernel(A, B, C, WEIGHTS, SORTED_PAIRS, BLOCK_EXPERT,
+    def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_PAIRS, BLOCK_EXPERT,
                              N, K, num_pairs, stride_am, stride_be, stride_bn, stride_bk,
-                             stride_cm,
+                             stride_cm, stride_bias_e,
                              TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                             HAS_BIAS: tl.constexpr,
                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -56,6 +58,10 @@ if HAS_TRITON:
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + expert.to(tl.int64) * stride_bias_e + cols, mask=col_ok,
+                           other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
         if MUL_WEIGHT:
             w = tl.load(WEIGHTS + pairs, mask=valid, other=0.0)
             acc = acc * w[:, None]
@@ -76,27 +82,30 @@ def _tiles(num_pairs: int) -> tuple[int, int, int, int]:
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, alignment,
                  top_k: int, pair_weights: torch.Tensor | None,
-                 tiles: tuple[int, int, int, int]) -> None:
-    """out[pair] = a[pair // top_k] @ weights[expert of pair]^T (* pair_weights[pair]), for
-    every pair of `alignment`. a [rows, K] (last dim contiguous), weights [E, N, K]."""
+                 tiles: tuple[int, int, int, int], bias: torch.Tensor | None = None) -> None:
+    """out[pair] = (a[pair // top_k] @ weights[e]^T + bias[e]) (* pair_weights[pair]), e the
+    pair's expert, for every pair of `alignment`. a [rows, K] (last dim contiguous), weights
+    [E, N, K], bias [E, N] or None."""
     block_m, block_n, block_k, warps = tiles
     n, k = weights.shape[1], weights.shape[2]
     grid = (alignment.block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_weights if pair_weights is not None else out,
-        alignment.sorted_pairs, alignment.block_expert,
+        bias if bias is not None else out, alignment.sorted_pairs, alignment.block_expert,
         n, k, alignment.num_pairs, a.stride(0), weights.stride(0), weights.stride(1),
-        weights.stride(2), out.stride(0),
-        TOP_K=top_k, MUL_WEIGHT=pair_weights is not None, IEEE=a.dtype == torch.float32,
+        weights.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
+        TOP_K=top_k, MUL_WEIGHT=pair_weights is not None, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  gated: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], topk_weights [T, k] (float32), topk_ids
-    [T, k] -> [T, H] in x's dtype. `act`: the gate's activation; None = SiLU, fused with the
-    multiply."""
+    [T, k] -> [T, H] in x's dtype. `gated`: [rows, 2I] (gate | up) -> [rows, I]; None =
+    silu(gate) * up in one fused launch. Biases [E, 2I] / [E, H] or None."""
     require_triton()
     t, k = topk_ids.shape
     num_experts = gate_up.shape[0]
@@ -104,15 +113,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     tiles = _tiles(t * k)
     alignment = align_to_blocks(topk_ids, num_experts, tiles[0])
     inter = torch.empty((t * k, gate_up.shape[1]), dtype=x.dtype, device=x.device)
-    grouped_gemm(x, gate_up, inter, alignment, k, None, tiles)
-    if act is None:
+    grouped_gemm(x, gate_up, inter, alignment, k, None, tiles, gate_up_bias)
+    if gated is None:
         from folio.model.kernels.activation import silu_and_mul
-        gated = silu_and_mul(inter)
+        act = silu_and_mul(inter)
     else:
-        gate, up = inter.chunk(2, dim=-1)
-        gated = (act(gate) * up).contiguous()
+        act = gated(inter).contiguous()
     # float32 partial outputs: the k slots are summed before the one rounding to x's dtype
     out = torch.empty((t * k, down.shape[1]), dtype=torch.float32, device=x.device)
-    grouped_gemm(gated, down, out, alignment, 1, topk_weights.reshape(-1).to(torch.float32)
-                 .contiguous(), tiles)
+    grouped_gemm(act, down, out, alignment, 1, topk_weights.reshape(-1).to(torch.float32)
+                 .contiguous(), tiles, down_bias)
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from folio.model.families import ArchSpec, MoESpec
+from folio.model.families import ArchSpec, ExpertActivation, MoESpec
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import GatedMLP, _cpu_kernels, _fused_kernels_on, gate_activation, is_silu
 from folio.model.moe.dispatch import sort_by_expert
@@ -32,15 +32,33 @@ class FusedMoE(nn.Module):
     """The routed experts: x [T, H], routing (weights [T, k], ids [T, k]) -> [T, H]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str,
-                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+                 kernels: KernelConfig = DEFAULT_KERNEL_CONFIG, *, bias: bool = False,
+                 activation: ExpertActivation = ExpertActivation.GATED,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 transposed_interleaved_checkpoint: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.silu = is_silu(act)
-        self.act = gate_activation(act)
+        self.gate_up_proj_bias = (nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+                                  if bias else None)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.activation = activation
+        self.alpha, self.limit = swiglu_alpha, swiglu_limit
+        self.silu = activation is ExpertActivation.GATED and is_silu(act)
+        self.act = gate_activation(act) if activation is ExpertActivation.GATED else None
+        self.transposed_interleaved = transposed_interleaved_checkpoint
         self.kernels = kernels
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] (gate | up) -> [rows, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation is ExpertActivation.SWIGLU_OAI:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return self.act(gate) * up
 
     # ---- checkpoint ------------------------------------------------------------------------
 
@@ -49,6 +67,21 @@ class FusedMoE(nn.Module):
         experts = range(self.num_experts)
         return {"gate_up_proj": [f"{e}.{p}" for e in experts for p in ("gate", "up")],
                 "down_proj": [f"{e}.down" for e in experts]}
+
+    def convert_checkpoint_tensor(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A stacked checkpoint tensor in this module's layout. GPT-OSS stores gate_up_proj
+        [E, H, 2I] with gate and up interleaved column by column (and its bias likewise) and
+        down_proj [E, I, H]: transposed, and the gate columns gathered before the up ones."""
+        if not self.transposed_interleaved:
+            return tensor
+        if param_name == "gate_up_proj":
+            tensor = tensor.transpose(1, 2)
+            return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+        if param_name == "gate_up_proj_bias":
+            return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+        if param_name == "down_proj":
+            return tensor.transpose(1, 2)
+        return tensor
 
     @torch.no_grad()
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
@@ -73,7 +106,8 @@ class FusedMoE(nn.Module):
         if _fused_kernels_on(x, self.kernels):
             from folio.model.kernels.fused_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                 None if self.silu else self.act)
+                                 None if self.silu else self.gated,
+                                 self.gate_up_proj_bias, self.down_proj_bias)
         return self._grouped_torch(x, weights, ids)
 
     def _grouped_torch(self, x: torch.Tensor, weights: torch.Tensor,
@@ -90,14 +124,12 @@ class FusedMoE(nn.Module):
             if not n:
                 continue
             seg = rows[start:start + n]
-            gate_up = F.linear(seg, self.gate_up_proj[expert])
+            b13 = self.gate_up_proj_bias[expert] if self.gate_up_proj_bias is not None else None
+            b2 = self.down_proj_bias[expert] if self.down_proj_bias is not None else None
+            gate_up = F.linear(seg, self.gate_up_proj[expert], b13)
             ops = _cpu_kernels(gate_up, self.kernels) if self.silu else None
-            if ops is not None:
-                act = ops.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = self.act(gate) * up
-            out[order[start:start + n]] = F.linear(act, self.down_proj[expert]).float()
+            act = ops.silu_and_mul(gate_up) if ops is not None else self.gated(gate_up)
+            out[order[start:start + n]] = F.linear(act, self.down_proj[expert], b2).float()
             start += n
         out = out.view(t, k, -1) * weights.unsqueeze(-1)
         return out.sum(dim=1).to(x.dtype)
@@ -110,6 +142,7 @@ class MoERouter(nn.Module):
     def __init__(self, hidden_size: int, moe: MoESpec) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
         self.e_score_correction_bias = (nn.Parameter(torch.empty(moe.num_experts))
                                         if moe.score_correction_bias else None)
         self.config = RouterConfig(
@@ -120,9 +153,10 @@ class MoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.float32:
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(),
+                              None if self.bias is None else self.bias.float())
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         return select_experts(logits, self.config, self.e_score_correction_bias)
 
 
@@ -135,7 +169,11 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None
         self.gate = MoERouter(spec.hidden_size, moe)
         self.experts = FusedMoE(moe.num_experts, spec.hidden_size, moe.intermediate_size,
-                                spec.hidden_act, kernels)
+                                spec.hidden_act, kernels, bias=moe.expert_bias,
+                                activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
+                                swiglu_limit=moe.swiglu_limit,
+                                transposed_interleaved_checkpoint=moe
+                                .transposed_interleaved_checkpoint)
         self.shared_expert = (GatedMLP(spec.hidden_size, moe.shared_expert_intermediate_size,
                                        False, spec.hidden_act, kernels)
                               if moe.shared_expert_intermediate_size else None)

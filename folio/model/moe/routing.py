@@ -7,7 +7,8 @@ The variants the supported families use, as one function of a RouterConfig:
   experts first narrowed to the best `topk_groups` of `num_groups` groups (DeepSeek-V3's
   "noaux_tc"), weights from the unbiased scores;
 - softmax with group-limited choice (DeepSeek-V2's "group_limited_greedy": a group's score is
-  its best expert's).
+  its best expert's);
+- top-k on the raw logits, softmax over the k chosen (GPT-OSS).
 Weights come out float32 (the routers compute the softmax in float32) and ids int64.
 """
 from __future__ import annotations
@@ -59,6 +60,12 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig,
     """logits [T, E] (the router's output, any float dtype) -> (weights [T, k] float32,
     expert ids [T, k] int64)."""
     logits = logits.float()
+    if cfg.scoring is MoEScoring.TOPK_SOFTMAX:
+        values, ids = logits.topk(cfg.top_k, dim=-1)
+        weights = values.softmax(dim=-1)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return weights, ids
     if cfg.scoring is MoEScoring.SIGMOID:
         scores = logits.sigmoid()
     else:
