@@ -5,21 +5,7 @@
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD FOLIO_CACHE_DIR=/tmp/folio-cache HF_HUB_OFFLINE=1
-export FOLIO_RANDOM_TOKENIZER=$PWD/device_tokenizer PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-step() {  # step SECONDS NAME CMD...: the command (at most SECONDS) into $OUT/NAME.log, and
-          # its summary lines here
-  local limit=$1 name=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc=$?"
-  grep -E "latency:|decode:|roofline|Throughput|output tok/s|TTFT|prefill|passed|failed|Error|error" \
-      "$OUT/$name.log" | tail -12
-}
+. tools/device_common.sh
 LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128 --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"

@@ -42,6 +42,28 @@ RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
         max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu",
         attention_bias=False, mlp_bias=False),
+    # Mixture of experts (issue 18's H200 targets): 128 experts of 768, 8 per token.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu",
+        attention_bias=False, use_sliding_window=False),
+    # Latent attention + MoE (DeepSeek-V2-Lite's shapes; its YaRN rotary left at the default,
+    # which costs the same).
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=2048,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, topk_method="greedy", routed_scaling_factor=1.0, vocab_size=102400,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=163840, rms_norm_eps=1e-6, hidden_act="silu",
+        attention_bias=False),
 }
 _RANDOM_WEIGHTS_SEED = 0          # fixed: the same NAME always gives the same weights
 _RANDOM_MARKER = "folio_random.json"

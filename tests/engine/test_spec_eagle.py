@@ -181,6 +181,20 @@ def _ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(context, drafts) of every proposal the engine's drafter makes from now on."""
+    drafter = llm.llm_engine.engine_core.scheduler.drafter
+    seen, propose = [], drafter.propose
+
+    def recording(request):
+        drafts = propose(request)
+        seen.append((list(request.all_token_ids), list(drafts)))
+        return drafts
+
+    drafter.propose = recording
+    return seen
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path, method) -> None:
     target = tiny_model_dir("llama")
@@ -191,15 +205,7 @@ def test_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path,
     # no prefix cache: a cached block's head entries were written with the token after the
     # block in another request (lossless still, but not this reference's drafts)
     llm = _make(target, spec, enable_prefix_caching=False)
-    drafter = llm.llm_engine.engine_core.scheduler.drafter
-    seen, propose = [], drafter.propose
-
-    def recording(request):
-        drafts = propose(request)
-        seen.append((list(request.all_token_ids), list(drafts)))
-        return drafts
-
-    drafter.propose = recording
+    seen = record_drafts(llm)
     prompts = _prompts(4, seed=21)
     params = [SamplingParams(temperature=0, max_tokens=16),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16)] * 2

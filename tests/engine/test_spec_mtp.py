@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio import LLM, SamplingParams
+from folio import SamplingParams
 
 from model_utils import load_hf_model
 from test_invariants import _prompts
+from test_spec_eagle import _ids, _make, record_drafts
 
 
 def _rms(x, w, eps=1e-6):
@@ -93,31 +94,11 @@ def reference_drafts(target, layer, extra, context: list[int], k: int) -> list[i
         return drafts
 
 
-def _make(target: str, spec: dict | None, **overrides) -> LLM:
-    kwargs = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=512,
-                  num_gpu_blocks_override=256, max_num_seqs=8, device="cpu",
-                  speculative_config=spec)
-    kwargs.update(overrides)
-    return LLM(target, **kwargs)
-
-
-def _ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def test_mtp_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path) -> None:
     target, extra, layer = add_mtp_module(tiny_model_dir("deepseek_v3"), tmp_path / "v3mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
     llm = _make(target, spec, enable_prefix_caching=False)
-    drafter = llm.llm_engine.engine_core.scheduler.drafter
-    seen, propose = [], drafter.propose
-
-    def recording(request):
-        drafts = propose(request)
-        seen.append((list(request.all_token_ids), list(drafts)))
-        return drafts
-
-    drafter.propose = recording
+    seen = record_drafts(llm)
     prompts = _prompts(4, seed=23)
     params = [SamplingParams(temperature=0, max_tokens=12),
               SamplingParams(temperature=0.8, seed=5, max_tokens=12)] * 2

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
+#   PART=kernels|moe_models|mla bash tools/device_issue18.sh
+# Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
+# $OUT.
+set -uo pipefail
+STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_over|passed|failed|Error|error"
+. tools/device_common.sh
+case "${PART:-kernels}" in
+kernels)  # the fused-MoE layer against its bytes floor and the torch path; the GPU tests
+  step 200 moe_layer python3 tools/gpu_bench_moe.py --out "$OUT/moe_layer.json"
+  step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu ;;
+moe_models)  # Qwen3-30B-A3B shapes (12 of 48 layers: the per-layer figures are the point)
+  M="--random-weights --config qwen3-30b-a3b --random-num-layers 12"
+  step 240 lat_qwen3moe python3 -m folio.bench.latency $M --input-len 128 --output-len 128 \
+      --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 \
+      --output-json "$OUT/lat_qwen3moe.json"
+  step 300 thr_qwen3moe python3 -m folio.bench.throughput $M --num-prompts 256 \
+      --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm \
+      --output-json "$OUT/thr_qwen3moe.json" ;;
+mla)  # DeepSeek-V2-Lite shapes: batch 1 and 64 decode on the latent cache
+  M="--random-weights --config deepseek-v2-lite --random-num-layers 9"
+  for b in 1 64; do
+    step 250 lat_dsv2lite_b$b python3 -m folio.bench.latency $M --input-len 512 \
+        --output-len 128 --batch-size $b --max-model-len 2048 --max-num-seqs $b \
+        --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/lat_dsv2lite_b$b.json"
+  done ;;
+esac
