@@ -44,8 +44,52 @@ def _num_kv_heads(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
 
 
-def count_params(cfg: Mapping[str, Any]) -> int:
-    """Stored parameters of a Llama-family decoder (llama, mistral, qwen2, qwen3) from its config.
+def _moe(cfg: Mapping[str, Any]) -> tuple[int, int, int, int, int] | None:
+    """(experts, per token, expert intermediate, shared-expert intermediate, sparse layers)
+    of a mixture-of-experts config (Mixtral, Qwen-MoE, DeepSeek; their sparse-layer rules),
+    None for a dense one."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") \
+        or cfg.get("n_routed_experts")
+    if not experts:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) + \
+        int(cfg.get("n_shared_experts") or 0) * inter
+    if "first_k_dense_replace" in cfg:
+        sparse = layers - int(cfg["first_k_dense_replace"] or 0)
+    else:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return int(experts), int(cfg["num_experts_per_tok"]), inter, shared, sparse
+
+
+def _experts_read(experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a step of `batch` tokens reads, expected under uniform routing."""
+    return experts * (1 - (1 - top_k / experts) ** max(batch, 1))
+
+
+def _attention_params(cfg: Mapping[str, Any]) -> int:
+    """One layer's attention weights: q/k/v/o heads, or DeepSeek's latent projections."""
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if cfg.get("kv_lora_rank"):
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        kv_lora, v = int(cfg["kv_lora_rank"]), int(cfg["v_head_dim"])
+        q_lora = cfg.get("q_lora_rank")
+        q = hidden * heads * (nope + rope) if not q_lora else \
+            hidden * q_lora + q_lora + q_lora * heads * (nope + rope)
+        return q + hidden * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v) \
+            + heads * v * hidden
+    q_out, kv_out = heads * _head_dim(cfg), _num_kv_heads(cfg) * _head_dim(cfg)
+    return 2 * hidden * q_out + 2 * hidden * kv_out
+
+
+def count_params(cfg: Mapping[str, Any], active_batch: int | None = None) -> int:
+    """Stored parameters of a decoder (Llama-family: llama, mistral, qwen2, qwen3; the
+    mixtures of experts and DeepSeek's latent attention) from its config. `active_batch`: of
+    a mixture of experts, count only the experts a step of that many tokens is expected to
+    read (what bounds decode) instead of all of them.
 
     Analytic rather than read from the checkpoint so it works on a bare config (the random
     `--config` shapes) and gives hand-checkable numbers; the test cross-checks it against a
@@ -60,22 +104,31 @@ def count_params(cfg: Mapping[str, Any]) -> int:
     model_type = cfg.get("model_type", "llama")
 
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
-    if model_type == "qwen2":
+    attn = _attention_params(cfg)
+    if model_type in ("qwen2", "qwen2_moe"):
         attn += q_out + 2 * kv_out                   # q/k/v biases, no o_proj bias
     elif cfg.get("attention_bias"):
         attn += q_out + 2 * kv_out + hidden          # llama-style: all four projections
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         attn += 2 * head_dim                         # per-head q_norm and k_norm gains
     mlp = 3 * hidden * inter
     if cfg.get("mlp_bias"):
         mlp += 2 * inter + hidden
     norms = 2 * hidden                               # input and post-attention RMSNorm
     per_layer = attn + mlp + norms
+    body = layers * per_layer
+    moe = _moe(cfg)
+    if moe is not None:
+        experts, top_k, expert_inter, shared, sparse = moe
+        read = experts if active_batch is None else _experts_read(experts, top_k, active_batch)
+        sparse_mlp = read * 3 * hidden * expert_inter + hidden * experts \
+            + 3 * hidden * shared + (hidden if cfg.get("shared_expert_intermediate_size") else 0) \
+            + (experts if model_type == "deepseek_v3" else 0)  # V3's router correction bias
+        body += sparse * (round(sparse_mlp) - mlp)
 
     embed = vocab * hidden
     lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
-    return embed + layers * per_layer + hidden + lm_head  # + final norm
+    return embed + body + hidden + lm_head  # + final norm
 
 
 def projection_params(cfg: Mapping[str, Any]) -> int:
@@ -90,11 +143,13 @@ def projection_params(cfg: Mapping[str, Any]) -> int:
 
 
 def weight_bytes(cfg: Mapping[str, Any], dtype_bytes: int = 2,
-                 projection_bits: float | None = None) -> float:
+                 projection_bits: float | None = None, active_batch: int | None = None) -> float:
     """Bytes of the stored weights: every parameter in `dtype_bytes`, except the projections
     at `projection_bits` per weight when given (a quantized model: the codes plus their share
-    of scales and zero points, e.g. 4 + 16/128 for INT4 with bf16 scales per group of 128)."""
-    params = count_params(cfg)
+    of scales and zero points, e.g. 4 + 16/128 for INT4 with bf16 scales per group of 128).
+    `active_batch`: a mixture of experts' weights a step of that many tokens reads
+    (count_params)."""
+    params = count_params(cfg, active_batch)
     if projection_bits is None:
         return float(params * dtype_bytes)
     proj = projection_params(cfg)
@@ -108,19 +163,29 @@ def prefill_flops(model_dir_or_config: str | os.PathLike | Mapping[str, Any], ba
     attention (QKᵀ and PV over the lower triangle: 2·heads·head_dim·n² per layer), and the
     LM head for the last token only."""
     cfg = load_config(model_dir_or_config)
-    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    hidden = int(cfg["hidden_size"])
     layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-    head_dim, kv_heads = _head_dim(cfg), _num_kv_heads(cfg)
-    q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    weights_per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
-    linear = 2 * weights_per_layer * layers * prompt_len
+    head_dim = _head_dim(cfg)
+    linear = 2 * _layer_weights_per_token(cfg) * prompt_len
     attention = 2 * heads * head_dim * prompt_len * prompt_len * layers
     lm_head = 2 * hidden * int(cfg["vocab_size"])
     return batch * (linear + attention + lm_head)
 
 
+def _layer_weights_per_token(cfg: Mapping[str, Any]) -> int:
+    """The decoder layers' weights one token multiplies (a mixture of experts: its top-k
+    experts only), without the embedding and the output matrix."""
+    vocab_hidden = int(cfg["vocab_size"]) * int(cfg["hidden_size"])
+    tables = vocab_hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return count_params(cfg, active_batch=1) - tables
+
+
 def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:
-    """K and V of one token across all layers (the reference script's formula)."""
+    """K and V of one token across all layers (the reference script's formula); for latent
+    attention the one latent (kv_lora_rank + qk_rope_head_dim) per layer."""
+    if cfg.get("kv_lora_rank"):
+        width = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+        return int(cfg["num_hidden_layers"]) * width * dtype_bytes
     return int(cfg["num_hidden_layers"]) * _num_kv_heads(cfg) * _head_dim(cfg) * 2 * dtype_bytes
 
 
@@ -128,12 +193,14 @@ def decode_bytes_per_step(model_dir_or_config: str | os.PathLike | Mapping[str, 
                           batch: int, context_len: int, dtype_bytes: int = 2,
                           projection_bits: float | None = None,
                           kv_dtype_bytes: int | None = None) -> int:
-    """Bytes one decode step must read: all weights once (shared by the batch; `weight_bytes`)
-    plus the KV cache of `context_len` tokens for each of `batch` sequences, in
-    `kv_dtype_bytes` per element (default: the model's)."""
+    """Bytes one decode step must read: all weights once (shared by the batch; `weight_bytes`;
+    of a mixture of experts, the experts `batch` tokens are expected to touch) plus the KV
+    cache of `context_len` tokens for each of `batch` sequences, in `kv_dtype_bytes` per
+    element (default: the model's)."""
     cfg = load_config(model_dir_or_config)
     kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
-    return int(weight_bytes(cfg, dtype_bytes, projection_bits) + batch * context_len * kv)
+    return int(weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=batch)
+               + batch * context_len * kv)
 
 
 def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
@@ -147,7 +214,9 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
     prompt token at `flops`. Returns the floor in seconds and its parts. `projection_bits` and
     `kv_dtype_bytes`: a quantized model's weights and KV cache (decode_bytes_per_step)."""
     cfg = load_config(model_dir_or_config)
-    params = count_params(cfg)
+    # FLOPs per token: the weights one token multiplies (of a mixture, its top-k experts)
+    moe = _moe(cfg) is not None
+    params = count_params(cfg, active_batch=1) if moe else count_params(cfg)
     stored = weight_bytes(cfg, dtype_bytes, projection_bits)
     kv_token = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
     # Requests leave in order of output length; keep the running count and prompt-token sum.
@@ -160,6 +229,8 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
             running -= 1
             prompt_sum -= by_output[nxt][1]
             nxt += 1
+        if moe:  # the experts this step's tokens are expected to touch
+            stored = weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=running)
         mem = (stored + (prompt_sum + step * running) * kv_token) / bandwidth
         memory_s += mem
         decode_s += max(mem, 2 * params * running / flops)

@@ -186,3 +186,28 @@ def test_latency_rejects_bad_flags() -> None:
         latency.run(_parse(["--output-len", "0"]))
     with pytest.raises(ValueError):
         latency.run(_parse(["--config", "qwen3-0.6b"]))
+
+
+def test_roofline_counts_experts_and_latents(tiny_model_dir) -> None:
+    """The mixtures' and DeepSeek's stored parameters equal their checkpoints' tensor sizes;
+    a decode step reads the experts its tokens touch, and a latent cache's bytes per token."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    for arch in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        path = tiny_model_dir(arch)
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        assert roofline.count_params(cfg) == stored, arch
+    qwen = RANDOM_CONFIGS["qwen3-30b-a3b"]
+    assert roofline.count_params(qwen) == pytest.approx(30.5e9, rel=0.01)
+    assert roofline.count_params(qwen, active_batch=1) == pytest.approx(3.3e9, rel=0.03)
+    one = roofline.decode_bytes_per_step(qwen, 1, 0)
+    many = roofline.decode_bytes_per_step(qwen, 256, 0)
+    assert one < many < roofline.weight_bytes(qwen) * 1.0001
+    lite = RANDOM_CONFIGS["deepseek-v2-lite"]
+    assert roofline.count_params(lite) == pytest.approx(15.7e9, rel=0.02)
+    assert roofline.kv_bytes_per_token(lite) == 27 * 576 * 2
