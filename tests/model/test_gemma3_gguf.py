@@ -31,7 +31,8 @@ def gemma_path() -> str:
 @pytest.fixture(scope="module")
 def folio_outputs(gemma_path: str):
     with torch_threads(2):
-        llm = LLM(gemma_path, device="cpu", max_model_len=1024, num_gpu_blocks_override=64)
+        llm = LLM(gemma_path, device="cpu", max_model_len=1024,
+                  num_gpu_blocks_override=400)  # 3-layer blocks: 1 full + 5 sliding groups
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     logprobs=5, ignore_eos=True),
                             use_tqdm=False)
