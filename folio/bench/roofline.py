@@ -174,10 +174,11 @@ def prefill_flops(model_dir_or_config: str | os.PathLike | Mapping[str, Any], ba
 
 def _layer_weights_per_token(cfg: Mapping[str, Any]) -> int:
     """The decoder layers' weights one token multiplies (a mixture of experts: its top-k
-    experts only), without the embedding and the output matrix."""
-    vocab_hidden = int(cfg["vocab_size"]) * int(cfg["hidden_size"])
-    tables = vocab_hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    return count_params(cfg, active_batch=1) - tables
+    experts only): without the embedding, the output matrix and the RMSNorm gains."""
+    hidden = int(cfg["hidden_size"])
+    tables = int(cfg["vocab_size"]) * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    norms = (2 * int(cfg["num_hidden_layers"]) + 1) * hidden
+    return count_params(cfg, active_batch=1) - tables - norms
 
 
 def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:
