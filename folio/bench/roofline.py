@@ -215,10 +215,7 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
     prompt token at `flops`. Returns the floor in seconds and its parts. `projection_bits` and
     `kv_dtype_bytes`: a quantized model's weights and KV cache (decode_bytes_per_step)."""
     cfg = load_config(model_dir_or_config)
-    # FLOPs per token: the weights one token multiplies (of a mixture, its top-k experts)
-    moe = _moe(cfg) is not None
-    params = count_params(cfg, active_batch=1) if moe else count_params(cfg)
-    stored = weight_bytes(cfg, dtype_bytes, projection_bits)
+    params = count_params(cfg, active_batch=1)  # of a mixture, a token's top-k experts only
     kv_token = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
     # Requests leave in order of output length; keep the running count and prompt-token sum.
     by_output = sorted(zip(output_lens, prompt_lens))
@@ -230,8 +227,8 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
             running -= 1
             prompt_sum -= by_output[nxt][1]
             nxt += 1
-        if moe:  # the experts this step's tokens are expected to touch
-            stored = weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=running)
+        # all weights (of a mixture, the experts this step's tokens are expected to touch)
+        stored = weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=running)
         mem = (stored + (prompt_sum + step * running) * kv_token) / bandwidth
         memory_s += mem
         decode_s += max(mem, 2 * params * running / flops)

@@ -176,6 +176,14 @@ class DecoderLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
+    def _module_paths(self) -> frozenset[str]:
+        """Every submodule's path, built once (the module tree is fixed after __init__)."""
+        paths = self.__dict__.get("_paths")
+        if paths is None:
+            paths = frozenset(name for name, _ in self.named_modules())
+            self.__dict__["_paths"] = paths
+        return paths
+
     def weight_target(self, name: str) -> tuple[str, str | None, str] | None:
         """Where checkpoint tensor `name` goes: (module path, shard of a merged module or None,
         parameter name); None for what folio does not load (derived rotary buffers, a tied
@@ -198,15 +206,15 @@ class DecoderLM(nn.Module):
         if self.spec.num_mtp_layers and len(parts) > 2 and parts[0] == "layers" \
                 and parts[1].isdigit() and int(parts[1]) >= self.spec.num_layers:
             return None  # a multi-token-prediction module, not a decoder layer
-        if self.spec.mla is not None and parts[-2] == "q_proj":
-            return ".".join(parts[:-1]), None, parts[-1]  # MLA's own q_proj, not a merged shard
         if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
                 and parts[-2] in EXPERT_SHARDS:
             # one expert's projection, into its slice of the stacked weights (FusedMoE)
             param, part = EXPERT_SHARDS[parts[-2]]
             return ".".join(parts[:-3]), f"{parts[-3]}.{part}", param
         merged = _MERGED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
-        if merged is not None:
+        if merged is not None and ".".join(parts[:-1]) not in self._module_paths():
+            # a projection folio stores merged (a layer with its own module of that name,
+            # such as latent attention's q_proj, loads it as it is)
             return ".".join(parts[:-2] + [merged[0]]), merged[1], parts[-1]
         return ".".join(parts[:-1]), None, parts[-1]
 
@@ -286,5 +294,5 @@ class DecoderLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for module in self.modules():
-            if isinstance(module, MLAttention):
+            if hasattr(module, "after_load"):  # layouts fixed once the weights are in (MLA)
                 module.after_load()

@@ -18,7 +18,7 @@ from folio.model.rope_scaling import rope_frequencies
 # never the environment. Built standalone (tests, tools), a layer gets the defaults.
 
 
-def _fused_kernels_on(x: torch.Tensor, kernels: KernelConfig) -> bool:
+def fused_kernels_on(x: torch.Tensor, kernels: KernelConfig) -> bool:
     """Triton's fused norm/rotary kernels on CUDA (one launch instead of a chain of eager ops);
     `kernels.kernels` "torch" (FOLIO_KERNELS=torch) keeps the eager reference."""
     if not x.is_cuda or not kernels.fused_kernels:
@@ -27,7 +27,7 @@ def _fused_kernels_on(x: torch.Tensor, kernels: KernelConfig) -> bool:
     return HAS_TRITON
 
 
-def _cpu_kernels(x: torch.Tensor, kernels: KernelConfig) -> Any | None:
+def cpu_kernel_ops(x: torch.Tensor, kernels: KernelConfig) -> Any | None:
     """folio's C++ ops (folio.model.cpu_kernels) for a float32 CPU tensor, one call where the
     eager code below is a chain of small ops; None keeps the eager code (other dtypes, CUDA,
     `kernels.kernels` "torch", or no compiler here)."""
@@ -55,10 +55,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and also returns the sum (the next residual)."""
-        if _fused_kernels_on(x, self.kernels):
+        if fused_kernels_on(x, self.kernels):
             from folio.model.kernels.rmsnorm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual, pdl=self.kernels.pdl_on)
-        ops = _cpu_kernels(x, self.kernels) if x.dim() == 2 else None
+        ops = cpu_kernel_ops(x, self.kernels) if x.dim() == 2 else None
         if ops is not None and self.weight.dtype == torch.float32:
             out = ops.rms_norm(x, self.weight, self.eps, residual)
             return out[0] if residual is None else (out[0], out[1])
@@ -123,7 +123,7 @@ class RotaryEmbedding(nn.Module):
                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         """q [T, H, D], k [T, KVH, D]. With q_norm/k_norm (Qwen3), each head is normalized
         before rotation (one fused launch on CUDA)."""
-        if _fused_kernels_on(q, self.kernels):
+        if fused_kernels_on(q, self.kernels):
             from folio.model.kernels.rotary import apply_rotary
             pdl = self.kernels.pdl_on
             if q_norm is not None and q_norm.weight.dtype == q.dtype:
@@ -134,7 +134,7 @@ class RotaryEmbedding(nn.Module):
             return apply_rotary(positions, q, k, self.cos, self.sin, pdl=pdl)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        ops = _cpu_kernels(q, self.kernels)
+        ops = cpu_kernel_ops(q, self.kernels)
         if ops is not None and positions.dtype == torch.int64 and k.dtype == torch.float32:
             q, k = ops.rotary_neox(positions, q, k, self.cos, self.sin, self.rotary_dim)
             return q, k
@@ -369,10 +369,10 @@ class GatedMLP(nn.Module):
                 return self.down_proj(act.view(*x.shape[:-1], -1))
         gate_up = self.gate_up_proj(x)
         if self.fused_silu and gate_up.dim() == 2:
-            ops = _cpu_kernels(gate_up, self.kernels)
+            ops = cpu_kernel_ops(gate_up, self.kernels)
             if ops is not None:
                 return self.down_proj(ops.silu_and_mul(gate_up))
-        if self.fused_silu and _fused_kernels_on(gate_up, self.kernels):
+        if self.fused_silu and fused_kernels_on(gate_up, self.kernels):
             from folio.model.kernels.activation import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

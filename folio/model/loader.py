@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from folio.model.attention import get_attention_backend
+from folio.model.attention.fp8 import is_fp8
 from folio.model.decoder import DecoderLM, make_rotaries
 from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
@@ -102,8 +103,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
-    if spec.mla is not None and kv_cache_dtype is not None and kv_cache_dtype.is_floating_point \
-            and kv_cache_dtype.itemsize == 1:
+    if spec.mla is not None and kv_cache_dtype is not None and is_fp8(kv_cache_dtype):
         raise ValueError("an FP8 KV cache is not supported for multi-head latent attention "
                          "(DeepSeek) models yet; use --kv-cache-dtype auto")
     if (spec.moe is not None or spec.mla is not None) and quantization != "none":

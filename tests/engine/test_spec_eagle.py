@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 import pytest
 import torch
@@ -181,6 +182,28 @@ def _ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def check_drafts_and_outputs(target: str, spec: dict, reference: Callable[[list[int]], list[int]],
+                             *, seed: int, max_tokens: int, first: int, at_least: int) -> None:
+    """Greedy and seeded answers with `spec` equal the engine's without speculation, and each
+    of the first `first` proposals (k = 3 drafts) equals `reference(context)`; at least
+    `at_least` of them checked. No prefix cache: a cached block's head entries were written
+    with the token after the block in another request (lossless still, but not the
+    reference's drafts)."""
+    llm = _make(target, spec, enable_prefix_caching=False)
+    seen = record_drafts(llm)
+    prompts = _prompts(4, seed=seed)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=max_tokens)] * 2
+    got = _ids(llm.generate(prompts, params, use_tqdm=False))
+    assert got == _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+    checked = 0
+    for context, drafts in seen[:first]:
+        assert len(drafts) == 3
+        assert drafts == reference(context), len(context)
+        checked += 1
+    assert checked >= at_least
+
+
 def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     """(context, drafts) of every proposal the engine's drafter makes from now on."""
     drafter = llm.llm_engine.engine_core.scheduler.drafter
@@ -202,22 +225,10 @@ def test_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path,
     weights = build_head(head, method, seed=3 if method == "eagle" else 4)
     spec = {"method": method, "model": head, "num_speculative_tokens": 3,
             "adaptive_draft_length": False}
-    # no prefix cache: a cached block's head entries were written with the token after the
-    # block in another request (lossless still, but not this reference's drafts)
-    llm = _make(target, spec, enable_prefix_caching=False)
-    seen = record_drafts(llm)
-    prompts = _prompts(4, seed=21)
-    params = [SamplingParams(temperature=0, max_tokens=16),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=16)] * 2
-    got = _ids(llm.generate(prompts, params, use_tqdm=False))
-    assert got == _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
-    reference = load_hf_model(target)
-    checked = 0
-    for context, drafts in seen[:20]:
-        assert len(drafts) == 3
-        assert drafts == reference_drafts(method, weights, reference, context, 3), len(context)
-        checked += 1
-    assert checked >= 10
+    check_drafts_and_outputs(
+        target, spec,
+        lambda context: reference_drafts(method, weights, load_hf_model(target), context, 3),
+        seed=21, max_tokens=16, first=20, at_least=10)
 
 
 def test_the_name_picks_the_method_and_bad_heads_are_refused(tiny_model_dir, tmp_path) -> None:

@@ -14,11 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio import SamplingParams
-
 from model_utils import load_hf_model
-from test_invariants import _prompts
-from test_spec_eagle import _ids, _make, record_drafts
+from test_spec_eagle import _make, check_drafts_and_outputs
 
 
 def _rms(x, w, eps=1e-6):
@@ -97,20 +94,10 @@ def reference_drafts(target, layer, extra, context: list[int], k: int) -> list[i
 def test_mtp_drafts_follow_the_reference_and_outputs_equal(tiny_model_dir, tmp_path) -> None:
     target, extra, layer = add_mtp_module(tiny_model_dir("deepseek_v3"), tmp_path / "v3mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive_draft_length": False}
-    llm = _make(target, spec, enable_prefix_caching=False)
-    seen = record_drafts(llm)
-    prompts = _prompts(4, seed=23)
-    params = [SamplingParams(temperature=0, max_tokens=12),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=12)] * 2
-    got = _ids(llm.generate(prompts, params, use_tqdm=False))
-    assert got == _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
-    reference = load_hf_model(target)
-    checked = 0
-    for context, drafts in seen[:12]:
-        assert len(drafts) == 3
-        assert drafts == reference_drafts(reference, layer, extra, context, 3), len(context)
-        checked += 1
-    assert checked >= 8
+    check_drafts_and_outputs(
+        target, spec,
+        lambda context: reference_drafts(load_hf_model(target), layer, extra, context, 3),
+        seed=23, max_tokens=12, first=12, at_least=8)
 
 
 def test_mtp_needs_the_module(tiny_model_dir, tmp_path) -> None:

@@ -94,9 +94,7 @@ def test_torch_reference_matches_the_definition(case: dict) -> None:
 
 
 def _cpu_backend():
-    from folio.model import cpu_kernels
-    if cpu_kernels.loaded() is None:
-        pytest.skip("folio's C++ CPU kernels cannot be built here")
+    # builds the C++ kernels (a failed build fails the test: they are part of the product)
     from folio.model.attention.cpu_backend import CpuPagedAttention
     return CpuPagedAttention()
 

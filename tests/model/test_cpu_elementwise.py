@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from folio.model.kernel_config import KernelConfig
-from folio.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, _cpu_kernels
+from folio.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, cpu_kernel_ops
 
 EAGER = KernelConfig(kernels="torch")
 FUSED = KernelConfig()
@@ -17,9 +17,9 @@ FUSED = KernelConfig()
 def test_the_cpu_ops_serve_float32_only() -> None:
     """The comparisons below mean something only if FUSED really takes the C++ path."""
     x = torch.zeros(2, 8)
-    assert _cpu_kernels(x, FUSED) is not None
-    assert _cpu_kernels(x, EAGER) is None
-    assert _cpu_kernels(x.bfloat16(), FUSED) is None
+    assert cpu_kernel_ops(x, FUSED) is not None
+    assert cpu_kernel_ops(x, EAGER) is None
+    assert cpu_kernel_ops(x.bfloat16(), FUSED) is None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-6) -> bool:

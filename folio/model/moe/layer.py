@@ -15,7 +15,8 @@ from torch import nn
 
 from folio.model.families import ArchSpec, ExpertActivation, MoESpec
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
-from folio.model.layers import GatedMLP, _cpu_kernels, _fused_kernels_on, gate_activation, is_silu
+from folio.model.layers import (GatedMLP, cpu_kernel_ops, fused_kernels_on, gate_activation,
+                                 is_silu)
 from folio.model.moe.dispatch import sort_by_expert
 from folio.model.moe.routing import RouterConfig, select_experts
 
@@ -103,7 +104,7 @@ class FusedMoE(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if _fused_kernels_on(x, self.kernels):
+        if fused_kernels_on(x, self.kernels):
             from folio.model.kernels.fused_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
                                  None if self.silu else self.gated,
@@ -127,7 +128,7 @@ class FusedMoE(nn.Module):
             b13 = self.gate_up_proj_bias[expert] if self.gate_up_proj_bias is not None else None
             b2 = self.down_proj_bias[expert] if self.down_proj_bias is not None else None
             gate_up = F.linear(seg, self.gate_up_proj[expert], b13)
-            ops = _cpu_kernels(gate_up, self.kernels) if self.silu else None
+            ops = cpu_kernel_ops(gate_up, self.kernels) if self.silu else None
             act = ops.silu_and_mul(gate_up) if ops is not None else self.gated(gate_up)
             out[order[start:start + n]] = F.linear(act, self.down_proj[expert], b2).float()
             start += n
