@@ -51,7 +51,11 @@ def _engine_process(server: RemoteServer) -> psutil.Process:
 
 
 def _port_free(port: int) -> bool:
+    """True when a new server could listen on `port`. SO_REUSEADDR as every server sets it:
+    the connections the server closed first linger in TIME_WAIT for a minute and would
+    refuse a plain bind, yet a socket still listening refuses this one too (Linux)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
