@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from folio.pooling_params import (CONVERTS, RUNNERS, TASK_ALIASES, PoolerConfig,
+                                  PoolingModelInfo)
 from folio.reasoning import REASONING_FORMATS
 
 _VALID_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
@@ -78,6 +80,19 @@ class ModelConfig:
     # steps only, mixed steps run eagerly.
     cudagraph_mode: str = "full"
     quantization: str | None = None   # one of QUANTIZATION_METHODS; None = by model and device
+    # vLLM's --runner: "generate" (sample tokens), "pooling" (embeddings, classification,
+    # scores), "auto" = by the architecture (model/pooling_info.py: resolve_runner).
+    runner: str = "auto"
+    # vLLM's --convert: how the pooling runner uses a model of another kind ("embed": a
+    # decoder's last hidden state; "classify"; "reward": per-token classification).
+    convert: str = "auto"
+    # vLLM's older --task (embed, classify, score, reward, generate): sets runner and convert.
+    task: str | None = None
+    # --pooler-config JSON: pooling_type, normalize, use_activation over the model's own.
+    pooler_config: dict | None = None
+    # --hf-overrides JSON: set on the model's transformers config after it is read (e.g. a
+    # decoder reranker's architectures and classifier_from_token, as vLLM documents them).
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.dtype, str) and self.dtype.lower() in _VALID_DTYPES,
@@ -102,6 +117,21 @@ class ModelConfig:
         _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
                  "quantization", f"must be one of {list(QUANTIZATION_METHODS)}, got "
                  f"{self.quantization!r}")
+        if self.task is not None:
+            _require(self.task in TASK_ALIASES, "task",
+                     f"must be one of {sorted(TASK_ALIASES)}, got {self.task!r}")
+            runner, convert = TASK_ALIASES[self.task]
+            if self.runner == "auto":
+                self.runner = runner
+            if self.convert == "auto":
+                self.convert = convert
+        _require(self.runner in RUNNERS, "runner",
+                 f"must be one of {list(RUNNERS)}, got {self.runner!r}")
+        _require(self.convert in CONVERTS, "convert",
+                 f"must be one of {list(CONVERTS)}, got {self.convert!r}")
+        PoolerConfig.from_dict(self.pooler_config)   # its own errors name the field
+        _require(self.hf_overrides is None or isinstance(self.hf_overrides, dict),
+                 "hf_overrides", f"must be a JSON object, got {self.hf_overrides!r}")
 
 
 @dataclass
@@ -407,6 +437,22 @@ class EngineConfig:
     # None = no speculative decoding.
     speculative: SpeculativeConfig | None = None
     disable_log_stats: bool = True
+    # The pooling runner's model (set by the front end once the model is read; None =
+    # the generate runner).
+    pooling: PoolingModelInfo | None = None
+
+    def set_pooling(self, info: PoolingModelInfo) -> None:
+        """Run as a pooling model: an encoder's attention sees the whole input, so its prompt
+        runs in one step (no chunked prefill, a token budget of at least max_model_len), and
+        prefix-cache hits may skip tokens only where the pooled result does not need their
+        hidden states (a causal model pooling the last token)."""
+        self.pooling = info
+        if not info.prefix_caching:
+            self.cache.enable_prefix_caching = False
+        if not info.is_causal:
+            self.scheduler.enable_chunked_prefill = False
+        if self.speculative is not None:
+            raise ValueError("speculative_config: pooling models do not generate tokens")
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model, and check the settings agree.

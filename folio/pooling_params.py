@@ -58,6 +58,16 @@ EMBED_TASKS = frozenset({PoolingTask.EMBED, PoolingTask.TOKEN_EMBED, PoolingTask
 CLASSIFY_TASKS = frozenset({PoolingTask.CLASSIFY, PoolingTask.TOKEN_CLASSIFY,
                             PoolingTask.SCORE, PoolingTask.ENCODE})
 
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --convert: what a model of another kind is turned into for the pooling runner.
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+# vLLM's older --task names, mapped onto (runner, convert).
+TASK_ALIASES = {
+    "auto": ("auto", "auto"), "generate": ("generate", "auto"),
+    "embed": ("pooling", "embed"), "embedding": ("pooling", "embed"),
+    "classify": ("pooling", "classify"), "score": ("pooling", "auto"),
+    "reward": ("pooling", "reward"),
+}
 # The largest `dimensions` any request may ask for (models are far below it; the field sizes
 # a vector, so it has a bound before the model's own is known).
 MAX_DIMENSIONS = 1 << 16
@@ -74,7 +84,7 @@ class PoolingParams:
     """vLLM's PoolingParams. `truncate_prompt_tokens`: keep only the last k prompt tokens (-1:
     the model's maximum length; None: a longer prompt is an error). `dimensions`: Matryoshka
     truncation of an embedding to its first `dimensions` values, before normalizing (only for
-    models trained for it, see ModelConfig.matryoshka_dimensions). `normalize`: L2-normalize
+    models trained for it: PoolingModelInfo.matryoshka_dimensions). `normalize`: L2-normalize
     embeddings (None: the model's default, True for embedding models). `use_activation`
     (`activation` is vLLM's older name): apply the classifier's activation, softmax or sigmoid
     (None: True). `task`: set by the entry point (LLM.embed, /v1/embeddings ...)."""

@@ -3,6 +3,7 @@ the engine core passes out is folio/core/engine_core_outputs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -62,3 +63,89 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# ---- pooling (vLLM's output types of LLM.encode / embed / classify / score / reward) ---------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: an array (one row per token for the per-token tasks).
+    The engine hands out a float32 numpy array; `LLM` turns it into a torch tensor, as vLLM's
+    is."""
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    # "stop" when the result is there; "error" or "abort" when it never came (outputs None).
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    task: str | None = None            # the pooling task it ran
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+def _as_list(data: Any) -> list:
+    return data.tolist() if hasattr(data, "tolist") else list(data)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(_as_list(out.outputs.data)),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(_as_list(out.outputs.data)),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

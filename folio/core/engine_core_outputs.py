@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from folio.core.step_messages import PooledData
+
 
 @dataclass
 class SampledTokenLogprobs:
@@ -35,6 +37,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    # A pooling request's result (it finishes with it, no tokens).
+    pooling_output: PooledData | None = None
 
     @property
     def finished(self) -> bool:

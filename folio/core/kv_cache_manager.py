@@ -50,8 +50,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as blocks and a token count."""
-        if not self.enable_caching or request.needs_prompt_logprobs:
-            # prompt_logprobs needs logits for every prompt position, so nothing may be skipped.
+        if not self.enable_caching or request.needs_every_prompt_token:
+            # prompt logprobs (and per-token pooling) need every prompt position: no skipping.
             return [], 0
         # The last token is always recomputed so there are logits to sample from.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -194,7 +194,7 @@ class HybridKVCacheManager(KVCacheManager):
         """The longest cached prefix of L tokens such that every full group holds the blocks of
         [0, L) and every sliding group the blocks its window reads from [0, L) (those before
         are the null block). Per-group block lists and L."""
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching or request.needs_every_prompt_token:
             return [], 0
         hashes = request.block_hashes
         cached = self.block_pool.cached_blocks

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 
@@ -21,6 +22,10 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # A pooling request: runs its prompt and returns a pooled result instead of tokens
+    # (sampling_params is then a placeholder of one token).
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,6 +87,8 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         extra_hash_keys: tuple[Any, ...] = (),
+        pooling_params: PoolingParams | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +99,8 @@ class Request:
         self.cache_salt = cache_salt
         self.extra_hash_keys = extra_hash_keys
         self.block_size = block_size
+        self.pooling_params = pooling_params
+        self.token_type_ids = token_type_ids
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -131,7 +140,8 @@ class Request:
                                  max_model_len: int) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
                    tuple(req.eos_token_ids), block_size=block_size, max_model_len=max_model_len,
-                   arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt)
+                   arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+                   pooling_params=req.pooling_params, token_type_ids=req.token_type_ids)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:
@@ -155,6 +165,19 @@ class Request:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """No prefix-cache hit may skip prompt tokens: prompt logprobs need logits at every
+        position, a per-token pooling task every position's hidden state."""
+        if self.pooling_params is not None:
+            task = self.pooling_params.pooling_task
+            return task is not None and task.per_token
         return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:

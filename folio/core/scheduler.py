@@ -71,6 +71,9 @@ class ScheduledRequest:
     # scheduled (the request's token count moves on before the step's output is read under
     # async scheduling).
     samples: bool = False
+    # A pooling request's step that reaches the end of its prompt: it returns the pooled
+    # result (and never samples).
+    pools: bool = False
     # Scheduled again after a preemption.
     resumed: bool = False
     # Draft tokens verified by this step (speculative decoding): inputs after the request's
@@ -323,7 +326,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            if self.kv.enable_caching and not request.needs_prompt_logprobs:
+            if self.kv.enable_caching and not request.needs_every_prompt_token:
                 self.kv.record_lookup(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -342,8 +345,11 @@ class Scheduler:
             end = item.num_computed_tokens + item.num_new_tokens
             request.num_computed_tokens = end
             if end >= len(request.all_token_ids) + request.num_pending_tokens:
-                item.samples = True
-                request.num_pending_tokens += 1
+                if request.pooling_params is not None:
+                    item.pools = True
+                else:
+                    item.samples = True
+                    request.num_pending_tokens += 1
 
         step = ScheduledStep(items, self._message(items, preempted),
                              finished_req_ids=self._finished_since_last_step,
@@ -358,6 +364,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
         sampling: list[str] = []
+        pooling: list[str] = []
         spec: dict[str, list[int]] = {}
         for item in items:
             request = item.request
@@ -367,6 +374,8 @@ class Scheduler:
                 spec[rid] = list(item.spec_token_ids)
             if item.samples:
                 sampling.append(rid)
+            elif item.pools:
+                pooling.append(rid)
             blocks = item.block_ids
             tokens = request.all_token_ids
             if not request.sent_to_workers:
@@ -374,7 +383,7 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params,
                     list(request.eos_token_ids), [list(ids) for ids in blocks],
-                    item.num_computed_tokens))
+                    item.num_computed_tokens, request.pooling_params, request.token_type_ids))
                 # The prompt is all a new request has (its output starts empty).
                 request.num_sent_tokens = len(tokens)
             else:
@@ -396,7 +405,7 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             has_grammar=any(item.samples and item.request.structured_output is not None
                             for item in items),
-            scheduled_spec_decode_tokens=spec)
+            scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -451,6 +460,19 @@ class Scheduler:
             if request.status >= _FIRST_FINISHED:
                 continue  # aborted while the step ran, or finished by the step before
             request_id = request.request_id
+            if item.pools:
+                # The worker pools every request of pooling_req_ids; one without a result
+                # fails rather than waiting forever.
+                pooled = runner_output.pooler_output.get(request_id)
+                request.status = (RequestStatus.FINISHED_STOPPED if pooled is not None
+                                  else RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=request.status.finish_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=first_scheduled.get(request_id),
+                    pooling_output=pooled))
+                finished.append(request)
+                continue
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             token_ids = sampled.get(request_id)
             if token_ids is None:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import msgspec
 
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 # array_like: encoded as msgpack arrays, not maps (smaller and faster for the per-step structs);
@@ -22,8 +23,8 @@ from folio.sampling_params import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
-    """A request the workers have not seen: everything needed to run it. Adapter (LoRA) and
-    pooling fields join here when those features do."""
+    """A request the workers have not seen: everything needed to run it. An adapter (LoRA)
+    field joins here when that feature does."""
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -32,6 +33,11 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[list[int]]
     # Tokens already in the KV cache (prefix-cache hits) before this step.
     num_computed_tokens: int
+    # A pooling request (returns a PooledData once its prompt has run, never samples).
+    pooling_params: PoolingParams | None = None
+    # Segment ids of the prompt's tokens (BERT-style encoders: 0 for the query, 1 for the
+    # document of a cross-encoder pair); None = all 0.
+    token_type_ids: list[int] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -74,6 +80,8 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     has_grammar: bool = False
     # Draft tokens per request for speculative decoding (empty until it lands).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Pooling requests whose prompt ends in this step: each gets a PooledData (batch order).
+    pooling_req_ids: list[str] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
@@ -105,6 +113,14 @@ class PromptLogprobsLists(msgspec.Struct, array_like=True, gc=False):
     lists: LogprobsLists
 
 
+class PooledData(msgspec.Struct, array_like=True, gc=False):
+    """A pooling request's result: a float32 array of `shape` ([dims] for a sequence, [tokens,
+    dims] per token), little-endian bytes (compact on the wire; numpy reads it without a
+    copy)."""
+    shape: list[int]
+    data: bytes
+
+
 class ModelRunnerOutput(msgspec.Struct, gc=False):
     """A step's result from rank 0. `sampled_token_ids[i]` are the tokens of `req_ids[i]` (one
     per step today; several once speculative decoding accepts drafts)."""
@@ -117,6 +133,8 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     # Draft tokens for each sampling request's next step, made by a draft model in this
     # step (speculative decoding with a model on the worker; empty otherwise).
     draft_token_ids: dict[str, list[int]] = {}
+    # Pooling requests of `pooling_req_ids`: their results.
+    pooler_output: dict[str, PooledData] = {}
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

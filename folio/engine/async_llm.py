@@ -31,7 +31,8 @@ from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_p
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.metrics.stats_logger import StatsLogger
-from folio.request_outputs import RequestOutput
+from folio.pooling_params import PoolingParams
+from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ class AsyncLLM:
         """Per-request state held here: open streams, the output processor's parents and
         children, pending utility calls. 0 once idle, or state is leaking."""
         return (len(self._queues) + len(self.output_processor.parents)
-                + len(self.output_processor.children) + len(self._utility_futures))
+                + len(self.output_processor.children) + len(self.output_processor.pooling)
+                + len(self._utility_futures))
 
     def abort_all(self, reason: str) -> None:
         """Fail every open request with EngineDeadError(reason) and abort it in the engine
@@ -265,6 +267,48 @@ class AsyncLLM:
             if not finished:
                 self._abort_locally(request_id)
 
+    async def encode(self, prompt: PromptType, params: PoolingParams,
+                     request_id: str | None = None, *, pair: str | None = None,
+                     priority: int = 0) -> PoolingRequestOutput:
+        """One pooling request (embed, classify, score ...; `pair`: a cross-encoder's document
+        beside the query `prompt`): its PoolingRequestOutput once the engine has run its
+        prompt. ValueError for bad input before anything is queued; EngineDeadError if the
+        engine dies; cancelling the call aborts the request."""
+        self._ensure_started()
+        if not self.is_healthy:
+            raise self._unavailable()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prepared = await self.run_blocking(functools.partial(
+            self.preparer.prepare_pooling, request_id, prompt, params, pair=pair,
+            priority=priority))
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not self.is_healthy:
+            raise self._unavailable()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        core = prepared.core_requests[0]
+        self.output_processor.add_pooling_request(request_id, prepared.prompt.prompt,
+                                                  prepared.prompt.prompt_token_ids,
+                                                  core.arrival_time, prepared.pooling_params.task)
+        if self.metrics is not None:
+            self.metrics.request_added(request_id, core.arrival_time,
+                                       len(prepared.prompt.prompt_token_ids))
+        finished = False
+        try:
+            self._send(msg.ADD, core)
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = True
+            return item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_locally(request_id)
+
     async def abort(self, request_id: str) -> None:
         self._abort_locally(request_id)
         queue = self._queues.pop(request_id, None)
@@ -341,11 +385,17 @@ class AsyncLLM:
             self._send_socket.send_multipart(msg.encode(msg.FINISH, stopped))
         for output in outputs:
             if output.finished and self.metrics is not None:
-                completion = output.outputs[0] if output.outputs else None
-                self.metrics.request_finished(
-                    output.request_id, completion.finish_reason if completion else "stop", now,
-                    len(output.prompt_token_ids),
-                    sum(len(c.token_ids) for c in output.outputs) if output.outputs else 0)
+                if isinstance(output, PoolingRequestOutput):
+                    self.metrics.request_finished(output.request_id,
+                                                  output.finish_reason or "stop", now,
+                                                  len(output.prompt_token_ids), 0,
+                                                  pooling_task=output.task)
+                else:
+                    completion = output.outputs[0] if output.outputs else None
+                    self.metrics.request_finished(
+                        output.request_id, completion.finish_reason if completion else "stop",
+                        now, len(output.prompt_token_ids),
+                        sum(len(c.token_ids) for c in output.outputs) if output.outputs else 0)
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)

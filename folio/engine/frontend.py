@@ -3,6 +3,7 @@ and does before the engine core sees a request: load config and tokenizer, valid
 tokenize, fan n>1 out into child requests."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,9 @@ from folio.engine.request_limits import check_kv_fit, check_sampling_limits
 from folio.engine.tokenizer import eos_token_ids, load_tokenizer
 from folio.model.families import arch_spec_from_hf_config
 from folio.model.discovery import ModelSource, load_hf_config, resolve_model_source
+from folio.model.pooling_info import (ENCODER_ARCHS, resolve_pooling_info, resolve_runner,
+                                      token_ids_of)
+from folio.pooling_params import PoolerConfig, PoolingModelInfo, PoolingParams, PoolingTask
 from folio.sampling_params import SamplingParams
 
 
@@ -34,6 +38,22 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_model_len: int
+    # The pooling runner's model; None = the generate runner.
+    pooling: PoolingModelInfo | None = None
+
+
+def _apply_hf_overrides(hf_config: Any, overrides: dict | None) -> None:
+    for name, value in (overrides or {}).items():
+        setattr(hf_config, name, value)
+
+
+def _encoder_max_positions(hf_config: Any) -> int:
+    """Positions an encoder can embed: RoBERTa-style models start counting after their
+    padding index, so two of max_position_embeddings are never used."""
+    total = getattr(hf_config, "max_position_embeddings", None) or 512
+    if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        total -= (getattr(hf_config, "pad_token_id", None) or 1) + 1
+    return total
 
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
@@ -41,6 +61,13 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     defaults (max_model_len, the token budget). Raises ValueError for a bad model or setting."""
     source = resolve_model_source(config.model.model, config.model.revision)
     hf_config, gguf_chat_template = load_hf_config(source)
+    _apply_hf_overrides(hf_config, config.model.hf_overrides)
+    model_dir = source.path if source.kind == "hf_dir" else None
+    pooling = None
+    if resolve_runner(config.model.runner, config.model.convert, hf_config,
+                      model_dir) == "pooling":
+        pooling = resolve_pooling_info(hf_config, model_dir, config.model.convert,
+                                       PoolerConfig.from_dict(config.model.pooler_config))
     spec = arch_spec_from_hf_config(hf_config)  # fails early on an unsupported architecture
     generation_config = None
     if config.model.generation_config == "auto":
@@ -55,17 +82,28 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     if source.gguf_metadata is not None:
         extra_eos = list(source.gguf_metadata.extra_eos_token_ids)
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if pooling is not None and pooling.architecture in ENCODER_ARCHS:
+        model_max = _encoder_max_positions(hf_config)
     if config.model.max_model_len is not None and config.model.max_model_len > model_max:
         raise ValueError(f"max_model_len={config.model.max_model_len} is larger than the "
                          f"model's max_position_embeddings={model_max}")
-    config.finalize(model_max)
+    default_len = model_max
+    if pooling is not None and pooling.max_seq_length:
+        # sentence-transformers' max_seq_length: what the model was trained and is served at
+        default_len = min(model_max, pooling.max_seq_length)
     tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.revision)
+    if pooling is not None:
+        if pooling.classifier_from_token:
+            pooling = dataclasses.replace(pooling, classifier_token_ids=token_ids_of(
+                tokenizer, pooling.classifier_from_token))
+        config.set_pooling(pooling)
+    config.finalize(default_len)
     if gguf_chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = gguf_chat_template
     eos = eos_token_ids(tokenizer, hf_config, generation_config)
     eos += tuple(t for t in extra_eos if t not in eos)
     return ModelInfo(source, hf_config, tokenizer, generation_config, eos, spec.vocab_size,
-                     config.model.max_model_len)
+                     config.model.max_model_len, pooling)
 
 
 def default_sampling_params(info: ModelInfo) -> SamplingParams:
@@ -88,6 +126,43 @@ class PreparedRequest:
     child_ids: list[str]
     child_params: list[SamplingParams]
     core_requests: list[EngineCoreRequest]
+    pooling_params: PoolingParams | None = None
+
+
+# A pooling request's placeholder sampling parameters: it never samples, but the core's request
+# record and the worker's batch rows are shaped for them.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def check_pooling_params(params: PoolingParams, info: PoolingModelInfo | None) -> PoolingParams:
+    """The request's params for this model, task filled in (its default), or a ValueError
+    naming the field: a task the model has no head for, `dimensions` it cannot give."""
+    if info is None:
+        raise ValueError("task: this model runs the generate runner; pooling requests "
+                         "(embeddings, scores, classification) need a pooling model "
+                         "(--runner pooling)")
+    params = params.clone()
+    task = params.pooling_task or info.default_task
+    if task not in info.tasks:
+        raise ValueError(f"task {task.value!r} is not supported by this model ({info.architecture},"
+                         f" a{'n embedding' if info.kind == 'embed' else ' classification'} "
+                         f"model); it supports {sorted(t.value for t in info.tasks)}")
+    params.task = task.value
+    dims = params.dimensions
+    if dims is not None:
+        if info.kind != "embed" or task not in (PoolingTask.EMBED, PoolingTask.TOKEN_EMBED):
+            raise ValueError("dimensions applies to embeddings only")
+        if dims > info.hidden_size:
+            raise ValueError(f"dimensions ({dims}) is larger than the model's embedding size "
+                             f"({info.hidden_size})")
+        if dims != info.hidden_size:
+            if info.matryoshka_dimensions is None:
+                raise ValueError("dimensions: this model does not support Matryoshka "
+                                 "representation (its embeddings cannot be shortened)")
+            if info.matryoshka_dimensions and dims not in info.matryoshka_dimensions:
+                raise ValueError(f"dimensions must be one of {list(info.matryoshka_dimensions)} "
+                                 f"for this model, got {dims}")
+    return params
 
 
 def _child_seed(seed: int, index: int) -> int:
@@ -109,6 +184,9 @@ class RequestPreparer:
                 arrival_time: float | None = None, priority: int = 0,
                 cache_salt: str | None = None) -> PreparedRequest:
         """Validate and tokenize. Raises ValueError naming the problem; changes no state."""
+        if self.info.pooling is not None:
+            raise ValueError("this model runs the pooling runner: it returns embeddings, "
+                             "scores or classes and does not generate text")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -153,3 +231,24 @@ class RequestPreparer:
                               arrival, priority, cache_salt)
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
+
+    def prepare_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, *,
+                        pair: str | None = None, arrival_time: float | None = None,
+                        priority: int = 0) -> PreparedRequest:
+        """A pooling request (embed, classify, score...): validated against the model's pooling
+        heads and tokenized (`pair`: the document of a cross-encoder's (query, document)).
+        Raises ValueError naming the field; changes no state."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got "
+                             f"{type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool) \
+                or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit signed int, got {priority!r}")
+        params = check_pooling_params(params, self.info.pooling)
+        processed = self.input_processor.process_pooling(prompt, params, pair)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        core = EngineCoreRequest(request_id, processed.prompt_token_ids, _POOLING_SAMPLING,
+                                 [], arrival, priority, None, params,
+                                 processed.token_type_ids)
+        return PreparedRequest(request_id, processed, [request_id], [_POOLING_SAMPLING], [core],
+                               pooling_params=params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
 PromptType = str | dict | list
@@ -32,6 +33,8 @@ def encode_prompt(tokenizer: Any, text: str, max_model_len: int, *,
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    # Segment ids (a cross-encoder's query/document pair on a BERT-style tokenizer).
+    token_type_ids: list[int] | None = None
 
 
 class InputProcessor:
@@ -59,6 +62,62 @@ class InputProcessor:
                              f"[0, {self.vocab_size}): {bad[:5]}")
         params.update_from_tokenizer(self.tokenizer, self.vocab_size)
         return ProcessedPrompt(text, ids)
+
+    def process_pooling(self, prompt: PromptType, params: PoolingParams,
+                        pair: str | None = None) -> ProcessedPrompt:
+        """A pooling request's input: a prompt as for generation, or (cross-encoder scoring) a
+        text pair tokenized together as the model's tokenizer joins pairs (with segment ids
+        where it makes them). It may fill the whole context. `truncate_prompt_tokens` keeps
+        the first k tokens, as the tokenizer truncates (special tokens kept) and
+        sentence-transformers does; -1 = max_model_len. Without it a longer input is an
+        error naming the field to set."""
+        limit = self.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = limit if keep == -1 else keep
+            if keep > limit:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) is larger than the model's "
+                                 f"maximum input length ({limit} tokens, max_model_len)")
+        types = None
+        if pair is not None or (isinstance(prompt, str) and keep is not None):
+            text = prompt if isinstance(prompt, str) else None
+            if text is None:
+                raise ValueError("prompt must be a string when it is scored against a pair")
+            if keep is None:
+                self._check_text_bound(text + (pair or ""))
+            else:
+                # Only the first `keep` tokens survive, and they come from at most this many
+                # characters of each text: a huge text is not tokenized whole.
+                head = (keep + 8) * _CHARS_PER_TOKEN_BOUND
+                text, pair = text[:head], None if pair is None else pair[:head]
+            enc = self.tokenizer(text, pair, truncation=keep is not None,
+                                 max_length=keep)
+            ids = list(enc["input_ids"])
+            if pair is not None and "token_type_ids" in enc:
+                types = list(enc["token_type_ids"])
+            display = prompt if pair is None else None
+        else:
+            display, ids = self._tokenize(prompt, False)
+            if keep is not None:
+                ids = ids[:keep]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) > limit:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the model's maximum "
+                             f"input length of {limit} (max_model_len); set "
+                             "truncate_prompt_tokens to cut it")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary "
+                             f"[0, {self.vocab_size}): {bad[:5]}")
+        if types is not None and not any(types):
+            types = None   # all zeros: the model's default
+        return ProcessedPrompt(display, ids, types)
+
+    def _check_text_bound(self, text: str) -> None:
+        """A text that cannot fit, refused without tokenizing all of it."""
+        encode_prompt(self.tokenizer, text, self.max_model_len)
 
     def _encode(self, text: str, truncating: bool) -> list[int]:
         return encode_prompt(self.tokenizer, text, self.max_model_len, truncating=truncating)

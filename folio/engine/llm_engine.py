@@ -11,7 +11,8 @@ from folio.engine.engine_core import EngineCore
 from folio.engine.frontend import RequestPreparer, default_sampling_params, load_model_info
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
-from folio.request_outputs import RequestOutput
+from folio.pooling_params import PoolingParams
+from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 
@@ -58,7 +59,8 @@ class LLMEngine:
         """Validate, tokenize and queue one request. Raises ValueError on bad input, with the
         engine untouched."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.parents or \
+                request_id in self.output_processor.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
         prepared = self.preparer.prepare(request_id, prompt, params, arrival_time=arrival_time,
                                          priority=priority, cache_salt=cache_salt)
@@ -70,7 +72,25 @@ class LLMEngine:
             self.engine_core.add_request(core_request)
         return request_id
 
-    def step(self) -> list[RequestOutput]:
+    def add_pooling_request(self, request_id: str | None, prompt: PromptType,
+                            params: PoolingParams, *, pair: str | None = None,
+                            arrival_time: float | None = None, priority: int = 0) -> str:
+        """Validate, tokenize and queue one pooling request (`pair`: a cross-encoder's
+        document beside the query `prompt`); its one output is a PoolingRequestOutput."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.parents or \
+                request_id in self.output_processor.pooling:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prepared = self.preparer.prepare_pooling(request_id, prompt, params, pair=pair,
+                                                 arrival_time=arrival_time, priority=priority)
+        core = prepared.core_requests[0]
+        self.output_processor.add_pooling_request(request_id, prepared.prompt.prompt,
+                                                  prepared.prompt.prompt_token_ids,
+                                                  core.arrival_time, prepared.pooling_params.task)
+        self.engine_core.add_request(core)
+        return request_id
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.engine_core.step()
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
@@ -87,7 +107,7 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
+        return len(self.output_processor.parents) + len(self.output_processor.pooling)
 
     def shutdown(self) -> None:
         """Stop the engine core and its executor (worker processes with the mp executor);

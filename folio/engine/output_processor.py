@@ -9,9 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from folio.core.engine_core_outputs import EngineCoreOutput
 from folio.engine.detokenizer import IncrementalDetokenizer
-from folio.request_outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestMetrics,
+from folio.core.step_messages import PooledData
+from folio.request_outputs import (CompletionOutput, Logprob, PoolingOutput,
+                                   PoolingRequestOutput, PositionLogprobs, RequestMetrics,
                                    RequestOutput)
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
@@ -76,12 +80,46 @@ class ChildState:
     updated: bool = False
 
 
+@dataclass
+class PoolingState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    task: str | None
+
+
+def pooled_array(pooled: PooledData) -> np.ndarray:
+    """The worker's float32 bytes as an array of their shape (a read-only view, no copy)."""
+    return np.frombuffer(pooled.data, dtype="<f4").reshape(pooled.shape)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.token_text = TokenTextCache(tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
+        # Pooling requests: one result each, no children, no text.
+        self.pooling: dict[str, PoolingState] = {}
+
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int], arrival_time: float,
+                            task: str | None = None) -> None:
+        self.pooling[request_id] = PoolingState(request_id, prompt, prompt_token_ids,
+                                                RequestMetrics(arrival_time), task)
+
+    def _pooling_output(self, state: PoolingState, out: EngineCoreOutput,
+                        now: float) -> PoolingRequestOutput:
+        self.pooling.pop(state.request_id, None)
+        metrics = state.metrics
+        metrics.first_scheduled_time = out.first_scheduled_time
+        metrics.first_token_time = metrics.last_token_time = metrics.finished_time = now
+        data = None if out.pooling_output is None else PoolingOutput(
+            pooled_array(out.pooling_output))
+        return PoolingRequestOutput(state.request_id, data, state.prompt_token_ids, True,
+                                    state.prompt, out.finish_reason, metrics,
+                                    out.num_cached_tokens, state.task)
 
     def add_request(self, parent_id: str, child_ids: list[str], prompt: str | None,
                     prompt_token_ids: list[int], params: list[SamplingParams],
@@ -108,6 +146,8 @@ class OutputProcessor:
 
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns the child ids the core must abort."""
+        if self.pooling.pop(parent_id, None) is not None:
+            return [parent_id]
         parent = self.parents.pop(parent_id, None)
         if parent is None:
             return []
@@ -118,16 +158,21 @@ class OutputProcessor:
                 ids.append(child.request_id)
         return ids
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the request outputs to hand out and the child ids that a stop string
         finished (the core must free them)."""
         now = time.monotonic()
         stopped_by_text: list[str] = []
         touched: dict[str, ParentState] = {}
+        pooled: list[PoolingRequestOutput] = []
         for out in core_outputs:
             child = self.children.get(out.request_id)
             if child is None:
-                continue  # aborted meanwhile
+                state = self.pooling.get(out.request_id)
+                if state is not None and out.finish_reason is not None:
+                    pooled.append(self._pooling_output(state, out, now))
+                continue  # else aborted meanwhile
             parent = child.parent
             # A final-only request has nothing to hand out until a child finishes: skip the
             # per-step output building for it (at batch 256 that was most of this loop).
@@ -167,7 +212,7 @@ class OutputProcessor:
                     touched[parent.request_id] = parent
             if finish_reason is not None:
                 child.finish_reason, child.stop_reason = finish_reason, stop_reason
-        outputs = []
+        outputs: list[RequestOutput | PoolingRequestOutput] = list(pooled)
         for parent in touched.values():
             output = self._make_output(parent, now)
             if output is not None:

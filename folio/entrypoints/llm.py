@@ -8,14 +8,18 @@ from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig
                           StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
+from folio.entrypoints.pooling_api import PoolingAPI
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
+class LLM(PoolingAPI):
     """An engine for offline batches.
 
-    `LLM()` with no model runs the embedded default model (SmolLM2-135M-Instruct).
+    `LLM()` with no model runs the embedded default model (SmolLM2-135M-Instruct). A pooling
+    model (an encoder such as all-MiniLM-L6-v2, a classifier, or any decoder with
+    runner="pooling") answers `embed`, `classify`, `score`, `reward` and `encode`
+    (entrypoints/pooling_api.py) instead of `generate`.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
@@ -34,7 +38,10 @@ class LLM:
                  request_limits: RequestLimitsConfig | dict | None = None,
                  distributed_executor_backend: str | None = None,
                  num_workers: int = 1,
-                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None,
+                 runner: str = "auto", convert: str = "auto", task: str | None = None,
+                 pooler_config: dict | None = None,
+                 hf_overrides: dict | None = None) -> None:
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -48,7 +55,9 @@ class LLM:
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,
                               enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
-                              quantization=quantization),
+                              quantization=quantization, runner=runner, convert=convert,
+                              task=task, pooler_config=pooler_config,
+                              hf_overrides=hf_overrides),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               cache_dtype=kv_cache_dtype,
@@ -136,15 +145,18 @@ class LLM:
             return list(value)
         return [value] * count
 
-    def _add(self, prompt: Any, params: SamplingParams, priority: int, salt: str | None) -> str:
+    def _next_request_id(self) -> str:
         request_id = str(self._request_counter)
         self._request_counter += 1
-        return self.llm_engine.add_request(request_id, prompt, params, priority=priority,
-                                           cache_salt=salt)
+        return request_id
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _add(self, prompt: Any, params: SamplingParams, priority: int, salt: str | None) -> str:
+        return self.llm_engine.add_request(self._next_request_id(), prompt, params,
+                                           priority=priority, cache_salt=salt)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         progress = None
         if use_tqdm and len(request_ids) > 1:
             from tqdm.auto import tqdm

@@ -170,6 +170,11 @@ class EngineMetrics:
         for reason in FINISH_REASONS:
             self._c_success.labels(model_name, reason)
 
+        # --- pooling requests (embeddings, scores, classification), by task ---
+        self._c_pooling = Counter(
+            p + "pooling_requests", "Count of finished pooling requests (embed, classify, "
+            "score, ...), by task.", ["model_name", "task"], registry=reg)
+
         # --- structured outputs: constraints not enforced by the first-choice backend ---
         self._c_so_fallbacks = Counter(
             p + "structured_outputs_fallbacks",
@@ -289,10 +294,14 @@ class EngineMetrics:
         state.num_generation_tokens += num_new_tokens
 
     def request_finished(self, request_id: str, finish_reason: str, now: float,
-                         num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """Record a finished request (reason "stop", "length", "abort", ...) and forget it."""
+                         num_prompt_tokens: int, num_generation_tokens: int,
+                         pooling_task: str | None = None) -> None:
+        """Record a finished request (reason "stop", "length", "abort", ...) and forget it.
+        A pooling request (`pooling_task`) also counts under pooling_requests_total."""
         state = self._requests.pop(request_id, None)
         self._c_success.labels(self.model_name, finish_reason).inc()
+        if pooling_task is not None:
+            self._c_pooling.labels(self.model_name, pooling_task).inc()
         self._h_prompt_len.observe(num_prompt_tokens)
         self._h_gen_len.observe(num_generation_tokens)
         if state is None:  # nothing timed for it; the sizes and the count are all we know

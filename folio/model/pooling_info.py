@@ -21,16 +21,6 @@ ENCODER_ARCHS = ENCODER_EMBED_ARCHS | ENCODER_CLASSIFY_ARCHS
 _SEQ_CLS = "ForSequenceClassification"
 _CAUSAL_LM = "ForCausalLM"
 
-RUNNERS = ("auto", "generate", "pooling")
-# vLLM's --convert: what a model of another kind is turned into for the pooling runner.
-CONVERTS = ("auto", "none", "embed", "classify", "reward")
-# vLLM's older --task names, mapped onto (runner, convert).
-TASK_ALIASES = {
-    "auto": ("auto", "auto"), "generate": ("generate", "auto"),
-    "embed": ("pooling", "embed"), "embedding": ("pooling", "embed"),
-    "classify": ("pooling", "classify"), "score": ("pooling", "classify"),
-    "reward": ("pooling", "reward"),
-}
 # sentence-transformers' pooling modes (1_Pooling/config.json), in its order of precedence.
 _ST_MODES = (("pooling_mode_cls_token", PoolingType.CLS),
              ("pooling_mode_mean_tokens", PoolingType.MEAN),
@@ -165,3 +155,19 @@ def resolve_pooling_info(hf_config: Any, model_dir: str | None, convert: str = "
         num_labels=num_labels, activation=activation, labels=labels,
         classifier_from_token=from_token, max_seq_length=st.get("max_seq_length"),
         matryoshka_dimensions=dims, hidden_size=int(getattr(hf_config, "hidden_size", 0) or 0))
+
+
+def token_ids_of(tokenizer: Any, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of classifier_from_token's tokens (each must be one token)."""
+    ids = []
+    for token in tokens:
+        found = tokenizer.convert_tokens_to_ids(token)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if not isinstance(found, int) or found < 0 or (found == unk and token != tokenizer.unk_token):
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ValueError(f"classifier_from_token: {token!r} is not one token of the "
+                                 f"model's vocabulary")
+            found = encoded[0]
+        ids.append(int(found))
+    return tuple(ids)

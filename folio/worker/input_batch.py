@@ -23,7 +23,7 @@ class RequestState:
     """One request as the worker knows it (its tokens live in its batch row while it has one)."""
 
     __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
-                 "parked_tokens")
+                 "parked_tokens", "pooling_params", "token_type_ids")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
@@ -34,6 +34,10 @@ class RequestState:
                                       eos_token_ids=tuple(new.eos_token_ids))
         # The tokens while the request has no row (new, or preempted): prompt then outputs.
         self.parked_tokens: np.ndarray | None = np.asarray(new.prompt_token_ids, dtype=np.int32)
+        # A pooling request's params, and its prompt's segment ids (None = all 0).
+        self.pooling_params = new.pooling_params
+        self.token_type_ids = (None if new.token_type_ids is None
+                               else np.asarray(new.token_type_ids, dtype=np.int64))
 
 
 class InputBatch:

@@ -55,16 +55,21 @@ def default_cpu_kv_bytes() -> int:
 def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
                          max_model_len: int, kv_cache_memory_bytes: int | None,
                          num_blocks_override: int | None, extra_bytes_per_block: int = 0,
-                         layout: KVCacheLayout | None = None, max_step_tokens: int = 1) -> int:
+                         layout: KVCacheLayout | None = None, max_step_tokens: int = 1,
+                         max_num_seqs: int = 1) -> int:
     """Blocks that fit the budget; `extra_bytes_per_block`: a draft model's cache, which
     has the same blocks beside the target's. The cache must hold one sequence of
     max_model_len in every KV cache group of `layout` (default: one group of every layer; a
     sliding group holds only its window and a step of `max_step_tokens`), besides the
-    reserved null block."""
+    reserved null block. An encoder keeps no KV cache (its blocks cost no bytes): enough
+    blocks for max_num_seqs sequences of max_model_len, so they never limit a batch."""
     layout = layout or full_attention_layout(spec.num_layers)
     per_block = bytes_per_block(spec, block_size, dtype, layout.group_size) + extra_bytes_per_block
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
+    elif per_block == 0:
+        num_blocks = (max_num_seqs * layout.blocks_per_sequence(max_model_len, block_size)
+                      + layout.num_reserved_blocks)
     else:
         budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else default_cpu_kv_bytes()
         num_blocks = budget // per_block

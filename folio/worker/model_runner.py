@@ -21,6 +21,7 @@ from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
+    from folio.worker.pooling import PendingPooled, PoolingRunner
     from folio.worker.spec_propose import DraftProposer
     from folio.worker.mixed_graphs import MixedGraphRunner
 
@@ -61,6 +62,10 @@ class ModelRunner:
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_propose.py):
         # it sees every step and drafts after each sampling request's newest token.
         self.draft_proposer: DraftProposer | None = None
+        # A pooling model's steps (worker/pooling.py): results instead of sampled tokens.
+        self.pooling: PoolingRunner | None = None
+        # An encoder takes its tokens' segment ids (BERT's token types) beside the ids.
+        self.takes_token_types = bool(getattr(model.spec, "is_encoder", False))
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -88,6 +93,17 @@ class ModelRunner:
         if flat.pending_dst:
             self._fill_pending_inputs(ids, flat.pending_dst, flat.pending_src)
         return ids, positions, meta
+
+    def _token_types(self, step: SchedulerOutput, device: torch.device) -> torch.Tensor | None:
+        """The step's tokens' segment ids, flat (None when every one is 0)."""
+        requests = self.input_batch.requests
+        states = [(requests[rid], n) for rid, n in step.num_scheduled_tokens.items()]
+        if all(state.token_type_ids is None for state, _ in states):
+            return None
+        chunks = [np.zeros(n, np.int64) if state.token_type_ids is None else
+                  state.token_type_ids[state.num_computed_tokens:state.num_computed_tokens + n]
+                  for state, n in states]
+        return torch.from_numpy(np.concatenate(chunks)).to(device)
 
     def _fill_pending_inputs(self, input_ids: torch.Tensor, dst: list[int],
                              src: list[int]) -> None:
@@ -127,7 +143,8 @@ class ModelRunner:
             ids = torch.zeros(total, dtype=torch.int64, device=self.device)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[-1:])
+            if self.pooling is None:
+                self.model.compute_logits(hidden[-1:])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -166,6 +183,8 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta)
+        if self.pooling is not None:
+            return   # no logits, no sampling; the pooler's heads are small
         rows = hidden[-1:].expand(num_seqs, -1)
         logits = self.model.compute_logits(rows)
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * num_seqs
@@ -201,8 +220,15 @@ class ModelRunner:
             eager_inputs = input_ids, positions, meta = self._eager_inputs(step)
             meta.calculate_kv_scales = self.calculate_kv_scales
             self.calculate_kv_scales = False   # once
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if self.takes_token_types:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta,
+                                    token_type_ids=self._token_types(step, input_ids.device))
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
+        if self.pooling is not None:
+            return PendingRunnerOutput(
+                pooled=self.pooling.run(step, batch, hidden, query_start_loc))
         requests = batch.requests
         req_ids = list(order)
 
@@ -410,8 +436,10 @@ class PendingRunnerOutput:
                  prompt_logprobs: dict[str, tuple[int, LogprobsTensors]] | None = None, *,
                  token_lists: list[list[int]] | None = None,
                  logprobs_lists: tuple[list[str], LogprobsLists] | None = None,
-                 draft_token_ids: dict[str, list[int]] | None = None) -> None:
+                 draft_token_ids: dict[str, list[int]] | None = None,
+                 pooled: PendingPooled | None = None) -> None:
         self._request_ids = request_ids or []
+        self._pooled = pooled
         self._draft_token_ids = draft_token_ids or {}
         # A verify step's kept tokens per request, and its logprobs rows (a request's id
         # once per token it kept), already on the host.
@@ -458,6 +486,9 @@ class PendingRunnerOutput:
         output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
         output.draft_token_ids = self._draft_token_ids
+        if self._pooled is not None:
+            output.pooler_output = self._pooled.collect()
+            self._pooled = None
         self._host = self._event = self._logprobs = self._token_lists = None
         self._logprobs_lists = None
         self._prompt_logprobs = {}

@@ -68,11 +68,18 @@ class Worker:
         self.timings: dict[str, float] = dict.fromkeys(STARTUP_STAGES, 0.0)
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
-        self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
-                                           config.model.max_model_len,
-                                           kernel_config=kernel_config,
-                                           quantization=self.quantization,
-                                           kv_cache_dtype=self.kv_cache_dtype)
+        if config.pooling is not None:
+            from folio.model.pooling_loader import load_pooling_model
+            self.model, self.spec = load_pooling_model(
+                source, hf_config, config.pooling, self.dtype, self.device,
+                config.model.max_model_len, kernel_config=kernel_config,
+                quantization=self.quantization)
+        else:
+            self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
+                                               config.model.max_model_len,
+                                               kernel_config=kernel_config,
+                                               quantization=self.quantization,
+                                               kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,
@@ -84,7 +91,8 @@ class Worker:
         self.kv_cache_layout = self._kv_cache_layout()
         cache = config.cache
         kv_bytes = cache.kv_cache_memory_bytes
-        if self.device.type == "cuda" and cache.num_gpu_blocks_override is None and kv_bytes is None:
+        if self.device.type == "cuda" and cache.num_gpu_blocks_override is None \
+                and kv_bytes is None and not self.spec.is_encoder:
             start = time.perf_counter()
             kv_bytes = gpu_kv_cache_bytes(self._profile_run, self.device,
                                           cache.gpu_memory_utilization)
@@ -98,7 +106,8 @@ class Worker:
             num_blocks_override=cache.num_gpu_blocks_override,
             extra_bytes_per_block=0 if self.draft_spec is None else
             bytes_per_block(self.draft_spec, cache.block_size, self.kv_cache_dtype),
-            layout=layout, max_step_tokens=config.scheduler.max_num_batched_tokens)
+            layout=layout, max_step_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
                                             self.kv_cache_dtype, self.device, layout)
         if layout.num_groups > 1:
@@ -129,7 +138,7 @@ class Worker:
             self.timings["graph_capture_s"] = time.perf_counter() - start
         self.runner.graph_runner = self.graph_runner
         self.runner.mixed_graph_runner = self.mixed_graph_runner
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and config.pooling is None:
             self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
         kv_total = self.num_blocks * bytes_per_block(self.spec, cache.block_size,
                                                      self.kv_cache_dtype, layout.group_size)
@@ -255,12 +264,16 @@ class Worker:
     def _new_runner(self, kv_caches: list[torch.Tensor],
                     calculate_kv_scales: bool = False) -> ModelRunner:
         sched = self.config.scheduler
-        return ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device,
-                           max_num_seqs=sched.max_num_seqs,
-                           max_model_len=self.config.model.max_model_len,
-                           max_num_tokens=sched.max_num_batched_tokens,
-                           calculate_kv_scales=calculate_kv_scales,
-                           num_kv_groups=self.kv_cache_layout.num_groups)
+        runner = ModelRunner(self.model, kv_caches, self.config.cache.block_size, self.device,
+                             max_num_seqs=sched.max_num_seqs,
+                             max_model_len=self.config.model.max_model_len,
+                             max_num_tokens=sched.max_num_batched_tokens,
+                             calculate_kv_scales=calculate_kv_scales,
+                             num_kv_groups=self.kv_cache_layout.num_groups)
+        if self.config.pooling is not None:
+            from folio.worker.pooling import PoolingRunner
+            runner.pooling = PoolingRunner(self.model.pooler, self.config.pooling.pooling_type)
+        return runner
 
     def _capture_decode_graphs(self):
         """CUDA graphs for pure-decode steps, captured once the KV cache exists (they bake in
@@ -268,6 +281,8 @@ class Worker:
         path (FOLIO_ATTENTION=torch)."""
         if self.device.type != "cuda" or self.config.model.enforce_eager:
             return None
+        if self.config.pooling is not None:
+            return None   # pooling steps are whole prompts, the mixed steps' eager path
         if self.model.aux_hidden_layers:
             # an EAGLE-3 head reads streams the forward keeps aside: not from graph buffers
             logger.info("CUDA graphs off: the EAGLE-3 head reads the target's inner states")
