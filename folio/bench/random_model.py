@@ -64,6 +64,13 @@ RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         max_position_embeddings=163840, rms_norm_eps=1e-6, hidden_act="silu",
         attention_bias=False),
+    # An encoder for the embeddings benchmark (issue 19's H200 target): BERT-large's shapes.
+    # Its vocabulary is the bundled tokenizer's (the texts are tokenized with it).
+    "bert-large": dict(
+        model_type="bert", architectures=["BertModel"], hidden_size=1024,
+        num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        max_position_embeddings=512, type_vocab_size=2, hidden_act="gelu",
+        layer_norm_eps=1e-12, vocab_size=None),
 }
 _RANDOM_WEIGHTS_SEED = 0          # fixed: the same NAME always gives the same weights
 _RANDOM_MARKER = "folio_random.json"
@@ -208,7 +215,7 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
                         label: str = "", quantization: str | None = None) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from folio.model.default_model import default_model_path
 
@@ -217,6 +224,8 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
     tokenizer = AutoTokenizer.from_pretrained(os.environ.get("FOLIO_RANDOM_TOKENIZER") or default_model_path())
     kwargs = dict(spec)
     model_type = kwargs.pop("model_type")
+    if kwargs.get("vocab_size") is None:
+        kwargs["vocab_size"] = len(tokenizer)
     config = AutoConfig.for_model(
         model_type, **kwargs, dtype="bfloat16", initializer_range=0.02,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -224,8 +233,10 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
         else tokenizer.eos_token_id)
     # The meta device gives every parameter's name and shape without allocating the model;
     # the tensors are then made one at a time, so memory stays near one shard.
+    # An encoder is built as its base model (BertModel: no language-model head).
+    auto_class = AutoModel if config.architectures[0].endswith("Model") else AutoModelForCausalLM
     with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config)
+        meta_model = auto_class.from_config(config)
     shapes = [(name, tuple(t.shape)) for name, t in meta_model.state_dict().items()
               if not (config.tie_word_embeddings and name == "lm_head.weight")]
     del meta_model

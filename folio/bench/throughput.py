@@ -24,6 +24,8 @@ import time
 from typing import Any
 
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
+from folio.bench.embed_throughput import DEFAULT_PEER_BATCH_SIZES as DEFAULT_EMBED_PEER_BATCH_SIZES
+from folio.bench.embed_throughput import PEER as EMBED_PEER
 from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
                                describe_free_memory, peer_timeout, release_device_memory,
                                run_peer)
@@ -57,9 +59,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        help="do not detokenize outputs (measures the model and scheduler only)")
     group.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     peer = parser.add_argument_group("peer")
-    peer.add_argument("--peer", nargs="+", choices=PEERS, default=["none"],
+    peer.add_argument("--peer", nargs="+", choices=PEERS + (EMBED_PEER,), default=["none"],
                       help="also run these engines on the same requests and weights "
-                           "(e.g. --peer transformers transformers-cb)")
+                           "(e.g. --peer transformers transformers-cb; with --task embed: "
+                           "--peer sentence-transformers)")
+    peer.add_argument("--peer-batch-sizes", type=int, nargs="+",
+                      default=list(DEFAULT_EMBED_PEER_BATCH_SIZES),
+                      help="--task embed: the batch sizes sentence-transformers runs at (the "
+                           "best is reported)")
     peer.add_argument("--peer-batch-size", type=int, default=16,
                       help="static batch size of the transformers peer")
     peer.add_argument("--peer-cb-max-batch-tokens", type=int, default=DEFAULT_CB_MAX_BATCH_TOKENS,
@@ -107,6 +114,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--random-weights builds its own model; do not also give --model")
     if "none" in args.peer and len(args.peer) > 1:
         raise ValueError("--peer none cannot be combined with other peers")
+    pooling = _is_pooling(_engine_kwargs(args))
+    if (EMBED_PEER in args.peer) != pooling and args.peer != ["none"]:
+        raise ValueError(f"--peer {EMBED_PEER} is the peer of --task embed; the other peers "
+                         "generate")
+    if any(size < 1 for size in args.peer_batch_sizes):
+        raise ValueError("--peer-batch-sizes must be positive")
 
 
 # ------------------------------------------------------------------------------------------
@@ -122,6 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         random_model = build_random_model_in_child(args.config, args.random_num_layers,
                                                    args.random_quantization)
         kwargs["model"] = random_model["path"]
+    if _is_pooling(kwargs):
+        from folio.bench.embed_throughput import run_embed
+        report = run_embed(args, kwargs)
+        report["random_model"] = random_model
+        if args.output_json:
+            with open(args.output_json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        return report
 
     folio_result, info = _run_folio(args, kwargs)
     info["random_model"] = random_model
@@ -146,6 +167,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _is_pooling(kwargs: dict[str, Any]) -> bool:
+    """`--task embed` (or `--runner pooling`): the embeddings benchmark, not generation."""
+    from folio.pooling_params import TASK_ALIASES
+    task = kwargs.get("task")
+    runner = TASK_ALIASES[task][0] if task in TASK_ALIASES else kwargs.get("runner", "auto")
+    return runner == "pooling"
 
 
 def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[EngineResult, dict]:
