@@ -34,10 +34,12 @@ LAYER_OF = {
     "folio.model.cache_dir": "model_info",
     "folio.model.gguf_metadata": "model_info",
     "folio.model.quant.scheme": "model_info",
+    "folio.model.pooling_info": "model_info",
     "folio.core": "core",                   # scheduler, KV cache manager, requests
     # The data types every layer shares.
     "folio.config": "shared",
     "folio.sampling_params": "shared",
+    "folio.pooling_params": "shared",
     "folio.request_outputs": "shared",
     "folio.reasoning": "shared",
     "folio.structured_output.params": "shared",
