@@ -37,7 +37,8 @@ class PoolingTask(str, enum.Enum):
     score: a relevance score of a (query, document) pair (a cross-encoder's one logit after
     its activation, or the cosine of two embeddings); token_embed / token_classify: a vector
     or class probabilities per token (token_classify is what `LLM.reward` runs); encode: the
-    model's own default task, raw (no normalization, no activation)."""
+    model's own default task (embed or classify) with the same defaults: normalization and
+    activation as the request's params or the model's defaults say."""
     EMBED = "embed"
     CLASSIFY = "classify"
     SCORE = "score"

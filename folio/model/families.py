@@ -5,7 +5,7 @@ Adding a Llama-like family is one entry here, not a new decoder.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -116,6 +116,9 @@ class ArchSpec:
     # Checkpoint layers past num_layers that are multi-token-prediction modules (DeepSeek-V3's
     # MTP), not decoder layers: skipped when loading the model
     num_mtp_layers: int = 0
+    # A bidirectional encoder (BERT, RoBERTa, XLM-R: folio/model/encoder.py), run only by the
+    # pooling runner; the fields above describe its layers (rms_norm_eps is LayerNorm's eps).
+    is_encoder: bool = False
 
     @property
     def kv_planes(self) -> int:
@@ -359,6 +362,35 @@ def _deepseek_v3(cfg: Any) -> ArchSpec:
     return _deepseek(cfg, v3=True)
 
 
+def encoder_position_offset(cfg: Any) -> int:
+    """What an encoder adds to a token's position to find its row of the position table:
+    RoBERTa and XLM-R count positions from pad_token_id + 1 (the rows before belong to
+    padding), BERT from 0."""
+    archs = getattr(cfg, "architectures", None) or []
+    roberta = getattr(cfg, "model_type", None) in ("roberta", "xlm-roberta") or any(
+        a.startswith(("Roberta", "XLMRoberta")) for a in archs)
+    return int(cfg.pad_token_id) + 1 if roberta else 0
+
+
+def _encoder(cfg: Any) -> ArchSpec:
+    """BERT, RoBERTa, XLM-R: post-LN layers with biases everywhere, absolute positions."""
+    position_type = getattr(cfg, "position_embedding_type", None) or "absolute"
+    if position_type != "absolute":
+        raise ValueError(f"position_embedding_type {position_type!r} is not supported "
+                         "(absolute only)")
+    heads = cfg.num_attention_heads
+    return ArchSpec(
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=cfg.hidden_size // heads,
+        intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.layer_norm_eps,
+        # the longest input: RoBERTa's table starts past the padding rows
+        max_position_embeddings=cfg.max_position_embeddings - encoder_position_offset(cfg),
+        tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True,
+        hidden_act=cfg.hidden_act, sliding_windows=(None,) * cfg.num_hidden_layers,
+        is_encoder=True)
+
+
 FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
@@ -373,14 +405,37 @@ FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,
     "GptOssForCausalLM": _gpt_oss,
+    "BertModel": _encoder,
+    "RobertaModel": _encoder,
+    "XLMRobertaModel": _encoder,
+    "BertForSequenceClassification": _encoder,
+    "RobertaForSequenceClassification": _encoder,
+    "XLMRobertaForSequenceClassification": _encoder,
 }
+
+_SEQ_CLS = "ForSequenceClassification"
+
+
+def _sequence_classifier(arch: str) -> Callable[[Any], ArchSpec] | None:
+    """A decoder's XForSequenceClassification: XForCausalLM's layers (Gemma 3's text-only
+    XTextFor... too) with a classifier in place of the language-model head, which is therefore
+    not built (tie_word_embeddings: DecoderLM makes no lm_head)."""
+    if not arch.endswith(_SEQ_CLS):
+        return None
+    stem = arch.removesuffix(_SEQ_CLS)
+    for causal in (stem + "ForCausalLM", stem.removesuffix("Text") + "ForCausalLM"):
+        if causal in FAMILIES:
+            family = FAMILIES[causal]
+            return lambda cfg: replace(family(cfg), tie_word_embeddings=True)
+    return None
 
 
 def arch_spec_from_hf_config(cfg: Any) -> ArchSpec:
     architectures = getattr(cfg, "architectures", None) or []
     for arch in architectures:
-        if arch in FAMILIES:
-            return FAMILIES[arch](cfg)
+        family = FAMILIES.get(arch) or _sequence_classifier(arch)
+        if family is not None:
+            return family(cfg)
     raise ValueError(
         f"model architecture {architectures or getattr(cfg, 'model_type', '?')} is not supported; "
-        f"supported: {sorted(FAMILIES)}")
+        f"supported: {sorted(FAMILIES)}, and the decoders' *{_SEQ_CLS}")

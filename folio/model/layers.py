@@ -329,10 +329,12 @@ def is_silu(act: str) -> bool:
 
 
 def gate_activation(act: str):
-    """The function a gated MLP applies to its gate, from the config's activation name."""
+    """The function a config's activation name means: what a gated MLP applies to its gate,
+    and an encoder's MLP to its hidden layer."""
     if is_silu(act):
         return F.silu
-    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+    # gelu_new and gelu_fast (BERT-era names) are the same tanh approximation
+    if act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
         return lambda x: F.gelu(x, approximate="tanh")
     if act == "gelu":
         return F.gelu

@@ -79,6 +79,27 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
         yield from state.items()
 
 
+def new_decoder(spec: ArchSpec, hf_config: Any, device: torch.device, max_model_len: int,
+                kernel_config: KernelConfig) -> DecoderLM:
+    """The decoder on the meta device, its attention backend picked for `device`. The caller
+    casts it to the model's dtype and materialises it on the device once (`to_empty`): no time
+    on random init, and no float32 copy of the weights on the way."""
+    backend = get_attention_backend(device, kernel_config)
+    with torch.device("meta"):
+        return DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
+                         kernels=kernel_config)
+
+
+def install_rotaries(model: DecoderLM, hf_config: Any, device: torch.device,
+                     max_model_len: int) -> None:
+    """The rotary tables were meta buffers; build them for real, in float32 (positions need
+    the precision; they are cast to the activation dtype at each use, as transformers does)."""
+    with torch.device(device):
+        rotaries = make_rotaries(model.spec, max_model_len, hf_config, model.kernel_config)
+    for layer, rotary in zip(model.layers, rotaries):
+        layer.self_attn.rotary = rotary
+
+
 def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_model_len: int, *,
                kernel_config: KernelConfig | None = None,
@@ -103,18 +124,16 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if kernel_config is None:
         kernel_config = resolve_kernel_config()
     spec = arch_spec_from_hf_config(hf_config)
+    if spec.is_encoder:
+        raise ValueError(f"{hf_config.architectures[0]} is an encoder: it runs with the pooling "
+                         "runner only (folio.model.pooling_loader)")
     if spec.mla is not None and kv_cache_dtype is not None and is_fp8(kv_cache_dtype):
         raise ValueError("an FP8 KV cache is not supported for multi-head latent attention "
                          "(DeepSeek) models yet; use --kv-cache-dtype auto")
     if (spec.moe is not None or spec.mla is not None) and quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
                          f"or latent-attention models yet (they load in the model's dtype only)")
-    backend = get_attention_backend(device, kernel_config)
-    with torch.device("meta"):
-        # Build on the meta device in the target dtype, then materialise once on the target
-        # device: no time on random init, and no float32 copy of the weights on the way.
-        model = DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
-                          kernels=kernel_config)
+    model = new_decoder(spec, hf_config, device, max_model_len, kernel_config)
     if quantization == "gguf":
         from folio.model.discovery import gguf_file_of
         from folio.model.gguf_loader import read_gguf
@@ -143,11 +162,6 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor
-    # The rotary tables were meta buffers; build them for real, in float32 (positions need
-    # the precision; they are cast to the activation dtype at each use, as transformers does).
-    with torch.device(device):
-        rotaries = make_rotaries(spec, max_model_len, hf_config, kernel_config)
-    for layer, rotary in zip(model.layers, rotaries):
-        layer.self_attn.rotary = rotary
+    install_rotaries(model, hf_config, device, max_model_len)
     model.eval()
     return model, spec
