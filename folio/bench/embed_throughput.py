@@ -40,7 +40,7 @@ def sentence_transformers_peer(model_path: str, dtype: str, device: str, texts: 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     model = SentenceTransformer(model_path, device=device,
-                                model_kwargs={"torch_dtype": torch_dtype})
+                                model_kwargs={"dtype": torch_dtype})
     model.max_seq_length = max_seq_length
     model.encode(texts[:_WARMUP_TEXTS], batch_size=min(batch_sizes))
     rates = {}

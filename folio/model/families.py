@@ -122,7 +122,10 @@ class ArchSpec:
 
     @property
     def kv_planes(self) -> int:
-        """Planes per layer in the cache: K and V, or MLA's one latent plane."""
+        """Planes per layer in the cache: K and V, MLA's one latent plane, or none for an
+        encoder (its attention sees only the step's own keys: nothing is kept)."""
+        if self.is_encoder:
+            return 0
         return 1 if self.mla is not None else 2
 
     @property

@@ -95,7 +95,9 @@ def allocate_kv_caches(spec: ArchSpec, num_blocks: int, block_size: int, dtype: 
     attention); a float8 zero is all zero bits too."""
     shape = (spec.kv_planes, num_blocks, block_size, *spec.kv_entry)
     num_tensors = spec.num_layers if layout is None else layout.group_size
-    if device.type == "cpu":
+    if spec.kv_planes == 0:   # an encoder: empty tensors (its attention reads no cache)
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+    elif device.type == "cpu":
         tensors = [_lazily_zeroed(shape, dtype) for _ in range(num_tensors)]
     else:
         tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
