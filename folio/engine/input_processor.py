@@ -71,6 +71,13 @@ class InputProcessor:
         the first k tokens, as the tokenizer truncates (special tokens kept) and
         sentence-transformers does; -1 = max_model_len. Without it a longer input is an
         error naming the field to set."""
+        # An empty text is refused even where the tokenizer would add special tokens to it
+        # (OpenAI's embeddings API refuses it too): its vector would mean nothing.
+        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, dict) and
+                                                        prompt.get("prompt") == ""):
+            raise ValueError("prompt must not be empty")
+        if pair is not None and not pair:
+            raise ValueError("prompt pair (the document) must not be empty")
         limit = self.max_model_len
         keep = params.truncate_prompt_tokens
         if keep is not None:

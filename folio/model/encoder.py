@@ -1,13 +1,11 @@
 """Bidirectional encoders (BERT, RoBERTa, XLM-R) for the pooling runner.
 
 A step is a flat batch of whole inputs, one per request: attention is bidirectional within a
-request and never across requests, and no KV cache is kept (an encoder's keys depend on the
-whole input, so nothing could be reused). Each layer runs one SDPA call over the batch laid out
-as [requests, heads, longest input, head_dim], with a key-padding mask when lengths differ.
+request and never across requests (encoder_attention.py), and no KV cache is kept (an
+encoder's keys depend on the whole input, so nothing could be reused).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.model.attention import AttentionMetadata
+from folio.model.encoder_attention import EncoderLayout, encoder_attention, plan_attention
 from folio.model.families import ArchSpec, encoder_position_offset
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Linear, MergedLinear, gate_activation
@@ -35,7 +34,7 @@ _LAYER_NAMES = {
 }
 # Older BERT checkpoints (TensorFlow-converted) name LayerNorm's weight and bias gamma, beta.
 _LEGACY_NORM = {"gamma": "weight", "beta": "bias"}
-_PADDING_KEY = "encoder_padding"
+_LAYOUT_KEY = "encoder_layout"
 
 
 def strip_base_prefix(name: str) -> str:
@@ -47,38 +46,14 @@ def strip_base_prefix(name: str) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class Padding:
-    """How a flat batch of several inputs lies in a padded [B, L] grid: the grid row of each
-    flat row (`index` into B * L rows) and which keys are real (`mask` [B, 1, 1, L]); both None
-    when every input has the same length (the flat batch is the grid)."""
-    num_reqs: int
-    max_len: int
-    index: torch.Tensor | None
-    mask: torch.Tensor | None
-
-
-def batch_padding(metadata: AttentionMetadata, device: torch.device) -> Padding:
-    """The step's Padding, built once and kept in metadata.cache for every layer."""
-    padding = metadata.cache.get(_PADDING_KEY)
-    if padding is not None:
-        return padding
-    qsl = metadata.query_start_loc
-    lengths = [end - start for start, end in zip(qsl[:-1], qsl[1:])]
-    num_reqs, max_len = len(lengths), max(lengths)
-    if min(lengths) == max_len:
-        padding = Padding(num_reqs, max_len, None, None)
-    else:
-        lens = torch.tensor(lengths)
-        starts = torch.tensor(qsl[:-1])
-        rows = torch.arange(qsl[-1])
-        req = torch.repeat_interleave(torch.arange(num_reqs), lens)
-        index = req * max_len + rows - starts[req]
-        mask = torch.arange(max_len)[None, :] < lens[:, None]
-        padding = Padding(num_reqs, max_len, index.to(device),
-                          mask.view(num_reqs, 1, 1, max_len).to(device))
-    metadata.cache[_PADDING_KEY] = padding
-    return padding
+def step_layout(metadata: AttentionMetadata, device: torch.device,
+                dtype: torch.dtype) -> EncoderLayout:
+    """The step's attention plan, built once and kept in metadata.cache for every layer."""
+    layout = metadata.cache.get(_LAYOUT_KEY)
+    if layout is None:
+        layout = metadata.cache[_LAYOUT_KEY] = plan_attention(metadata.query_start_loc,
+                                                              device, dtype)
+    return layout
 
 
 class EncoderAttention(nn.Module):
@@ -90,19 +65,11 @@ class EncoderAttention(nn.Module):
                                      bias=True, kernels=kernels)
         self.o_proj = Linear(width, spec.hidden_size, bias=True, kernels=kernels)
 
-    def forward(self, hidden: torch.Tensor, padding: Padding) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)                                   # [T, 3 * H * D]
-        b, length = padding.num_reqs, padding.max_len
-        if padding.index is not None:
-            grid = qkv.new_zeros(b * length, qkv.shape[-1])
-            qkv = grid.index_copy_(0, padding.index, qkv)
-        q, k, v = qkv.view(b, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        # padded query rows attend to their input's real keys too: harmless rows, never NaN
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding.mask)
-        out = out.transpose(1, 2).reshape(b * length, -1)             # [B * L, H * D]
-        if padding.index is not None:
-            out = out.index_select(0, padding.index)
-        return self.o_proj(out)
+    def forward(self, hidden: torch.Tensor, layout: EncoderLayout) -> torch.Tensor:
+        x = hidden.to(self.o_proj.weight.dtype)
+        out = self.o_proj(encoder_attention(self.qkv_proj(x), layout, self.num_heads,
+                                            self.head_dim))
+        return out.to(hidden.dtype)
 
 
 class EncoderLayer(nn.Module):
@@ -117,9 +84,10 @@ class EncoderLayer(nn.Module):
         self.output_norm = nn.LayerNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.act = gate_activation(spec.hidden_act)
 
-    def forward(self, hidden: torch.Tensor, padding: Padding) -> torch.Tensor:
-        hidden = self.attention_norm(hidden + self.attention(hidden, padding))
-        return self.output_norm(hidden + self.down_proj(self.act(self.up_proj(hidden))))
+    def forward(self, hidden: torch.Tensor, layout: EncoderLayout) -> torch.Tensor:
+        hidden = self.attention_norm(hidden + self.attention(hidden, layout))
+        x = hidden.to(self.up_proj.weight.dtype)
+        return self.output_norm(hidden + self.down_proj(self.act(self.up_proj(x))).to(hidden.dtype))
 
 
 class EncoderEmbeddings(nn.Module):
@@ -156,6 +124,14 @@ class EncoderModel(nn.Module):
         self.embeddings = EncoderEmbeddings(spec, hf_config)
         self.layers = nn.ModuleList(EncoderLayer(spec, kernels) for _ in range(spec.num_layers))
 
+    def set_matmul_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the layers' projections in `dtype` (their inputs are cast to it and their
+        outputs back); the embeddings, norms and residual stream keep the model's dtype."""
+        for layer in self.layers:
+            for proj in (layer.attention.qkv_proj, layer.attention.o_proj, layer.up_proj,
+                         layer.down_proj):
+                proj.to(dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,10 +141,10 @@ class EncoderModel(nn.Module):
         if any(metadata.num_computed_tokens):
             raise ValueError("an encoder runs each input whole in one step (no prefix cache, "
                              f"no chunks); num_computed_tokens {metadata.num_computed_tokens}")
-        padding = batch_padding(metadata, input_ids.device)
+        layout = step_layout(metadata, input_ids.device, self.embeddings.LayerNorm.weight.dtype)
         hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers:
-            hidden = layer(hidden, padding)
+            hidden = layer(hidden, layout)
         return hidden
 
     # ---- weights -------------------------------------------------------------------------

@@ -69,11 +69,19 @@ class Worker:
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
         if config.pooling is not None:
-            from folio.model.pooling_loader import load_pooling_model
+            from folio.model.families import arch_spec_from_hf_config
+            from folio.model.pooling_loader import encoder_matmul_dtype, load_pooling_model
+            matmul_dtype = encoder_matmul_dtype(config.model.dtype, hf_config, self.device,
+                                                arch_spec_from_hf_config(hf_config))
+            if matmul_dtype is not None:
+                logger.info("encoder projections in %s, activations in %s (--dtype auto; "
+                            "--dtype float32 keeps every matmul in float32)",
+                            str(matmul_dtype).removeprefix("torch."),
+                            str(self.dtype).removeprefix("torch."))
             self.model, self.spec = load_pooling_model(
                 source, hf_config, config.pooling, self.dtype, self.device,
                 config.model.max_model_len, kernel_config=kernel_config,
-                quantization=self.quantization)
+                quantization=self.quantization, matmul_dtype=matmul_dtype)
         else:
             self.model, self.spec = load_model(source, hf_config, self.dtype, self.device,
                                                config.model.max_model_len,

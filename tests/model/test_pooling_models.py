@@ -556,3 +556,19 @@ def test_refusals(tiny_dir: Callable[[str], str]) -> None:
     info = resolve_pooling_info(cfg, model_dir)
     with pytest.raises(ValueError, match="quantization"):
         load_pooling_model(source, cfg, info, torch.float32, CPU, 64, quantization="int8")
+
+
+def test_inputs_are_grouped_by_similar_length() -> None:
+    """Longest first; a group grows while padding to its longest costs at most 1.25x the
+    attention its inputs need, so one long input does not pad many short ones."""
+    from folio.model.encoder_attention import group_by_length
+    lengths = [10, 200, 11, 190, 12, 9, 60]
+    groups = group_by_length(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert groups[0] == [1, 3]                      # 200 and 190 together
+    assert [lengths[g[0]] for g in groups] == sorted((lengths[g[0]] for g in groups),
+                                                     reverse=True)
+    for g in groups:
+        longest = lengths[g[0]]
+        assert len(g) * longest ** 2 <= 1.25 * sum(lengths[i] ** 2 for i in g)
+    assert group_by_length([5, 5, 5]) == [[0, 1, 2]]
