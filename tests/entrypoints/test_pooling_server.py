@@ -304,3 +304,46 @@ def test_classify_matches_transformers(classifier, tiny_dirs):
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
     # three classes give no single relevance score
     _error(_post(classifier, "/score", {"text_1": "a", "text_2": "b"}), "model")
+
+
+# ---- fuzzing the pooling routes on a pooling model --------------------------------------
+
+POOLING_PATHS = {"/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                 "/v1/rerank", "/v2/rerank"}
+
+
+@pytest.mark.slow
+def test_fuzz_pooling_routes_no_5xx(minilm):
+    """schemathesis from the server's own OpenAPI schema, the pooling routes only (the
+    generate-model fuzz test sees them refuse the runner): no 5xx, the server healthy after."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(minilm.url + "/openapi.json", headers=minilm.headers)
+    failures: list[str] = []
+    statuses: dict[str, set[int]] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path not in POOLING_PATHS:
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                response = case.call(base_url=minilm.url, headers=minilm.headers, timeout=60)
+                statuses.setdefault(operation.label, set()).add(response.status_code)
+                if response.status_code >= 500:
+                    failures.append(f"{operation.label}: {str(case.body)[:300]} -> "
+                                    f"{response.status_code} {response.text[:300]}")
+
+            try:
+                run()
+            except Unsatisfiable:
+                assert mode is GenerationMode.NEGATIVE
+    assert not failures, "\n".join(failures[:10])
+    assert set(statuses) == {f"POST {path}" for path in POOLING_PATHS}, statuses
+    assert any(200 in codes for codes in statuses.values()), statuses
+    assert httpx.get(minilm.url + "/health", timeout=10).status_code == 200
