@@ -17,7 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -243,7 +243,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         raise OpenAIError("invocations body needs 'messages' (chat) or 'prompt' (completions)")
 
     async def _pooling(request: Request, model: type[pydantic.BaseModel], prefix: str,
-                       handler: Any) -> Response:
+                       handler: Callable[..., Awaitable[dict]]) -> Response:
         """A pooling route: its body parsed, the handler's response dict rendered off the
         event loop (thousands of embeddings are megabytes of JSON)."""
         data = await _body(request)

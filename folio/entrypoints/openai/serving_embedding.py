@@ -3,14 +3,14 @@ task, one matrix) per input."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from folio.entrypoints.openai.engine_streams import IsDisconnected
 from folio.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
 from folio.entrypoints.openai.pooling_responses import embedding_response, pooling_response
 from folio.entrypoints.openai.request_params import resolve_model_name
 from folio.entrypoints.openai.serving_pooling import PoolingJob, ServingPooling, input_items
-from folio.pooling_params import PoolingTask
+from folio.pooling_params import PoolingParams, PoolingTask
+from folio.request_outputs import PoolingRequestOutput
 
 
 class OpenAIServingEmbedding(ServingPooling):
@@ -26,8 +26,8 @@ class OpenAIServingEmbedding(ServingPooling):
             outputs, response_id=request_id, created=int(time.time()),
             model=model, encoding_format=request.encoding_format))
 
-    async def _run(self, request: Any, params: Any, request_id: str,
-                   is_disconnected: IsDisconnected | None) -> list:
+    async def _run(self, request: EmbeddingRequest, params: PoolingParams, request_id: str,
+                   is_disconnected: IsDisconnected | None) -> list[PoolingRequestOutput]:
         items = input_items(request.input, "input")
         self.check_count(len(items), "input")
         jobs = [PoolingJob(item, "input") for item in items]
