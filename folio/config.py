@@ -278,6 +278,7 @@ class RequestLimitsConfig:
     max_schema_bytes: int = 1 << 20   # a structured-output schema / grammar, serialized
     max_schema_depth: int = 64        # JSON nesting of a schema (vLLM refuses deeper than 64)
     max_tools: int = 128              # OpenAI's limit on tools in one chat request
+    max_pooling_inputs: int = 2048    # OpenAI's limit on inputs of one embeddings request
     max_json_depth: int = 128         # nesting of a request body on the server
 
     def __post_init__(self) -> None:

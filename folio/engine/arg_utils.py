@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from folio.config import (KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS,
                           normalize_kv_cache_dtype)
+from folio.pooling_params import CONVERTS, RUNNERS, TASK_ALIASES, PoolerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -84,7 +86,51 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--num-workers", type=int, default=1,
                         help="workers of the mp executor (each a full replica of the model "
                              "until tensor parallelism shards it)")
+    _add_pooling_args(parser)
     _add_limit_args(parser)
+
+
+def _add_pooling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runner", default="auto", choices=list(RUNNERS),
+                        help="generate: sample tokens; pooling: embeddings, scores and "
+                             "classes (/v1/embeddings, /pooling, /classify, /score, /rerank); "
+                             "auto: pooling for encoders (BertModel ...), "
+                             "*ForSequenceClassification and sentence-transformers models")
+    parser.add_argument("--convert", default="auto", choices=list(CONVERTS),
+                        help="what the pooling runner makes of a model of another kind: embed "
+                             "(a decoder's last hidden state), classify (a classifier head), "
+                             "reward (per-token classification); auto: by the architecture")
+    parser.add_argument("--task", default=None, choices=sorted(TASK_ALIASES),
+                        help="vLLM's older name for --runner and --convert (embed = --runner "
+                             "pooling --convert embed, ...; default: neither set)")
+    parser.add_argument("--pooler-config", type=_pooler_config, default=None,
+                        help='a pooling model\'s pooler, as JSON over what its files say: '
+                             '{"pooling_type": "MEAN", "normalize": false, "use_activation": '
+                             'true} (default: the model\'s)')
+    parser.add_argument("--hf-overrides", type=_json_object, default=None,
+                        help="JSON object set on the model's transformers config after it is "
+                             "read, e.g. a decoder reranker's {\"architectures\": [...], "
+                             "\"classifier_from_token\": [\"no\", \"yes\"]} (default: none)")
+
+
+def _json_object(value: str) -> dict:
+    """A flag's JSON object; anything else is argparse's clean error, not a traceback."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
+
+
+def _pooler_config(value: str) -> dict:
+    parsed = _json_object(value)
+    try:
+        PoolerConfig.from_dict(parsed)  # unknown fields and bad types, named
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parsed
 
 
 # Request limits that apply offline too (the server adds its own: body depth, prompts, tools).
@@ -148,4 +194,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                         if hasattr(args, name)},
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         num_workers=getattr(args, "num_workers", 1),
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=getattr(args, "speculative_config", None),
+        runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
+        task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
+        hf_overrides=getattr(args, "hf_overrides", None))

@@ -16,7 +16,8 @@ class _StandInEngine:
     errored = None
     max_model_len = 128
     tokenizer = None
-    model_info = SimpleNamespace(source=SimpleNamespace(path="/models/x"), vocab_size=100)
+    model_info = SimpleNamespace(source=SimpleNamespace(path="/models/x"), vocab_size=100,
+                                 pooling=None)
 
     def default_sampling_params(self):
         from folio import SamplingParams

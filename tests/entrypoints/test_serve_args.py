@@ -79,3 +79,42 @@ def test_every_flag_has_help_and_a_default_shown(command):
         assert "default" in action.help.lower() or "%(default)" in (
             parser._get_formatter()._get_help_string(action) or ""), flag
     assert text.count("(default: ") >= 10
+
+
+def test_pooling_flags_reach_the_model_config():
+    config = _config("--runner", "pooling", "--convert", "embed",
+                     "--pooler-config", '{"pooling_type": "mean", "normalize": false}',
+                     "--hf-overrides", '{"is_matryoshka": true}', "--max-pooling-inputs", "16")
+    assert (config.model.runner, config.model.convert) == ("pooling", "embed")
+    assert config.model.pooler_config == {"pooling_type": "mean", "normalize": False}
+    assert config.model.hf_overrides == {"is_matryoshka": True}
+    assert config.limits.max_pooling_inputs == 16
+    defaults = _config()
+    assert (defaults.model.runner, defaults.model.convert, defaults.model.task) == \
+        ("auto", "auto", None)
+    assert defaults.limits.max_pooling_inputs == 2048
+
+
+def test_legacy_task_sets_runner_and_convert():
+    config = _config("--task", "embedding")
+    assert (config.model.runner, config.model.convert) == ("pooling", "embed")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pooler-config", "{not json"], "--pooler-config: not valid JSON"),
+    (["--pooler-config", '["MEAN"]'], "--pooler-config: must be a JSON object"),
+    (["--pooler-config", '{"pooling": "MEAN"}'], "unknown fields ['pooling']"),
+    (["--hf-overrides", "7"], "--hf-overrides: must be a JSON object"),
+    (["--runner", "embed"], "invalid choice"),
+    (["--task", "generation"], "invalid choice"),
+])
+def test_bad_pooling_flags_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        _config(*argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_pooling_inputs_must_be_positive():
+    with pytest.raises(ValueError, match="max_pooling_inputs"):
+        _config("--max-pooling-inputs", "0")

@@ -261,7 +261,7 @@ def _server_engine(tokenizer: Any, text: str) -> Any:
     engine.is_healthy = True
     engine.errored = None
     engine.model_info = SimpleNamespace(source=SimpleNamespace(path="/models/tiny"),
-                                        vocab_size=len(tokenizer))
+                                        vocab_size=len(tokenizer), pooling=None)
     engine.shutdown = lambda: None
     return engine
 

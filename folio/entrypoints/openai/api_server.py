@@ -17,7 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -29,12 +29,19 @@ from folio.engine.async_llm import AsyncLLM
 from folio.engine.request_limits import json_depth_exceeds
 from folio.engine.input_processor import encode_prompt
 from folio.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
+from folio.entrypoints.openai.pooling_protocol import (ClassificationRequest, EmbeddingRequest,
+                                                       PoolingRequest, RerankRequest,
+                                                       ScoreRequest)
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
 from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT_MAX_BODY_BYTES
 from folio.entrypoints.openai.cli_args import build_engine_config
+from folio.entrypoints.openai.serving_classify import OpenAIServingClassification
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from folio.entrypoints.openai.serving_embedding import (OpenAIServingEmbedding,
+                                                        OpenAIServingPooling)
+from folio.entrypoints.openai.serving_score import OpenAIServingScore
 
 logger = logging.getLogger("folio.server")
 
@@ -108,6 +115,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
                              reasoning_parser=settings.reasoning_parser,
                              tool_call_parser=tool_call_parser,
                              enable_auto_tool_choice=settings.enable_auto_tool_choice)
+    names = settings.served_model_names
+    embeddings = OpenAIServingEmbedding(engine, names)
+    pooling = OpenAIServingPooling(engine, names)
+    classification = OpenAIServingClassification(engine, names)
+    scores = OpenAIServingScore(engine, names)
     started = int(time.time())
 
     @asynccontextmanager
@@ -190,14 +202,22 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
     async def _body(request: Request) -> dict:
         return await _read_json(request, settings.max_request_body_bytes, settings.max_json_depth)
 
+    def _check_generate_model(route: str) -> None:
+        if engine.model_info.pooling is not None:
+            raise OpenAIError(f"{route} needs a model that generates text, and this one runs "
+                              "the pooling runner: it serves /v1/embeddings, /pooling, "
+                              "/classify, /score and /rerank", param="model")
+
     async def _completion(data: dict, request: Request) -> Response:
         _check_engine()
+        _check_generate_model("/v1/completions")
         parsed = _parse(CompletionRequest, data)
         return _respond(await completions.create_completion(
             parsed, request_id=_request_id(request, "cmpl"), is_disconnected=request.is_disconnected))
 
     async def _chat(data: dict, request: Request) -> Response:
         _check_engine()
+        _check_generate_model("/v1/chat/completions")
         _check_template(data)
         parsed = _parse(ChatCompletionRequest, data)
         return _respond(await chat.create_chat_completion(
@@ -221,6 +241,41 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         if "prompt" in data:
             return await _completion(data, request)
         raise OpenAIError("invocations body needs 'messages' (chat) or 'prompt' (completions)")
+
+    async def _pooling(request: Request, model: type[pydantic.BaseModel], prefix: str,
+                       handler: Callable[..., Awaitable[dict]]) -> Response:
+        """A pooling route: its body parsed, the handler's response dict rendered off the
+        event loop (thousands of embeddings are megabytes of JSON)."""
+        data = await _body(request)
+        _check_engine()
+        parsed = _parse(model, data)
+        body = await handler(parsed, request_id=_request_id(request, prefix),
+                             is_disconnected=request.is_disconnected)
+        return await engine.run_blocking(JSONResponse, body)
+
+    @app.post("/v1/embeddings", openapi_extra=_json_body("EmbeddingRequest"))
+    async def create_embedding(request: Request):
+        return await _pooling(request, EmbeddingRequest, "embd", embeddings.create_embedding)
+
+    @app.post("/pooling", openapi_extra=_json_body("PoolingRequest"))
+    async def create_pooling(request: Request):
+        return await _pooling(request, PoolingRequest, "pool", pooling.create_pooling)
+
+    @app.post("/classify", openapi_extra=_json_body("ClassificationRequest"))
+    async def create_classify(request: Request):
+        return await _pooling(request, ClassificationRequest, "classify",
+                              classification.create_classify)
+
+    @app.post("/score", openapi_extra=_json_body("ScoreRequest"))
+    @app.post("/v1/score", openapi_extra=_json_body("ScoreRequest"))
+    async def create_score(request: Request):
+        return await _pooling(request, ScoreRequest, "score", scores.create_score)
+
+    @app.post("/rerank", openapi_extra=_json_body("RerankRequest"))
+    @app.post("/v1/rerank", openapi_extra=_json_body("RerankRequest"))
+    @app.post("/v2/rerank", openapi_extra=_json_body("RerankRequest"))
+    async def create_rerank(request: Request):
+        return await _pooling(request, RerankRequest, "rerank", scores.create_rerank)
 
     @app.get("/v1/models")
     async def list_models():
@@ -299,7 +354,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
 
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                           DetokenizeRequest])
+                           DetokenizeRequest, EmbeddingRequest, PoolingRequest,
+                           ClassificationRequest, ScoreRequest, RerankRequest])
     return app
 
 

@@ -47,6 +47,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="most prompts in one batched /v1/completions request")
     parser.add_argument("--max-tools", type=int, default=RequestLimitsConfig.max_tools,
                         help="most tools in one chat request")
+    parser.add_argument("--max-pooling-inputs", type=int,
+                        default=RequestLimitsConfig.max_pooling_inputs,
+                        help="most inputs in one /v1/embeddings, /pooling or /classify request, "
+                             "texts on either side of one /score, documents of one /rerank")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in requests (Jinja run by the server; "
                              "refused by default)")
@@ -65,7 +69,9 @@ def build_engine_config(args: argparse.Namespace):
                           seed=kw["seed"], max_model_len=kw["max_model_len"],
                           revision=kw["revision"], device=kw["device"], enforce_eager=kw["enforce_eager"],
                           cudagraph_mode=kw["cudagraph_mode"], generation_config=args.generation_config,
-                          quantization=kw["quantization"]),
+                          quantization=kw["quantization"], runner=kw["runner"],
+                          convert=kw["convert"], task=kw["task"],
+                          pooler_config=kw["pooler_config"], hf_overrides=kw["hf_overrides"]),
         cache=CacheConfig(block_size=kw["block_size"], enable_prefix_caching=kw["enable_prefix_caching"],
                           kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
                           cache_dtype=kw["kv_cache_dtype"],
@@ -78,7 +84,8 @@ def build_engine_config(args: argparse.Namespace):
                                   async_scheduling=kw["async_scheduling"]),
         structured_outputs=StructuredOutputsConfig(**kw["structured_outputs_config"]),
         limits=RequestLimitsConfig(**kw["request_limits"], max_json_depth=args.max_json_depth,
-                                   max_prompts=args.max_prompts, max_tools=args.max_tools),
+                                   max_prompts=args.max_prompts, max_tools=args.max_tools,
+                                   max_pooling_inputs=args.max_pooling_inputs),
         parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
                                 num_workers=kw["num_workers"]),
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]))
