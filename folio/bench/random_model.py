@@ -235,6 +235,10 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
     # the tensors are then made one at a time, so memory stays near one shard.
     # An encoder is built as its base model (BertModel: no language-model head).
     auto_class = AutoModel if config.architectures[0].endswith("Model") else AutoModelForCausalLM
+    if auto_class is AutoModel:
+        # absolute positions: a padded batch (the sentence-transformers peer's) must pad on
+        # the right, or its inputs' positions would shift
+        tokenizer.padding_side = "right"
     with torch.device("meta"):
         meta_model = auto_class.from_config(config)
     shapes = [(name, tuple(t.shape)) for name, t in meta_model.state_dict().items()
@@ -283,6 +287,31 @@ def _write_random_model(spec: dict[str, Any], out: str, device: str = "cpu",
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if auto_class is AutoModel:
+        _write_sentence_transformers_layout(out, config.max_position_embeddings,
+                                            config.hidden_size)
+
+
+def _write_sentence_transformers_layout(out: str, max_seq_length: int, width: int) -> None:
+    """An encoder in sentence-transformers' layout (mean pooling, then normalize), as
+    all-MiniLM-L6-v2 ships: folio and the sentence-transformers peer then pool alike."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]
+    os.makedirs(os.path.join(out, "1_Pooling"), exist_ok=True)
+    os.makedirs(os.path.join(out, "2_Normalize"), exist_ok=True)
+    files = {"modules.json": modules,
+             "sentence_bert_config.json": {"max_seq_length": max_seq_length,
+                                           "do_lower_case": False},
+             os.path.join("1_Pooling", "config.json"): {"word_embedding_dimension": width,
+                                                        "pooling_mode_mean_tokens": True}}
+    for name, content in files.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
 
 
 def _w4a16_shapes(shapes: list[tuple[str, tuple[int, ...]]]

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Issue 19 (pooling models) on the lent GPU: embeddings throughput of a BERT-large-shaped
+# encoder (random weights) against sentence-transformers, same texts, dtype and device.
+#   bash tools/device_issue19.sh
+# Carry `.whl` (../shared/tools/device-wheels.sh plus sentence-transformers==6.3.0
+# scikit-learn==1.9.1 scipy==1.17.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0) and
+# `device_tokenizer/`. Logs and JSON go to $OUT.
+set -uo pipefail
+STEP_PATTERN="sentences/s|agreement|at its best|passed|failed|Error|error"
+. tools/device_common.sh
+step 540 embed_bert_large python3 -m folio.bench.throughput --random-weights \
+    --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
+    --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large.json"
