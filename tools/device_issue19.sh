@@ -8,6 +8,13 @@
 set -uo pipefail
 STEP_PATTERN="sentences/s|agreement|at its best|passed|failed|Error|error"
 . tools/device_common.sh
+if [ "${PART:-bench}" = bench ]; then
 step 540 embed_bert_large python3 -m folio.bench.throughput --random-weights \
     --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
     --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large.json"
+fi
+if [ "${PART:-bench}" = profile ]; then
+  python3 -c "from folio.bench.random_model import build_random_model; build_random_model('bert-large')"
+  step 300 profile_embed python3 tools/gpu_profile_embed.py \
+      /tmp/folio-cache/random/bert-large 2048 16384
+fi

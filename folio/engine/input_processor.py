@@ -122,6 +122,24 @@ class InputProcessor:
             types = None   # all zeros: the model's default
         return ProcessedPrompt(display, ids, types)
 
+    def tokenize_pooling_texts(self, texts: list[str], keep: int | None) -> list[list[int]]:
+        """Many pooling texts in one batched tokenizer call (the fast tokenizer encodes a batch
+        on several threads; one call per text cost more than the model on a GPU), as
+        process_pooling tokenizes one: `keep` = its truncate_prompt_tokens resolved (None: no
+        truncation). Texts that cannot fit are left for process_pooling to refuse: an empty
+        list in their place."""
+        limit = self.max_model_len
+        if keep is not None:
+            keep = limit if keep == -1 else keep
+        head = None if keep is None else (keep + 8) * _CHARS_PER_TOKEN_BOUND
+        bound = limit * _CHARS_PER_TOKEN_BOUND
+        batch = [t if head is None else t[:head] for t in texts]
+        fits = [keep is not None or len(t) <= bound for t in batch]
+        encoded = self.tokenizer([t for t, ok in zip(batch, fits) if ok],
+                                 truncation=keep is not None, max_length=keep)["input_ids"]
+        found = iter(encoded)
+        return [list(next(found)) if ok else [] for ok in fits]
+
     def _check_text_bound(self, text: str) -> None:
         """A text that cannot fit, refused without tokenizing all of it."""
         encode_prompt(self.tokenizer, text, self.max_model_len)

@@ -117,6 +117,7 @@ class PoolingAPI:
         else:
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         engine = self.llm_engine
+        prompts = self._pretokenize(prompts, params_list, task, truncate_prompt_tokens, pairs)
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -138,3 +139,19 @@ class PoolingAPI:
             raise RuntimeError(f"{len(failed)} pooling request(s) failed in the engine "
                                f"(finish reason {failed[0].finish_reason!r})")
         return outputs
+
+    def _pretokenize(self, prompts: list, params_list: list, task: str | None,
+                     truncate_prompt_tokens: int | None, pairs: list | None) -> list:
+        """Plain texts sharing one truncation setting, tokenized in one batched call; each
+        then goes in as its ids beside its text (the same ids one by one would give)."""
+        if pairs is not None or not prompts or not all(
+                isinstance(p, str) and p for p in prompts):
+            return prompts
+        keeps = {truncate_prompt_tokens if truncate_prompt_tokens is not None
+                 else (p or PoolingParams()).truncate_prompt_tokens for p in params_list}
+        if len(keeps) != 1:
+            return prompts
+        processor = self.llm_engine.preparer.input_processor
+        ids = processor.tokenize_pooling_texts(prompts, keeps.pop())
+        return [{"prompt": text, "prompt_token_ids": tokens} if tokens else text
+                for text, tokens in zip(prompts, ids)]
