@@ -45,7 +45,10 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> B
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the largest id back to the host (a
+    # sync per MoE layer, and no CUDA-graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
