@@ -24,7 +24,7 @@ def load_pooling_model(source: ModelSource, hf_config: Any, info: PoolingModelIn
                        matmul_dtype: torch.dtype | None = None) -> tuple[nn.Module, ArchSpec]:
     """The model on `device` in `dtype` (its Pooler's head in float32), and the spec it was
     built from; an encoder's projections in `matmul_dtype` when given (encoder_matmul_dtype:
-    bfloat16 matmuls beside float32 activations on a CPU with native bfloat16). An EncoderModel for the encoders, else a DecoderLM without a language-model
+    bfloat16 matmuls beside float32 activations, `--dtype bfloat16` on a CPU). An EncoderModel for the encoders, else a DecoderLM without a language-model
     head (a pooling model computes no logits; a reranker's classifier is made from that head's
     rows, `info.classifier_token_ids`). `kernel_config`: as load_model's."""
     if quantization != "none":
@@ -78,19 +78,16 @@ def load_pooling_model(source: ModelSource, hf_config: Any, info: PoolingModelIn
     return model, spec
 
 
-def encoder_matmul_dtype(requested: str, hf_config: Any, device: torch.device,
+def encoder_matmul_dtype(requested: str, device: torch.device,
                          spec: ArchSpec) -> torch.dtype | None:
-    """For `--dtype auto`, an encoder whose checkpoint is float32 on a CPU with native bfloat16
-    matmuls (AMX or AVX512-BF16): its projections in bfloat16, everything else (embeddings,
-    LayerNorm, the residual stream, attention's softmax inputs) in float32. vLLM's "auto" runs a
-    float32 model in half precision; this keeps the activations' precision (MiniLM's embeddings
-    against sentence-transformers in float32 over 1,000 standard-library docstrings: cosine
-    0.99996 at worst, 0.99992 with everything in bfloat16) at bfloat16's matmul speed (about
-    3x float32's on this CPU). None: one dtype throughout (`--dtype float32` keeps it exact)."""
-    if requested != "auto" or device.type != "cpu" or not spec.is_encoder:
-        return None
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if str(config_dtype).removeprefix("torch.") not in ("float32", "None"):
+    """`--dtype bfloat16` for an encoder on a CPU with native bfloat16 matmuls (AMX or
+    AVX512-BF16): its projections in bfloat16, everything else (embeddings, LayerNorm, the
+    residual stream, attention) in float32 — the projections are where bfloat16's speed is
+    (about 3x float32's matmuls on this CPU), and the float32 rest keeps MiniLM within cosine
+    0.99996 of sentence-transformers' float32 over 1,000 standard-library docstrings, where an
+    all-bfloat16 run reaches 0.99992. None: one dtype throughout (the default, `auto`, keeps a
+    float32 checkpoint exact)."""
+    if requested not in ("bfloat16", "bf16") or device.type != "cpu" or not spec.is_encoder:
         return None
     native = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() or \
         getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()

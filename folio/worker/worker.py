@@ -71,13 +71,12 @@ class Worker:
         if config.pooling is not None:
             from folio.model.families import arch_spec_from_hf_config
             from folio.model.pooling_loader import encoder_matmul_dtype, load_pooling_model
-            matmul_dtype = encoder_matmul_dtype(config.model.dtype, hf_config, self.device,
+            matmul_dtype = encoder_matmul_dtype(config.model.dtype, self.device,
                                                 arch_spec_from_hf_config(hf_config))
             if matmul_dtype is not None:
-                logger.info("encoder projections in %s, activations in %s (--dtype auto; "
-                            "--dtype float32 keeps every matmul in float32)",
-                            str(matmul_dtype).removeprefix("torch."),
-                            str(self.dtype).removeprefix("torch."))
+                self.dtype = torch.float32   # the activations; the projections bfloat16
+                logger.info("encoder projections in bfloat16, embeddings, norms and "
+                            "activations in float32 (--dtype bfloat16 on the CPU)")
             self.model, self.spec = load_pooling_model(
                 source, hf_config, config.pooling, self.dtype, self.device,
                 config.model.max_model_len, kernel_config=kernel_config,

@@ -55,18 +55,22 @@ def test_minilm_default_embeddings_match_sentence_transformers(minilm: LLM,
     outputs = minilm.embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
     got = np.array([o.outputs.embedding for o in outputs])
     assert got.shape == (100, 384)
-    assert _cosines(got, reference).min() >= 0.9999
+    assert _cosines(got, reference).min() >= 0.99999         # float32, as the checkpoint
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)   # Normalize module
 
 
-def test_minilm_float32_is_exact(minilm_dir: str, reference: np.ndarray) -> None:
-    llm = LLM(minilm_dir, dtype="float32", max_num_seqs=16)
+def test_minilm_bfloat16_stays_close(minilm_dir: str, reference: np.ndarray) -> None:
+    """--dtype bfloat16 on the CPU: bfloat16 projections, float32 everything else."""
+    llm = LLM(minilm_dir, dtype="bfloat16", max_num_seqs=16)
     try:
-        got = [o.outputs.embedding for o in llm.embed(TEXTS[:30], truncate_prompt_tokens=-1,
+        model = llm.llm_engine.engine_core.executor.worker.model
+        if model.layers[0].up_proj.weight.dtype == torch.bfloat16:   # a CPU with native bf16
+            assert model.layers[0].output_norm.weight.dtype == torch.float32
+        got = [o.outputs.embedding for o in llm.embed(TEXTS, truncate_prompt_tokens=-1,
                                                       use_tqdm=False)]
     finally:
         llm.llm_engine.shutdown()
-    assert _cosines(got, reference[:30]).min() >= 0.999999
+    assert _cosines(got, reference).min() >= 0.9999
 
 
 def test_minilm_score_orders_documents_as_sentence_transformers(minilm: LLM,
@@ -75,7 +79,7 @@ def test_minilm_score_orders_documents_as_sentence_transformers(minilm: LLM,
     scores = [o.outputs.score for o in minilm.score(query, docs, truncate_prompt_tokens=-1,
                                                     use_tqdm=False)]
     want = _cosines(np.repeat(reference[3:4], 20, axis=0), reference[10:30])
-    assert np.allclose(scores, want, atol=3e-3)   # bfloat16 matmuls (--dtype auto)
+    assert np.allclose(scores, want, atol=2e-4)
     assert list(np.argsort(scores)[::-1][:5]) == list(np.argsort(want)[::-1][:5])
     # N-to-N pairs, and encode's tensor
     pairs = minilm.score(TEXTS[:2], TEXTS[2:4], truncate_prompt_tokens=-1, use_tqdm=False)
