@@ -91,7 +91,8 @@ def run_embed(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
     llm.llm_engine.shutdown()
     del llm
     if PEER in (args.peer or []):
-        result["peer"] = _run_peer(args, info.source.path, dtype, device, texts, max_len,
+        peer_dtype = getattr(args, "peer_dtype", None) or dtype
+        result["peer"] = _run_peer(args, info.source.path, peer_dtype, device, texts, max_len,
                                    embeddings)
         best = result["peer"].get("best_sentences_per_s")
         if best:

@@ -67,6 +67,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       default=list(DEFAULT_EMBED_PEER_BATCH_SIZES),
                       help="--task embed: the batch sizes sentence-transformers runs at (the "
                            "best is reported)")
+    peer.add_argument("--peer-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="--task embed: sentence-transformers' dtype (default: folio's)")
     peer.add_argument("--peer-batch-size", type=int, default=16,
                       help="static batch size of the transformers peer")
     peer.add_argument("--peer-cb-max-batch-tokens", type=int, default=DEFAULT_CB_MAX_BATCH_TOKENS,
