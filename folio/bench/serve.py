@@ -1,7 +1,8 @@
 """`folio bench serve`: online serving benchmark against an OpenAI-compatible streaming server.
 
 vLLM's `bench serve` semantics: a dataset of requests is sent to `/v1/completions` (or
-`/v1/chat/completions`) with ``"stream": true``; arrivals follow a Poisson process (gamma
+`/v1/chat/completions`) with ``"stream": true`` (or, to `/v1/embeddings`, as one embeddings
+request each: its latency is reported as TTFT and E2EL, no tokens are generated); arrivals follow a Poisson process (gamma
 inter-arrivals with ``--burstiness``; ``--request-rate inf`` sends everything at once), optionally
 capped by ``--max-concurrency``. Each streamed response yields:
 
@@ -267,6 +268,50 @@ def _chunk_error(chunk: dict[str, Any]) -> str | None:
     return None
 
 
+def is_embeddings_endpoint(endpoint: str) -> bool:
+    """/v1/embeddings (or /pooling): one non-streamed response per request."""
+    return endpoint.rstrip("/").endswith(("/embeddings", "/pooling"))
+
+
+def build_embeddings_payload(request: BenchRequest, model: str) -> dict[str, Any]:
+    return {"model": model, "input": request.prompt}
+
+
+async def send_embeddings_request(session: Any, url: str, headers: dict[str, str],
+                                  payload: dict[str, Any], timeout_s: float,
+                                  prompt_len: int | None, bench_start: float) -> RequestResult:
+    """One embeddings request: its whole latency (reported as TTFT and E2EL, as vLLM's
+    embeddings backend does; nothing streams). Never raises (except cancellation)."""
+    import aiohttp
+
+    result = RequestResult(prompt_len=prompt_len or 0)
+    start = time.perf_counter()
+    result.send_time = start - bench_start
+    try:
+        async with session.post(url, json=payload, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {body[:500].decode(errors='replace')}"
+                return result
+            response = json.loads(body)
+    except asyncio.TimeoutError:
+        result.error = f"timeout after {timeout_s:g} s"
+        return result
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = result.ttft = time.perf_counter() - start
+    if not isinstance(response, dict) or not response.get("data"):
+        result.error = f"response carries no data: {body[:200]!r}"
+        return result
+    usage = response.get("usage") or {}
+    if usage.get("prompt_tokens"):
+        result.prompt_len = int(usage["prompt_tokens"])
+    result.success = True
+    return result
+
+
 async def send_request(session: Any, url: str, headers: dict[str, str], payload: dict[str, Any],
                        chat: bool, timeout_s: float, prompt_len: int | None,
                        bench_start: float) -> RequestResult:
@@ -388,13 +433,22 @@ async def benchmark(args: argparse.Namespace, requests: Sequence[BenchRequest],
         if model is None:
             model = args.model or await fetch_default_model(session, base_url, headers)
 
+        embeddings = is_embeddings_endpoint(args.endpoint)
+
         async def one(request: BenchRequest, bench_start: float) -> RequestResult:
-            payload = build_payload(request, model, chat, args.temperature, args.ignore_eos)
+            if embeddings:
+                payload = build_embeddings_payload(request, model)
+            else:
+                payload = build_payload(request, model, chat, args.temperature, args.ignore_eos)
             if semaphore is not None:
                 await semaphore.acquire()
             concurrency.current += 1
             concurrency.peak = max(concurrency.peak, concurrency.current)
             try:
+                if embeddings:
+                    return await send_embeddings_request(session, url, headers, payload,
+                                                         args.timeout, request.prompt_len,
+                                                         bench_start)
                 return await send_request(session, url, headers, payload, chat, args.timeout,
                                           request.prompt_len, bench_start)
             finally:

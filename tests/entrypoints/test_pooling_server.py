@@ -223,6 +223,29 @@ def test_models_and_auth(minilm):
     assert httpx.get(minilm.url + "/health", timeout=10).status_code == 200
 
 
+def test_bench_serve_embeddings_and_metrics(minilm, monkeypatch):
+    """`folio bench serve --endpoint /v1/embeddings` against the server: every request
+    completes (its latency as TTFT and E2EL), and /metrics counts the pooling requests."""
+    import argparse
+
+    from folio.bench import serve
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", minilm.url, "--endpoint", "/v1/embeddings",
+                              "--num-prompts", "12", "--random-input-len", "32",
+                              "--tokenizer", _minilm_dir(), "--disable-tqdm", "--quiet"])
+    report = serve.run(args)
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["total_input_tokens"] == 12 * 32 and report["total_output_tokens"] == 0
+    assert report["mean_ttft_ms"] == report["mean_e2el_ms"] > 0
+    metrics = httpx.get(minilm.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                        timeout=10).text
+    counted = [line for line in metrics.splitlines()
+               if line.startswith("folio:pooling_requests_total{") and 'task="embed"' in line]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 12
+
+
 # ---- tiny BERT classifiers: a cross-encoder (one label) and three classes ----------------
 
 
