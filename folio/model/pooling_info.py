@@ -21,6 +21,9 @@ ENCODER_ARCHS = ENCODER_EMBED_ARCHS | ENCODER_CLASSIFY_ARCHS
 _SEQ_CLS = "ForSequenceClassification"
 _CAUSAL_LM = "ForCausalLM"
 
+# sentence-transformers' pooling modes folio does not run.
+_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                         "pooling_mode_weightedmean_tokens")
 # sentence-transformers' pooling modes (1_Pooling/config.json), in its order of precedence.
 _ST_MODES = (("pooling_mode_cls_token", PoolingType.CLS),
              ("pooling_mode_mean_tokens", PoolingType.MEAN),
@@ -51,12 +54,21 @@ def _sentence_transformers(model_dir: str | None) -> dict:
         if kind.endswith("Pooling"):
             pooling = _read_json(os.path.join(model_dir, str(module.get("path", "")),
                                               "config.json")) or {}
+            other = [key for key in _ST_UNSUPPORTED_MODES if pooling.get(key)]
+            if other:
+                raise ValueError(f"sentence-transformers pooling {other} is not supported "
+                                 "(folio pools by CLS, MEAN or LAST token); set "
+                                 "--pooler-config pooling_type to override")
             for key, pooling_type in _ST_MODES:
                 if pooling.get(key):
                     found["pooling_type"] = pooling_type
                     break
         elif kind.endswith("Normalize"):
             found["normalize"] = True
+        elif not kind.endswith("Transformer"):
+            # a Dense projection or other head after pooling: embeddings would differ
+            raise ValueError(f"sentence-transformers module {kind!r} is not supported "
+                             "(folio runs Transformer, Pooling and Normalize)")
     bert_config = _read_json(os.path.join(model_dir, "sentence_bert_config.json")) or {}
     if isinstance(bert_config.get("max_seq_length"), int):
         found["max_seq_length"] = bert_config["max_seq_length"]
