@@ -223,25 +223,32 @@ class AsyncLLM:
             raise self._unavailable()
         self._send_socket.send_multipart(msg.encode(kind, payload))
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs for one request (as params.output_kind says). Raises
-        ValueError for bad input before anything is queued, EngineDeadError if the engine
-        dies. Closing the stream early (client gone) aborts the request."""
+    async def _prepare(self, request_id: str | None, prepare: Callable[..., Any]) -> tuple[str, Any]:
+        """A request's id (a fresh one if None) and `prepare(request_id=...)` run on the
+        preprocessing thread; ValueError for an id in use, EngineDeadError when the engine is
+        not there (checked again after the preparation, which may take a while)."""
         self._ensure_started()
         if not self.is_healthy:
             raise self._unavailable()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prepared = await self.run_blocking(functools.partial(
-            self.preparer.prepare, request_id, prompt, params, priority=priority,
-            cache_salt=cache_salt))
+        prepared = await self.run_blocking(functools.partial(prepare, request_id=request_id))
         if request_id in self._queues:  # taken while this one was being prepared
             raise ValueError(f"request id {request_id!r} is already in use")
         if not self.is_healthy:
             raise self._unavailable()
+        return request_id, prepared
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs for one request (as params.output_kind says). Raises
+        ValueError for bad input before anything is queued, EngineDeadError if the engine
+        dies. Closing the stream early (client gone) aborts the request."""
+        request_id, prepared = await self._prepare(
+            request_id, functools.partial(self.preparer.prepare, prompt=prompt, params=params,
+                                          priority=priority, cache_salt=cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = prepared.core_requests[0].arrival_time
@@ -274,19 +281,9 @@ class AsyncLLM:
         beside the query `prompt`): its PoolingRequestOutput once the engine has run its
         prompt. ValueError for bad input before anything is queued; EngineDeadError if the
         engine dies; cancelling the call aborts the request."""
-        self._ensure_started()
-        if not self.is_healthy:
-            raise self._unavailable()
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prepared = await self.run_blocking(functools.partial(
-            self.preparer.prepare_pooling, request_id, prompt, params, pair=pair,
-            priority=priority))
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not self.is_healthy:
-            raise self._unavailable()
+        request_id, prepared = await self._prepare(
+            request_id, functools.partial(self.preparer.prepare_pooling, prompt=prompt,
+                                          params=params, pair=pair, priority=priority))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         core = prepared.core_requests[0]

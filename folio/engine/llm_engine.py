@@ -53,15 +53,20 @@ class LLMEngine:
 
     # ---- the streaming interface ---------------------------------------------------------
 
+    def _new_request_id(self, request_id: str | None) -> str:
+        """`request_id`, or a fresh one; ValueError if a request still uses it."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        processor = self.output_processor
+        if request_id in processor.parents or request_id in processor.pooling:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return request_id
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> str:
         """Validate, tokenize and queue one request. Raises ValueError on bad input, with the
         engine untouched."""
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.parents or \
-                request_id in self.output_processor.pooling:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         prepared = self.preparer.prepare(request_id, prompt, params, arrival_time=arrival_time,
                                          priority=priority, cache_salt=cache_salt)
         self.output_processor.add_request(
@@ -77,10 +82,7 @@ class LLMEngine:
                             arrival_time: float | None = None, priority: int = 0) -> str:
         """Validate, tokenize and queue one pooling request (`pair`: a cross-encoder's
         document beside the query `prompt`); its one output is a PoolingRequestOutput."""
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.parents or \
-                request_id in self.output_processor.pooling:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         prepared = self.preparer.prepare_pooling(request_id, prompt, params, pair=pair,
                                                  arrival_time=arrival_time, priority=priority)
         core = prepared.core_requests[0]
