@@ -89,6 +89,7 @@ class Request:
         extra_hash_keys: tuple[Any, ...] = (),
         pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
+        hash_blocks: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -123,6 +124,9 @@ class Request:
         self.max_tokens = room if sampling_params.max_tokens is None else min(
             sampling_params.max_tokens, room)
         self.block_hashes: list[BlockHash] = []
+        # False when the engine keeps no prefix cache: nothing would look the hashes up (an
+        # encoder's thousands of short inputs spent a seventh of their host time hashing).
+        self.hash_blocks = hash_blocks
         self._update_block_hashes()
         # Draft tokens proposed for this request's next step (speculative decoding).
         self.spec_token_ids: list[int] = []
@@ -137,11 +141,12 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, *, block_size: int,
-                                 max_model_len: int) -> "Request":
+                                 max_model_len: int, hash_blocks: bool = True) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
                    tuple(req.eos_token_ids), block_size=block_size, max_model_len=max_model_len,
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-                   pooling_params=req.pooling_params, token_type_ids=req.token_type_ids)
+                   pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
+                   hash_blocks=hash_blocks)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:
@@ -184,12 +189,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         # Per token per step: only call into the hashing when a block just filled up.
-        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+        if self.hash_blocks and \
+                len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
             self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Hash every block that became full. Hashes chain, so block i's hash names the whole
         prefix up to it; extra keys (tenant salt, adapter, media) go into the first block."""
+        if not self.hash_blocks:
+            return
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             index = len(self.block_hashes)

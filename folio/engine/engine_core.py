@@ -101,7 +101,8 @@ class EngineCore:
         if isinstance(request, EngineCoreRequest):
             request = Request.from_engine_core_request(
                 request, block_size=self.config.cache.block_size,
-                max_model_len=self.config.model.max_model_len)
+                max_model_len=self.config.model.max_model_len,
+                hash_blocks=self.config.cache.enable_prefix_caching)
         self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 

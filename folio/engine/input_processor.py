@@ -29,6 +29,18 @@ def encode_prompt(tokenizer: Any, text: str, max_model_len: int, *,
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def check_token_ids(ids: list, vocab_size: int) -> None:
+    """ValueError (field prompt_token_ids) unless every id is an int (not a bool) in
+    [0, vocab_size). The common case is three passes in C (types, min, max); only a bad list is
+    scanned in Python, to name its first bad ids."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
+    raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab_size}): "
+                     f"{bad[:5]}")
+
+
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
@@ -55,11 +67,7 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to "
                              f"generate within max_model_len={self.max_model_len}")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary "
-                             f"[0, {self.vocab_size}): {bad[:5]}")
+        check_token_ids(ids, self.vocab_size)
         params.update_from_tokenizer(self.tokenizer, self.vocab_size)
         return ProcessedPrompt(text, ids)
 
@@ -113,11 +121,7 @@ class InputProcessor:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the model's maximum "
                              f"input length of {limit} (max_model_len); set "
                              "truncate_prompt_tokens to cut it")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary "
-                             f"[0, {self.vocab_size}): {bad[:5]}")
+        check_token_ids(ids, self.vocab_size)
         if types is not None and not any(types):
             types = None   # all zeros: the model's default
         return ProcessedPrompt(display, ids, types)
