@@ -14,10 +14,6 @@ from folio.entrypoints.openai.serving_base import ServingBase
 from folio.pooling_params import PoolingModelInfo, PoolingParams
 from folio.request_outputs import PoolingRequestOutput
 
-# Where a model has no head for a route's task, the model is what the client must change.
-_TASK_IS_THE_MODEL = {"task": "model"}
-
-
 @dataclass
 class PoolingJob:
     """One engine request of a route: its input (and a cross-encoder's document), and the
