@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from folio.model.kernels._common import HAS_TRITON, INTERPRET
+from folio.model.kernels.moe_align import MAX_PAIRS, align_small
+
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """topk_ids [T, k] -> (order [T*k]: flat (token, slot) indices sorted by expert, stable;
@@ -45,6 +48,11 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> B
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
+    if pairs <= MAX_PAIRS and HAS_TRITON and (flat.is_cuda or INTERPRET):
+        # decode-sized: one launch instead of the fifteen below (kernels/moe_align.py)
+        sorted_pairs, block_expert = align_small(
+            flat, num_experts, block_m, max_padded_rows(pairs, num_experts, block_m))
+        return BlockAlignment(sorted_pairs, block_expert, pairs, block_m)
     # scatter_add, not bincount: bincount on CUDA reads the largest id back to the host (a
     # sync per MoE layer, and no CUDA-graph capture)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
