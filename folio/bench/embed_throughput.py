@@ -37,7 +37,11 @@ def sentence_transformers_peer(model_path: str, dtype: str, device: str, texts: 
     """In a child: sentence-transformers' encode of `texts` at each batch size (sentences/s),
     and its embeddings of the first `check_count` texts (for the agreement check)."""
     import torch
-    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as exc:   # an optional extra: only this peer needs it
+        raise ImportError("the sentence-transformers peer needs its package: "
+                          "pip install 'folio[embed-bench]' (or sentence-transformers)") from exc
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     model = SentenceTransformer(model_path, device=device,
