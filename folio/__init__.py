@@ -1,4 +1,5 @@
 """folio: an LLM inference and serving engine."""
+from folio.lora_request import LoRARequest
 from folio.request_outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
@@ -30,4 +31,5 @@ def __dir__():
 
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLM", "SamplingParams", "StructuredOutputsParams",
-           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "PromptType"]
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "PromptType",
+           "LoRARequest"]

@@ -429,6 +429,58 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# --max-lora-rank's ceiling: the rank buffers of every projection are sized by it, per slot.
+MAX_LORA_RANK_LIMIT = 512
+# --max-loras's ceiling: each device slot holds one adapter's A and B for every projection.
+MAX_LORAS_LIMIT = 256
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora and friends). `max_loras` adapters fit on the
+    device at once (slots; a step schedules requests of at most that many distinct adapters),
+    each of rank at most `max_lora_rank`; `max_cpu_loras` loaded adapters are kept in host
+    memory (LRU) so a swapped-out one comes back without reading its files. `lora_modules`:
+    name=path adapters the server lists from the start. Runtime loading over the API
+    (`allow_runtime_lora_updating`) takes only paths inside `allowed_lora_dirs`;
+    `lora_resolver_dir`: a request naming an unknown adapter loads <dir>/<name> when that is an
+    adapter directory (vLLM's filesystem resolver)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None      # None = max_loras
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
+    allowed_lora_dirs: list[str] = field(default_factory=list)
+    lora_resolver_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, limit in (("max_loras", MAX_LORAS_LIMIT), ("max_lora_rank", MAX_LORA_RANK_LIMIT)):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool)
+                     and 1 <= value <= limit, name, f"must be an int in [1, {limit}], got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require(isinstance(self.max_cpu_loras, int) and not isinstance(self.max_cpu_loras, bool)
+                 and self.max_loras <= self.max_cpu_loras <= 4 * MAX_LORAS_LIMIT,
+                 "max_cpu_loras", f"must be an int in [max_loras ({self.max_loras}), "
+                 f"{4 * MAX_LORAS_LIMIT}], got {self.max_cpu_loras!r}")
+        modules = []
+        for item in self.lora_modules:
+            if isinstance(item, str):
+                name, sep, path = item.partition("=")
+                _require(bool(sep and name and path), "lora_modules",
+                         f"entries are name=path, got {item!r}")
+                item = (name, path)
+            _require(isinstance(item, (tuple, list)) and len(item) == 2
+                     and all(isinstance(x, str) and x for x in item), "lora_modules",
+                     f"entries are (name, path) pairs, got {item!r}")
+            modules.append((item[0], item[1]))
+        names = [name for name, _ in modules]
+        _require(len(set(names)) == len(names), "lora_modules",
+                 f"names must be unique, got {names}")
+        self.lora_modules = modules
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -439,6 +491,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # None = no speculative decoding.
     speculative: SpeculativeConfig | None = None
+    # None = no LoRA adapters (--enable-lora sets one).
+    lora: LoRAConfig | None = None
     disable_log_stats: bool = True
     # The pooling runner's model (set by the front end once the model is read; None =
     # the generate runner).
@@ -461,6 +515,9 @@ class EngineConfig:
             self.scheduler.enable_chunked_prefill = False
         if self.speculative is not None:
             raise ValueError("speculative_config: pooling models do not generate tokens")
+        if self.lora is not None:
+            raise ValueError("enable_lora: LoRA adapters are served for generation only, not by "
+                             "the pooling runner")
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model, and check the settings agree.

@@ -35,11 +35,16 @@ LAYER_OF = {
     "folio.model.gguf_metadata": "model_info",
     "folio.model.quant.scheme": "model_info",
     "folio.model.pooling_info": "model_info",
+    "folio.model.lora": "model_info",               # the package's docstring only
+    "folio.model.lora.adapter_files": "model_info", # a PEFT directory read without torch
+    "folio.model.lora.weights": "model",
+    "folio.model.lora.projection": "model",
     "folio.core": "core",                   # scheduler, KV cache manager, requests
     # The data types every layer shares.
     "folio.config": "shared",
     "folio.sampling_params": "shared",
     "folio.pooling_params": "shared",
+    "folio.lora_request": "shared",
     "folio.request_outputs": "shared",
     "folio.reasoning": "shared",
     "folio.structured_output.params": "shared",

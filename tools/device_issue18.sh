@@ -9,7 +9,7 @@ STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_o
 case "${PART:-kernels}" in
 kernels)  # the fused-MoE layer against its bytes floor and the torch path; the GPU tests
   step 200 moe_layer python3 tools/gpu_bench_moe.py --out "$OUT/moe_layer.json"
-  step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+  step 360 gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu ;;
 moe_models)  # Qwen3-30B-A3B shapes (12 of 48 layers: the per-layer figures are the point)
   M="--random-weights --config qwen3-30b-a3b --random-num-layers 12"

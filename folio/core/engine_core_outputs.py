@@ -64,3 +64,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # LoRA adapters (names) of the running and the waiting requests, and the most a step may
+    # run (vLLM's lora_requests_info gauge); 0 = LoRA off.
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0

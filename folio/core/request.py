@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
+from folio.lora_request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
@@ -26,6 +27,8 @@ class EngineCoreRequest:
     # (sampling_params is then a placeholder of one token).
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    # The LoRA adapter (None = the base model).
+    lora_request: LoRARequest | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -90,6 +93,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
         hash_blocks: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -98,6 +102,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # The adapter joins the first block's hash: the same prompt under two adapters (or
+        # under one and the base model) has different KV and must not share blocks.
+        if lora_request is not None:
+            extra_hash_keys = (lora_request.cache_key(),) + tuple(extra_hash_keys)
         self.extra_hash_keys = extra_hash_keys
         self.block_size = block_size
         self.pooling_params = pooling_params
@@ -146,7 +155,7 @@ class Request:
                    tuple(req.eos_token_ids), block_size=block_size, max_model_len=max_model_len,
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                    pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
-                   hash_blocks=hash_blocks)
+                   hash_blocks=hash_blocks, lora_request=req.lora_request)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:
@@ -171,6 +180,11 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 = the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_pooling(self) -> bool:

@@ -167,7 +167,9 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  async_scheduling: bool = False, drafter: Drafter | None = None,
-                 adaptive_draft_length: bool = True) -> None:
+                 adaptive_draft_length: bool = True, max_loras: int = 0) -> None:
+        """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
+        device slots); 0 = LoRA off."""
         if drafter is not None and async_scheduling:
             raise ValueError("speculative decoding needs each step's tokens on the host "
                              "before the next is scheduled: async_scheduling must be off")
@@ -187,6 +189,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
@@ -297,8 +300,12 @@ class Scheduler:
             index += 1
 
         # Then waiting requests, unless this step had to preempt (no room to grow). Requests
-        # whose grammar is still compiling step aside; they keep their place in the queue.
+        # whose grammar is still compiling step aside, and so do requests of a LoRA adapter
+        # that would be one more than the worker's slots hold; they keep their place in the
+        # queue.
         not_ready: list[Request] = []
+        running_loras = {r.lora_int_id for r in self.running if r.lora_request is not None} \
+            if self.max_loras else set()
         while (not preempted and len(self.waiting) > 0 and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
@@ -310,6 +317,11 @@ class Scheduler:
                     not_ready.append(self.waiting.pop())
                     continue
                 request.status = RequestStatus.WAITING
+            if request.lora_request is not None and self.max_loras \
+                    and request.lora_int_id not in running_loras \
+                    and len(running_loras) >= self.max_loras:
+                not_ready.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -330,6 +342,8 @@ class Scheduler:
                 self.kv.record_lookup(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_request is not None:
+                running_loras.add(request.lora_int_id)
             self._first_scheduled.setdefault(request.request_id, time.monotonic())
             scheduled[request.request_id] = ScheduledRequest(request, num_hit_tokens, num_new, (),
                                                              resumed=resumed)
@@ -383,7 +397,8 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     rid, request.prompt_token_ids, request.sampling_params,
                     list(request.eos_token_ids), [list(ids) for ids in blocks],
-                    item.num_computed_tokens, request.pooling_params, request.token_type_ids))
+                    item.num_computed_tokens, request.pooling_params, request.token_type_ids,
+                    request.lora_request))
                 # The prompt is all a new request has (its output starts empty).
                 request.num_sent_tokens = len(tokens)
             else:
@@ -581,7 +596,15 @@ class Scheduler:
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos))
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            **(self._lora_stats() if self.max_loras else {}))
+
+    def _lora_stats(self) -> dict:
+        def names(requests) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests
+                           if r.lora_request is not None})
+        return {"running_lora_adapters": names(self.running),
+                "waiting_lora_adapters": names(self.waiting), "max_lora": self.max_loras}
 
 
 def logprobs_entries(lists: LogprobsLists) -> list[SampledTokenLogprobs]:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import msgspec
 
+from folio.lora_request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 
@@ -23,8 +24,7 @@ from folio.sampling_params import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
-    """A request the workers have not seen: everything needed to run it. An adapter (LoRA)
-    field joins here when that feature does."""
+    """A request the workers have not seen: everything needed to run it."""
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -38,6 +38,9 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     # Segment ids of the prompt's tokens (BERT-style encoders: 0 for the query, 1 for the
     # document of a cross-encoder pair); None = all 0.
     token_type_ids: list[int] | None = None
+    # The LoRA adapter it runs with (None = the base model); the worker loads it from
+    # lora_path into a device slot before the step, keyed by lora_int_id.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

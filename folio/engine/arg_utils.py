@@ -87,7 +87,55 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="workers of the mp executor (each a full replica of the model "
                              "until tensor parallelism shards it)")
     _add_pooling_args(parser)
+    _add_lora_args(parser)
     _add_limit_args(parser)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    from folio.config import LoRAConfig
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT directories) on top of the model, "
+                             "several in one batch")
+    parser.add_argument("--max-loras", type=int, default=LoRAConfig.max_loras,
+                        help="adapters on the device at once (a step runs at most this many)")
+    parser.add_argument("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank,
+                        help="largest adapter rank served (device memory is sized by it)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in host memory, least recently used dropped "
+                             "(default: --max-loras)")
+
+
+def add_lora_serving_args(parser: argparse.ArgumentParser) -> None:
+    """The server's LoRA flags: adapters listed from the start, run-time loading."""
+    parser.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module,
+                        metavar="NAME=PATH",
+                        help="adapters served from the start, as name=path or JSON "
+                             "{\"name\": ..., \"path\": ...}; clients pick one by `model` "
+                             "(implies --enable-lora)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                             "(paths only inside --allowed-lora-dir)")
+    parser.add_argument("--allowed-lora-dir", "--lora-allowed-dir", dest="allowed_lora_dirs",
+                        action="append", default=[], metavar="DIR",
+                        help="directory the run-time loaded adapters must lie in (repeatable; "
+                             "without it, run-time loading refuses every path)")
+    parser.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                        help="a request whose model names no loaded adapter loads DIR/<model> "
+                             "when that is an adapter directory")
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """--lora-modules' entry: name=path, or vLLM's JSON form."""
+    if value.lstrip().startswith("{"):
+        parsed = _json_object(value)
+        name, path = parsed.get("name"), parsed.get("path")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise argparse.ArgumentTypeError(f"needs \"name\" and \"path\": {value!r}")
+        return name, path
+    name, sep, path = value.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected name=path, got {value!r}")
+    return name, path
 
 
 def _add_pooling_args(parser: argparse.ArgumentParser) -> None:
@@ -197,4 +245,17 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         speculative_config=getattr(args, "speculative_config", None),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
-        hf_overrides=getattr(args, "hf_overrides", None))
+        hf_overrides=getattr(args, "hf_overrides", None),
+        lora_config=lora_config_from_args(args))
+
+
+def lora_config_from_args(args: argparse.Namespace) -> dict | None:
+    """LoRAConfig's fields from the flags; None without --enable-lora (or --lora-modules)."""
+    modules = getattr(args, "lora_modules", None) or []
+    if not (getattr(args, "enable_lora", False) or modules):
+        return None
+    return dict(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras, lora_modules=list(modules),
+                allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
+                allowed_lora_dirs=list(getattr(args, "allowed_lora_dirs", []) or []),
+                lora_resolver_dir=getattr(args, "lora_resolver_dir", None))

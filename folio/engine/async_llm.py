@@ -31,6 +31,7 @@ from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_p
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.metrics.stats_logger import StatsLogger
+from folio.lora_request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ class AsyncLLM:
         self.config = config
         self.model_info: ModelInfo = load_model_info(config)
         self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                        config.limits)
+                                        config.limits, config.lora)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.metrics = metrics
         self.stats = SchedulerStats()
@@ -242,13 +243,15 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs for one request (as params.output_kind says). Raises
         ValueError for bad input before anything is queued, EngineDeadError if the engine
         dies. Closing the stream early (client gone) aborts the request."""
         request_id, prepared = await self._prepare(
             request_id, functools.partial(self.preparer.prepare, prompt=prompt, params=params,
-                                          priority=priority, cache_salt=cache_salt))
+                                          priority=priority, cache_salt=cache_salt,
+                                          lora_request=lora_request))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = prepared.core_requests[0].arrival_time

@@ -74,7 +74,8 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
             async_scheduling=self.async_scheduling, drafter=drafter,
             adaptive_draft_length=(config.speculative is None
-                                   or config.speculative.adaptive_draft_length))
+                                   or config.speculative.adaptive_draft_length),
+            max_loras=0 if config.lora is None else config.lora.max_loras)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # Speculative decoding sizes its drafts from measured step times.

@@ -8,15 +8,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from folio.config import EngineConfig, RequestLimitsConfig
+from folio.config import EngineConfig, LoRAConfig, RequestLimitsConfig
 from folio.core.request import EngineCoreRequest
+from folio.engine.lora_checks import LoRAChecker
 from folio.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from folio.engine.request_limits import check_kv_fit, check_sampling_limits
 from folio.engine.tokenizer import eos_token_ids, load_tokenizer
 from folio.model.families import arch_spec_from_hf_config
 from folio.model.discovery import ModelSource, load_hf_config, resolve_model_source
+from folio.model.lora.adapter_files import check_lora_support
 from folio.model.pooling_info import (ENCODER_ARCHS, resolve_pooling_info, resolve_runner,
                                       token_ids_of)
+from folio.lora_request import LoRARequest
 from folio.pooling_params import PoolerConfig, PoolingModelInfo, PoolingParams, PoolingTask
 from folio.sampling_params import SamplingParams
 
@@ -69,6 +72,8 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         pooling = resolve_pooling_info(hf_config, model_dir, config.model.convert,
                                        PoolerConfig.from_dict(config.model.pooler_config))
     spec = arch_spec_from_hf_config(hf_config)  # fails early on an unsupported architecture
+    if config.lora is not None:
+        check_lora_support(spec)
     generation_config = None
     if config.model.generation_config == "auto":
         if source.kind == "hf_dir":
@@ -172,8 +177,11 @@ def _child_seed(seed: int, index: int) -> int:
 
 class RequestPreparer:
     def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto",
-                 limits: RequestLimitsConfig | None = None) -> None:
+                 limits: RequestLimitsConfig | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         self.info = info
+        # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
+        self.lora = LoRAChecker(lora, arch_spec_from_hf_config(info.hf_config))
         self.structured_outputs_backend = structured_outputs_backend
         self.limits = limits or RequestLimitsConfig()
         # Tokens the KV cache holds; set once the engine core has sized it.
@@ -182,8 +190,10 @@ class RequestPreparer:
 
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> PreparedRequest:
-        """Validate and tokenize. Raises ValueError naming the problem; changes no state."""
+                cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
+        """Validate and tokenize. Raises ValueError naming the problem; changes no state (but
+        remembers a checked adapter)."""
         if self.info.pooling is not None:
             raise ValueError("this model runs the pooling runner: it returns embeddings, "
                              "scores or classes and does not generate text")
@@ -198,6 +208,8 @@ class RequestPreparer:
             raise ValueError("cache_salt must be a non-empty string")
         # Bounds first: everything after this point costs time or memory in proportion to them.
         check_sampling_limits(params, self.limits)
+        if lora_request is not None:
+            self.lora.check(lora_request)
         params = params.clone()
         if params.structured_outputs is not None:
             # A bad schema/regex/grammar is the caller's error (a 400), found here in well
@@ -228,7 +240,7 @@ class RequestPreparer:
                 child_params.append(child)
         core_requests = [
             EngineCoreRequest(cid, processed.prompt_token_ids, p, list(self.info.eos_token_ids),
-                              arrival, priority, cache_salt)
+                              arrival, priority, cache_salt, lora_request=lora_request)
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
 

@@ -12,6 +12,7 @@ from folio.engine.frontend import RequestPreparer, default_sampling_params, load
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.pooling_params import PoolingParams
+from folio.lora_request import LoRARequest
 from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config,
                                       self.model_info.tokenizer)
         self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                        config.limits)
+                                        config.limits, config.lora)
         self.preparer.kv_capacity_tokens = self.engine_core.kv_capacity_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -63,12 +64,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
-        """Validate, tokenize and queue one request. Raises ValueError on bad input, with the
-        engine untouched."""
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Validate, tokenize and queue one request (`lora_request`: the LoRA adapter it runs
+        with). Raises ValueError on bad input, with the engine untouched."""
         request_id = self._new_request_id(request_id)
         prepared = self.preparer.prepare(request_id, prompt, params, arrival_time=arrival_time,
-                                         priority=priority, cache_salt=cache_salt)
+                                         priority=priority, cache_salt=cache_salt,
+                                         lora_request=lora_request)
         self.output_processor.add_request(
             request_id, prepared.child_ids, prepared.prompt.prompt,
             prepared.prompt.prompt_token_ids, prepared.child_params,

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                           RequestLimitsConfig, SchedulerConfig, SpeculativeConfig,
                           StructuredOutputsConfig)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.entrypoints.pooling_api import PoolingAPI
+from folio.lora_request import LoRARequest
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,7 +42,14 @@ class LLM(PoolingAPI):
                  speculative_config: SpeculativeConfig | dict | str | None = None,
                  runner: str = "auto", convert: str = "auto", task: str | None = None,
                  pooler_config: dict | None = None,
-                 hf_overrides: dict | None = None) -> None:
+                 hf_overrides: dict | None = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None,
+                 lora_config: LoRAConfig | dict | None = None) -> None:
+        """`enable_lora` (or a `lora_config`): requests may run with a LoRA adapter
+        (`lora_request=LoRARequest(name, id, path)` on generate / chat); up to `max_loras`
+        adapters of rank up to `max_lora_rank` in one batch, `max_cpu_loras` kept in host
+        memory."""
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -74,6 +82,8 @@ class LLM(PoolingAPI):
             parallel=ParallelConfig(distributed_executor_backend=distributed_executor_backend,
                                     num_workers=num_workers),
             speculative=SpeculativeConfig.from_json(speculative_config),
+            lora=_lora_config(enable_lora, lora_config, max_loras, max_lora_rank,
+                              max_cpu_loras),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0
@@ -89,9 +99,12 @@ class LLM(PoolingAPI):
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, priority: list[int] | None = None,
-                 cache_salt: str | list[str | None] | None = None) -> list[RequestOutput]:
+                 cache_salt: str | list[str | None] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of either.
-        Outputs come back in the order of the prompts."""
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt. Outputs
+        come back in the order of the prompts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -99,13 +112,15 @@ class LLM(PoolingAPI):
         params_list = self._expand("sampling_params", sampling_params, count)
         priorities = self._expand("priority", priority, count, default=0)
         salts = self._expand("cache_salt", cache_salt, count, default=None)
+        loras = self._expand("lora_request", lora_request, count, default=None)
         # Validate everything before queueing anything: a bad prompt fails the call cleanly.
         request_ids = []
         try:
-            for prompt, params, prio, salt in zip(prompts, params_list, priorities, salts):
+            for prompt, params, prio, salt, lora in zip(prompts, params_list, priorities,
+                                                        salts, loras):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
-                request_ids.append(self._add(prompt, params, prio, salt))
+                request_ids.append(self._add(prompt, params, prio, salt, lora))
         except Exception:
             self.llm_engine.abort_request(request_ids)
             raise
@@ -114,7 +129,9 @@ class LLM(PoolingAPI):
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """messages: one conversation (a list of {role, content}) or a list of them."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a conversation or a list of conversations")
@@ -130,7 +147,8 @@ class LLM(PoolingAPI):
             # The template already holds the special tokens (BOS and so on).
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -150,9 +168,11 @@ class LLM(PoolingAPI):
         self._request_counter += 1
         return request_id
 
-    def _add(self, prompt: Any, params: SamplingParams, priority: int, salt: str | None) -> str:
+    def _add(self, prompt: Any, params: SamplingParams, priority: int, salt: str | None,
+             lora_request: LoRARequest | None = None) -> str:
         return self.llm_engine.add_request(self._next_request_id(), prompt, params,
-                                           priority=priority, cache_salt=salt)
+                                           priority=priority, cache_salt=salt,
+                                           lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
@@ -172,3 +192,17 @@ class LLM(PoolingAPI):
             if progress is not None:
                 progress.close()
         return [results[rid] for rid in request_ids]
+
+
+def _lora_config(enable_lora: bool, config: LoRAConfig | dict | None, max_loras: int,
+                 max_lora_rank: int, max_cpu_loras: int | None) -> LoRAConfig | None:
+    """The LoRA settings LLM(...) was given: a LoRAConfig (or its dict), or enable_lora with
+    the separate knobs; None = LoRA off."""
+    if isinstance(config, dict):
+        config = LoRAConfig(**config)
+    if config is not None:
+        return config
+    if not enable_lora:
+        return None
+    return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
+                      max_cpu_loras=max_cpu_loras)

@@ -183,18 +183,26 @@ class Linear(nn.Linear):
         # The weight kept quantized (folio.model.quant: 4-bit planes or int8 rows, CPU); its
         # float `weight` is then empty.
         self.packed: nn.Module | None = None
+        # LoRA adapters' deltas, added after the product (folio/model/lora/projection.py;
+        # None without --enable-lora).
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             # .forward, not __call__: the packed module has no hooks, and nn.Module's call
             # machinery costs a few microseconds on every projection of every step.
-            return self.packed.forward(x, self.bias)
-        x2 = _skinny_input(x, self)
-        if x2 is not None:
-            from folio.model.kernels.gemv import skinny_matmul
-            return skinny_matmul(x2, self.weight, self.bias,
-                                 pdl=self.kernels.pdl_on).view(*x.shape[:-1], -1)
-        return F.linear(x, self.weight, self.bias)
+            out = self.packed.forward(x, self.bias)
+        else:
+            x2 = _skinny_input(x, self)
+            if x2 is not None:
+                from folio.model.kernels.gemv import skinny_matmul
+                out = skinny_matmul(x2, self.weight, self.bias,
+                                    pdl=self.kernels.pdl_on).view(*x.shape[:-1], -1)
+            else:
+                out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            out = self.lora.forward(x, out)
+        return out
 
 
 class MergedLinear(Linear):
@@ -357,12 +365,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.gate_up_proj.packed
-        if self.fused_silu and packed is not None and hasattr(packed, "gate_up_silu"):
+        # The fused gate_up+SiLU paths never see gate_up's output, where LoRA adds its delta.
+        fusable = self.fused_silu and self.gate_up_proj.lora is None
+        if fusable and packed is not None and hasattr(packed, "gate_up_silu"):
             # a quantized merged weight that fuses the activation itself (8-bit weights)
             act = packed.gate_up_silu(x, self.gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act)
-        if self.fused_silu and packed is None:
+        if fusable and packed is None:
             x2 = _skinny_input(x, self.gate_up_proj, fused=True)
             if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
                 from folio.model.kernels.gemv import skinny_gate_up_silu

@@ -23,7 +23,7 @@ class RequestState:
     """One request as the worker knows it (its tokens live in its batch row while it has one)."""
 
     __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
-                 "parked_tokens", "pooling_params", "token_type_ids")
+                 "parked_tokens", "pooling_params", "token_type_ids", "lora_request")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
@@ -38,6 +38,8 @@ class RequestState:
         self.pooling_params = new.pooling_params
         self.token_type_ids = (None if new.token_type_ids is None
                                else np.asarray(new.token_type_ids, dtype=np.int64))
+        # Its LoRA adapter (None: the base model).
+        self.lora_request = new.lora_request
 
 
 class InputBatch:

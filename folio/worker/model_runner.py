@@ -21,6 +21,7 @@ from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
+    from folio.worker.lora_manager import LoRAManager
     from folio.worker.pooling import PendingPooled, PoolingRunner
     from folio.worker.spec_propose import DraftProposer
     from folio.worker.mixed_graphs import MixedGraphRunner
@@ -64,6 +65,8 @@ class ModelRunner:
         self.draft_proposer: DraftProposer | None = None
         # A pooling model's steps (worker/pooling.py): results instead of sampled tokens.
         self.pooling: PoolingRunner | None = None
+        # LoRA adapters (None without --enable-lora): each step's tokens get their slots.
+        self.lora: LoRAManager | None = None
         # An encoder takes its tokens' segment ids (BERT's token types) beside the ids.
         self.takes_token_types = bool(getattr(model.spec, "is_encoder", False))
 
@@ -206,6 +209,10 @@ class ModelRunner:
         order = step.num_scheduled_tokens
         if not order:
             return PendingRunnerOutput()
+        if self.lora is not None:
+            requests = batch.requests
+            self.lora.set_step([requests[rid].lora_request for rid in order],
+                               list(order.values()))
         graphs, mixed = self.graph_runner, self.mixed_graph_runner
         if self.calculate_kv_scales:
             graphs = mixed = None  # the scales are set eagerly; the graphs only read them

@@ -87,6 +87,14 @@ class Worker:
                                                kernel_config=kernel_config,
                                                quantization=self.quantization,
                                                kv_cache_dtype=self.kv_cache_dtype)
+        # LoRA adapters' device slots in every projection (their memory is the model's, so
+        # the KV cache is sized after them).
+        self.lora = None
+        if config.lora is not None:
+            from folio.worker.lora_manager import LoRAManager
+            sched = config.scheduler
+            self.lora = LoRAManager(self.model, self.spec, config.lora, self.dtype, self.device,
+                                    max(sched.max_num_batched_tokens, sched.max_num_seqs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,
@@ -280,6 +288,7 @@ class Worker:
         if self.config.pooling is not None:
             from folio.worker.pooling import PoolingRunner
             runner.pooling = PoolingRunner(self.model.pooler, self.config.pooling.pooling_type)
+        runner.lora = self.lora
         return runner
 
     def _capture_decode_graphs(self):

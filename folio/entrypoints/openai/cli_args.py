@@ -10,10 +10,11 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from folio.engine.arg_utils import add_engine_args
+    from folio.engine.arg_utils import add_engine_args, add_lora_serving_args
     from folio.entrypoints.openai.tool_parsers.registry import TOOL_PARSERS
     from folio.reasoning import REASONING_FORMATS
     add_engine_args(parser)
+    add_lora_serving_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind; 127.0.0.1 is loopback only, 0.0.0.0 exposes it")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -60,8 +61,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine_config(args: argparse.Namespace):
-    from folio.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
+    from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                              ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                              StructuredOutputsConfig)
     from folio.engine.arg_utils import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
@@ -88,4 +90,5 @@ def build_engine_config(args: argparse.Namespace):
                                    max_pooling_inputs=args.max_pooling_inputs),
         parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
                                 num_workers=kw["num_workers"]),
-        speculative=SpeculativeConfig.from_json(kw["speculative_config"]))
+        speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
+        lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]))

@@ -1,0 +1,188 @@
+"""Multi-LoRA inside a batch: every projection an adapter may target holds, per device slot,
+its adapters' A and B (zero-padded to the engine's max rank), and adds each token's own
+adapter's B(A(x)) * scaling to the base output. Which slot each token uses is the step's
+`LoRABatch`, shared by all projections and set by the worker before the forward pass.
+
+On CUDA the Triton kernels (folio/model/kernels/lora.py) do it in two launches per projection
+reading the batch's static slot buffer, so CUDA graphs capture them; B is stored pre-scaled.
+Elsewhere the torch path loops over the step's adapters (at most max_loras), each on its
+tokens' rows, and multiplies by the scaling after B as PEFT does, at each projection's own
+rank, so float32 results match PEFT's arithmetic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from folio.model.kernel_config import KernelConfig
+from folio.model.lora.adapter_files import PROJECTIONS
+from folio.model.lora.weights import AdapterWeights
+
+
+class LoRABatch:
+    """The step's token -> slot map (-1: no adapter). `token_slots` is a device buffer of
+    max_tokens entries updated in place (captured CUDA graphs read it); rows past the step's
+    tokens hold -1. `groups`: per slot in use, its tokens' rows (a slice when they are
+    contiguous, else an index tensor), for the torch path."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.device = device
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._host = torch.full((max_tokens,), -1, dtype=torch.int32,
+                                pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._num_set = 0
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.active = False
+
+    def set(self, slots: np.ndarray) -> None:
+        """This step's slots, one per token in flat-batch order."""
+        n = len(slots)
+        host = self._host_np
+        host[:n] = slots
+        if self._num_set > n:
+            host[n:self._num_set] = -1
+        end = max(n, self._num_set)
+        self._num_set = n
+        self.token_slots[:end].copy_(self._host[:end], non_blocking=True)
+        self.groups = []
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):
+                self.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                self.groups.append((slot, torch.from_numpy(rows).to(self.device)))
+        self.active = bool(self.groups)
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where a checkpoint projection's LoRA goes: the LoRA projection and its slice."""
+    projection: "LoRAProjection"
+    slice_index: int
+
+
+class LoRAProjection(nn.Module):
+    """The LoRA side of one (possibly merged) projection: `a` [slots, n_slices * max_rank,
+    in], `b` [slots, out, max_rank] (each slice's output rows read its own max_rank columns of
+    A's output), the scaling and rank of each slot's slices. Empty slices (an adapter that
+    leaves q alone, say) hold zeros and rank 0."""
+
+    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device, batch: LoRABatch,
+                 kernels: KernelConfig) -> None:
+        super().__init__()
+        self.slice_sizes = slice_sizes
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + slice_sizes[:-1]))
+        self.max_rank = max_rank
+        self.batch = batch
+        self.kernels = kernels
+        n = len(slice_sizes)
+        self.register_buffer("a", torch.zeros(max_loras, n * max_rank, in_features,
+                                              dtype=dtype, device=device), persistent=False)
+        self.register_buffer("b", torch.zeros(max_loras, sum(slice_sizes), max_rank,
+                                              dtype=dtype, device=device), persistent=False)
+        self.scaling = [[0.0] * n for _ in range(max_loras)]
+        self.ranks = [[0] * n for _ in range(max_loras)]
+        # CUDA keeps B multiplied by its scaling (the kernels take no scale)
+        self.prescaled = device.type == "cuda"
+
+    @torch.no_grad()
+    def load_slice(self, slot: int, index: int, a: torch.Tensor | None,
+                   b: torch.Tensor | None, scaling: float) -> None:
+        """Slot `slot`'s slice `index`: A [r, in], B [size, r], or None to clear it."""
+        r0 = index * self.max_rank
+        lo, size = self.offsets[index], self.slice_sizes[index]
+        self.a[slot, r0:r0 + self.max_rank].zero_()
+        self.b[slot, lo:lo + size].zero_()
+        if a is None:
+            self.scaling[slot][index], self.ranks[slot][index] = 0.0, 0
+            return
+        rank = a.shape[0]
+        self.a[slot, r0:r0 + rank].copy_(a, non_blocking=True)
+        if self.prescaled:
+            self.b[slot, lo:lo + size, :rank].copy_((b.float() * scaling).to(self.b.dtype))
+        else:
+            self.b[slot, lo:lo + size, :rank].copy_(b, non_blocking=True)
+        self.scaling[slot][index], self.ranks[slot][index] = scaling, rank
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base projection of x, [T, out]) plus each token's adapter's delta."""
+        if x.is_cuda and self.kernels.fused_kernels:
+            from folio.model.kernels._common import HAS_TRITON
+            if HAS_TRITON:
+                return self._forward_triton(x, y)
+        if not self.batch.active:
+            return y
+        return self._forward_torch(x, y)
+
+    def _forward_triton(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from folio.model.kernels.lora import lora_expand, lora_shrink
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        slots = self.batch.token_slots[:x2.shape[0]]
+        buf = torch.empty((x2.shape[0], self.a.shape[1]), dtype=torch.float32, device=x.device)
+        lora_shrink(x2, self.a, slots, buf)
+        lora_expand(buf, self.b, slots, y2, self.slice_sizes, self.max_rank)
+        return y
+
+    def _forward_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for slot, rows in self.batch.groups:
+            xs = x2[rows]
+            for index, rank in enumerate(self.ranks[slot]):
+                if rank == 0:
+                    continue
+                r0 = index * self.max_rank
+                lo, size = self.offsets[index], self.slice_sizes[index]
+                a = self.a[slot, r0:r0 + rank]
+                b = self.b[slot, lo:lo + size, :rank]
+                delta = (xs @ a.t()) @ b.t()
+                if not self.prescaled:
+                    delta = delta * self.scaling[slot][index]
+                if isinstance(rows, slice):
+                    y2[rows, lo:lo + size] += delta
+                else:
+                    y2[rows, lo:lo + size] = y2[rows, lo:lo + size] + delta
+        return y
+
+
+# The merged projection each checkpoint projection lives in, and its slice there.
+_PLACEMENT = {"q": ("self_attn.qkv_proj", 0), "k": ("self_attn.qkv_proj", 1),
+              "v": ("self_attn.qkv_proj", 2), "o": ("self_attn.o_proj", 0),
+              "gate": ("mlp.gate_up_proj", 0), "up": ("mlp.gate_up_proj", 1),
+              "down": ("mlp.down_proj", 0)}
+
+
+def install_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device, batch: LoRABatch) -> dict[tuple[int, str], LoRATarget]:
+    """Give every q/k/v/o/gate/up/down projection of `model`'s layers a LoRAProjection (the
+    Linear calls it after its own product); returns where each (layer, projection) goes."""
+    targets: dict[tuple[int, str], LoRATarget] = {}
+    kernels = model.kernel_config
+    for i, layer in enumerate(model.layers):
+        made: dict[str, LoRAProjection] = {}
+        for proj in PROJECTIONS:
+            path, index = _PLACEMENT[proj]
+            if path not in made:
+                linear = layer.get_submodule(path)
+                sizes = tuple(size for _, size in linear.shard_offsets.values()) \
+                    if hasattr(linear, "shard_offsets") else (linear.out_features,)
+                linear.lora = LoRAProjection(linear.in_features, sizes, max_loras, max_rank,
+                                             dtype, device, batch, kernels)
+                made[path] = linear.lora
+            targets[(i, proj)] = LoRATarget(made[path], index)
+    return targets
+
+
+def load_into_slot(targets: dict[tuple[int, str], LoRATarget], slot: int,
+                   weights: AdapterWeights | None) -> None:
+    """Slot `slot` holds `weights` (None: empty) in every projection, the ones the adapter
+    leaves alone cleared."""
+    for key, target in targets.items():
+        w = None if weights is None else weights.projections.get(key)
+        if w is None:
+            target.projection.load_slice(slot, target.slice_index, None, None, 0.0)
+        else:
+            target.projection.load_slice(slot, target.slice_index, w.a, w.b, w.scaling)
