@@ -1,0 +1,143 @@
+"""LoRA through the offline API on a tiny random Llama: every bad adapter or request is a
+ValueError naming the problem and the engine goes on serving; adapters come back from the
+host cache or their files as the slots and --max-cpu-loras allow; Qwen2's biased q/k/v and
+a model whose slots are all in use still give peft's tokens."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from lora_utils import make_adapter, peft_greedy
+
+pytest.importorskip("peft")
+
+GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 3, 250, 11]}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_adapters")
+    return {
+        "r4": make_adapter(tiny, str(root / "r4"), seed=11, std=0.2, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "down_proj"]),
+        "r8": make_adapter(tiny, str(root / "r8"), seed=12, std=0.2, r=8, lora_alpha=8,
+                           target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+        "r32": make_adapter(tiny, str(root / "r32"), seed=13, std=0.2, r=32, lora_alpha=8,
+                            target_modules=["q_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    from folio import LLM
+    return LLM(tiny, dtype="float32", device="cpu", max_model_len=128,
+               kv_cache_memory_bytes=1 << 24, enable_lora=True, max_loras=1, max_cpu_loras=1,
+               max_lora_rank=16, distributed_executor_backend="uni")
+
+
+def _generate(llm, lora=None) -> list[int]:
+    from folio import SamplingParams
+    out = llm.generate(PROMPT, SamplingParams(**GREEDY), lora_request=lora, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def test_one_slot_one_host_slot_swaps_and_reloads_each_adapter(llm, tiny, adapters):
+    from folio import LoRARequest
+    r4, r8 = LoRARequest("r4", 1, adapters["r4"]), LoRARequest("r8", 2, adapters["r8"])
+    want = {name: peft_greedy(tiny, adapters[name], [PROMPT["prompt_token_ids"]], 8)[0]
+            for name in ("r4", "r8")}
+    assert want["r4"] != want["r8"] != _generate(llm)   # the adapters change the answer
+    manager = llm.llm_engine.engine_core.executor.worker.lora
+    loads = manager.num_loads
+    # both in one call: one slot, so the scheduler runs them one after the other
+    outs = llm.generate([PROMPT, PROMPT], _params(), lora_request=[r4, r8], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [want["r4"], want["r8"]]
+    assert manager.num_loads == loads + 2
+    assert _generate(llm, r4) == want["r4"]     # evicted from host memory: read again
+    assert manager.num_loads == loads + 3
+    assert _generate(llm, r4) == want["r4"]     # still in its slot
+    assert manager.num_loads == loads + 3
+    assert manager.device_adapters == [1] and manager.host_adapters == [1]
+
+
+def _params():
+    from folio import SamplingParams
+    return SamplingParams(**GREEDY)
+
+
+def test_bad_adapters_are_value_errors_and_the_engine_goes_on(llm, tiny, adapters, tmp_path):
+    from folio import LoRARequest
+    base = _generate(llm)
+
+    def refused(lora, *words):
+        with pytest.raises(ValueError) as info:
+            _generate(llm, lora)
+        for word in words:
+            assert word in str(info.value), str(info.value)
+
+    refused(LoRARequest("big", 10, adapters["r32"]), "rank 32", "max_lora_rank (16)")
+    refused(LoRARequest("none", 11, str(tmp_path / "missing")), "no such directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(LoRARequest("empty", 12, str(empty)), "adapter_config.json")
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["r4"], broken)
+    (broken / "adapter_config.json").write_text("{not json")
+    refused(LoRARequest("broken", 13, str(broken)), "not valid JSON")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(adapters["r4"], truncated)
+    with open(truncated / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(20)
+    refused(LoRARequest("truncated", 14, str(truncated)), "adapter_model.safetensors")
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["r4"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    refused(LoRARequest("dora", 15, str(dora)), "use_dora")
+    refused("r4", "must be a LoRARequest")
+    # an id already naming another adapter
+    assert _generate(llm, LoRARequest("r4", 1, adapters["r4"]))
+    refused(LoRARequest("other", 1, adapters["r8"]), "lora_int_id 1 already names")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, adapters["r4"])
+    # nothing of the above reached the engine: it still answers, the same as before
+    assert _generate(llm) == base
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_adapter_of_another_model_is_refused(llm, tiny_model_dir, tmp_path):
+    from folio import LoRARequest
+    other = make_adapter(tiny_model_dir("qwen3"), str(tmp_path / "qwen3"), seed=1, r=4,
+                         target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="do not fit"):
+        _generate(llm, LoRARequest("q", 21, other))
+
+
+def test_lora_off_refuses_a_lora_request(tiny, adapters):
+    from folio import LLM, LoRARequest
+    plain = LLM(tiny, dtype="float32", device="cpu", max_model_len=64,
+                kv_cache_memory_bytes=1 << 22, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="not enabled"):
+        _generate(plain, LoRARequest("r4", 1, adapters["r4"]))
+
+
+def test_qwen2_biased_qkv_matches_peft(tiny_model_dir, tmp_path):
+    from folio import LLM, LoRARequest
+    base = tiny_model_dir("qwen2")
+    path = make_adapter(base, str(tmp_path / "a"), seed=5, std=0.2, r=8,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    want = peft_greedy(base, path, [PROMPT["prompt_token_ids"]], 8)[0]
+    llm = LLM(base, dtype="float32", device="cpu", max_model_len=64,
+              kv_cache_memory_bytes=1 << 22, enable_lora=True,
+              distributed_executor_backend="uni")
+    assert _generate(llm, LoRARequest("a", 1, path)) == want
+    assert os.path.isdir(path)
