@@ -28,6 +28,8 @@ import numpy as np
 
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
+from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, spread,
+                                       write_random_adapters)
 from folio.bench.spec_report import format_spec_report, spec_counts, spec_report
 from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
                                release_device_memory, run_latency_peer,
@@ -79,6 +81,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                               help="store the random projections quantized: w4a16 = random "
                                    "4-bit codes in compressed-tensors' pack-quantized layout "
                                    "(group 128); for FP8 give --quantization fp8 instead")
+    add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None, help="write the results to this file")
 
 
@@ -114,11 +117,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         random_model = build_random_model_in_child(args.config, args.random_num_layers,
                                                    args.random_quantization)
         kwargs["model"] = random_model["path"]
+    lora_engine_kwargs(args, kwargs)
 
     start = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
+    adapters = write_random_adapters(engine.model_info.hf_config, args.lora, args.lora_rank,
+                                     seed=args.seed) if args.lora else []
     if args.input_len + args.output_len > engine.max_model_len:
         raise ValueError(f"input-len + output-len = {args.input_len + args.output_len} exceeds "
                          f"max_model_len {engine.max_model_len}")
@@ -151,7 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = fresh_batch()  # drawn before the timer starts
         schedule.append((kind, max_tokens, [p["prompt_token_ids"] for p in prompts]))
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False,
+                               lora_request=spread(adapters, len(prompts)))
         elapsed = time.perf_counter() - start
         return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
@@ -197,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens_per_s_per_seq": stats["decode_tokens_per_s_per_seq"],
         "output_tokens_per_iter": output_tokens,
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
         "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
         "model": model_source,
         "dtype": dtype_name,

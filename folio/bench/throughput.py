@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, spread,
+                                       write_random_adapters)
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
 from folio.bench.embed_throughput import DEFAULT_PEER_BATCH_SIZES as DEFAULT_EMBED_PEER_BATCH_SIZES
 from folio.bench.embed_throughput import PEER as EMBED_PEER
@@ -90,12 +92,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip measuring copy bandwidth and matmul peak and the roofline "
                              "comparison")
+    add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None, help="write the results to this file")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from folio.engine.arg_utils import engine_kwargs_from_args
-    return engine_kwargs_from_args(args)
+    kwargs = engine_kwargs_from_args(args)
+    lora_engine_kwargs(args, kwargs)
+    return kwargs
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -150,6 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info["random_model"] = random_model
     info["quantization"] = args.quantization
     info["kv_cache_dtype"] = args.kv_cache_dtype
+    info["lora_adapters"] = args.lora
+    info["lora_rank"] = args.lora_rank if args.lora else None
     requests: list[SampleRequest] = info.pop("requests")
     info["roofline"] = None if args.no_roofline else _roofline(info, requests, folio_result)
     results = [folio_result]
@@ -213,9 +220,12 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
 
+    adapters = write_random_adapters(engine.model_info.hf_config, args.lora, args.lora_rank,
+                                     seed=args.seed) if args.lora else []
     spec_before = spec_counts(engine)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm,
+                           lora_request=spread(adapters, len(prompts)))
     result.elapsed_s = time.perf_counter() - start
     spec = spec_report(spec_before, spec_counts(engine))
     result.peak_rss_bytes = peak_rss_bytes()

@@ -141,3 +141,26 @@ def test_qwen2_biased_qkv_matches_peft(tiny_model_dir, tmp_path):
               distributed_executor_backend="uni")
     assert _generate(llm, LoRARequest("a", 1, path)) == want
     assert os.path.isdir(path)
+
+
+def test_bench_random_adapters_are_valid_peft_directories(tiny, tmp_path):
+    """`folio bench --lora N`'s adapters pass the front end's checks and run."""
+    from folio import LLM
+    from folio.bench.lora_adapters import spread, write_random_adapters
+    from folio.model.discovery import load_hf_config, resolve_model_source
+    from folio.model.families import arch_spec_from_hf_config
+    from folio.model.lora.adapter_files import read_adapter
+
+    hf_config, _ = load_hf_config(resolve_model_source(tiny))
+    requests = write_random_adapters(hf_config, 2, 8, str(tmp_path))
+    spec = arch_spec_from_hf_config(hf_config)
+    for request in requests:
+        files = read_adapter(request.lora_path, spec, max_rank=8)
+        assert files.rank == 8 and len(files.modules) == 7 * spec.num_layers
+    assert spread(requests, 3) == [requests[0], requests[1], requests[0]]
+    llm = LLM(tiny, dtype="float32", device="cpu", max_model_len=64,
+              kv_cache_memory_bytes=1 << 22, enable_lora=True, max_loras=2,
+              distributed_executor_backend="uni")
+    outs = llm.generate([PROMPT] * 3, _params(), lora_request=spread(requests, 3),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
