@@ -34,6 +34,7 @@ from folio.model.attention.triton_backend import (STEP_CACHE_KEY, TritonPagedAtt
                                                   TritonStepTensors)
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Attention
+from folio.model.lora.projection import LoRABatch
 from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
 from folio.worker.input_batch import InputBatch
 
@@ -87,7 +88,11 @@ def triton_backend_of(model: DecoderLM) -> TritonPagedAttention | None:
 
 class DecodeGraphRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], *, block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device,
+                 lora_batch: LoRABatch | None = None) -> None:
+        """`lora_batch`: the LoRA adapters' step map (None without LoRA); each size is then
+        captured twice, with the adapters' kernels and without, and a step replays the
+        second when none of its requests has an adapter."""
         assert device.type == "cuda", "CUDA graphs need a CUDA device"
         backend = triton_backend_of(model)
         assert backend is not None, "CUDA graphs need the Triton attention backend"
@@ -117,6 +122,8 @@ class DecodeGraphRunner:
         self._host = StepBuffers(n, n, w, pin=True)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_batch = lora_batch
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.replayed_sizes: set[int] = set()
@@ -155,6 +162,13 @@ class DecodeGraphRunner:
             self._metas[bs] = self._static_metadata(bs)
 
         self.graphs = capture_graphs(self.sizes, prepare, self._forward, self.device)
+        if self.lora_batch is not None:
+            self.lora_batch.force = True
+            try:
+                self.lora_graphs = capture_graphs(self.sizes, prepare, self._forward,
+                                                  self.device)
+            finally:
+                self.lora_batch.force = False
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s",
                     len(self.graphs), self.sizes, self.capture_seconds)
@@ -187,7 +201,8 @@ class DecodeGraphRunner:
         host.copies_queued()
         if flat.pending_dst:
             fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)
-        self.graphs[bs].replay()
+        lora = self.lora_batch
+        (self.lora_graphs if lora is not None and lora.active else self.graphs)[bs].replay()
         self.num_replays += 1
         self.replayed_sizes.add(bs)
         return self.hidden[:B], flat.query_start_loc

@@ -315,7 +315,8 @@ class Worker:
         runner = DecodeGraphRunner(
             self.model, self.kv_caches, block_size=self.config.cache.block_size,
             max_num_seqs=self.config.scheduler.max_num_seqs,
-            max_model_len=self.config.model.max_model_len, device=self.device)
+            max_model_len=self.config.model.max_model_len, device=self.device,
+            lora_batch=None if self.lora is None else self.lora.batch)
         runner.capture()
         return runner
 
@@ -331,7 +332,15 @@ class Worker:
             max_num_seqs=sched.max_num_seqs, max_model_len=self.config.model.max_model_len,
             max_num_tokens=min(sched.max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS),
             device=self.device)
-        runner.capture()
+        # With LoRA, mixed graphs hold the adapters' kernels (a step without adapters pays
+        # their early exits); decode graphs are captured both ways.
+        if self.lora is not None:
+            self.lora.batch.force = True
+        try:
+            runner.capture()
+        finally:
+            if self.lora is not None:
+                self.lora.batch.force = False
         return runner
 
     @property

@@ -33,7 +33,8 @@ from folio.entrypoints.openai.pooling_protocol import (ClassificationRequest, Em
                                                        PoolingRequest, RerankRequest,
                                                        ScoreRequest)
 from folio.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                               DetokenizeRequest, TokenizeRequest)
+                                               DetokenizeRequest, LoadLoRAAdapterRequest,
+                                               TokenizeRequest, UnloadLoRAAdapterRequest)
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
 from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT_MAX_BODY_BYTES
 from folio.entrypoints.openai.cli_args import build_engine_config
@@ -41,6 +42,7 @@ from folio.entrypoints.openai.serving_classify import OpenAIServingClassificatio
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_embedding import (OpenAIServingEmbedding,
                                                         OpenAIServingPooling)
+from folio.entrypoints.openai.serving_models import OpenAIServingModels
 from folio.entrypoints.openai.serving_score import OpenAIServingScore
 
 logger = logging.getLogger("folio.server")
@@ -98,8 +100,13 @@ def _parse(model: type[pydantic.BaseModel], data: dict) -> Any:
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = None) -> FastAPI:
+    """The app; a ValueError for settings it cannot serve (a bad --lora-modules adapter)."""
+    started = int(time.time())
+    models = OpenAIServingModels(engine, settings.served_model_names, created=started)
+    models.add_static_adapters()
     completions = OpenAIServingCompletion(engine, settings.served_model_names,
-                                          default_chat_template=settings.chat_template)
+                                          default_chat_template=settings.chat_template,
+                                          models=models)
     tool_call_parser = settings.tool_call_parser
     if tool_call_parser == "auto":
         from folio.entrypoints.openai.tool_parsers import detect_tool_parser
@@ -114,13 +121,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
     chat = OpenAIServingChat(engine, settings.served_model_names, chat_template=settings.chat_template,
                              reasoning_parser=settings.reasoning_parser,
                              tool_call_parser=tool_call_parser,
-                             enable_auto_tool_choice=settings.enable_auto_tool_choice)
+                             enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                             models=models)
     names = settings.served_model_names
     embeddings = OpenAIServingEmbedding(engine, names)
     pooling = OpenAIServingPooling(engine, names)
     classification = OpenAIServingClassification(engine, names)
     scores = OpenAIServingScore(engine, names)
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -279,11 +286,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
 
     @app.get("/v1/models")
     async def list_models():
-        cards = [{"id": name, "object": "model", "created": started, "owned_by": "folio",
-                  "root": engine.model_info.source.path, "parent": None,
-                  "max_model_len": engine.max_model_len}
-                 for name in settings.served_model_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": models.model_cards()}
+
+    openapi_models: list[type[pydantic.BaseModel]] = []
+    if models.runtime_updating:
+        # Only with --allow-runtime-lora-updating: otherwise the routes do not exist (404),
+        # as in vLLM. The API key guards them like every other route.
+        _add_lora_routes(app, models, _body)
+        openapi_models = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
 
     def _bounded_encode(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         # A text far past the context is refused without tokenizing all of it (as the
@@ -355,8 +365,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
 
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                            DetokenizeRequest, EmbeddingRequest, PoolingRequest,
-                           ClassificationRequest, ScoreRequest, RerankRequest])
+                           ClassificationRequest, ScoreRequest, RerankRequest,
+                           *openapi_models])
     return app
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels,
+                     read_body: Callable[[Request], Awaitable[dict]]) -> None:
+    """vLLM's run-time adapter routes: plain-text success, OpenAI error bodies otherwise."""
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_json_body("LoadLoRAAdapterRequest"))
+    async def load_lora_adapter(request: Request):
+        body = _parse(LoadLoRAAdapterRequest, await read_body(request))
+        return Response(await models.load_lora_adapter(body), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_json_body("UnloadLoRAAdapterRequest"))
+    async def unload_lora_adapter(request: Request):
+        body = _parse(UnloadLoRAAdapterRequest, await read_body(request))
+        return Response(await models.unload_lora_adapter(body), media_type="text/plain")
 
 
 def _json_body(*models: str) -> dict:
@@ -433,10 +459,29 @@ def _server_class():
     return Server
 
 
+def _check_lora_flags(args: argparse.Namespace, lora: Any) -> None:
+    """The server's LoRA flags mean nothing with LoRA off: say so rather than ignore them."""
+    if lora is None:
+        given = [flag for flag, value in (
+            ("--allow-runtime-lora-updating", getattr(args, "allow_runtime_lora_updating", False)),
+            ("--allowed-lora-dir", getattr(args, "allowed_lora_dirs", None)),
+            ("--lora-resolver-dir", getattr(args, "lora_resolver_dir", None))) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: LoRA is off; add --enable-lora "
+                             "(or --lora-modules)")
+        return
+    if lora.lora_resolver_dir is not None and not os.path.isdir(lora.lora_resolver_dir):
+        raise ValueError(f"--lora-resolver-dir {lora.lora_resolver_dir}: no such directory")
+    if lora.allow_runtime_lora_updating and not lora.allowed_lora_dirs:
+        logger.warning("--allow-runtime-lora-updating without --allowed-lora-dir: "
+                       "/v1/load_lora_adapter will refuse every path")
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from folio.model.default_model import DEFAULT_MODEL_NAME
     config = build_engine_config(args)
+    _check_lora_flags(args, config.lora)
     chat_template = _load_chat_template(args.chat_template)
     model_arg = config.model.model
     names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
@@ -446,7 +491,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if not args.disable_log_stats:
             from folio.metrics import EngineMetrics
-            metrics = EngineMetrics(names[0], engine.max_model_len)
+            metrics = EngineMetrics(names[0], engine.max_model_len,
+                                    max_lora=config.lora.max_loras if config.lora else 0)
             metrics.track_api_requests(engine.num_tracked_requests)
             engine.metrics = metrics
         ready = engine.ready

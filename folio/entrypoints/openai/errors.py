@@ -17,7 +17,7 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, *, status_code: int = 400,
                  type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code

@@ -352,3 +352,20 @@ class TokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[StrictInt]
+
+
+# ---------------------------------------------------------------------------------------
+# Run-time LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)
+# ---------------------------------------------------------------------------------------
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    # Optional here so that a missing field gets vLLM's own message, not pydantic's.
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str | None = None
+    # vLLM accepts it; the server names adapters by lora_name and assigns the ids itself.
+    lora_int_id: int | None = None

@@ -10,13 +10,18 @@ from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
 from folio.sampling_params import RequestOutputKind, SamplingParams
 
 
+def model_not_found(requested: str) -> OpenAIError:
+    """vLLM's body for a `model` the server does not serve (its code is the HTTP status)."""
+    return OpenAIError(f"The model `{requested}` does not exist.", status_code=404,
+                       type="NotFoundError", param="model", code=404)
+
+
 def resolve_model_name(requested: str | None, served_model_names: Sequence[str]) -> str:
     if not requested:
         return served_model_names[0]
     if requested in served_model_names:
         return requested
-    raise OpenAIError(f"The model `{requested}` does not exist.", status_code=404,
-                      type="NotFoundError", param="model", code="model_not_found")
+    raise model_not_found(requested)
 
 
 def with_prefix(prefix: str, request_id: str) -> str:

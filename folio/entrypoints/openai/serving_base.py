@@ -3,13 +3,18 @@ and limits, blocking work off the event loop, starting a request's streams, coll
 streaming their outputs with errors mapped to OpenAIError)."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
 
 from folio.config import RequestLimitsConfig
 from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
 from folio.entrypoints.openai.errors import ClientDisconnected, OpenAIError, to_openai_error
+from folio.entrypoints.openai.request_params import resolve_model_name
+from folio.lora_request import LoRARequest
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 class ServingBase:
@@ -18,11 +23,22 @@ class ServingBase:
     # How often a waiting non-streaming request asks whether its client is still there.
     disconnect_poll_interval_s: float = 0.5
 
-    def __init__(self, engine: Any, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: Any, served_model_names: Sequence[str],
+                 models: OpenAIServingModels | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        # The server's registry of what `model` may name (LoRA adapters among them); None:
+        # the served names of the base model only.
+        self.models = models
+
+    async def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name the response carries, and the LoRA adapter it runs (None: the
+        base model); a 404 OpenAIError for a name the server does not serve."""
+        if self.models is None:
+            return resolve_model_name(requested, self.served_model_names), None
+        return await self.models.resolve(requested)
 
     @property
     def tokenizer(self) -> Any:
@@ -43,12 +59,27 @@ class ServingBase:
 
     def start_streams(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
                       request_ids: Sequence[str], request: Any,
-                      is_disconnected: IsDisconnected | None) -> EngineStreams:
-        streams = [self.engine.generate(prompt, p, rid, priority=request.priority,
-                                        cache_salt=request.cache_salt)
+                      is_disconnected: IsDisconnected | None,
+                      lora_request: LoRARequest | None = None) -> EngineStreams:
+        # Only passed when set: the base model's requests call generate as before.
+        lora = {} if lora_request is None else {"lora_request": lora_request}
+        streams = [self._count_lora(self.engine.generate(prompt, p, rid,
+                                                         priority=request.priority,
+                                                         cache_salt=request.cache_salt, **lora),
+                                    lora_request)
                    for prompt, p, rid in zip(prompts, params, request_ids)]
         return EngineStreams(streams, is_disconnected=is_disconnected,
                              poll_interval_s=self.disconnect_poll_interval_s)
+
+    def _count_lora(self, stream: AsyncIterator[RequestOutput],
+                    lora_request: LoRARequest | None) -> AsyncIterator[RequestOutput]:
+        """The stream, counted under folio:lora_requests_total once the engine has run it
+        (its first output): a request refused or aborted before it ran is not counted."""
+        metrics = getattr(self.engine, "metrics", None)
+        if lora_request is None or metrics is None:
+            return stream
+        return _count_on_first_output(stream, lambda: metrics.lora_request(
+            lora_request.lora_name))
 
     async def collect_final(self, streams: EngineStreams, count: int,
                             error_kwargs: Mapping[str, Any]) -> list[RequestOutput]:
@@ -100,3 +131,20 @@ class ServingBase:
                 yield item
         except ClientDisconnected:
             return
+
+
+async def _count_on_first_output(stream: AsyncIterator[RequestOutput],
+                                 count: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    counted = False
+    try:
+        async for output in stream:
+            if not counted:
+                count()
+                counted = True
+            yield output
+    finally:
+        # Closing this wrapper (client gone, stream abandoned) must close the engine's
+        # stream too: its own `finally` aborts the request in the engine.
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()

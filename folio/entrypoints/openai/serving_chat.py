@@ -29,11 +29,11 @@ from folio.entrypoints.openai.request_constraints import (
     request_constraint, strict_tools_constraint)
 from folio.entrypoints.openai.request_params import (SAMPLING_PARAM_NAMES, build_sampling_params,
                                                      check_stream_options, resolve_max_tokens,
-                                                     resolve_model_name, truncate_prompt,
-                                                     with_prefix)
+                                                     truncate_prompt, with_prefix)
 from folio.entrypoints.openai.response_fields import (chat_logprobs, make_usage,
                                                       prompt_logprobs_json)
 from folio.entrypoints.openai.serving_base import ServingBase
+from folio.entrypoints.openai.serving_models import OpenAIServingModels
 from folio.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
@@ -48,8 +48,9 @@ _REQUEST_FIELDS = set(ChatCompletionRequest.model_fields)
 class OpenAIServingChat(ServingBase):
     def __init__(self, engine: Any, served_model_names: list[str], *,
                  chat_template: str | None = None, reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
-        super().__init__(engine, served_model_names)
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 models: OpenAIServingModels | None = None) -> None:
+        super().__init__(engine, served_model_names, models)
         # --enable-auto-tool-choice + --tool-call-parser: tool_choice "auto" parses the model's
         # own tool-call syntax out of its text ("required"/named choices need constrained
         # decoding and are refused until it is wired in).
@@ -191,7 +192,7 @@ class OpenAIServingChat(ServingBase):
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A ChatCompletionResponse, or (stream=true) an async iterator of SSE strings.
         Raises OpenAIError for anything wrong before the first byte."""
-        model_name = resolve_model_name(request.model, self.served_model_names)
+        model_name, lora_request = await self.resolve_model(request.model)
         self._check_unsupported(request)
         response_id = with_prefix("chatcmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
@@ -200,7 +201,8 @@ class OpenAIServingChat(ServingBase):
         error_kwargs = self._error_kwargs(request)
         created = int(time.time())
         streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
-                                     [params], [response_id], request, is_disconnected)
+                                     [params], [response_id], request, is_disconnected,
+                                     lora_request)
         if request.stream:
             first = await self.first_output(streams, error_kwargs)
             return self._stream(request, response_id, model_name, created, token_ids, params,

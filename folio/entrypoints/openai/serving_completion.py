@@ -21,11 +21,11 @@ from folio.entrypoints.openai.request_constraints import (ConstraintContext, con
                                                           request_constraint)
 from folio.entrypoints.openai.request_params import (SAMPLING_PARAM_NAMES, build_sampling_params,
                                                      check_stream_options, resolve_max_tokens,
-                                                     resolve_model_name, truncate_prompt,
-                                                     with_prefix)
+                                                     truncate_prompt, with_prefix)
 from folio.entrypoints.openai.response_fields import (completion_logprobs, make_usage,
                                                       prompt_logprobs_json)
 from folio.entrypoints.openai.serving_base import ServingBase
+from folio.entrypoints.openai.serving_models import OpenAIServingModels
 from folio.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from folio.request_outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from folio.sampling_params import SamplingParams
@@ -56,8 +56,9 @@ class _ChoiceState:
 
 class OpenAIServingCompletion(ServingBase):
     def __init__(self, engine: Any, served_model_names: list[str], *,
-                 default_chat_template: str | None = None) -> None:
-        super().__init__(engine, served_model_names)
+                 default_chat_template: str | None = None,
+                 models: OpenAIServingModels | None = None) -> None:
+        super().__init__(engine, served_model_names, models)
         # Not used by completions; accepted so the server can build both handlers alike.
         self.default_chat_template = default_chat_template
 
@@ -144,7 +145,7 @@ class OpenAIServingCompletion(ServingBase):
                                 ) -> CompletionResponse | AsyncIterator[str]:
         """A CompletionResponse, or (stream=true) an async iterator of SSE strings.
         Raises OpenAIError for anything wrong before the first byte."""
-        model_name = resolve_model_name(request.model, self.served_model_names)
+        model_name, lora_request = await self.resolve_model(request.model)
         self._check_unsupported(request)
         response_id = with_prefix("cmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
@@ -156,7 +157,8 @@ class OpenAIServingCompletion(ServingBase):
         ids = ([response_id] if len(prompts) == 1
                else [f"{response_id}-{i}" for i in range(len(prompts))])
         created = int(time.time())
-        streams = self.start_streams(engine_prompts, params, ids, request, is_disconnected)
+        streams = self.start_streams(engine_prompts, params, ids, request, is_disconnected,
+                                     lora_request)
         if request.stream:
             first = await self.first_output(streams, _ERROR_KWARGS)
             return self._stream(request, response_id, model_name, created, prompts, params,

@@ -33,13 +33,23 @@ class LoRABatch:
         self._host = torch.full((max_tokens,), -1, dtype=torch.int32,
                                 pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
+        # Recorded after each copy out of the pinned buffer: the next step (built while this
+        # one may still wait on the stream, under async scheduling) must not rewrite it first.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._num_set = 0
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self._slots = np.zeros(0, dtype=np.int32)
+        self._groups: list[tuple[int, slice | torch.Tensor]] | None = []
+        # Whether any token of the step has an adapter; projections skip LoRA otherwise,
+        # unless `force` (a CUDA graph captured for steps with adapters must hold the
+        # kernels whatever the capture's dummy batch holds).
         self.active = False
+        self.force = False
 
     def set(self, slots: np.ndarray) -> None:
         """This step's slots, one per token in flat-batch order."""
         n = len(slots)
+        if self._copied is not None:
+            self._copied.synchronize()
         host = self._host_np
         host[:n] = slots
         if self._num_set > n:
@@ -47,14 +57,26 @@ class LoRABatch:
         end = max(n, self._num_set)
         self._num_set = n
         self.token_slots[:end].copy_(self._host[:end], non_blocking=True)
-        self.groups = []
-        for slot in np.unique(slots[slots >= 0]).tolist():
-            rows = np.flatnonzero(slots == slot)
-            if rows[-1] - rows[0] + 1 == len(rows):
-                self.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
-            else:
-                self.groups.append((slot, torch.from_numpy(rows).to(self.device)))
-        self.active = bool(self.groups)
+        if self._copied is not None:
+            self._copied.record()
+        self._slots = np.array(slots, dtype=np.int32)
+        self._groups = None
+        self.active = bool((self._slots >= 0).any())
+
+    @property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """Built on first use in a step: the CUDA kernels read `token_slots` instead."""
+        if self._groups is None:
+            slots = self._slots
+            groups = []
+            for slot in np.unique(slots[slots >= 0]).tolist():
+                rows = np.flatnonzero(slots == slot)
+                if rows[-1] - rows[0] + 1 == len(rows):
+                    groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+                else:
+                    groups.append((slot, torch.from_numpy(rows).to(self.device)))
+            self._groups = groups
+        return self._groups
 
 
 @dataclass(frozen=True)
@@ -110,12 +132,12 @@ class LoRAProjection(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x, [T, out]) plus each token's adapter's delta."""
+        if not (self.batch.active or self.batch.force):
+            return y   # no adapter in this step: the base model's cost only
         if x.is_cuda and self.kernels.fused_kernels:
             from folio.model.kernels._common import HAS_TRITON
             if HAS_TRITON:
                 return self._forward_triton(x, y)
-        if not self.batch.active:
-            return y
         return self._forward_torch(x, y)
 
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
