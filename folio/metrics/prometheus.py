@@ -40,6 +40,12 @@ ABORT_REASON = "abort"
 STRUCTURED_OUTPUT_FALLBACK_REASONS: tuple[str, ...] = (
     "xgrammar_rejected", "unenforced_feature", "best_effort_partial")
 
+# folio:lora_requests_total keeps at most this many adapter names as label values; requests
+# of any later name count under LORA_OTHER. Adapters loaded at run time (or through the
+# resolver directory) could otherwise grow the series without bound.
+MAX_LORA_NAME_LABELS = 1024
+LORA_OTHER = "other"
+
 # Latency buckets (seconds). Dense where interactive serving lives (tens of ms to a few
 # seconds), then coarse out to long-queue / long-generation tails.
 TTFT_BUCKETS: list[float] = [
@@ -91,7 +97,9 @@ class EngineMetrics:
 
     CONTENT_TYPE: str = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, *, max_lora: int = 0) -> None:
+        """`max_lora`: the adapters a step may run (--max-loras); 0 = LoRA off, and the
+        LoRA metrics are not exported."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.registry = CollectorRegistry(auto_describe=True)
@@ -184,6 +192,24 @@ class EngineMetrics:
         for reason in STRUCTURED_OUTPUT_FALLBACK_REASONS:
             self._c_so_fallbacks.labels(model_name, reason)
 
+        # --- LoRA adapters (only when LoRA is on) ---
+        self.max_lora = max_lora
+        self._g_lora_info: Gauge | None = None
+        self._c_lora: Counter | None = None
+        self._lora_info_labels: tuple[str, str, str] | None = None
+        self._lora_names: set[str] = set()
+        if max_lora > 0:
+            # vLLM's info gauge: the adapters live in the labels, the value is the time of
+            # the update (dashboards take the latest series).
+            self._g_lora_info = Gauge(
+                p + "lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
+            self._c_lora = Counter(
+                p + "lora_requests", "Count of requests run with a LoRA adapter, by adapter "
+                f"(at most {MAX_LORA_NAME_LABELS} names; later ones count as "
+                f"\"{LORA_OTHER}\").", ["model_name", "lora_name"], registry=reg)
+            self._set_lora_info([], [])
+
         # --- latencies ---
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(p + name, doc, labels, buckets=buckets,
@@ -241,12 +267,26 @@ class EngineMetrics:
             self._inc_cumulative(f"spec_accepted_pos_{pos}", count,
                                  self._c_spec_per_pos.labels(self.model_name, str(pos)))
 
+        if self._g_lora_info is not None:
+            self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+
         if stats.num_blocks and stats.num_blocks != self._cache_info_blocks:
             # Replace, not add: a stale label set would read as a second cache config.
             if self._cache_info_blocks is not None:
                 self._g_cache_info.remove(self.model_name, str(self._cache_info_blocks))
             self._g_cache_info.labels(self.model_name, str(stats.num_blocks)).set(1)
             self._cache_info_blocks = stats.num_blocks
+
+    def _set_lora_info(self, running: list[str], waiting: list[str]) -> None:
+        assert self._g_lora_info is not None
+        labels = (str(self.max_lora), ",".join(waiting), ",".join(running))
+        if labels != self._lora_info_labels:
+            # One series at a time (vLLM keeps every past one): each new mix of adapters
+            # would otherwise stay exported for the life of the process.
+            if self._lora_info_labels is not None:
+                self._g_lora_info.remove(*self._lora_info_labels)
+            self._lora_info_labels = labels
+        self._g_lora_info.labels(*labels).set_to_current_time()
 
     def _inc_cumulative(self, key: str, value: int, counter: Counter) -> None:
         last = self._last_cumulative.get(key, 0)
@@ -330,6 +370,17 @@ class EngineMetrics:
         if state is None:
             return
         self._c_success.labels(self.model_name, ABORT_REASON).inc()
+
+    def lora_request(self, lora_name: str) -> None:
+        """Count one request run with adapter `lora_name` (no-op with LoRA off)."""
+        if self._c_lora is None:
+            return
+        if lora_name not in self._lora_names:
+            if len(self._lora_names) >= MAX_LORA_NAME_LABELS:
+                lora_name = LORA_OTHER
+            else:
+                self._lora_names.add(lora_name)
+        self._c_lora.labels(self.model_name, lora_name).inc()
 
     def track_api_requests(self, count) -> None:
         """Add a callable giving a count of per-request state held in the API process to

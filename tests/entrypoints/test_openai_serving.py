@@ -365,7 +365,7 @@ def test_model_not_found(tokenizer):
     engine = FakeEngine(tokenizer)
     err = error_of(chat, engine, model="gpt-4")
     assert err.status_code == 404 and err.type == "NotFoundError"
-    assert err.code == "model_not_found" and err.param == "model"
+    assert err.code == 404 and err.param == "model"  # vLLM's body
     assert completion(engine, model="alias").model == "alias"
     assert completion(engine, model=None).model == MODEL
     assert chat(engine, model="").model == MODEL
