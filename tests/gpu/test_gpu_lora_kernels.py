@@ -75,7 +75,8 @@ def test_shrink_expand_match_reference(layer: str, t: int, kind: str) -> None:
     assert torch.isfinite(out).all()
     assert (out[none] == 0).all()
     if (~none).any():
-        assert _rel(out[~none], want_out[~none]) < 1e-5
+        # bf16 products are exact; the tensor cores' fp32 accumulation is not quite IEEE
+        assert _rel(out[~none], want_out[~none]) < 1e-4
     y = y0.clone()
     lora_expand(want_out.float(), b, slots, y, slices, rank)
     assert torch.equal(y[none], y0[none])
@@ -122,5 +123,5 @@ def test_graph_replay_reads_slots_in_place(t: int) -> None:
         none = new < 0
         assert (out[none] == 0).all() and torch.equal(y[none], y0[none]), kind
         if (~none).any():
-            assert _rel(out[~none], want_out[~none]) < 1e-5, kind
+            assert _rel(out[~none], want_out[~none]) < 1e-4, kind
             assert _rel(y[~none], want_y[~none]) < 1e-3, kind

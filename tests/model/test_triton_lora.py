@@ -1,13 +1,15 @@
 """Batched multi-LoRA shrink / expand (folio/model/kernels/lora.py) against plain per-token
 torch loops, under the interpreter (fp32 and fp16: the interpreter's bf16 arithmetic is wrong).
 
-T in {1, 3, 16} takes the per-token variant and {17, 70} the block one (16-token blocks under
-the interpreter). Slot patterns: every token a random slot including -1 (mixed blocks), long
-runs of one slot crossing block boundaries (uniform and straddling blocks, a run of -1), one
-slot for all, and no adapter at all. Layers: a merged one with three unequal slices and a plain
-one, at rank 24 (not a power of two) and 8; K and N are ragged against the interpreter's tiles
-for the plain layer. shrink's out is poisoned with NaN first, so unwritten elements show; tokens
-with slot -1 must get exact zeros from shrink and keep y bit for bit through expand.
+T in {1, 3, 16} takes the per-token variant and {17, 70} the block one (the interpreter's
+threshold and 16-token blocks); a few cases force the other variant, or a split over K
+(ticket reduction, run twice: the same bits). Slot patterns: every token a random slot
+including -1 (mixed blocks), long runs of one slot crossing block boundaries (uniform and
+straddling blocks, a run of -1), one slot for all, and no adapter at all. Layers: a merged
+one with three unequal slices and a plain one, at rank 24 (not a power of two) and 8; K and N
+are ragged against the interpreter's tiles for the plain layer. shrink's out is poisoned with
+NaN first, so unwritten elements show; tokens with slot -1 must get exact zeros from shrink
+and keep y bit for bit through expand.
 """
 from __future__ import annotations
 
@@ -31,8 +33,24 @@ for _dt in ("float32", "float16"):
     for _t in (3, 70):
         CASES.append(dict(dtype=_dt, T=_t, layer="qkv", rank=24, slots="empty"))
         CASES.append(dict(dtype=_dt, T=_t, layer="plain", rank=8, slots="one"))
+# Forced tiles: split-K shrinks (three splits of K = 64 in 32-wide tiles: the last is empty;
+# of K = 100: ragged), and each variant at the other's token counts.
+SPLIT_TOKEN = dict(shrink=(1, 4, 32, 3, 4))
+SPLIT_BLOCK = dict(shrink=(16, 16, 32, 3, 4))
+BLOCK_AT_3 = dict(shrink=(16, 16, 32, 1, 4), expand=(16, 16, 4))
+TOKEN_AT_70 = dict(shrink=(1, 8, 32, 2, 4), expand=(1, 32, 4))
+for _dt in ("float32", "float16"):
+    CASES += [dict(dtype=_dt, T=3, layer="qkv", rank=24, slots="random", config=SPLIT_TOKEN),
+              dict(dtype=_dt, T=70, layer="plain", rank=8, slots="runs", config=SPLIT_BLOCK),
+              dict(dtype=_dt, T=3, layer="plain", rank=24, slots="random", config=BLOCK_AT_3)]
+CASES.append(dict(dtype="float16", T=70, layer="qkv", rank=8, slots="random",
+                  config=TOKEN_AT_70))
+_NAMES = {id(SPLIT_TOKEN): "split_token", id(SPLIT_BLOCK): "split_block",
+          id(BLOCK_AT_3): "block", id(TOKEN_AT_70): "token"}
 for _c in CASES:
     _c["name"] = f"{_c['dtype']}_t{_c['T']}_{_c['layer']}_r{_c['rank']}_{_c['slots']}"
+    if "config" in _c:
+        _c["name"] += "_" + _NAMES[id(_c["config"])]
 
 
 def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -95,8 +113,9 @@ def _run(case: dict) -> dict:
     y0 = torch.randn(t, n, generator=gen).to(dtype)
     checks: dict[str, tuple[float, bool]] = {}
 
+    config = case.get("config", {})
     out = torch.full((t, r), float("nan"))
-    lora_shrink(x, a, slots, out)
+    lora_shrink(x, a, slots, out, _config=config.get("shrink"))
     want = lora_shrink_reference(x, a, slots)
     checks["shrink"] = (rel_err(out, want) if want.any() else 0.0,
                         bool(torch.isfinite(out).all()))
@@ -104,12 +123,17 @@ def _run(case: dict) -> dict:
 
     # expand on shrink's own output, as the layer chains them
     y = y0.clone()
-    lora_expand(out, b, slots, y, slices, rank)
+    lora_expand(out, b, slots, y, slices, rank, _config=config.get("expand"))
     want_y = lora_expand_reference(want, b, slots, y0, slices, rank)
     changed = ~none
     checks["expand"] = (rel_err(y[changed], want_y[changed]) if changed.any() else 0.0,
                         bool(torch.isfinite(y).all()))
     checks["expand_none_untouched"] = (0.0, bool(torch.equal(y[none], y0[none])))
+    if "shrink" in config and config["shrink"][3] > 1:
+        again = torch.full((t, r), float("nan"))
+        lora_shrink(x, a, slots, again, _config=config["shrink"])
+        # the ticket counters were reset, and the split order fixes the bits
+        checks["split_deterministic"] = (0.0, bool(torch.equal(again, out)))
     return {"name": case["name"], "checks": checks}
 
 
