@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20 (multi-LoRA) on the lent GPU, in parts that each fit one device call:
-#   PART=tests|bench bash tools/device_issue20.sh
+#   PART=tests|kernels|b64|b1 bash tools/device_issue20.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh peft==0.21.2 accelerate==1.15.0) and
 # `device_tokenizer/` (see tools/device_issue16.sh). Logs and JSON go to $OUT.
 set -uo pipefail
@@ -8,15 +8,19 @@ STEP_PATTERN="latency:|decode:|µs|ratio|passed|failed|Error|error"
 . tools/device_common.sh
 LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128 --output-len 128 --max-model-len 1024 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
-tests)  # the kernels against the per-token reference, the engine against peft, the kernels' cost
-  step 200 lora_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
-      tests/gpu/test_gpu_lora_kernels.py tests/gpu/test_gpu_lora_engine.py
+tests)  # the kernels against the per-token reference, the engine against peft
+  step 300 lora_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_lora_kernels.py tests/gpu/test_gpu_lora_engine.py ;;
+kernels)  # shrink + expand against the base projection, in CUDA graphs
   step 150 lora_kernels python3 tools/gpu_bench_lora.py --out "$OUT/lora_kernels.json" ;;
-bench)  # the issue's targets: batch 64 over 8 adapters, batch 1 with one, each against none
-  step 170 lat_b64_base $LAT --batch-size 64 --max-num-seqs 64 --output-json "$OUT/lat_b64_base.json"
+b64)  # the engine test, then the target: a decode batch of 64 over 8 adapters against none
+  step 150 lora_engine_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_lora_engine.py
+  step 200 lat_b64_base $LAT --batch-size 64 --max-num-seqs 64 --output-json "$OUT/lat_b64_base.json"
   step 170 lat_b64_lora8 $LAT --batch-size 64 --max-num-seqs 64 --lora 8 --lora-rank 16 \
-      --output-json "$OUT/lat_b64_lora8.json"
-  step 120 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json"
-  step 120 lat_b1_lora1 $LAT --batch-size 1 --max-num-seqs 1 --lora 1 --lora-rank 16 \
+      --output-json "$OUT/lat_b64_lora8.json" ;;
+b1)  # batch 1 with one adapter against none
+  step 150 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json"
+  step 150 lat_b1_lora1 $LAT --batch-size 1 --max-num-seqs 1 --lora 1 --lora-rank 16 \
       --output-json "$OUT/lat_b1_lora1.json" ;;
 esac
