@@ -145,8 +145,10 @@ class LoRAProjection(nn.Module):
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         slots = self.batch.token_slots[:x2.shape[0]]
         buf = torch.empty((x2.shape[0], self.a.shape[1]), dtype=torch.float32, device=x.device)
-        lora_shrink(x2, self.a, slots, buf)
-        lora_expand(buf, self.b, slots, y2, self.slice_sizes, self.max_rank)
+        # PDL, as the projections around them: each launch overlaps the previous kernel's tail
+        pdl = self.kernels.pdl_on
+        lora_shrink(x2, self.a, slots, buf, pdl=pdl)
+        lora_expand(buf, self.b, slots, y2, self.slice_sizes, self.max_rank, pdl=pdl)
         return y
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
