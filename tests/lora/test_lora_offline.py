@@ -164,3 +164,27 @@ def test_bench_random_adapters_are_valid_peft_directories(tiny, tmp_path):
     outs = llm.generate([PROMPT] * 3, _params(), lora_request=spread(requests, 3),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_chat_and_ngram_speculation_keep_the_adapters_answer(tiny, adapters):
+    """LLM.chat takes lora_request; n-gram drafts are verified by the model with the
+    adapter, so greedy answers do not change."""
+    from folio import LLM, LoRARequest, SamplingParams
+    lora = LoRARequest("r4", 1, adapters["r4"])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    repeated = {"prompt_token_ids": [5, 17, 42, 99, 7] * 6}
+    common = dict(dtype="float32", device="cpu", max_model_len=128,
+                  kv_cache_memory_bytes=1 << 24, enable_lora=True,
+                  distributed_executor_backend="uni")
+    plain = LLM(tiny, **common)
+    want = plain.generate(repeated, params, lora_request=lora, use_tqdm=False)
+    chat = [{"role": "user", "content": "hello there"}]
+    want_chat = plain.chat(chat, params, lora_request=lora, use_tqdm=False)
+    assert want_chat[0].outputs[0].token_ids != plain.chat(chat, params, use_tqdm=False)[
+        0].outputs[0].token_ids
+    spec = LLM(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_min": 2}, **common)
+    got = spec.generate(repeated, params, lora_request=lora, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    got_chat = spec.chat(chat, params, lora_request=lora, use_tqdm=False)
+    assert got_chat[0].outputs[0].token_ids == want_chat[0].outputs[0].token_ids
