@@ -172,6 +172,25 @@ def test_rerank_order_matches_sentence_transformers(minilm, reference, path):
     assert body["usage"]["total_tokens"] > 0
 
 
+def test_invocations_dispatch_pooling_bodies(minilm):
+    """SageMaker's one route: an embedding model's `input` embeds, `query` + `documents`
+    reranks, `text_1` scores, each the same as its own route."""
+    embed = _post(minilm, "/invocations", {"input": ["hello", "cats"]})
+    assert embed.status_code == 200, embed.text
+    want = _post(minilm, "/v1/embeddings", {"input": ["hello", "cats"]}).json()
+    assert embed.json()["object"] == "list"
+    for a, b in zip(embed.json()["data"], want["data"]):
+        assert _cosine(a["embedding"], b["embedding"]) >= 0.99999
+    rerank = _post(minilm, "/invocations", {"query": QUERY, "documents": DOCUMENTS}).json()
+    assert [r["index"] for r in rerank["results"]] == [
+        r["index"] for r in _post(minilm, "/rerank", {"query": QUERY,
+                                                      "documents": DOCUMENTS}).json()["results"]]
+    score = _post(minilm, "/invocations", {"text_1": QUERY, "text_2": DOCUMENTS[:2]}).json()
+    assert len(score["data"]) == 2 and score["data"][0]["object"] == "score"
+    bad = _post(minilm, "/invocations", {"nothing": 1})
+    assert bad.status_code == 400 and "input" in bad.json()["error"]["message"]
+
+
 def test_rerank_top_n_return_documents_and_jina_documents(minilm, reference):
     want = _st_scores(reference, QUERY, DOCUMENTS)
     order = sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
@@ -327,6 +346,9 @@ def test_classify_matches_transformers(classifier, tiny_dirs):
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
     # three classes give no single relevance score
     _error(_post(classifier, "/score", {"text_1": "a", "text_2": "b"}), "model")
+    # /invocations: a classifier's `input` classifies
+    via = _post(classifier, "/invocations", {"input": texts}).json()
+    assert [d["label"] for d in via["data"]] == [d["label"] for d in body["data"]]
 
 
 # ---- fuzzing the pooling routes on a pooling model --------------------------------------

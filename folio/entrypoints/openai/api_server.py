@@ -238,22 +238,46 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
     async def create_chat_completion(request: Request):
         return await _chat(await _body(request), request)
 
-    @app.post("/invocations", openapi_extra=_json_body("ChatCompletionRequest",
-                                                       "CompletionRequest"))
+    @app.post("/invocations", openapi_extra=_json_body(
+        "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest",
+        "ClassificationRequest", "ScoreRequest", "RerankRequest"))
     async def invocations(request: Request):
-        """SageMaker-style: one route, dispatched on the body's shape."""
+        """SageMaker-style: one route, dispatched on the body's shape: chat (`messages`),
+        completions (`prompt`), and for a pooling model embeddings or classification
+        (`input`, by the model's kind), rerank (`query` + `documents`), score (`text_1` or
+        `queries`)."""
         data = await _body(request)
         if "messages" in data:
             return await _chat(data, request)
         if "prompt" in data:
             return await _completion(data, request)
+        info = engine.model_info.pooling
+        if info is not None:
+            if "input" in data:
+                if info.kind == "embed":
+                    return await _pooling_body(data, request, EmbeddingRequest, "embd",
+                                               embeddings.create_embedding)
+                return await _pooling_body(data, request, ClassificationRequest, "classify",
+                                           classification.create_classify)
+            if "query" in data and "documents" in data:
+                return await _pooling_body(data, request, RerankRequest, "rerank",
+                                           scores.create_rerank)
+            if "text_1" in data or "queries" in data:
+                return await _pooling_body(data, request, ScoreRequest, "score",
+                                           scores.create_score)
+            raise OpenAIError("invocations body needs 'input' (embeddings / classification), "
+                              "'query' and 'documents' (rerank) or 'text_1' / 'queries' "
+                              "(score) for this pooling model")
         raise OpenAIError("invocations body needs 'messages' (chat) or 'prompt' (completions)")
 
     async def _pooling(request: Request, model: type[pydantic.BaseModel], prefix: str,
                        handler: Callable[..., Awaitable[dict]]) -> Response:
         """A pooling route: its body parsed, the handler's response dict rendered off the
         event loop (thousands of embeddings are megabytes of JSON)."""
-        data = await _body(request)
+        return await _pooling_body(await _body(request), request, model, prefix, handler)
+
+    async def _pooling_body(data: dict, request: Request, model: type[pydantic.BaseModel],
+                            prefix: str, handler: Callable[..., Awaitable[dict]]) -> Response:
         _check_engine()
         parsed = _parse(model, data)
         body = await handler(parsed, request_id=_request_id(request, prefix),
