@@ -7,6 +7,7 @@ step closes part of the gap to `num_tokens`. Chunked prefill (a partial gap), pr
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from folio.core.request import Request, RequestStatus
 from folio.core.spec.policy import AdaptiveDraftLength, FixedDraftLength
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
+
+logger = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
@@ -468,6 +471,7 @@ class Scheduler:
                 all_logprobs.setdefault(rid, []).append(entry)
         first_scheduled = self._first_scheduled
         finished: list[Request] = []
+        failed = runner_output.failed_req_ids
         for item in scheduler_output.scheduled:
             request = item.request
             if item.samples:
@@ -475,6 +479,16 @@ class Scheduler:
             if request.status >= _FIRST_FINISHED:
                 continue  # aborted while the step ran, or finished by the step before
             request_id = request.request_id
+            if failed and request_id in failed:
+                logger.warning("request %s failed on the worker: %s", request_id,
+                               failed[request_id])
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs.append(EngineCoreOutput(
+                    request_id, [], finish_reason=request.status.finish_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=first_scheduled.get(request_id)))
+                finished.append(request)
+                continue
             if item.pools:
                 # The worker pools every request of pooling_req_ids; one without a result
                 # fails rather than waiting forever.

@@ -138,6 +138,9 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     draft_token_ids: dict[str, list[int]] = {}
     # Pooling requests of `pooling_req_ids`: their results.
     pooler_output: dict[str, PooledData] = {}
+    # Requests the worker could not run (a LoRA adapter whose files no longer load), with
+    # the reason: the scheduler finishes them with an error; their other results are void.
+    failed_req_ids: dict[str, str] = {}
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

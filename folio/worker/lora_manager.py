@@ -71,6 +71,7 @@ class LoRAManager:
         if slot is not None:
             self._slot_of.move_to_end(lora_id)
             return slot
+        weights = self._weights(request)   # first: a failed load leaves the slots as they were
         if None in self._slot_ids:
             slot = self._slot_ids.index(None)
         else:
@@ -79,18 +80,32 @@ class LoRAManager:
                 raise RuntimeError(f"a step needs more than max_loras "
                                    f"({self.config.max_loras}) adapters")
             slot = self._slot_of.pop(victim)
-        load_into_slot(self.targets, slot, self._weights(request))
+        load_into_slot(self.targets, slot, weights)
         self._slot_ids[slot] = lora_id
         self._slot_of[lora_id] = slot
         return slot
 
-    def set_step(self, requests: list[LoRARequest | None], counts: list[int]) -> None:
-        """The step's requests' adapters (None: the base model) and token counts, in
-        flat-batch order: load what is missing into slots, and set the token -> slot map."""
-        needed = {r.lora_int_id for r in requests if r is not None}
-        slots = [-1 if r is None else self._slot(r, needed) for r in requests]
+    def set_step(self, requests: list[tuple[str, LoRARequest | None]],
+                 counts: list[int]) -> dict[str, str]:
+        """The step's requests (id, adapter or None for the base model) and token counts, in
+        flat-batch order: load what is missing into slots, and set the token -> slot map.
+        Returns the requests whose adapter failed to load (its files changed or vanished
+        since the front end checked them), with the reason: they run this step without an
+        adapter and the scheduler finishes them with an error; the others go on."""
+        needed = {r.lora_int_id for _, r in requests if r is not None}
+        slots, failed = [], {}
+        for rid, request in requests:
+            slot = -1
+            if request is not None:
+                try:
+                    slot = self._slot(request, needed)
+                except Exception as exc:  # noqa: BLE001 - any load failure fails the request only
+                    failed[rid] = f"LoRA adapter {request.lora_name!r} failed to load: {exc}"
+                    logger.error("%s", failed[rid])
+            slots.append(slot)
         self.batch.set(np.repeat(np.asarray(slots, dtype=np.int32),
                                  np.asarray(counts, dtype=np.int64)))
+        return failed
 
     def clear(self) -> None:
         """No adapter for any token (warm-up, profiling, graph capture)."""

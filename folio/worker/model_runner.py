@@ -209,10 +209,18 @@ class ModelRunner:
         order = step.num_scheduled_tokens
         if not order:
             return PendingRunnerOutput()
+        failed: dict[str, str] = {}
         if self.lora is not None:
             requests = batch.requests
-            self.lora.set_step([requests[rid].lora_request for rid in order],
-                               list(order.values()))
+            failed = self.lora.set_step([(rid, requests[rid].lora_request) for rid in order],
+                                        list(order.values()))
+        pending = self._run_step(step, batch, grammar_bitmask)
+        pending.failed_req_ids = failed
+        return pending
+
+    def _run_step(self, step: SchedulerOutput, batch: InputBatch,
+                  grammar_bitmask: GrammarBitmaskFn | None) -> PendingRunnerOutput:
+        order = step.num_scheduled_tokens
         graphs, mixed = self.graph_runner, self.mixed_graph_runner
         if self.calculate_kv_scales:
             graphs = mixed = None  # the scales are set eagerly; the graphs only read them
@@ -445,6 +453,8 @@ class PendingRunnerOutput:
                  logprobs_lists: tuple[list[str], LogprobsLists] | None = None,
                  draft_token_ids: dict[str, list[int]] | None = None,
                  pooled: PendingPooled | None = None) -> None:
+        # Requests this step could not run (their LoRA adapter failed to load): reason.
+        self.failed_req_ids: dict[str, str] = {}
         self._request_ids = request_ids or []
         self._pooled = pooled
         self._draft_token_ids = draft_token_ids or {}
@@ -493,6 +503,7 @@ class PendingRunnerOutput:
         output.prompt_logprobs = {rid: PromptLogprobsLists(start, tensors.lists())
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
         output.draft_token_ids = self._draft_token_ids
+        output.failed_req_ids = self.failed_req_ids
         if self._pooled is not None:
             output.pooler_output = self._pooled.collect()
             self._pooled = None

@@ -188,3 +188,28 @@ def test_chat_and_ngram_speculation_keep_the_adapters_answer(tiny, adapters):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     got_chat = spec.chat(chat, params, lora_request=lora, use_tqdm=False)
     assert got_chat[0].outputs[0].token_ids == want_chat[0].outputs[0].token_ids
+
+
+def test_adapter_whose_files_break_after_the_check_fails_only_its_request(llm, adapters,
+                                                                          tmp_path):
+    """The front end checked the files; they change before the worker loads them: that
+    request finishes with an error, the others in the step are answered, the engine goes on."""
+    from folio import LoRARequest, SamplingParams
+    path = tmp_path / "fragile"
+    shutil.copytree(adapters["r8"], path)
+    engine = llm.llm_engine
+    base = _generate(llm)
+    params = SamplingParams(**GREEDY)
+    engine.add_request("fragile", PROMPT, params, lora_request=LoRARequest("fragile", 31,
+                                                                          str(path)))
+    engine.add_request("plain", PROMPT, params)
+    with open(path / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(64)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs["fragile"].outputs[0].finish_reason == "error"
+    assert list(outs["plain"].outputs[0].token_ids) == base
+    assert _generate(llm) == base
