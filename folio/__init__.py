@@ -1,5 +1,5 @@
 """folio: an LLM inference and serving engine."""
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.request_outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 from folio.structured_output.params import StructuredOutputsParams

@@ -44,7 +44,7 @@ LAYER_OF = {
     "folio.config": "shared",
     "folio.sampling_params": "shared",
     "folio.pooling_params": "shared",
-    "folio.lora_request": "shared",
+    "folio.lora": "shared",                 # LoRARequest (vLLM's vllm.lora.request path)
     "folio.request_outputs": "shared",
     "folio.reasoning": "shared",
     "folio.structured_output.params": "shared",

@@ -11,7 +11,7 @@ import os
 import tempfile
 from typing import Any
 
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

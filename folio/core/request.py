@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 

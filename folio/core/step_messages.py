@@ -15,7 +15,7 @@ from typing import Callable
 
 import msgspec
 
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_p
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.metrics.stats_logger import StatsLogger
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from folio.model.discovery import ModelSource, load_hf_config, resolve_model_sou
 from folio.model.lora.adapter_files import check_lora_support
 from folio.model.pooling_info import (ENCODER_ARCHS, resolve_pooling_info, resolve_runner,
                                       token_ids_of)
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolerConfig, PoolingModelInfo, PoolingParams, PoolingTask
 from folio.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from folio.engine.frontend import RequestPreparer, default_sampling_params, load
 from folio.engine.input_processor import PromptType
 from folio.engine.output_processor import OutputProcessor
 from folio.pooling_params import PoolingParams
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.request_outputs import PoolingRequestOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 

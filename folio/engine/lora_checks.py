@@ -7,7 +7,7 @@ from collections import OrderedDict
 from typing import Any
 
 from folio.config import LoRAConfig
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.model.families import ArchSpec
 from folio.model.lora.adapter_files import AdapterFiles, read_adapter
 

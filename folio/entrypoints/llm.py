@@ -9,7 +9,7 @@ from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, Pa
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.entrypoints.pooling_api import PoolingAPI
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import RequestOutputKind, SamplingParams
 

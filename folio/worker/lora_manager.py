@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from folio.config import LoRAConfig
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.model.families import ArchSpec
 from folio.model.lora.adapter_files import read_adapter
 from folio.model.lora.projection import LoRABatch, install_lora, load_into_slot

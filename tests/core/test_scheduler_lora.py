@@ -12,7 +12,7 @@ from folio.core.request import Request
 from folio.core.scheduler import Scheduler
 from folio.core.step_messages import ModelRunnerOutput
 from folio.core.step_messages import SchedulerOutput as StepMessage
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 BS = 4

@@ -9,7 +9,7 @@ from folio.config import RequestLimitsConfig
 from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
 from folio.entrypoints.openai.errors import ClientDisconnected, OpenAIError, to_openai_error
 from folio.entrypoints.openai.request_params import resolve_model_name
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from folio.config import LoRAConfig
 from folio.entrypoints.openai.errors import OpenAIError
 from folio.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from folio.entrypoints.openai.request_params import model_not_found
-from folio.lora_request import LoRARequest
+from folio.lora.request import LoRARequest
 from folio.model.lora.adapter_files import CONFIG_FILE, path_inside
 
 logger = logging.getLogger("folio.server")
