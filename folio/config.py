@@ -482,6 +482,26 @@ class LoRAConfig:
 
 
 @dataclass
+class AdmissionConfig:
+    """Load shedding (folio's own; the peers queue without bound). The server refuses a
+    request with HTTP 429 and a Retry-After from the measured drain rate once
+    `max_waiting_requests` wait for their first step (a request that outranks a waiting one
+    sheds it instead); the engine core finishes a request that waited `max_queue_time`
+    seconds without a first step (the server answers 429 then too). None = no limit."""
+    max_waiting_requests: int | None = None
+    max_queue_time: float | None = None
+
+    def __post_init__(self) -> None:
+        n = self.max_waiting_requests
+        _require(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+                 "max_waiting_requests", f"must be a positive int, got {n!r}")
+        t = self.max_queue_time
+        _require(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)
+                               and 0 < t < float("inf")),
+                 "max_queue_time", f"must be a positive number of seconds, got {t!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -493,6 +513,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # None = no LoRA adapters (--enable-lora sets one).
     lora: LoRAConfig | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     disable_log_stats: bool = True
     # The pooling runner's model (set by the front end once the model is read; None =
     # the generate runner).

@@ -29,6 +29,8 @@ class EngineCoreRequest:
     token_type_ids: list[int] | None = None
     # The LoRA adapter (None = the base model).
     lora_request: LoRARequest | None = None
+    # time.monotonic() after which it is finished with reason "timeout" (None = none).
+    deadline: float | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,6 +44,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    # Past its deadline, or waited longer than max_queue_time before its first step.
+    FINISHED_TIMEOUT = 8
 
     @property
     def is_finished(self) -> bool:
@@ -57,6 +61,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -94,6 +99,7 @@ class Request:
         token_type_ids: list[int] | None = None,
         hash_blocks: bool = True,
         lora_request: LoRARequest | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -103,6 +109,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request
+        self.deadline = deadline
         # The adapter joins the first block's hash: the same prompt under two adapters (or
         # under one and the base model) has different KV and must not share blocks.
         if lora_request is not None:
@@ -155,7 +162,8 @@ class Request:
                    tuple(req.eos_token_ids), block_size=block_size, max_model_len=max_model_len,
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                    pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
-                   hash_blocks=hash_blocks, lora_request=req.lora_request)
+                   hash_blocks=hash_blocks, lora_request=req.lora_request,
+                   deadline=req.deadline)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:

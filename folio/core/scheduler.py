@@ -170,9 +170,11 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  async_scheduling: bool = False, drafter: Drafter | None = None,
-                 adaptive_draft_length: bool = True, max_loras: int = 0) -> None:
+                 adaptive_draft_length: bool = True, max_loras: int = 0,
+                 max_queue_time: float | None = None) -> None:
         """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
-        device slots); 0 = LoRA off."""
+        device slots); 0 = LoRA off. `max_queue_time`: seconds a request may wait for its
+        first step before it is finished with reason "timeout" (None = forever)."""
         if drafter is not None and async_scheduling:
             raise ValueError("speculative decoding needs each step's tokens on the host "
                              "before the next is scheduled: async_scheduling must be off")
@@ -193,6 +195,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.max_loras = max_loras
+        self.max_queue_time = max_queue_time
+        # Requests with a deadline, so expire_requests scans only when there are some.
+        self._num_deadlines = 0
+        self.num_expired = 0
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
@@ -207,6 +213,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.deadline is not None:
+            self._num_deadlines += 1
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -227,6 +235,8 @@ class Scheduler:
         return aborted
 
     def _free(self, request: Request) -> None:
+        if request.deadline is not None and request.request_id in self.requests:
+            self._num_deadlines -= 1
         if self.drafter is not None:
             self.drafter.drop(request)
             self.draft_length.drop(request.request_id)
@@ -591,6 +601,29 @@ class Scheduler:
                 return
         if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def expire_requests(self, now: float) -> list[EngineCoreOutput]:
+        """Finish, with reason "timeout", the requests past their deadline and those that
+        waited longer than max_queue_time for a first step (stop_reason says which: the
+        front end turns the second into a retry-later refusal)."""
+        if self.max_queue_time is None and not self._num_deadlines:
+            return []
+        expired: dict[str, str] = {}
+        oldest = None if self.max_queue_time is None else now - self.max_queue_time
+        for request in self.requests.values():
+            if request.is_finished:
+                continue
+            if request.deadline is not None and now >= request.deadline:
+                expired[request.request_id] = "deadline"
+            elif oldest is not None and request.num_cached_tokens < 0 \
+                    and request.arrival_time < oldest:
+                expired[request.request_id] = "max_queue_time"
+        if not expired:
+            return []
+        self.finish_requests(expired, RequestStatus.FINISHED_TIMEOUT)
+        self.num_expired += len(expired)
+        return [EngineCoreOutput(rid, [], finish_reason="timeout", stop_reason=reason)
+                for rid, reason in expired.items()]
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests for a reason found outside the core (a stop string in the text)."""

@@ -26,6 +26,7 @@ import zmq
 from folio.config import EngineConfig
 from folio.core.engine_core_outputs import SchedulerStats
 from folio.engine import messages as msg
+from folio.engine.admission import QUEUE_TIMEOUT, AdmissionController, RequestRejected
 from folio.engine.core_proc import run_engine_core
 from folio.engine.frontend import ModelInfo, RequestPreparer, default_sampling_params, load_model_info
 from folio.engine.input_processor import PromptType
@@ -67,6 +68,8 @@ class AsyncLLM:
         self.preprocess_pool = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="folio-preprocess")
         self.errored: str | None = None
+        # Load shedding (--max-waiting-requests): requests waiting for their first step.
+        self.admission = AdmissionController(config.admission.max_waiting_requests)
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -244,14 +247,23 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
                        cache_salt: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs for one request (as params.output_kind says). Raises
-        ValueError for bad input before anything is queued, EngineDeadError if the engine
-        dies. Closing the stream early (client gone) aborts the request."""
+                       lora_request: LoRARequest | None = None,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs for one request (as params.output_kind says). `deadline`: a
+        time.monotonic() value past which the engine finishes it with reason "timeout".
+        Raises ValueError for bad input before anything is queued, RequestRejected when the
+        server is over its admission limits (then, or later if it is shed or waits past
+        max_queue_time before its first step), EngineDeadError if the engine dies. Closing
+        the stream early (client gone) aborts the request."""
         request_id, prepared = await self._prepare(
             request_id, functools.partial(self.preparer.prepare, prompt=prompt, params=params,
                                           priority=priority, cache_salt=cache_salt,
                                           lora_request=lora_request))
+        shed = self.admission.admit(request_id, priority, time.monotonic())
+        if shed is not None:
+            self._reject(shed, "shed for a request of better priority")
+        for core_request in prepared.core_requests:
+            core_request.deadline = deadline
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = prepared.core_requests[0].arrival_time
@@ -274,8 +286,18 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self.admission.forget(request_id)
             if not finished:
                 self._abort_locally(request_id)
+
+    def _reject(self, request_id: str, why: str) -> None:
+        """Fail a waiting request with RequestRejected (HTTP 429) and abort it."""
+        queue = self._queues.pop(request_id, None)
+        self.admission.forget(request_id)
+        self._abort_locally(request_id)
+        if queue is not None:
+            retry = self.admission.retry_after(time.monotonic())
+            queue.put_nowait(RequestRejected(f"the server is overloaded: {why}", retry))
 
     async def encode(self, prompt: PromptType, params: PoolingParams,
                      request_id: str | None = None, *, pair: str | None = None,
@@ -380,10 +402,20 @@ class AsyncLLM:
             self._record_token_metrics(step, now)
         if self.stats_logger is not None:
             self._count_tokens(step)
+        # Requests the core expired before their first step (max_queue_time): refused.
+        expired = {out.request_id for out in step.outputs
+                   if out.finish_reason == "timeout" and out.stop_reason == QUEUE_TIMEOUT}
+        if expired:
+            expired = {self.output_processor.parent_id(rid) for rid in expired}
         outputs, stopped = self.output_processor.process(step.outputs)
         if stopped and self._core_reachable:
             self._send_socket.send_multipart(msg.encode(msg.FINISH, stopped))
         for output in outputs:
+            if output.request_id in expired and output.request_id in self._queues:
+                self._reject(output.request_id, "it waited longer than --max-queue-time "
+                             f"({self.config.admission.max_queue_time} s) for its first step")
+                continue
+            self.admission.started(output.request_id, now)
             if output.finished and self.metrics is not None:
                 if isinstance(output, PoolingRequestOutput):
                     self.metrics.request_finished(output.request_id,

@@ -75,7 +75,8 @@ class EngineCore:
             async_scheduling=self.async_scheduling, drafter=drafter,
             adaptive_draft_length=(config.speculative is None
                                    or config.speculative.adaptive_draft_length),
-            max_loras=0 if config.lora is None else config.lora.max_loras)
+            max_loras=0 if config.lora is None else config.lora.max_loras,
+            max_queue_time=config.admission.max_queue_time)
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # Speculative decoding sizes its drafts from measured step times.
@@ -119,6 +120,7 @@ class EngineCore:
         returned by the next call (the previous step's are returned by this one), so the host
         schedules step N+1 while the device runs step N."""
         outputs = self._settle_grammars()
+        outputs += self.scheduler.expire_requests(time.monotonic())
         if self._in_flight is not None and _needs_tokens_first(self._in_flight[0]):
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, ...): finish that step first.

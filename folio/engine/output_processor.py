@@ -144,6 +144,11 @@ class OutputProcessor:
             self.children[child_id] = child
         self.parents[parent_id] = parent
 
+    def parent_id(self, request_id: str) -> str:
+        """The client's request id of a core request (a child of n > 1), else the id."""
+        child = self.children.get(request_id)
+        return request_id if child is None else child.parent.request_id
+
     def abort(self, parent_id: str) -> list[str]:
         """Forget a request; returns the child ids the core must abort."""
         if self.pooling.pop(parent_id, None) is not None:

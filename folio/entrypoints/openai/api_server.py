@@ -67,6 +67,8 @@ class ServerSettings:
 
 
 def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if error.headers:
+        headers = {**error.headers, **(headers or {})}
     return JSONResponse(error.to_response_body(), status_code=error.status_code, headers=headers)
 
 

@@ -57,11 +57,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "refused by default)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no /metrics and no periodic stats line")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="refuse requests with HTTP 429 (and a Retry-After from the "
+                             "measured drain rate) while this many wait for their first step; "
+                             "a request of better priority sheds a waiting one instead "
+                             "(default: no limit)")
+    parser.add_argument("--max-queue-time", type=float, default=None,
+                        help="seconds a request may wait for its first step; past it the "
+                             "request is refused with HTTP 429 (default: no limit)")
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
 
 def build_engine_config(args: argparse.Namespace):
-    from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+    from folio.config import (AdmissionConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                               ParallelConfig, SchedulerConfig, SpeculativeConfig,
                               StructuredOutputsConfig)
     from folio.engine.arg_utils import engine_kwargs_from_args
@@ -91,4 +99,6 @@ def build_engine_config(args: argparse.Namespace):
         parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
                                 num_workers=kw["num_workers"]),
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
-        lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]))
+        lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]),
+        admission=AdmissionConfig(max_waiting_requests=args.max_waiting_requests,
+                                  max_queue_time=args.max_queue_time))

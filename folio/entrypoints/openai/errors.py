@@ -7,6 +7,7 @@ import logging
 import re
 from typing import Any, Mapping, Sequence
 
+from folio.engine.admission import RequestRejected
 from folio.engine.async_llm import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -17,9 +18,12 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, *, status_code: int = 400,
                  type: str = "invalid_request_error", param: str | None = None,
-                 code: str | int | None = None) -> None:
+                 code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        # Response headers it needs (a 429's Retry-After).
+        self.headers = headers
         self.status_code = status_code
         self.type = type
         self.param = param
@@ -97,6 +101,11 @@ def to_openai_error(exc: BaseException, *, known_params: set[str] | None = None,
     """Any error from building or running a request as the OpenAIError to return."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, RequestRejected):
+        # OpenAI's rate-limit shape; Retry-After from the measured drain rate
+        return OpenAIError(str(exc), status_code=429, type="rate_limit_error",
+                           code="rate_limit_exceeded",
+                           headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineDeadError):
         # Dead, or shutting down: the server cannot serve it, the request was fine.
         return OpenAIError(f"The engine is not available: {exc}", status_code=503,

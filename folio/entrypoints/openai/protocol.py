@@ -96,6 +96,11 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     cache_salt: str | None = None
     priority: int = 0
+    # folio's own: seconds from arrival after which the request is finished with reason
+    # "timeout" (what it generated so far is returned); `deadline` is the same as a Unix
+    # time. At most a day.
+    timeout: float | None = Field(default=None, gt=0, le=86400)
+    deadline: float | None = Field(default=None, gt=0)
     return_token_ids: bool | None = False
     request_id: str | None = None
     # Constrained output: vLLM's extra (json / json_object / regex / choice / grammar /

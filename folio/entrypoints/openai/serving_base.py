@@ -3,6 +3,7 @@ and limits, blocking work off the event loop, starting a request's streams, coll
 streaming their outputs with errors mapped to OpenAIError)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
 
 from folio.config import RequestLimitsConfig
@@ -62,10 +63,13 @@ class ServingBase:
                       is_disconnected: IsDisconnected | None,
                       lora_request: LoRARequest | None = None) -> EngineStreams:
         # Only passed when set: the base model's requests call generate as before.
-        lora = {} if lora_request is None else {"lora_request": lora_request}
+        extra: dict[str, Any] = {} if lora_request is None else {"lora_request": lora_request}
+        deadline = request_deadline(request)
+        if deadline is not None:
+            extra["deadline"] = deadline
         streams = [self._count_lora(self.engine.generate(prompt, p, rid,
                                                          priority=request.priority,
-                                                         cache_salt=request.cache_salt, **lora),
+                                                         cache_salt=request.cache_salt, **extra),
                                     lora_request)
                    for prompt, p, rid in zip(prompts, params, request_ids)]
         return EngineStreams(streams, is_disconnected=is_disconnected,
@@ -148,3 +152,21 @@ async def _count_on_first_output(stream: AsyncIterator[RequestOutput],
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def request_deadline(request: Any) -> float | None:
+    """The request's `timeout` (seconds from now) or `deadline` (a Unix time), the earlier,
+    as a time.monotonic() value (the engine core's clock); None when it gives neither. A
+    deadline already past is refused."""
+    now_mono, now_wall = time.monotonic(), time.time()
+    ends = []
+    timeout = getattr(request, "timeout", None)
+    if timeout is not None:
+        ends.append(now_mono + timeout)
+    deadline = getattr(request, "deadline", None)
+    if deadline is not None:
+        if deadline <= now_wall:
+            raise OpenAIError(f"deadline {deadline} is already past (now {now_wall:.3f})",
+                              param="deadline")
+        ends.append(now_mono + (deadline - now_wall))
+    return min(ends) if ends else None
