@@ -28,6 +28,8 @@ import folio
 from folio.engine.async_llm import AsyncLLM
 from folio.engine.request_limits import json_depth_exceeds
 from folio.engine.input_processor import encode_prompt
+from folio.entrypoints.openai.anthropic_protocol import CountTokensRequest, MessagesRequest
+from folio.entrypoints.openai.anthropic_responses import error_status_and_body
 from folio.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
 from folio.entrypoints.openai.pooling_protocol import (ClassificationRequest, EmbeddingRequest,
                                                        PoolingRequest, RerankRequest,
@@ -40,6 +42,7 @@ from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT
 from folio.entrypoints.openai.cli_args import build_engine_config
 from folio.entrypoints.openai.serving_classify import OpenAIServingClassification
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from folio.entrypoints.openai.serving_messages import AnthropicServingMessages
 from folio.entrypoints.openai.serving_embedding import (OpenAIServingEmbedding,
                                                         OpenAIServingPooling)
 from folio.entrypoints.openai.serving_models import OpenAIServingModels
@@ -70,6 +73,31 @@ def error_response(error: OpenAIError, headers: dict[str, str] | None = None) ->
     if error.headers:
         headers = {**error.headers, **(headers or {})}
     return JSONResponse(error.to_response_body(), status_code=error.status_code, headers=headers)
+
+
+def _anthropic_route(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def route_error_response(path: str, error: OpenAIError,
+                         headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in OpenAI's body, or in Anthropic's on Anthropic's routes (/v1/messages...):
+    its clients read only their own shape."""
+    if not _anthropic_route(path):
+        return error_response(error, headers)
+    if error.headers:
+        headers = {**error.headers, **(headers or {})}
+    status, body = error_status_and_body(error.status_code, error.message)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def api_key_matches(headers: Any, api_key: str) -> bool:
+    """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
+    bearer = headers.get("authorization", "")
+    if hmac.compare_digest(bearer.encode(), f"Bearer {api_key}".encode()):
+        return True
+    x_api_key = headers.get("x-api-key")
+    return x_api_key is not None and hmac.compare_digest(x_api_key.encode(), api_key.encode())
 
 
 async def _read_json(request: Request, limit: int, max_depth: int) -> Any:
@@ -120,11 +148,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         logger.info("tool-call parser picked from the chat template: %s", tool_call_parser)
     if settings.enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    chat = OpenAIServingChat(engine, settings.served_model_names, chat_template=settings.chat_template,
-                             reasoning_parser=settings.reasoning_parser,
-                             tool_call_parser=tool_call_parser,
-                             enable_auto_tool_choice=settings.enable_auto_tool_choice,
-                             models=models)
+    chat_options = dict(chat_template=settings.chat_template,
+                        reasoning_parser=settings.reasoning_parser,
+                        tool_call_parser=tool_call_parser,
+                        enable_auto_tool_choice=settings.enable_auto_tool_choice, models=models)
+    chat = OpenAIServingChat(engine, settings.served_model_names, **chat_options)
+    # Anthropic's Messages API: the chat handler's machinery with Anthropic's shapes.
+    anthropic_messages = AnthropicServingMessages(engine, settings.served_model_names,
+                                                  **chat_options)
     names = settings.served_model_names
     embeddings = OpenAIServingEmbedding(engine, names)
     pooling = OpenAIServingPooling(engine, names)
@@ -153,14 +184,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         headers = {"X-Request-Id": request_id} if request_id else None
         if settings.api_key is not None and request.url.path not in _OPEN_ROUTES \
                 and request.method != "OPTIONS":
-            supplied = request.headers.get("authorization", "")
-            expected = f"Bearer {settings.api_key}"
-            if not hmac.compare_digest(supplied.encode(), expected.encode()):
-                return error_response(OpenAIError("invalid or missing API key", status_code=401,
-                                                  type="AuthenticationError"), headers)
+            if not api_key_matches(request.headers, settings.api_key):
+                return route_error_response(request.url.path, OpenAIError(
+                    "invalid or missing API key", status_code=401, type="AuthenticationError"),
+                    headers)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_request_body_bytes:
-            return error_response(OpenAIError(
+            return route_error_response(request.url.path, OpenAIError(
                 f"request body is larger than {settings.max_request_body_bytes} bytes",
                 status_code=413), headers)
         response = await call_next(request)
@@ -170,18 +200,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
-        return error_response(exc)
+        return route_error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(str(exc.detail), status_code=exc.status_code, type=kind))
+        return route_error_response(request.url.path, OpenAIError(
+            str(exc.detail), status_code=exc.status_code, type=kind))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error on %s", request.url.path)
-        return error_response(OpenAIError(f"internal error: {type(exc).__name__}", status_code=500,
-                                          type="InternalServerError"))
+        return route_error_response(request.url.path, OpenAIError(
+            f"internal error: {type(exc).__name__}", status_code=500, type="InternalServerError"))
 
     def _request_id(request: Request, prefix: str) -> str:
         given = request.headers.get("x-request-id")
@@ -310,6 +341,26 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
     async def create_rerank(request: Request):
         return await _pooling(request, RerankRequest, "rerank", scores.create_rerank)
 
+    @app.post("/v1/messages", openapi_extra=_json_body("MessagesRequest"))
+    async def create_message(request: Request):
+        """Anthropic's Messages API (the `anthropic-version` header is accepted, not needed)."""
+        _check_engine()
+        _check_generate_model("/v1/messages")
+        parsed = _parse(MessagesRequest, await _body(request))
+        result = await anthropic_messages.create_message(
+            parsed, request_id=_request_id(request, "msg"),
+            is_disconnected=request.is_disconnected)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_json_body("CountTokensRequest"))
+    async def count_message_tokens(request: Request):
+        _check_generate_model("/v1/messages/count_tokens")
+        parsed = _parse(CountTokensRequest, await _body(request))
+        return await anthropic_messages.count_tokens(parsed)
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": models.model_cards()}
@@ -392,7 +443,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                            DetokenizeRequest, EmbeddingRequest, PoolingRequest,
                            ClassificationRequest, ScoreRequest, RerankRequest,
-                           *openapi_models])
+                           MessagesRequest, CountTokensRequest, *openapi_models])
     return app
 
 
