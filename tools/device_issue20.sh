@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20 (multi-LoRA) on the lent GPU, in parts that each fit one device call:
-#   PART=tests|kernels|b64|b1|final bash tools/device_issue20.sh
+#   PART=tests|kernels|b64|b1|final|final2 bash tools/device_issue20.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh peft==0.21.2 accelerate==1.15.0) and
 # `device_tokenizer/` (see tools/device_issue16.sh). Logs and JSON go to $OUT.
 set -uo pipefail
@@ -29,4 +29,13 @@ final)  # after PDL on the LoRA kernels: batch 1 with and without an adapter, ba
       --output-json "$OUT/lat_b1_lora1.json"
   step 170 lat_b64_lora8 $LAT --batch-size 64 --max-num-seqs 64 --lora 8 --lora-rank 16 \
       --output-json "$OUT/lat_b64_lora8.json" ;;
+final2)  # the fused and slot-sorted kernels: their GPU tests, then the targets
+  step 80 lora_kernel_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_gpu_lora_kernels.py
+  step 75 lat_b1_lora1 $LAT --batch-size 1 --max-num-seqs 1 --lora 1 --lora-rank 16 \
+      --output-json "$OUT/lat_b1_lora1.json"
+  step 75 lat_b64_lora8 $LAT --batch-size 64 --max-num-seqs 64 --lora 8 --lora-rank 16 \
+      --output-json "$OUT/lat_b64_lora8.json"
+  step 60 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json"
+  step 60 lat_b64_base $LAT --batch-size 64 --max-num-seqs 64 --output-json "$OUT/lat_b64_base.json" ;;
 esac

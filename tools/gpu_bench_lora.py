@@ -2,19 +2,33 @@
 rides on, at Llama-3-8B's shapes in bf16: qkv 4096 -> 6144 (slices 4096/1024/1024), o 4096 ->
 4096, gate_up 4096 -> 2 x 14336, down 14336 -> 4096, at rank 16 with 8 adapter slots.
 
-For each projection, token count and slot layout: lora_shrink + lora_expand checked once
-against a float64 per-slot reference, then timed the way decode runs them, from a CUDA graph
-of --reps back-to-back calls (no launch gaps; median of --iters replays, per call), next to
-the base bf16 F.linear of the same shape timed the same way. Slot layouts: "one" (one adapter
-for every token) and "spread8" (8 adapters: token i on slot i % 8 up to 256 tokens, a decode
-batch of one token per request; 8 contiguous runs at more tokens, a prefill batch of 8
-requests). JSON lines to stdout and --out."""
+For each projection, token count and slot layout, every variant is checked once against a
+float64 per-slot reference, then timed the way decode runs it: from a CUDA graph of --reps
+back-to-back calls with PDL (--pdl 0: without), the median of --iters replays, per call;
+next to the base bf16 F.linear of the same shape timed the same way. Slot layouts: "one" (one
+adapter for every token) and "spread8" (8 adapters: token i on slot i % 8 up to 256 tokens, a
+decode batch of one token per request; 8 contiguous runs at more tokens, a prefill batch of 8
+requests). Variants:
+- old: the kernels' choice before the fused and sorted paths, forced through _config:
+  per-token shrink + expand up to 64 tokens, blocks of 32/64 rows in flat order beyond;
+- new: what a LoRAProjection runs now (its _forward_triton, the slots and order from its
+  LoRABatch): lora_shrink_expand up to FUSED_MAX_T tokens, else shrink + expand with the
+  batch's token_order (per-token up to PER_TOKEN_MAX_T, sorted blocks beyond);
+- fused: lora_shrink_expand at its default tiles (up to 16 tokens), and one
+  "fused[BLOCK_N/BLOCK_K/SPLIT_K/warps]" per --fused-configs entry (tuning);
+- token: the per-token shrink + expand (up to 256 tokens);
+- sorted: shrink + expand in sorted 16-row blocks (token_order), at every token count.
+JSON lines to stdout (and all rows to --out), then a table per layout: each variant's µs per
+decoder layer (qkv + o + gate_up + down; the token counts all projections see), next to the
+base projections' sum."""
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,9 +36,12 @@ SLOTS = 8
 # name -> (K, output slices)
 SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
           "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+FUSED_BENCH_MAX_T = 16
+TOKEN_BENCH_MAX_T = 256
+OLD_PER_TOKEN_MAX_T = 64   # the per-token threshold before the fused and sorted paths
 
 
-def graph_us(fn, reps: int, iters: int) -> float:
+def graph_us(fn: Callable[[], None], reps: int, iters: int) -> float:
     """µs per call of `fn`, from a CUDA graph of `reps` back-to-back calls."""
     fn()                                         # compile outside the capture
     torch.cuda.synchronize()
@@ -46,26 +63,21 @@ def graph_us(fn, reps: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def make_slots(layout: str, t: int, dev: torch.device) -> torch.Tensor:
+def make_slots(layout: str, t: int) -> np.ndarray:
     if layout == "one":
-        slots = torch.zeros(t, dtype=torch.int32)
-    elif t <= 256:
-        slots = torch.arange(t, dtype=torch.int32) % SLOTS
-    else:
-        slots = (torch.arange(t) * SLOTS // t).to(torch.int32)
-    return slots.to(dev)
+        return np.zeros(t, dtype=np.int32)
+    if t <= 256:
+        return (np.arange(t) % SLOTS).astype(np.int32)
+    return (np.arange(t) * SLOTS // t).astype(np.int32)
 
 
-def check(x, a, b, slots, slices, rank) -> float:
-    """Relative error of shrink + expand's update against float64, on a zero y."""
-    from folio.model.kernels.lora import lora_expand, lora_shrink
-    t, n = x.shape[0], sum(slices)
-    buf = torch.empty(t, a.shape[1], device=x.device)
-    y = torch.zeros(t, n, device=x.device, dtype=x.dtype)
-    lora_shrink(x, a, slots, buf)
-    lora_expand(buf, b, slots, y, slices, rank)
-    want = torch.zeros(t, n, device=x.device, dtype=torch.float64)
+def reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+              slices: tuple[int, ...], rank: int) -> torch.Tensor:
+    """The LoRA update of every token in float64."""
+    want = torch.zeros(x.shape[0], sum(slices), device=x.device, dtype=torch.float64)
     for s in slots.unique().tolist():
+        if s < 0:
+            continue
         rows = (slots == s).nonzero().squeeze(1)
         u = x[rows].double() @ a[s].double().t()
         off = 0
@@ -73,54 +85,124 @@ def check(x, a, b, slots, slices, rank) -> float:
             want[rows, off:off + size] = u[:, j * rank:(j + 1) * rank] \
                 @ b[s, off:off + size].double().t()
             off += size
-    return float((y.double() - want).norm() / want.norm())
+    return want
+
+
+def variants(t: int, k: int, slices: tuple[int, ...], rank: int, fused_configs: list[tuple],
+             pdl: bool) -> dict[str, Callable]:
+    """name -> make(x, a, b, slots, order, buf, y, proj) -> a zero-argument call adding the
+    LoRA update to y, for the variants that apply at t tokens."""
+    from folio.model.kernels import lora
+    r = len(slices) * rank
+
+    def pair(shrink_cfg, expand_cfg, ordered: bool) -> Callable:
+        def make(x, a, b, slots, order, buf, y, proj):
+            o = order if ordered else None
+
+            def call() -> None:
+                lora.lora_shrink(x, a, slots, buf, token_order=o, pdl=pdl, _config=shrink_cfg)
+                lora.lora_expand(buf, b, slots, y, slices, rank, token_order=o, pdl=pdl,
+                                 _config=expand_cfg)
+            return call
+        return make
+
+    def fused(cfg) -> Callable:
+        def make(x, a, b, slots, order, buf, y, proj):
+            return lambda: lora.lora_shrink_expand(x, a, b, slots, y, slices, rank, pdl=pdl,
+                                                   _config=cfg)
+        return make
+
+    old_bm = 1 if t <= OLD_PER_TOKEN_MAX_T else lora._block_m(t, False)
+    out: dict[str, Callable] = {
+        "old": pair(lora._shrink_tiles(t, r, k, old_bm),
+                    lora._expand_tiles(t, rank, min(32, old_bm)), False),
+        "new": lambda x, a, b, slots, order, buf, y, proj: lambda: proj._forward_triton(x, y),
+    }
+    if t <= FUSED_BENCH_MAX_T:
+        out["fused"] = fused(None)
+        for cfg in fused_configs:
+            out["fused[" + "/".join(map(str, cfg)) + "]"] = fused(cfg)
+    if t <= TOKEN_BENCH_MAX_T:
+        out["token"] = pair(lora._shrink_tiles(t, r, k, 1), lora._expand_tiles(t, rank, 1),
+                            False)
+    out["sorted"] = pair(lora._shrink_tiles(t, r, k, 16), lora._expand_tiles(t, rank, 16),
+                         True)
+    return out
+
+
+def summary(rows: list[dict]) -> None:
+    """Per layout and token count: each variant's µs per decoder layer (the sum over the
+    projections) and the base projections' sum."""
+    shapes = sorted({row["shape"] for row in rows})
+    for layout in dict.fromkeys(row["layout"] for row in rows):
+        names = list(dict.fromkeys(row["variant"] for row in rows if row["layout"] == layout))
+        print(f"\nlayout {layout}: µs per layer ({'+'.join(shapes)}), LoRA only")
+        print(f"{'T':>5} {'base':>8} " + " ".join(f"{n:>12}" for n in names))
+        for t in dict.fromkeys(row["tokens"] for row in rows):
+            sel = [row for row in rows if row["layout"] == layout and row["tokens"] == t]
+            base = {row["shape"]: row["base_us"] for row in sel}
+            cells = []
+            for name in names:
+                got = {row["shape"]: row["lora_us"] for row in sel if row["variant"] == name}
+                cells.append(f"{sum(got.values()):12.2f}" if len(got) == len(shapes)
+                             else f"{'-':>12}")
+            print(f"{t:>5} {sum(base.values()):8.2f} " + " ".join(cells))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--tokens", default="1,8,64,256,4096")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--layouts", default="one,spread8")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--pdl", type=int, default=1, help="launch with PDL, as decode does")
+    ap.add_argument("--fused-configs", default="",
+                    help="extra fused tilings to time, BLOCK_N:BLOCK_K:SPLIT_K:warps,...")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from folio.model.kernels.lora import lora_expand, lora_shrink
+    from folio.model.kernel_config import KernelConfig
+    from folio.model.lora.projection import LoRABatch, LoRAProjection
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    rank = args.rank
+    rank, pdl = args.rank, bool(args.pdl)
+    tokens = [int(v) for v in args.tokens.split(",")]
+    fused_configs = [tuple(int(v) for v in c.split(":")) for c in args.fused_configs.split(",")
+                     if c]
+    batch = LoRABatch(max(tokens), dev)
+    kernels = KernelConfig(pdl="1" if pdl else "0")
     rows = []
     for name in args.shapes.split(","):
         k, slices = SHAPES[name]
         n, r = sum(slices), len(slices) * rank
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
-        a = (torch.randn(SLOTS, r, k, device=dev) * k ** -0.5).to(torch.bfloat16)
-        b = (torch.randn(SLOTS, n, rank, device=dev) * rank ** -0.5).to(torch.bfloat16)
-        for t in (int(v) for v in args.tokens.split(",")):
+        proj = LoRAProjection(k, slices, SLOTS, rank, torch.bfloat16, dev, batch, kernels)
+        a, b = proj.a, proj.b
+        a.copy_(torch.randn(SLOTS, r, k, device=dev) * k ** -0.5)
+        b.copy_(torch.randn(SLOTS, n, rank, device=dev) * rank ** -0.5)
+        for t in tokens:
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             buf = torch.empty(t, r, device=dev)
             y = torch.zeros(t, n, device=dev, dtype=torch.bfloat16)
             base = graph_us(lambda: F.linear(x, w), args.reps, args.iters)
             for layout in args.layouts.split(","):
-                slots = make_slots(layout, t, dev)
-                err = check(x, a, b, slots, slices, rank)
-                shrink = graph_us(lambda: lora_shrink(x, a, slots, buf), args.reps, args.iters)
-                expand = graph_us(lambda: lora_expand(buf, b, slots, y, slices, rank),
-                                  args.reps, args.iters)
-                y.zero_()   # the timed expands accumulated into it
-
-                def both() -> None:
-                    lora_shrink(x, a, slots, buf)
-                    lora_expand(buf, b, slots, y, slices, rank)
-
-                lora = graph_us(both, args.reps, args.iters)
-                row = dict(shape=name, k=k, n=n, slices=list(slices), rank=rank, tokens=t,
-                           layout=layout, rel_err=err, base_us=base, shrink_us=shrink,
-                           expand_us=expand, lora_us=lora, lora_over_base=lora / base)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                batch.set(make_slots(layout, t))
+                slots, order = batch.token_slots[:t], batch.token_order[:t]
+                want = reference(x, a, b, slots, slices, rank)
+                for variant, make in variants(t, k, slices, rank, fused_configs, pdl).items():
+                    call = make(x, a, b, slots, order, buf, y, proj)
+                    y.zero_()
+                    call()
+                    err = float((y.double() - want).norm() / want.norm())
+                    us = graph_us(call, args.reps, args.iters)
+                    row = dict(shape=name, k=k, n=n, slices=list(slices), rank=rank, tokens=t,
+                               layout=layout, variant=variant, pdl=pdl, rel_err=err,
+                               base_us=base, lora_us=us, lora_over_base=us / base)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    summary(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(slots=SLOTS, rank=rank, reps=args.reps, rows=rows), f, indent=2)

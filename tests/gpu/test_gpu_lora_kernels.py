@@ -1,13 +1,19 @@
-"""Batched multi-LoRA shrink / expand (folio/model/kernels/lora.py) on a CUDA GPU, bf16 at
+"""Batched multi-LoRA kernels (folio/model/kernels/lora.py) on a CUDA GPU, bf16 at
 Llama-3-8B's shapes: qkv 4096 -> 6144 in slices 4096/1024/1024 at rank 16 and the down
-projection 14336 -> 4096 at rank 24 (not a power of two), 8 adapter slots, 1 to 4096 tokens
-(both the per-token and the block variant), against a reference in float64. Also: tokens
-with slot -1 keep y bit for bit, PDL gives the same bits, and the pair replays from a CUDA
-graph with token_slots rewritten in place between replays. Skipped without a GPU; run
-through the device tool.
+projection 14336 -> 4096 at rank 24 (not a power of two), 8 adapter slots, against a reference
+in float64:
+- lora_shrink + lora_expand at 1 to 4096 tokens (per-token and block variants), in flat-batch
+  order and slot-sorted (token_order from a LoRABatch);
+- lora_shrink_expand at 1 to 9 tokens (split over K, the down projection into 14 splits);
+- tokens with slot -1 keep y bit for bit, PDL (weights read before the wait) gives the same
+  bits, the split reductions give the same bits twice;
+- a LoRAProjection's calls (fused at few tokens, sorted pair beyond) replay from a CUDA graph
+  with the LoRABatch rewritten in place between replays, padded rows included.
+Skipped without a GPU; run through the device tool.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,66 +68,110 @@ def _inputs(layer: str, t: int, kind: str):
     return x, a, b, y, _slots(kind, t, gen), slices, rank
 
 
-@pytest.mark.parametrize("kind", ["random", "runs"])
-@pytest.mark.parametrize("t", [1, 8, 64, 512, 4096])
-@pytest.mark.parametrize("layer", ["qkv", "down"])
-def test_shrink_expand_match_reference(layer: str, t: int, kind: str) -> None:
-    from folio.model.kernels.lora import lora_expand, lora_shrink
-    x, a, b, y0, slots, slices, rank = _inputs(layer, t, kind)
-    want_out, want_y = _reference(x, a, b, slots, y0, slices, rank)
-    none = slots < 0
-    out = torch.full((t, a.shape[1]), float("nan"), device=CUDA)
-    lora_shrink(x, a, slots, out)
-    assert torch.isfinite(out).all()
-    assert (out[none] == 0).all()
-    if (~none).any():
-        # bf16 products are exact; the tensor cores' fp32 accumulation is not quite IEEE
-        assert _rel(out[~none], want_out[~none]) < 1e-4
-    y = y0.clone()
-    lora_expand(want_out.float(), b, slots, y, slices, rank)
+def _maps(slots: torch.Tensor, order: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token_slots, token_order or None): "flat" passes none, "sorted" a LoRABatch's."""
+    if order == "flat":
+        return slots, None
+    from folio.model.lora.projection import LoRABatch
+    batch = LoRABatch(len(slots), CUDA)
+    batch.set(slots.cpu().numpy())
+    return batch.token_slots, batch.token_order
+
+
+def _assert_update(y: torch.Tensor, want_y: torch.Tensor, y0: torch.Tensor,
+                   none: torch.Tensor) -> None:
     assert torch.equal(y[none], y0[none])
     if (~none).any():
         # the same fp32 sum up to order, then one rounding: bf16 ties may flip by an ulp
         assert _rel(y[~none], want_y[~none]) < 1e-3
         assert (y[~none].float() - want_y[~none].float()).abs().max() \
             <= 2 * torch.finfo(torch.bfloat16).eps * want_y[~none].float().abs().max()
+
+
+@pytest.mark.parametrize("order", ["flat", "sorted"])
+@pytest.mark.parametrize("kind", ["random", "runs"])
+@pytest.mark.parametrize("t", [1, 8, 64, 512, 4096])
+@pytest.mark.parametrize("layer", ["qkv", "down"])
+def test_shrink_expand_match_reference(layer: str, t: int, kind: str, order: str) -> None:
+    from folio.model.kernels.lora import lora_expand, lora_shrink
+    x, a, b, y0, slots, slices, rank = _inputs(layer, t, kind)
+    slots, token_order = _maps(slots, order)
+    want_out, want_y = _reference(x, a, b, slots, y0, slices, rank)
+    none = slots < 0
+    out = torch.full((t, a.shape[1]), float("nan"), device=CUDA)
+    lora_shrink(x, a, slots, out, token_order=token_order)
+    assert torch.isfinite(out).all()
+    assert (out[none] == 0).all()
+    if (~none).any():
+        # bf16 products are exact; the tensor cores' fp32 accumulation is not quite IEEE
+        assert _rel(out[~none], want_out[~none]) < 1e-4
+    y = y0.clone()
+    lora_expand(want_out.float(), b, slots, y, slices, rank, token_order=token_order)
+    _assert_update(y, want_y, y0, none)
     # PDL changes when the kernels start, not what they compute
     out_pdl = torch.empty_like(out)
-    lora_shrink(x, a, slots, out_pdl, pdl=True)
+    lora_shrink(x, a, slots, out_pdl, token_order=token_order, pdl=True)
     y_pdl = y0.clone()
-    lora_expand(want_out.float(), b, slots, y_pdl, slices, rank, pdl=True)
+    lora_expand(want_out.float(), b, slots, y_pdl, slices, rank, token_order=token_order,
+                pdl=True)
     assert torch.equal(out_pdl, out) and torch.equal(y_pdl, y)
 
 
-@pytest.mark.parametrize("t", [8, 512])
-def test_graph_replay_reads_slots_in_place(t: int) -> None:
-    """Captured once; each replay follows token_slots as rewritten in place, all -1 included."""
-    from folio.model.kernels.lora import lora_expand, lora_shrink
-    x, a, b, y0, slots, slices, rank = _inputs("qkv", t, "random")
-    static_slots = slots.clone()
-    out = torch.empty(t, a.shape[1], device=CUDA)
+@pytest.mark.parametrize("kind", ["random", "runs"])
+@pytest.mark.parametrize("t", [1, 2, 4, 9])
+@pytest.mark.parametrize("layer", ["qkv", "down"])
+def test_fused_matches_reference(layer: str, t: int, kind: str) -> None:
+    from folio.model.kernels.lora import lora_shrink_expand
+    x, a, b, y0, slots, slices, rank = _inputs(layer, t, kind)
+    _, want_y = _reference(x, a, b, slots, y0, slices, rank)
+    y = y0.clone()
+    lora_shrink_expand(x, a, b, slots, y, slices, rank)
+    _assert_update(y, want_y, y0, slots < 0)
+    # the split-K tickets fix the order of the sums; PDL only when the kernel starts
+    for pdl in (False, True):
+        again = y0.clone()
+        lora_shrink_expand(x, a, b, slots, again, slices, rank, pdl=pdl)
+        assert torch.equal(again, y), pdl
+
+
+@pytest.mark.parametrize("t", [2, 8, 64, 512])
+def test_graph_replay_reads_batch_in_place(t: int) -> None:
+    """A LoRAProjection's kernels (fused at few tokens, the sorted pair beyond; PDL on) are
+    captured once, with no adapter in the batch, as the decode graphs are; each replay follows
+    the LoRABatch as set() rewrites it in place: other slots, all -1, and fewer tokens than
+    the graph's (padded rows: slot -1)."""
+    from folio.model.kernel_config import KernelConfig
+    from folio.model.lora.projection import LoRABatch, LoRAProjection
+    x, a, b, y0, _, slices, rank = _inputs("qkv", t, "random")
+    batch = LoRABatch(4096, CUDA)
+    proj = LoRAProjection(x.shape[1], slices, SLOTS, rank, torch.bfloat16, CUDA, batch,
+                          KernelConfig())
+    proj.a.copy_(a)
+    proj.b.copy_(b)
     y = y0.clone()
 
     def step() -> None:
         y.copy_(y0)
-        lora_shrink(x, a, static_slots, out)
-        lora_expand(out, b, static_slots, y, slices, rank)
+        proj(x, y)
 
+    batch.set(np.zeros(0, dtype=np.int32))
+    batch.force = True
     step()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    batch.force = False
     gen = torch.Generator().manual_seed(t)
-    for kind in ("runs", "random", "empty"):
-        new = _slots(kind, t, gen) if kind != "empty" \
-            else torch.full((t,), -1, dtype=torch.int32, device=CUDA)
-        static_slots.copy_(new)
+    for kind, n in (("runs", t), ("random", t), ("empty", t), ("random", t - 1)):
+        new = _slots(kind, n, gen) if kind != "empty" \
+            else torch.full((n,), -1, dtype=torch.int32, device=CUDA)
+        batch.set(new.cpu().numpy())
         graph.replay()
         torch.cuda.synchronize()
-        want_out, want_y = _reference(x, a, b, new, y0, slices, rank)
-        none = new < 0
-        assert (out[none] == 0).all() and torch.equal(y[none], y0[none]), kind
+        slots = batch.token_slots[:t]
+        _, want_y = _reference(x, a, b, slots, y0, slices, rank)
+        none = slots < 0
+        assert torch.equal(y[none], y0[none]), (kind, n)
         if (~none).any():
-            assert _rel(out[~none], want_out[~none]) < 1e-4, kind
-            assert _rel(y[~none], want_y[~none]) < 1e-3, kind
+            assert _rel(y[~none], want_y[~none]) < 1e-3, (kind, n)

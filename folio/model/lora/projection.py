@@ -3,7 +3,8 @@ its adapters' A and B (zero-padded to the engine's max rank), and adds each toke
 adapter's B(A(x)) * scaling to the base output. Which slot each token uses is the step's
 `LoRABatch`, shared by all projections and set by the worker before the forward pass.
 
-On CUDA the Triton kernels (folio/model/kernels/lora.py) do it in two launches per projection
+On CUDA the Triton kernels (folio/model/kernels/lora.py) do it in one launch per projection
+(shrink and expand fused, up to 4 tokens) or two (tokens in slot order),
 reading the batch's static slot buffer, so CUDA graphs capture them; B is stored pre-scaled.
 Elsewhere the torch path loops over the step's adapters (at most max_loras), each on its
 tokens' rows, and multiplies by the scaling after B as PEFT does, at each projection's own
@@ -24,17 +25,26 @@ from folio.model.lora.weights import AdapterWeights
 class LoRABatch:
     """The step's token -> slot map (-1: no adapter). `token_slots` is a device buffer of
     max_tokens entries updated in place (captured CUDA graphs read it); rows past the step's
-    tokens hold -1. `groups`: per slot in use, its tokens' rows (a slice when they are
-    contiguous, else an index tensor), for the torch path."""
+    tokens hold -1. `token_order`, a second such buffer, lists the tokens grouped by slot (a
+    stable sort: each slot's tokens in flat-batch order, the slots ascending, the tokens
+    without adapter last), then the rows past the step's tokens in order; so its first T
+    entries are a permutation of range(T) for any T >= the step's tokens (a CUDA graph's
+    padded batch). The kernels' blocks follow it to read each adapter's weights once per
+    block rather than once per token. `groups`: per slot in use, its tokens' rows (a slice
+    when they are contiguous, else an index tensor), for the torch path."""
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = device
+        pinned = device.type == "cuda"
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self._host = torch.full((max_tokens,), -1, dtype=torch.int32,
-                                pin_memory=device.type == "cuda")
+        self.token_order = torch.arange(max_tokens, dtype=torch.int32, device=device)
+        self._host = torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=pinned)
+        self._host_order = torch.arange(max_tokens, dtype=torch.int32, pin_memory=pinned)
         self._host_np = self._host.numpy()
-        # Recorded after each copy out of the pinned buffer: the next step (built while this
-        # one may still wait on the stream, under async scheduling) must not rewrite it first.
+        self._host_order_np = self._host_order.numpy()
+        # Recorded after each copy out of the pinned buffers: the next step (built while this
+        # one may still wait on the stream, under async scheduling) must not rewrite them
+        # first.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._num_set = 0
         self._slots = np.zeros(0, dtype=np.int32)
@@ -47,19 +57,23 @@ class LoRABatch:
 
     def set(self, slots: np.ndarray) -> None:
         """This step's slots, one per token in flat-batch order."""
-        n = len(slots)
+        self._slots = np.array(slots, dtype=np.int32)
+        n = len(self._slots)
         if self._copied is not None:
             self._copied.synchronize()
-        host = self._host_np
-        host[:n] = slots
+        host, order = self._host_np, self._host_order_np
+        host[:n] = self._slots
+        # As unsigned, -1 sorts after every slot.
+        order[:n] = np.argsort(self._slots.view(np.uint32), kind="stable")
         if self._num_set > n:
             host[n:self._num_set] = -1
+            order[n:self._num_set] = np.arange(n, self._num_set, dtype=np.int32)
         end = max(n, self._num_set)
         self._num_set = n
         self.token_slots[:end].copy_(self._host[:end], non_blocking=True)
+        self.token_order[:end].copy_(self._host_order[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self._slots = np.array(slots, dtype=np.int32)
         self._groups = None
         self.active = bool((self._slots >= 0).any())
 
@@ -141,14 +155,23 @@ class LoRAProjection(nn.Module):
         return self._forward_torch(x, y)
 
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from folio.model.kernels.lora import lora_expand, lora_shrink
+        from folio.model.kernels.lora import (FUSED_MAX_T, lora_expand, lora_shrink,
+                                              lora_shrink_expand)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        slots = self.batch.token_slots[:x2.shape[0]]
-        buf = torch.empty((x2.shape[0], self.a.shape[1]), dtype=torch.float32, device=x.device)
+        t = x2.shape[0]
+        slots = self.batch.token_slots[:t]
         # PDL, as the projections around them: each launch overlaps the previous kernel's tail
         pdl = self.kernels.pdl_on
-        lora_shrink(x2, self.a, slots, buf, pdl=pdl)
-        lora_expand(buf, self.b, slots, y2, self.slice_sizes, self.max_rank, pdl=pdl)
+        if t <= FUSED_MAX_T:
+            # A few tokens: one launch instead of two (launches, not bytes, are the cost).
+            lora_shrink_expand(x2, self.a, self.b, slots, y2, self.slice_sizes, self.max_rank,
+                               pdl=pdl)
+            return y
+        order = self.batch.token_order[:t]
+        buf = torch.empty((t, self.a.shape[1]), dtype=torch.float32, device=x.device)
+        lora_shrink(x2, self.a, slots, buf, token_order=order, pdl=pdl)
+        lora_expand(buf, self.b, slots, y2, self.slice_sizes, self.max_rank, token_order=order,
+                    pdl=pdl)
         return y
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
