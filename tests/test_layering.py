@@ -33,6 +33,7 @@ LAYER_OF = {
     "folio.model.default_model": "model_info",
     "folio.model.cache_dir": "model_info",
     "folio.model.gguf_metadata": "model_info",
+    "folio.model.gguf_reader": "model_info",   # the GGUF container, parsed with struct
     "folio.model.quant.scheme": "model_info",
     "folio.model.pooling_info": "model_info",
     "folio.model.lora": "model_info",               # the package's docstring only
