@@ -30,6 +30,7 @@ from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
 from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, spread,
                                        write_random_adapters)
+from folio.bench.plot_support import add_plot_arg
 from folio.bench.spec_report import format_spec_report, spec_counts, spec_report
 from folio.bench.peers import (add_peer_timeout_arg, describe_free_memory, peer_timeout,
                                release_device_memory, run_latency_peer,
@@ -83,6 +84,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                                    "(group 128); for FP8 give --quantization fp8 instead")
     add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None, help="write the results to this file")
+    add_plot_arg(parser, "each timed iteration's latency and the prefill/decode split")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -245,6 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    if getattr(args, "plot", None):
+        from folio.bench.latency_plot import plot_latency
+        print(f"plot written to {plot_latency(report, args.plot)}")
     return report
 
 

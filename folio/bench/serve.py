@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from folio.bench.datasets import sample_random_requests, special_token_ids
+from folio.bench.plot_support import add_plot_arg
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DATASETS = ("random", "file")
@@ -624,6 +625,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="50,99",
                      help="comma-separated percentiles to report")
     out.add_argument("--output-json", default=None, help="write the results to this file")
+    add_plot_arg(out, "the TTFT, TPOT, ITL and E2E latency distributions (CDFs, "
+                      "p50/p90/p99 marked)")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     out.add_argument("--quiet", action="store_true", help="do not print the result table")
 
@@ -645,12 +648,7 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
     (tests pass a stub); it is loaded only when needed (random data or an explicit path)."""
     _validate(args)
     percentiles = parse_percentiles(args.percentiles)
-    chat = is_chat_endpoint(args.endpoint)
-    if args.ignore_eos is None:
-        args.ignore_eos = args.dataset == "random"
-    if tokenizer is None and (args.dataset == "random" or args.tokenizer):
-        tokenizer = load_tokenizer(args.tokenizer)
-    requests = build_requests(args, tokenizer, chat)
+    requests = prepare_requests(args, tokenizer)
 
     results, duration, model, peak = asyncio.run(benchmark(args, requests))
     report = build_report(args, requests, results, duration, model, peak, percentiles)
@@ -660,7 +658,22 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    if getattr(args, "plot", None):
+        from folio.bench.serve_plot import plot_serve
+        print(f"plot written to {plot_serve([(report['model_id'], report)], args.plot)}")
     return report
+
+
+def prepare_requests(args: argparse.Namespace, tokenizer: Any = None) -> list[BenchRequest]:
+    """The run's requests (also each value's of `folio bench sweep serve`): --ignore-eos
+    resolved (on for random data), the tokenizer loaded when needed (random data or an
+    explicit path; `tokenizer` overrides it)."""
+    chat = is_chat_endpoint(args.endpoint)
+    if args.ignore_eos is None:
+        args.ignore_eos = args.dataset == "random"
+    if tokenizer is None and (args.dataset == "random" or args.tokenizer):
+        tokenizer = load_tokenizer(args.tokenizer)
+    return build_requests(args, tokenizer, chat)
 
 
 def build_report(args: argparse.Namespace, requests: Sequence[BenchRequest],

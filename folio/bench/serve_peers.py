@@ -211,9 +211,16 @@ def build_setup(args: argparse.Namespace, source: Any, gguf_path: str | None,
 # ------------------------------------------------------------------------------------------
 
 def folio_serve_argv(setup: Setup, port: int, extra: Sequence[str] = ()) -> list[str]:
+    return folio_serve_command(setup.model_path, port, extra)
+
+
+def folio_serve_command(model_path: str | None, port: int,
+                        extra: Sequence[str] = ()) -> list[str]:
+    """`folio serve` of `model_path` (None: its default model) on HOST:port (also what
+    `folio bench sweep serve --launch` starts)."""
     argv = [sys.executable, "-m", "folio.entrypoints.cli", "serve"]
-    if setup.model_path:
-        argv.append(setup.model_path)
+    if model_path:
+        argv.append(model_path)
     return argv + ["--host", HOST, "--port", str(port)] + list(extra)
 
 
@@ -750,6 +757,11 @@ def run_comparison(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[s
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, default=_json_default)
+    runs = [(name, out["report"]) for name, out in engines.items() if out.get("report")]
+    if getattr(args, "plot", None) and runs:
+        # Every HTTP engine's distributions on the same axes (llama-batched-bench has none).
+        from folio.bench.serve_plot import plot_serve
+        print(f"plot written to {plot_serve(runs, args.plot)}")
     return result
 
 

@@ -28,6 +28,7 @@ from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, 
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
 from folio.bench.embed_throughput import DEFAULT_PEER_BATCH_SIZES as DEFAULT_EMBED_PEER_BATCH_SIZES
 from folio.bench.embed_throughput import PEER as EMBED_PEER
+from folio.bench.plot_support import add_plot_arg
 from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
                                describe_free_memory, peer_timeout, release_device_memory,
                                run_peer)
@@ -94,6 +95,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "comparison")
     add_lora_bench_args(parser)
     parser.add_argument("--output-json", default=None, help="write the results to this file")
+    add_plot_arg(parser, "each engine's output tokens/s as bars (--task embed: sentences/s)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.output_json:
             with open(args.output_json, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)
+        _plot(args, report)
         return report
 
     folio_result, info = _run_folio(args, kwargs)
@@ -175,7 +178,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    _plot(args, report)
     return report
+
+
+def _plot(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if getattr(args, "plot", None):
+        from folio.bench.throughput_plot import plot_throughput
+        print(f"plot written to {plot_throughput(report, args.plot)}")
 
 
 def _is_pooling(kwargs: dict[str, Any]) -> bool:

@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.bench import serve_peers as serve_bench_module
     serve_bench_module.add_cli_args(serve_bench)
     serve_bench.set_defaults(func=lambda a: (serve_bench_module.run(a), 0)[1])
+    sweep = bench_sub.add_parser("sweep", help="bench serve over request rates or concurrencies",
+                                 formatter_class=FolioHelpFormatter)
+    sweep_sub = sweep.add_subparsers(dest="sweep_command", required=True)
+    sweep_serve = sweep_sub.add_parser("serve", help="one table and one figure over "
+                                       "--request-rates or --max-concurrency",
+                                       formatter_class=FolioHelpFormatter)
+    from folio.bench import sweep as sweep_module
+    sweep_module.add_cli_args(sweep_serve)
+    sweep_serve.set_defaults(func=lambda a: (sweep_module.run(a), 0)[1])
     return parser
 
 

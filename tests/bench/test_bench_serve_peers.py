@@ -446,7 +446,8 @@ def test_comparison_end_to_end_on_stubs(tmp_path: Any, monkeypatch: pytest.Monke
     args = _parse("--peer", "llama-server", "--peer", "llama-batched-bench",
                   "--model-path", str(gguf), "--num-prompts", "4", "--max-concurrency", "2",
                   "--random-input-len", "12", "--random-output-len", "5", "--threads", "2",
-                  "--disable-tqdm", "--timeout", "30", "--output-json", str(out_json))
+                  "--disable-tqdm", "--timeout", "30", "--output-json", str(out_json),
+                  "--plot", str(tmp_path / "comparison.png"))
     result = serve_peers.run_comparison(args, tokenizer=StubTokenizer())
 
     engines = result["engines"]
@@ -485,6 +486,10 @@ def test_comparison_end_to_end_on_stubs(tmp_path: Any, monkeypatch: pytest.Monke
     assert "folio / llama-server (output throughput)" in printed
     assert "memory: folio idle RSS" in printed
     assert "CPU during llama-server's run" in printed
+    # --plot: both HTTP engines' distributions in one figure (batched-bench has none).
+    from png_utils import assert_png
+    assert_png(tmp_path / "comparison.png")
+    assert f"plot written to {tmp_path / 'comparison.png'}" in printed
     import json
     saved = json.loads(out_json.read_text())
     assert saved["comparison"]["memory"] == comparison["memory"]
