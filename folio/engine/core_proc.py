@@ -50,7 +50,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         _busy_loop(core, inbox, outbox, parent_pid)
     except Exception as exc:  # report, then die: the front end fails requests with 500s
         detail = f"{type(exc).__name__}: {exc}"
-        logger.error("engine core failed: %s\n%s", detail, traceback.format_exc())
+        # A ValueError is a bad setting or model, which the front end reports (it finds the
+        # same while it reads the model beside this process): no traceback for it.
+        logger.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,
+                   "engine core failed: %s\n%s", detail, traceback.format_exc())
         try:
             outbox.send_multipart(msg.encode(msg.FATAL, detail), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
