@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from folio.bench.command import bench_main
 from folio.bench import roofline
 from folio.bench.datasets import special_token_ids
 from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, spread,
@@ -419,18 +420,9 @@ def _print_peer(peer: dict[str, Any], ratios: dict[str, float | None] | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.entrypoints.help_format import FolioHelpFormatter
-    parser = argparse.ArgumentParser(prog="folio bench latency",
-                                     description="Latency of one batch; decode time per token.",
-                                     formatter_class=FolioHelpFormatter)
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"folio bench latency: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main(argv, 'folio bench latency',
+                      'Latency of one batch; decode time per token.',
+                      add_cli_args, run)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from folio.bench.command import bench_main
 from folio.bench.datasets import sample_random_requests, special_token_ids
 from folio.bench.plot_support import add_plot_arg
 
@@ -712,19 +713,9 @@ def build_report(args: argparse.Namespace, requests: Sequence[BenchRequest],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.entrypoints.help_format import FolioHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="folio bench serve",
-        description="Online serving benchmark against an OpenAI-compatible streaming server.",
-        formatter_class=FolioHelpFormatter)
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"folio bench serve: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main(argv, 'folio bench serve',
+                      'Online serving benchmark against an OpenAI-compatible streaming server.',
+                      add_cli_args, run)
 
 
 if __name__ == "__main__":

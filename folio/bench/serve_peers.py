@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
+from folio.bench.command import bench_main
 from folio.bench import serve
 from folio.bench.llama_cpp_tools import (REPACK_POLICIES, batched_bench_argv, crash_signal,
                                          find_binary, llama_server_argv, parse_batched_bench,
@@ -120,19 +121,9 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.entrypoints.help_format import FolioHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="folio bench serve",
-        description="Online serving benchmark; with --peer, folio serve against llama.cpp.",
-        formatter_class=FolioHelpFormatter)
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"folio bench serve: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main(argv, 'folio bench serve',
+                      'Online serving benchmark; with --peer, folio serve against llama.cpp.',
+                      add_cli_args, run)
 
 
 # ------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from folio.bench.command import bench_main
 from folio.bench import serve, sweep_table
 from folio.bench.plot_support import add_plot_arg
 from folio.bench.sweep_table import ROW_PERCENTILES, SWEPT
@@ -265,19 +266,9 @@ def _with_url(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.entrypoints.help_format import FolioHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="folio bench sweep serve",
-        description="`folio bench serve` over several request rates or concurrencies.",
-        formatter_class=FolioHelpFormatter)
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"folio bench sweep serve: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main(argv, 'folio bench sweep serve',
+                      '`folio bench serve` over several request rates or concurrencies.',
+                      add_cli_args, run)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from folio.bench.command import bench_main
 from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, spread,
                                        write_random_adapters)
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
@@ -402,19 +403,9 @@ def _print_table(results: list[EngineResult], info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from folio.entrypoints.help_format import FolioHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="folio bench throughput",
-        description="Offline throughput on random-token requests, optionally against a peer.",
-        formatter_class=FolioHelpFormatter)
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as exc:
-        print(f"folio bench throughput: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_main(argv, 'folio bench throughput',
+                      'Offline throughput on random-token requests, optionally against a peer.',
+                      add_cli_args, run)
 
 
 if __name__ == "__main__":

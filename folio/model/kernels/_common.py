@@ -62,3 +62,13 @@ if HAS_TRITON:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def load_k_tile(rows, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """rows [R, 1] pointers -> the [R, BLOCK_K] tile at offs_k; only the tile at K can be
+        ragged (masked only where K is not a multiple of BLOCK_K)."""
+        if K % BLOCK_K == 0:
+            tile = tl.load(rows + offs_k[None, :])
+        else:
+            tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        return tile

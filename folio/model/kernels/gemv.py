@@ -131,7 +131,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if HAS_TRITON:
-    from folio.model.kernels._common import pdl_entry
+    from folio.model.kernels._common import load_k_tile, pdl_entry
 
     @triton.jit
     def _acc_init(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -164,22 +164,13 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _load_k(rows, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
-        """rows [R, 1] pointers -> [R, BLOCK_K] tile; only the tile at K can be ragged."""
-        if K % BLOCK_K == 0:
-            tile = tl.load(rows + offs_k[None, :])
-        else:
-            tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-        return tile
-
-    @triton.jit
     def _load_first(rows, k_lo, k_hi, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr):
         """The first [R, BLOCK_K] tile of this program's K range. A split may be empty
         (k_lo >= K, when K_SPLIT rounds up), so split programs mask by their own range."""
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         if SPLIT_K == 1:
-            tile = _load_k(rows, offs_k, K, BLOCK_K)
+            tile = load_k_tile(rows, offs_k, K, BLOCK_K)
         else:
             tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
         return tile
@@ -253,8 +244,8 @@ if HAS_TRITON:
                    PRECISION)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            w = _load_k(w_rows, offs_k, K, BLOCK_K)
-            x = _load_k(x_rows, offs_k, K, BLOCK_K)
+            w = load_k_tile(w_rows, offs_k, K, BLOCK_K)
+            x = load_k_tile(x_rows, offs_k, K, BLOCK_K)
             acc = _mac(acc, x, w, M_PAD, DOT, PRECISION)
         acc = _acc_finish(acc, M_PAD, DOT)
         is_last = True
@@ -296,9 +287,9 @@ if HAS_TRITON:
         acc_u = _mac(_acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT), x, wu, M_PAD, DOT, PRECISION)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            wg = _load_k(g_rows, offs_k, K, BLOCK_K)
-            wu = _load_k(u_rows, offs_k, K, BLOCK_K)
-            x = _load_k(x_rows, offs_k, K, BLOCK_K)
+            wg = load_k_tile(g_rows, offs_k, K, BLOCK_K)
+            wu = load_k_tile(u_rows, offs_k, K, BLOCK_K)
+            x = load_k_tile(x_rows, offs_k, K, BLOCK_K)
             acc_g = _mac(acc_g, x, wg, M_PAD, DOT, PRECISION)
             acc_u = _mac(acc_u, x, wu, M_PAD, DOT, PRECISION)
         acc_g = _acc_finish(acc_g, M_PAD, DOT)

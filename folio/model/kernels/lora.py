@@ -87,16 +87,7 @@ _COUNTERS = 1024
 _FUSED_K_PER_PROGRAM = 1024
 
 if HAS_TRITON:
-    from folio.model.kernels._common import pdl_entry
-
-    @triton.jit
-    def _load_k(rows, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
-        """rows [R, 1] pointers -> [R, BLOCK_K] tile; only the tile at K can be ragged."""
-        if K % BLOCK_K == 0:
-            tile = tl.load(rows + offs_k[None, :])
-        else:
-            tile = tl.load(rows + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-        return tile
+    from folio.model.kernels._common import load_k_tile, pdl_entry
 
     @triton.jit
     def _k_range(pid_k, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -133,8 +124,8 @@ if HAS_TRITON:
         part = tl.zeros(a_first.shape, dtype=tl.float32)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a_next = _load_k(a_rows, offs_k, K, BLOCK_K)
-            x_next = _load_k(x_rows, offs_k, K, BLOCK_K)
+            a_next = load_k_tile(a_rows, offs_k, K, BLOCK_K)
+            x_next = load_k_tile(x_rows, offs_k, K, BLOCK_K)
             part += a.to(tl.float32) * x.to(tl.float32)
             a = a_next
             x = x_next
@@ -235,8 +226,8 @@ if HAS_TRITON:
                 part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     offs_k = k0 + tl.arange(0, BLOCK_K)
-                    x = _load_k(x_rows, offs_k, K, BLOCK_K)
-                    a = _load_k(a_rows, offs_k, K, BLOCK_K)
+                    x = load_k_tile(x_rows, offs_k, K, BLOCK_K)
+                    a = load_k_tile(a_rows, offs_k, K, BLOCK_K)
                     part = tl.dot(x, tl.trans(a), part, input_precision=PRECISION)
                 acc = tl.where((slots == slot)[:, None], part, acc)
                 slot = _next_slot(slots, slot, hi)
