@@ -77,6 +77,8 @@ class ModelConfig:
     # True = always run the model eagerly; False = replay CUDA graphs (on CUDA with the Triton
     # attention backend only; other devices always run eagerly).
     enforce_eager: bool = False
+    # vLLM's --enable-sleep-mode: sleep / wake_up may free the device between jobs.
+    enable_sleep_mode: bool = False
     # Which steps replay CUDA graphs (vLLM's cudagraph_mode names): "full" = pure-decode steps
     # and mixed steps (prefill chunks) at padded token counts; "full_decode_only" = pure-decode
     # steps only, mixed steps run eagerly.

@@ -64,6 +64,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never use CUDA graphs (otherwise every step replays them on CUDA)")
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        help="allow sleep / wake_up (server: POST /sleep?level=1|2, POST "
+                             "/wake_up, GET /is_sleeping): level 1 moves the weights to host "
+                             "memory and frees the KV cache, level 2 frees both; requests "
+                             "that arrive while asleep wait")
     parser.add_argument("--cudagraph-mode", default="full", type=str.lower,
                         choices=["full", "full_decode_only"],
                         help="which steps replay CUDA graphs: full = pure-decode and mixed "
@@ -233,6 +238,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy, device=args.device,
         enforce_eager=getattr(args, "enforce_eager", False),
         cudagraph_mode=getattr(args, "cudagraph_mode", "full"),
+        enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
         quantization=getattr(args, "quantization", None),
         async_scheduling=getattr(args, "async_scheduling", None),
         structured_outputs_config={

@@ -352,6 +352,16 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call_utility("reset_prefix_cache")
 
+    async def sleep(self, level: int = 1) -> dict[str, int]:
+        """Sleep mode (the engine core's EngineCore.sleep); ValueError when it cannot."""
+        return await self._call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call_utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call_utility("is_sleeping")
+
     async def _call_utility(self, method: str, *args: Any) -> Any:
         self._ensure_started()
         call_id = next(self._call_ids)

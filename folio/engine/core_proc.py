@@ -20,7 +20,7 @@ from folio.engine import messages as msg
 logger = logging.getLogger(__name__)
 
 # The EngineCore methods the front end may call remotely.
-UTILITY_METHODS = {"reset_prefix_cache"}
+UTILITY_METHODS = {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"}
 
 _IDLE_POLL_MS = 500
 
@@ -73,7 +73,9 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
     last_stats = None
     while True:
         # Block only while idle; with work queued, just drain what has arrived.
-        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        # (asleep, queued requests wait for wake_up: block too)
+        busy = core.has_unfinished_requests() and not core.is_sleeping()
+        timeout = 0 if busy else _IDLE_POLL_MS
         while poller.poll(timeout):
             kind, payload = msg.decode(inbox.recv_multipart())
             if kind == msg.SHUTDOWN:
@@ -86,7 +88,8 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
             if os.getppid() != parent_pid:
                 logger.warning("front end process is gone; engine core exiting")
                 return
-        if core.has_unfinished_requests() or core.has_pending_notifications():
+        if (core.has_unfinished_requests() and not core.is_sleeping()) \
+                or core.has_pending_notifications():
             outputs = core.step()
             last_stats = core.stats()
             outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(

@@ -77,6 +77,8 @@ class EngineCore:
                                    or config.speculative.adaptive_draft_length),
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_queue_time=config.admission.max_queue_time)
+        # Sleep mode: 0 awake, else the level slept at (requests wait).
+        self.sleep_level = 0
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
         # Speculative decoding sizes its drafts from measured step times.
@@ -121,6 +123,8 @@ class EngineCore:
         schedules step N+1 while the device runs step N."""
         outputs = self._settle_grammars()
         outputs += self.scheduler.expire_requests(time.monotonic())
+        if self.sleep_level:
+            return outputs      # asleep: requests wait for wake_up
         if self._in_flight is not None and _needs_tokens_first(self._in_flight[0]):
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, ...): finish that step first.
@@ -196,6 +200,40 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # ---- sleep mode (--enable-sleep-mode) -------------------------------------------------
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the device: level 1 moves the weights to host memory and drops the KV cache,
+        level 2 drops both (waking reads the checkpoint again). Only when idle; requests
+        that arrive while asleep wait for wake_up. Returns the bytes freed of each."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep: start the engine with enable_sleep_mode "
+                             "(--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            raise ValueError(f"sleep: already asleep (level {self.sleep_level})")
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {len(self.scheduler.requests)} request(s) in flight; "
+                             "sleep when the engine is idle")
+        if not hasattr(self.executor, "sleep"):
+            raise ValueError("sleep: sleep mode runs with --distributed-executor-backend uni")
+        self.scheduler.reset_prefix_cache()      # the blocks' contents go
+        freed = self.executor.sleep(level)
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed (tags: "weights", "kv_cache"; None: everything)."""
+        if not self.sleep_level:
+            return
+        self.executor.wake_up(tags)
+        if not self.executor.sleep_level:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
 
     def shutdown(self) -> None:
         self._in_flight = None

@@ -121,3 +121,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        return self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()

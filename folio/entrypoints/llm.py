@@ -43,6 +43,7 @@ class LLM(PoolingAPI):
                  runner: str = "auto", convert: str = "auto", task: str | None = None,
                  pooler_config: dict | None = None,
                  hf_overrides: dict | None = None,
+                 enable_sleep_mode: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None,
                  lora_config: LoRAConfig | dict | None = None) -> None:
@@ -65,7 +66,7 @@ class LLM(PoolingAPI):
                               enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
                               quantization=quantization, runner=runner, convert=convert,
                               task=task, pooler_config=pooler_config,
-                              hf_overrides=hf_overrides),
+                              hf_overrides=hf_overrides, enable_sleep_mode=enable_sleep_mode),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               cache_dtype=kv_cache_dtype,
@@ -96,6 +97,15 @@ class LLM(PoolingAPI):
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """vLLM's LLM.sleep (needs enable_sleep_mode=True): level 1 moves the weights to host
+        memory and frees the KV cache, level 2 frees both. Returns the bytes freed of each."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed (tags: "weights", "kv_cache"; None: all)."""
+        self.llm_engine.wake_up(tags)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, priority: list[int] | None = None,

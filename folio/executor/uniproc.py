@@ -21,19 +21,54 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.worker = Worker(config, source, hf_config)
         self.debug_step_messages = config.parallel.debug_step_messages
+        # Sleep level 2 drops the whole worker; waking builds it again from these.
+        self._worker_args = (config, source, hf_config)
+        self.sleep_level = 0
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Sleep mode. Level 1: the worker frees its KV cache and CUDA graphs and moves the
+        weights to host memory. Level 2: the worker is dropped whole (weights, KV cache,
+        graphs); waking reads the checkpoint again, into as many KV blocks as before."""
+        if level == 1:
+            freed = self.worker.sleep()
+        else:
+            worker = self.worker
+            from folio.worker.sleep import module_bytes
+            freed = {"kv_cache": sum(t.numel() * t.element_size() for t in worker.kv_caches),
+                     "weights": module_bytes(worker.model)}
+            self._num_blocks, self._device_type = worker.num_blocks, worker.device.type
+            self._layout, self._vocab_size = worker.kv_cache_layout, worker.arch_spec.vocab_size
+            self.worker = None
+            del worker
+            _release_memory(self._device_type)
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleep_level == 2:
+            import dataclasses
+            config, source, hf_config = self._worker_args
+            cache = dataclasses.replace(config.cache, num_gpu_blocks_override=self._num_blocks,
+                                        kv_cache_memory_bytes=None)
+            self.worker = Worker(dataclasses.replace(config, cache=cache), source, hf_config)
+        elif self.sleep_level == 1:
+            self.worker.wake_up(tags)
+            if self.worker.asleep:
+                return          # woken in part (tags): still asleep
+        self.sleep_level = 0
 
     @property
     def device_type(self) -> str:
         """The device type the model runs on: "cuda" or "cpu"."""
-        return self.worker.device.type
+        return self._device_type if self.worker is None else self.worker.device.type
 
     @property
     def num_blocks(self) -> int:
-        return self.worker.num_blocks
+        return self._num_blocks if self.worker is None else self.worker.num_blocks
 
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
-        return self.worker.kv_cache_layout
+        return self._layout if self.worker is None else self.worker.kv_cache_layout
 
     @property
     def timings(self) -> dict[str, float]:
@@ -44,7 +79,7 @@ class UniProcExecutor:
     @property
     def vocab_size(self) -> int:
         """The width of the model's logits (may exceed the tokenizer's vocabulary)."""
-        return self.worker.arch_spec.vocab_size
+        return self._vocab_size if self.worker is None else self.worker.arch_spec.vocab_size
 
     def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:
@@ -74,3 +109,14 @@ class _RoundTripOutput:
 
     def get(self) -> ModelRunnerOutput:
         return step_codec.round_trip(self._pending.get(), step_codec.decode_output)
+
+
+def _release_memory(device_type: str) -> None:
+    """Give a dropped worker's memory back: its cycles collected, CUDA's cached blocks freed."""
+    import gc
+    gc.unfreeze()   # the engine froze its start-up objects (engine_core.py)
+    gc.collect()
+    gc.freeze()
+    if device_type == "cuda":
+        import torch
+        torch.cuda.empty_cache()

@@ -66,6 +66,8 @@ class Worker:
         # did not run (profiling without CUDA or with a fixed KV size, graph capture on the CPU
         # or with enforce_eager) counts 0.0.
         self.timings: dict[str, float] = dict.fromkeys(STARTUP_STAGES, 0.0)
+        # What sleep mode has freed ("weights", "kv_cache"); empty = awake.
+        self.asleep: set[str] = set()
         start = time.perf_counter()
         logger.info("loading weights from %s (%s, %s)", source.path, self.dtype, self.device)
         if config.pooling is not None:
@@ -346,6 +348,56 @@ class Worker:
     @property
     def arch_spec(self) -> ArchSpec:
         return self.spec
+
+    # ---- sleep mode ------------------------------------------------------------------------
+
+    def sleep(self) -> dict[str, int]:
+        """Sleep level 1: the KV cache and the CUDA graphs freed, the weights moved to host
+        memory (through a bounded pinned buffer: folio/worker/sleep.py; on the CPU they are
+        host memory already). Returns the bytes freed of each. The engine calls it only
+        when no request is in flight, and resets the prefix cache (the KV is gone)."""
+        from folio.worker.sleep import offload_to_host
+        if self.draft_model is not None:
+            raise ValueError("sleep mode with a speculative draft model or head is not supported")
+        self.graph_runner = self.mixed_graph_runner = None
+        self.runner.graph_runner = self.runner.mixed_graph_runner = None
+        kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.kv_caches = []
+        self.runner.kv_caches = []
+        weight_bytes = offload_to_host(self.model)
+        self.asleep = {"weights", "kv_cache"}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        logger.info("asleep: KV cache freed (%s), weights moved to host memory (%s)",
+                    _format_bytes(kv_bytes), _format_bytes(weight_bytes))
+        return {"kv_cache": kv_bytes, "weights": weight_bytes}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: `tags` "weights" and / or "kv_cache" (None: both, and
+        then the CUDA graphs are captured again)."""
+        from folio.worker.sleep import reload_to_device
+        asleep = self.asleep
+        for tag in tags or sorted(asleep):
+            if tag not in ("weights", "kv_cache"):
+                raise ValueError(f"tags: unknown tag {tag!r} (weights, kv_cache)")
+            if tag not in asleep:
+                continue
+            if tag == "weights":
+                reload_to_device(self.model, self.device)
+            else:
+                cache = self.config.cache
+                self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
+                                                    self.kv_cache_dtype, self.device,
+                                                    self.kv_cache_layout)
+                self.runner.kv_caches = self.kv_caches
+            asleep.discard(tag)
+        if not asleep and self.device.type == "cuda":
+            self.graph_runner = self._capture_decode_graphs()
+            self.mixed_graph_runner = self._capture_mixed_graphs()
+            self.runner.graph_runner = self.graph_runner
+            self.runner.mixed_graph_runner = self.mixed_graph_runner
+        self.asleep = asleep
 
     def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:

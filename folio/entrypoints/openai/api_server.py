@@ -371,6 +371,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         # as in vLLM. The API key guards them like every other route.
         _add_lora_routes(app, models, _body)
         openapi_models = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
+    model_config = getattr(getattr(engine, "config", None), "model", None)
+    if getattr(model_config, "enable_sleep_mode", False):
+        _add_sleep_routes(app, engine)
 
     def _bounded_encode(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         # A text far past the context is refused without tokenizing all of it (as the
@@ -460,6 +463,37 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels,
     async def unload_lora_adapter(request: Request):
         body = _parse(UnloadLoRAAdapterRequest, await read_body(request))
         return Response(await models.unload_lora_adapter(body), media_type="text/plain")
+
+
+def _add_sleep_routes(app: FastAPI, engine: Any) -> None:
+    """vLLM's sleep mode routes (only with --enable-sleep-mode; behind the API key)."""
+
+    async def call(method: str, *args: Any) -> Any:
+        try:
+            return await getattr(engine, method)(*args)
+        except RuntimeError as exc:
+            # the engine core's refusal (busy, asleep already, bad level) comes back as text
+            message = str(exc)
+            if message.startswith("ValueError: "):
+                raise OpenAIError(message.removeprefix("ValueError: ")) from exc
+            raise
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        if level not in (1, 2):
+            raise OpenAIError(f"level must be 1 or 2, got {level}", param="level")
+        freed = await call("sleep", level)
+        return JSONResponse({"is_sleeping": True, "level": level, "freed_bytes": freed})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        tags = request.query_params.getlist("tags") or None
+        await call("wake_up", tags)
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await engine.is_sleeping()}
 
 
 def _json_body(*models: str) -> dict:
