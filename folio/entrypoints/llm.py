@@ -115,6 +115,9 @@ class LLM(PoolingAPI):
         """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of either.
         `lora_request`: one adapter for every prompt, or one (or None) per prompt. Outputs
         come back in the order of the prompts."""
+        if self.llm_engine.is_sleeping():
+            # offline nothing else could wake the engine: the call would wait forever
+            raise ValueError("the engine is asleep: call wake_up() first")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

