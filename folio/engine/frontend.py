@@ -181,7 +181,7 @@ class RequestPreparer:
                  lora: LoRAConfig | None = None) -> None:
         self.info = info
         # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
-        self.lora = LoRAChecker(lora, arch_spec_from_hf_config(info.hf_config))
+        self.lora = LoRAChecker(lora, info.hf_config)
         self.structured_outputs_backend = structured_outputs_backend
         self.limits = limits or RequestLimitsConfig()
         # Tokens the KV cache holds; set once the engine core has sized it.

@@ -8,7 +8,7 @@ from typing import Any
 
 from folio.config import LoRAConfig
 from folio.lora.request import LoRARequest
-from folio.model.families import ArchSpec
+from folio.model.families import ArchSpec, arch_spec_from_hf_config
 from folio.model.lora.adapter_files import AdapterFiles, read_adapter
 
 # Checked adapters remembered (each is a few hundred bytes of names and shapes).
@@ -16,9 +16,10 @@ _MAX_REMEMBERED = 1024
 
 
 class LoRAChecker:
-    def __init__(self, config: LoRAConfig | None, spec: ArchSpec) -> None:
+    def __init__(self, config: LoRAConfig | None, hf_config: Any) -> None:
         self.config = config
-        self.spec = spec
+        self._hf_config = hf_config
+        self._spec: ArchSpec | None = None   # the model's shapes, read on the first check
         self._checked: OrderedDict[int, tuple[LoRARequest, AdapterFiles]] = OrderedDict()
 
     def check(self, lora_request: Any) -> AdapterFiles:
@@ -39,7 +40,9 @@ class LoRAChecker:
                     f"{seen.lora_name!r} ({seen.lora_path}); each adapter needs its own id")
             self._checked.move_to_end(lora_request.lora_int_id)
             return files
-        files = read_adapter(lora_request.lora_path, self.spec, self.config.max_lora_rank)
+        if self._spec is None:
+            self._spec = arch_spec_from_hf_config(self._hf_config)
+        files = read_adapter(lora_request.lora_path, self._spec, self.config.max_lora_rank)
         self._checked[lora_request.lora_int_id] = (lora_request, files)
         while len(self._checked) > _MAX_REMEMBERED:
             self._checked.popitem(last=False)

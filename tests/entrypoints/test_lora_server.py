@@ -332,10 +332,9 @@ class _StandInEngine:
         from transformers import AutoConfig
 
         from folio.engine.lora_checks import LoRAChecker
-        from folio.model.families import arch_spec_from_hf_config
-        spec = arch_spec_from_hf_config(AutoConfig.from_pretrained(model_dir))
         self.config = SimpleNamespace(lora=lora)
-        self.preparer = SimpleNamespace(lora=LoRAChecker(lora, spec))
+        self.preparer = SimpleNamespace(lora=LoRAChecker(lora,
+                                                         AutoConfig.from_pretrained(model_dir)))
         self.model_info = SimpleNamespace(source=SimpleNamespace(path=model_dir),
                                           vocab_size=49152, pooling=None)
 
