@@ -13,7 +13,6 @@ from typing import Any
 
 from folio.lora.request import LoRARequest
 
-_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def add_lora_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +45,7 @@ def write_random_adapters(hf_config: Any, num: int, rank: int, out_dir: str | No
     from safetensors.torch import save_file
 
     from folio.model.families import arch_spec_from_hf_config
-    from folio.model.lora.adapter_files import projection_shapes
+    from folio.model.lora.adapter_files import BLOCK_OF, PROJECTIONS, projection_shapes
 
     spec = arch_spec_from_hf_config(hf_config)
     shapes = projection_shapes(spec)
@@ -58,10 +57,9 @@ def write_random_adapters(hf_config: Any, num: int, rank: int, out_dir: str | No
         os.makedirs(path, exist_ok=True)
         tensors = {}
         for layer in range(spec.num_layers):
-            for target in _TARGETS:
-                block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                in_f, out_f = shapes[target.removesuffix("_proj")]
-                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            for proj in PROJECTIONS:
+                in_f, out_f = shapes[proj]
+                prefix = f"base_model.model.model.layers.{layer}.{BLOCK_OF[proj]}.{proj}_proj"
                 tensors[f"{prefix}.lora_A.weight"] = (
                     torch.randn(rank, in_f, generator=gen) / in_f ** 0.5).to(torch.bfloat16)
                 tensors[f"{prefix}.lora_B.weight"] = (
@@ -69,7 +67,7 @@ def write_random_adapters(hf_config: Any, num: int, rank: int, out_dir: str | No
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                       "target_modules": list(_TARGETS), "bias": "none",
+                       "target_modules": [f"{p}_proj" for p in PROJECTIONS], "bias": "none",
                        "task_type": "CAUSAL_LM"}, f)
         requests.append(LoRARequest(f"bench-lora-{n}", n + 1, path))
     return requests

@@ -33,8 +33,8 @@ class UniProcExecutor:
             freed = self.worker.sleep()
         else:
             worker = self.worker
-            from folio.worker.sleep import module_bytes
-            freed = {"kv_cache": sum(t.numel() * t.element_size() for t in worker.kv_caches),
+            from folio.worker.sleep import module_bytes, tensors_bytes
+            freed = {"kv_cache": tensors_bytes(worker.kv_caches),
                      "weights": module_bytes(worker.model)}
             self._num_blocks, self._device_type = worker.num_blocks, worker.device.type
             self._layout, self._vocab_size = worker.kv_cache_layout, worker.arch_spec.vocab_size

@@ -45,10 +45,13 @@ def offload_to_host(module: nn.Module) -> int:
     return moved
 
 
+def tensors_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def module_bytes(module: nn.Module) -> int:
     """Bytes of `module`'s parameters and buffers (packed quantized weights are buffers)."""
-    return sum(t.numel() * t.element_size()
-               for t in (*module.parameters(), *module.buffers()))
+    return tensors_bytes((*module.parameters(), *module.buffers()))
 
 
 def reload_to_device(module: nn.Module, device: torch.device) -> None:

@@ -356,12 +356,12 @@ class Worker:
         memory (through a bounded pinned buffer: folio/worker/sleep.py; on the CPU they are
         host memory already). Returns the bytes freed of each. The engine calls it only
         when no request is in flight, and resets the prefix cache (the KV is gone)."""
-        from folio.worker.sleep import offload_to_host
+        from folio.worker.sleep import offload_to_host, tensors_bytes
         if self.draft_model is not None:
             raise ValueError("sleep mode with a speculative draft model or head is not supported")
         self.graph_runner = self.mixed_graph_runner = None
         self.runner.graph_runner = self.runner.mixed_graph_runner = None
-        kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        kv_bytes = tensors_bytes(self.kv_caches)
         self.kv_caches = []
         self.runner.kv_caches = []
         weight_bytes = offload_to_host(self.model)

@@ -21,7 +21,7 @@ _MAX_CONFIG_BYTES = 1 << 20
 _MAX_HEADER_BYTES = 16 << 20
 # The projections an adapter may target, as folio names them: (block, projection).
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-_BLOCK_OF = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
+BLOCK_OF = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
              "gate": "mlp", "up": "mlp", "down": "mlp"}
 # PEFT's tensor names, with or without the base_model.model. prefix and the adapter's name
 # (save_pretrained drops it; a raw state dict keeps it).
@@ -186,7 +186,7 @@ def read_adapter(path: str, spec: ArchSpec, max_rank: int) -> AdapterFiles:
             raise _fail(path, f"tensor {name} is not a LoRA weight of a q/k/v/o/gate/up/down "
                               "projection (embedding and lm_head adapters are not supported)")
         layer, block, proj, which = int(match[1]), match[2], match[3], match[4]
-        if _BLOCK_OF[proj] != block:
+        if BLOCK_OF[proj] != block:
             raise _fail(path, f"tensor {name}: {proj}_proj is not in {block}")
         if layer >= spec.num_layers:
             raise _fail(path, f"tensor {name}: layer {layer} is past the model's "
@@ -224,7 +224,7 @@ def read_adapter(path: str, spec: ArchSpec, max_rank: int) -> AdapterFiles:
             raise _fail(path, f"rank {rank} (layers.{layer} {proj}_proj) is larger than "
                               f"max_lora_rank ({max_rank}); start the server with a larger "
                               "--max-lora-rank")
-        module = f"model.layers.{layer}.{_BLOCK_OF[proj]}.{proj}_proj"
+        module = f"model.layers.{layer}.{BLOCK_OF[proj]}.{proj}_proj"
         mod_alpha = _pattern_value(alpha_pattern, module, alpha)
         if not isinstance(mod_alpha, (int, float)) or isinstance(mod_alpha, bool):
             raise _fail(path, f"alpha_pattern value for {module} must be a number")
