@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 20 (multi-LoRA) on the lent GPU, in parts that each fit one device call:
-#   PART=tests|kernels|b64|b1|final|final2 bash tools/device_issue20.sh
+#   PART=tests|kernels|b64|b1|final|final2|s7a|s7b bash tools/device_issue20.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh peft==0.21.2 accelerate==1.15.0) and
 # `device_tokenizer/` (see tools/device_issue16.sh). Logs and JSON go to $OUT.
 set -uo pipefail
@@ -38,4 +38,24 @@ final2)  # the fused and slot-sorted kernels: their GPU tests, then the targets
       --output-json "$OUT/lat_b64_lora8.json"
   step 60 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json"
   step 60 lat_b64_base $LAT --batch-size 64 --max-num-seqs 64 --output-json "$OUT/lat_b64_base.json" ;;
+s7a)  # session 7: the dense-shrink variants (mm+expand, cat) beside the kernels; the fused
+  # kernel at batch 1 in the engine; issue 18's fused MoE layer with the one-program align
+  step 90 lora_kernel_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_gpu_lora_kernels.py
+  step 200 lora_kernels python3 tools/gpu_bench_lora.py --tokens 1,4,16,64 --reps 10 \
+      --iters 10 --out "$OUT/lora_kernels.json"
+  step 120 moe_layer python3 tools/gpu_bench_moe.py --out "$OUT/moe_layer.json"
+  step 150 lat_b1_lora1 $LAT --batch-size 1 --max-num-seqs 1 --lora 1 --lora-rank 16 \
+      --output-json "$OUT/lat_b1_lora1.json"
+  step 80 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json" ;;
+s7b)  # session 7: adapters riding the base weights ([W; A_all] in one GEMM), the GPU tests
+  # then both targets (FOLIO_LORA=kernels is the separate kernels' side)
+  step 190 lora_gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -x \
+      tests/gpu/test_gpu_lora_kernels.py tests/gpu/test_gpu_lora_engine.py
+  step 150 lat_b1_lora1 $LAT --batch-size 1 --max-num-seqs 1 --lora 1 --lora-rank 16 \
+      --output-json "$OUT/lat_b1_lora1.json"
+  step 80 lat_b64_lora8 $LAT --batch-size 64 --max-num-seqs 64 --lora 8 --lora-rank 16 \
+      --output-json "$OUT/lat_b64_lora8.json"
+  step 70 lat_b1_base $LAT --batch-size 1 --max-num-seqs 1 --output-json "$OUT/lat_b1_base.json"
+  step 70 lat_b64_base $LAT --batch-size 64 --max-num-seqs 64 --output-json "$OUT/lat_b64_base.json" ;;
 esac

@@ -17,7 +17,14 @@ requests). Variants:
 - fused: lora_shrink_expand at its default tiles (up to 16 tokens), and one
   "fused[BLOCK_N/BLOCK_K/SPLIT_K/warps]" per --fused-configs entry (tuning);
 - token: the per-token shrink + expand (up to 256 tokens);
-- sorted: shrink + expand in sorted 16-row blocks (token_order), at every token count.
+- sorted: shrink + expand in sorted 16-row blocks (token_order), at every token count;
+- dense3: torch only: u = x @ A_all^T over all slots (cuBLAS), u *= each token's slot mask,
+  y += u @ B_all (B block-diagonal over slots and slices): three launches, no Triton;
+- mm+expand: u = x @ A_all^T (cuBLAS, bf16), then lora_expand reading each token's own
+  slot's columns of u (u_slot_stride);
+- cat: the base projection and the shrink as ONE cuBLAS GEMM against [W; A_all] (the LoRA
+  rows ride on the weight stream the base reads anyway), then lora_expand from the output's
+  tail columns into its head (strided views): timed with the base, reported minus the base.
 JSON lines to stdout (and all rows to --out), then a table per layout: each variant's µs per
 decoder layer (qkv + o + gate_up + down; the token counts all projections see), next to the
 base projections' sum."""
@@ -127,7 +134,75 @@ def variants(t: int, k: int, slices: tuple[int, ...], rank: int, fused_configs: 
                             False)
     out["sorted"] = pair(lora._shrink_tiles(t, r, k, 16), lora._expand_tiles(t, rank, 16),
                          True)
+
+    def dense3(x, a, b, slots, order, buf, y, proj):
+        a_all = a.reshape(-1, k)
+        b_all = block_diagonal(b, slices, rank)
+        mask = slot_mask(slots, a.shape[0], r, x.dtype)
+        u = torch.empty(t, a_all.shape[0], device=x.device, dtype=x.dtype)
+
+        def call() -> None:
+            torch.mm(x, a_all.t(), out=u)
+            u.mul_(mask)
+            y.addmm_(u, b_all)
+        return call
+
+    def mm_expand(x, a, b, slots, order, buf, y, proj):
+        a_all = a.reshape(-1, k)
+        u = torch.empty(t, a_all.shape[0], device=x.device, dtype=x.dtype)
+
+        def call() -> None:
+            torch.mm(x, a_all.t(), out=u)
+            lora.lora_expand(u, b, slots, y, slices, rank, token_order=order, pdl=pdl,
+                             u_slot_stride=r)
+        return call
+
+    out["dense3"] = dense3
+    out["mm+expand"] = mm_expand
     return out
+
+
+def block_diagonal(b: torch.Tensor, slices: tuple[int, ...], rank: int) -> torch.Tensor:
+    """[S * n_slices * rank, N]: row s*R + j*rank + i holds b[s, slice j rows, i] in slice j's
+    columns, zeros elsewhere, so u_all @ it applies every slot's B to its own slice."""
+    s_count, n, _ = b.shape
+    r = len(slices) * rank
+    out = torch.zeros(s_count * r, n, device=b.device, dtype=b.dtype)
+    for s in range(s_count):
+        off = 0
+        for j, size in enumerate(slices):
+            out[s * r + j * rank:s * r + (j + 1) * rank, off:off + size] = \
+                b[s, off:off + size].t()
+            off += size
+    return out
+
+
+def slot_mask(slots: torch.Tensor, s_count: int, r: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S * r]: 1 in each token's own slot's r columns, 0 elsewhere (and for slot -1)."""
+    cols = torch.arange(s_count * r, device=slots.device) // r
+    return (cols[None, :] == slots.long()[:, None]).to(dtype)
+
+
+def cat_row(x, w, a, b, slots, order, slices, rank, want, base, args, pdl, name, layout
+            ) -> dict:
+    """The "cat" variant: one GEMM against [W; A_all], then the expand from its tail."""
+    from folio.model.kernels import lora
+    t, k = x.shape
+    n, r = sum(slices), len(slices) * rank
+    w_cat = torch.cat([w, a.reshape(-1, k)])
+    out = torch.empty(t, w_cat.shape[0], device=x.device, dtype=x.dtype)
+
+    def call() -> None:
+        torch.mm(x, w_cat.t(), out=out)
+        lora.lora_expand(out[:, n:], b, slots, out[:, :n], slices, rank, token_order=order,
+                         pdl=pdl, u_slot_stride=r)
+    call()
+    delta = out[:, :n].double() - F.linear(x, w).double()
+    err = float((delta - want).norm() / want.norm())
+    us = graph_us(call, args.reps, args.iters) - base
+    return dict(shape=name, k=k, n=n, slices=list(slices), rank=rank, tokens=t, layout=layout,
+                variant="cat", pdl=pdl, rel_err=err, base_us=base, lora_us=us,
+                lora_over_base=us / base)
 
 
 def summary(rows: list[dict]) -> None:
@@ -191,6 +266,9 @@ def main() -> None:
                 batch.set(make_slots(layout, t))
                 slots, order = batch.token_slots[:t], batch.token_order[:t]
                 want = reference(x, a, b, slots, slices, rank)
+                rows.append(cat_row(x, w, a, b, slots, order, slices, rank, want, base,
+                                    args, pdl, name, layout))
+                print(json.dumps(rows[-1]), flush=True)
                 for variant, make in variants(t, k, slices, rank, fused_configs, pdl).items():
                     call = make(x, a, b, slots, order, buf, y, proj)
                     y.zero_()

@@ -30,6 +30,10 @@ GEMV_MODES = ("0", "1", "narrow", "all")
 # Programmatic dependent launch of the Triton kernels (kernels/_common.py), on GPUs that have
 # it (Hopper and newer): "1" = where the GPU has it, "0" = never.
 PDL_CHOICES = ("1", "0")
+# Multi-LoRA on CUDA (folio/model/lora/projection.py): "weight" = adapters' A rows appended to
+# plain 16-bit base weights, one GEMM for the base product and the shrink; "kernels" = the
+# separate shrink and expand kernels everywhere (the A/B comparison's other side).
+LORA_CHOICES = ("weight", "kernels")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
@@ -37,6 +41,7 @@ _ENV_OVERRIDES = {
     "FOLIO_ATTENTION": ("attention", ATTENTION_CHOICES),
     "FOLIO_GEMV": ("gemv", GEMV_MODES),
     "FOLIO_PDL": ("pdl", PDL_CHOICES),
+    "FOLIO_LORA": ("lora", LORA_CHOICES),
 }
 
 
@@ -46,12 +51,13 @@ class KernelConfig:
     code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
     `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
     CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
-    PDL_CHOICES."""
+    PDL_CHOICES. `lora`: one of LORA_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
     gemv: str = "1"
     pdl: str = "1"
+    lora: str = "weight"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -80,12 +86,18 @@ class KernelConfig:
         """Whether the skinny GEMV may replace cuBLAS at all (the mode then says where)."""
         return self.kernels == "triton" and self.gemv != "0"
 
+    @property
+    def lora_on_weight(self) -> bool:
+        """Whether adapters' A rows may ride plain 16-bit base weights (LORA_CHOICES)."""
+        return self.lora == "weight"
+
 
 DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 
 def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
-    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL from `env`
+    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA
+    from `env`
     (os.environ
     when None) applied over them. An unknown value is an error naming the variable:
     it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""

@@ -148,14 +148,16 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
 
 
-def _skinny_input(x: torch.Tensor, linear: "Linear",
-                  fused: bool = False) -> torch.Tensor | None:
+def _skinny_input(x: torch.Tensor, linear: "Linear", fused: bool = False,
+                  weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """x as [rows, in_features] when the skinny Triton matmul should serve `linear` (CUDA,
     fp16/bf16, 1..8 rows: decode; for a plain projection, only shapes where it beats cuBLAS
     (`skinny_preferred`, by default one row only; the fused gate_up+SiLU at any row count the
     mode allows), else None. The layer's KernelConfig with gemv "0" or kernels "torch"
-    (FOLIO_GEMV=0, FOLIO_KERNELS=torch) keeps cuBLAS."""
+    (FOLIO_GEMV=0, FOLIO_KERNELS=torch) keeps cuBLAS. `weight`: the matrix to multiply, when
+    not linear.weight (a riding LoRA's [W; A_all])."""
     kernels = linear.kernels
+    weight = linear.weight if weight is None else weight
     if not x.is_cuda or not kernels.gemv_on or x.dim() == 0 or x.shape[-1] != linear.in_features:
         return None
     from folio.model.kernels import gemv
@@ -165,9 +167,9 @@ def _skinny_input(x: torch.Tensor, linear: "Linear",
     if linear.bias is not None and linear.bias.dtype != x.dtype:
         return None
     x2 = x.reshape(-1, x.shape[-1])
-    if not gemv.skinny_supported(x2, linear.weight):
+    if not gemv.skinny_supported(x2, weight):
         return None
-    preferred = gemv.skinny_preferred(x2.shape[0], *linear.weight.shape, fused=fused,
+    preferred = gemv.skinny_preferred(x2.shape[0], *weight.shape, fused=fused,
                                       mode=kernels.gemv)
     return x2 if preferred else None
 
@@ -188,21 +190,29 @@ class Linear(nn.Linear):
         self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora
+        if lora is not None and lora.weight_cat is not None and lora.engaged:
+            # adapters ride the weight: one product gives the base output and every shrink
+            return lora.forward_on_weight(x, self._product(x, lora.weight_cat, None))
         if self.packed is not None:
             # .forward, not __call__: the packed module has no hooks, and nn.Module's call
             # machinery costs a few microseconds on every projection of every step.
             out = self.packed.forward(x, self.bias)
         else:
-            x2 = _skinny_input(x, self)
-            if x2 is not None:
-                from folio.model.kernels.gemv import skinny_matmul
-                out = skinny_matmul(x2, self.weight, self.bias,
-                                    pdl=self.kernels.pdl_on).view(*x.shape[:-1], -1)
-            else:
-                out = F.linear(x, self.weight, self.bias)
-        if self.lora is not None:
-            out = self.lora.forward(x, out)
+            out = self._product(x, self.weight, self.bias)
+        if lora is not None:
+            out = lora.forward(x, out)
         return out
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias): the skinny GEMV at decode sizes where it wins, else cuBLAS."""
+        x2 = _skinny_input(x, self, weight=weight)
+        if x2 is not None:
+            from folio.model.kernels.gemv import skinny_matmul
+            return skinny_matmul(x2, weight, bias,
+                                 pdl=self.kernels.pdl_on).view(*x.shape[:-1], -1)
+        return F.linear(x, weight, bias)
 
 
 class MergedLinear(Linear):

@@ -16,7 +16,8 @@ from folio.config import LoRAConfig
 from folio.lora.request import LoRARequest
 from folio.model.families import ArchSpec
 from folio.model.lora.adapter_files import read_adapter
-from folio.model.lora.projection import LoRABatch, install_lora, load_into_slot
+from folio.model.lora.projection import (LoRABatch, install_lora, load_into_slot, retie_all,
+                                         untie_all)
 from folio.model.lora.weights import AdapterWeights, load_adapter_weights
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,15 @@ class LoRAManager:
         self._slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         self.num_loads = 0          # adapters read from their files (tests, logs)
+
+    def before_weights_move(self) -> None:
+        """Sleep mode is about to move the model's tensors: riding projections let go of
+        their joint [W; A_all] tensors (LoRAProjection.untie)."""
+        untie_all(self.targets)
+
+    def after_weights_move(self, model: nn.Module) -> None:
+        """The model's tensors are back on the device: joint tensors rebuilt."""
+        retie_all(model)
 
     @property
     def device_adapters(self) -> list[int]:

@@ -364,6 +364,8 @@ class Worker:
         kv_bytes = tensors_bytes(self.kv_caches)
         self.kv_caches = []
         self.runner.kv_caches = []
+        if self.lora is not None:
+            self.lora.before_weights_move()
         weight_bytes = offload_to_host(self.model)
         self.asleep = {"weights", "kv_cache"}
         if self.device.type == "cuda":
@@ -385,6 +387,8 @@ class Worker:
                 continue
             if tag == "weights":
                 reload_to_device(self.model, self.device)
+                if self.lora is not None:
+                    self.lora.after_weights_move(self.model)
             else:
                 cache = self.config.cache
                 self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,

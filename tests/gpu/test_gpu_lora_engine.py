@@ -1,5 +1,5 @@
-"""Multi-LoRA on a CUDA GPU (bf16, the Triton shrink/expand kernels, CUDA graphs captured with
-and without the adapters' kernels): a batch that mixes three random adapters and the base
+"""Multi-LoRA on a CUDA GPU (bf16, the adapters riding the base weights: one GEMM against
+[W; A_all] and the Triton expand; CUDA graphs captured with and without the adapters' kernels): a batch that mixes three random adapters and the base
 model gives each request peft's greedy answer on the same GPU up to near-ties (bf16: the
 first difference must be between two tokens each side ranks in its top logprobs), the
 engine with CUDA graphs the same as eager, and a batch without adapters the base model's
@@ -88,8 +88,11 @@ def _folio(model_dir, adapters, prompts, loras, **kw):
     result = [(list(o.outputs[0].token_ids),
                [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
               for o in outs]
-    graphs = llm.llm_engine.engine_core.executor.worker.graph_runner
+    worker = llm.llm_engine.engine_core.executor.worker
+    graphs = worker.graph_runner
     replays = 0 if graphs is None else graphs.num_replays
+    # bf16 weights without bias: the adapters ride them (one GEMM against [W; A_all])
+    assert worker.model.layers[0].self_attn.qkv_proj.lora.weight_cat is not None
     del llm
     gc.unfreeze()
     gc.collect()

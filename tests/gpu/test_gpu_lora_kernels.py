@@ -175,3 +175,58 @@ def test_graph_replay_reads_batch_in_place(t: int) -> None:
         assert torch.equal(y[none], y0[none]), (kind, n)
         if (~none).any():
             assert _rel(y[~none], want_y[~none]) < 1e-3, (kind, n)
+
+
+@pytest.mark.parametrize("kind", ["random", "runs"])
+@pytest.mark.parametrize("t", [1, 8, 64, 512])
+def test_riding_linear_matches_reference(t: int, kind: str) -> None:
+    """A Linear whose adapters ride its weight (one product against [W; A_all], then the
+    expand reading each token's own slot's columns): the same as the base product plus the
+    reference delta up to the bf16 rounding of the shrink (the GEMM's output dtype), tokens
+    without adapter exactly the base product; captured in a CUDA graph and replayed after
+    the batch changed in place, it follows the batch."""
+    from folio.model.kernel_config import KernelConfig
+    from folio.model.layers import Linear
+    from folio.model.lora.projection import LoRABatch, LoRAProjection, can_ride
+    x, a, b, _, slots, slices, rank = _inputs("qkv", t, kind)
+    k, n = x.shape[1], sum(slices)
+    linear = Linear(k, n, bias=False, device=CUDA, dtype=torch.bfloat16,
+                    kernels=KernelConfig())
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, device=CUDA) * k ** -0.5)
+    batch = LoRABatch(4096, CUDA)
+    linear.lora = LoRAProjection(k, slices, SLOTS, rank, torch.bfloat16, CUDA, batch,
+                                 KernelConfig())
+    assert can_ride(linear, KernelConfig())
+    assert not can_ride(linear, KernelConfig(lora="kernels"))
+    linear.lora.ride_on(linear)
+    linear.lora.a.copy_(a)
+    linear.lora.b.copy_(b)
+    base = torch.nn.functional.linear(x, linear.weight)
+
+    def check(out: torch.Tensor, slots: torch.Tensor) -> None:
+        none = slots < 0
+        assert torch.equal(out[none], base[none])
+        if (~none).any():
+            _, want = _reference(x, a, b, slots, base, slices, rank)
+            delta, want_delta = out[~none].double() - base[~none].double(), \
+                want[~none].double() - base[~none].double()
+            assert float((delta - want_delta).norm() / want_delta.norm()) < 2e-2
+
+    batch.set(slots.cpu().numpy())
+    check(linear(x), slots)
+    out = torch.empty(t, n, device=CUDA, dtype=torch.bfloat16)
+    batch.force = True
+    out.copy_(linear(x))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(linear(x))
+    batch.force = False
+    gen = torch.Generator().manual_seed(t + 1)
+    for new_kind in ("runs", "random"):
+        new = _slots(new_kind, t, gen)
+        batch.set(new.cpu().numpy())
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, new)

@@ -9,6 +9,13 @@ Each case runs some of three paths on the same inputs:
   so the kernels also see padded rows (slot -1, at the end of the order) as a CUDA graph's
   padded batch holds them. Blocks then straddle slot boundaries of the sorted order.
 - "fused": lora_shrink_expand, one launch (32-column tiles, so the slices' tiles are ragged).
+- "dense": lora_expand with u_slot_stride, reading each token's own slot's columns of a
+  dense x @ A_all^T in x's dtype that sits, as a base GEMM against [W; A_all] leaves it,
+  to the right of y in one wider row (so y and buf are both strided views); in flat order
+  at 3 tokens (per-token) and slot-sorted at 40 (blocks).
+- "ride": a Linear whose LoRAProjection rides its weight (ride_on: [W; A_all] one tensor, the
+  weight and A views of it) against the same Linear with the projection's torch path; then
+  untie (the torch path, the same values) and retie (the views share storage again).
 A few cases force tiles: a split over K (ticket reduction, run twice: the same bits), each
 variant of the pair at the other's token counts, the sorted block variant at 3 tokens, and
 fused splits over K (ragged; with an empty last split, at 9 tokens and 64-column tiles).
@@ -41,6 +48,13 @@ for _dt in ("float32", "float16"):
             CASES.append(dict(dtype=_dt, T=_t, layer=_layer, rank=_rank, slots="random",
                               paths=PAIR_FUSED))
     CASES.append(dict(dtype=_dt, T=16, layer="qkv", rank=8, slots="random", paths=PAIR_FUSED))
+    for _t in (3, 40):
+        for _layer, _rank in (("qkv", 24), ("plain", 8)):
+            CASES.append(dict(dtype=_dt, T=_t, layer=_layer, rank=_rank, slots="random",
+                              paths=("dense",), name_suffix="_dense"))
+    for _t in (3, 40):
+        CASES.append(dict(dtype=_dt, T=_t, layer="qkv", rank=8, slots="random",
+                          paths=("ride",), name_suffix="_ride"))
     for _t in (17, 40):
         for _layer, _rank in (("qkv", 24), ("plain", 8)):
             CASES.append(dict(dtype=_dt, T=_t, layer=_layer, rank=_rank, slots="random",
@@ -82,6 +96,7 @@ for _c in CASES:
     _c["name"] = f"{_c['dtype']}_t{_c['T']}_{_c['layer']}_r{_c['rank']}_{_c['slots']}"
     if "config" in _c:
         _c["name"] += "_" + _NAMES[id(_c["config"])]
+    _c["name"] += _c.pop("name_suffix", "")
 
 
 def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -181,6 +196,59 @@ def _fused(checks: dict, x, a, b, y0, slots, slices, rank, config: dict) -> None
         checks["fused_split_deterministic"] = (0.0, bool(torch.equal(again, y)))
 
 
+def _dense(checks: dict, x, a, b, y0, slots, slices, rank, order) -> None:
+    from folio.model.kernels.lora import lora_expand
+    t, r, n = x.shape[0], a.shape[1], y0.shape[1]
+    u_all = (x.float() @ a.reshape(-1, a.shape[2]).float().t()).to(x.dtype)
+    row = torch.cat([y0, u_all], dim=1)
+    y, buf = row[:, :n], row[:, n:]
+    lora_expand(buf, b, slots, y, slices, rank, token_order=order, u_slot_stride=r)
+    own = torch.stack([u_all[i, max(s, 0) * r:(max(s, 0) + 1) * r] for i, s in
+                       enumerate(slots.tolist())]).float()
+    _check_update(checks, "dense", y, lora_expand_reference(own, b, slots, y0, slices, rank),
+                  y0, slots < 0)
+    checks["dense_buf_untouched"] = (0.0, bool(torch.equal(buf, u_all)))
+
+
+def _ride(checks: dict, x, a, b, slots, slices, rank, gen) -> None:
+    """A Linear riding its LoRA (one product against [W; A_all], then the expand) against
+    the projection's torch path on the same weights; untie and retie keep the values."""
+    from folio.model.kernel_config import KernelConfig
+    from folio.model.layers import Linear
+    from folio.model.lora.projection import LoRABatch, LoRAProjection
+    t, k = x.shape
+    n = sum(slices)
+    dtype = x.dtype
+    linear = Linear(k, n, bias=False, dtype=dtype, kernels=KernelConfig())
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen).to(dtype) * k ** -0.5)
+    batch = LoRABatch(t + 4, torch.device("cpu"))
+    lora = LoRAProjection(k, slices, SLOTS, rank, dtype, torch.device("cpu"), batch,
+                          KernelConfig())
+    offsets = np.cumsum((0,) + slices[:-1])
+    for slot in range(SLOTS):
+        for j, (off, size) in enumerate(zip(offsets, slices)):
+            # scaling 1: the CPU projection keeps B unscaled, the riding expand reads it as is
+            lora.load_slice(slot, j, a[slot, j * rank:(j + 1) * rank],
+                            b[slot, off:off + size], 1.0)
+    linear.lora = lora
+    batch.set(slots.numpy())
+    torch_path = linear(x)                      # not riding: the projection's torch path
+    weight_before = linear.weight.detach().clone()
+    lora.ride_on(linear)
+    checks["ride_weight_kept"] = (0.0, bool(torch.equal(linear.weight, weight_before)))
+    checks["ride_views_share"] = (0.0, linear.weight.data_ptr() == lora.weight_cat.data_ptr()
+                                  and lora.a.data_ptr() == lora.weight_cat[n:].data_ptr())
+    riding = linear(x)
+    checks["ride"] = (rel_err(riding, torch_path), bool(torch.isfinite(riding).all()))
+    lora.untie()
+    checks["ride_untied"] = (rel_err(linear(x), torch_path), True)
+    lora.retie(linear)
+    checks["ride_retied"] = (0.0, lora.weight_cat is not None
+                             and linear.weight.data_ptr() == lora.weight_cat.data_ptr()
+                             and bool(torch.equal(linear(x), riding)))
+
+
 def _run(case: dict) -> dict:
     import zlib
 
@@ -204,6 +272,14 @@ def _run(case: dict) -> dict:
         _pair(checks, "sorted", x, a, b, y0, sorted_slots, slices, rank, config, order)
     if "fused" in case["paths"]:
         _fused(checks, x, a, b, y0, slots, slices, rank, config)
+    if "ride" in case["paths"]:
+        _ride(checks, x.contiguous(), a, b, slots, slices, rank, gen)
+    if "dense" in case["paths"]:
+        if t > 16:
+            dense_slots, order = _sorted_maps(slots, gen)
+        else:
+            dense_slots, order = slots, None
+        _dense(checks, x, a, b, y0, dense_slots, slices, rank, order)
     return {"name": case["name"], "checks": checks}
 
 
@@ -261,6 +337,12 @@ def test_wrong_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="b \\[S, 96, 8\\]"):
         lora_expand(torch.zeros(3, 24), torch.zeros(2, 96, 16), slots, torch.zeros(3, 96),
                     (64, 16, 16), 8)
+    with pytest.raises(ValueError, match="u_slot_stride"):
+        lora_expand(torch.zeros(3, 48), torch.zeros(2, 96, 8), slots, torch.zeros(3, 96),
+                    (64, 16, 16), 8, u_slot_stride=16)
+    with pytest.raises(ValueError, match=">= 48"):
+        lora_expand(torch.zeros(3, 40), torch.zeros(2, 96, 8), slots, torch.zeros(3, 96),
+                    (64, 16, 16), 8, u_slot_stride=24)
     with pytest.raises(ValueError, match="a \\[S, 24, K\\]"):
         lora_shrink_expand(x, torch.zeros(2, 16, 64), torch.zeros(2, 96, 8), slots,
                            torch.zeros(3, 96), (64, 16, 16), 8)

@@ -256,7 +256,8 @@ if HAS_TRITON:
     def _expand_kernel(BUF, B, SLOTS, ORDER, Y, T, stride_ut, stride_bs, stride_bn, stride_yt,
                        SLICES: tl.constexpr, RANK: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANK_PAD: tl.constexpr,
-                       U_SPLIT: tl.constexpr, ORDERED: tl.constexpr, USE_PDL: tl.constexpr):
+                       U_SLOT_STRIDE: tl.constexpr, U_MODE: tl.constexpr,
+                       ORDERED: tl.constexpr, USE_PDL: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_j = tl.program_id(2)
@@ -279,8 +280,8 @@ if HAS_TRITON:
                         mask=k_mask & (slot >= 0), other=0.0)
             pdl_entry(USE_PDL)
             if slot >= 0:
-                u = tl.load(BUF + pid_m.to(tl.int64) * stride_ut + u_cols, mask=ranks < RANK,
-                            other=0.0)
+                u = tl.load(BUF + pid_m.to(tl.int64) * stride_ut + slot * U_SLOT_STRIDE
+                            + u_cols, mask=ranks < RANK, other=0.0).to(tl.float32)
                 _add_delta(Y, pid_m, off + cols, c_ok, b, u, stride_yt)
         else:
             rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -296,7 +297,8 @@ if HAS_TRITON:
                 y_mask = (ok & (slots >= 0))[:, None] & c_ok[None, :]
                 # y is the bulk of the bytes: its load goes out first.
                 y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                u = tl.load(BUF + toks.to(tl.int64)[:, None] * stride_ut + u_cols[None, :],
+                u = tl.load(BUF + toks.to(tl.int64)[:, None] * stride_ut
+                            + (tl.maximum(slots, 0) * U_SLOT_STRIDE)[:, None] + u_cols[None, :],
                             mask=k_mask, other=0.0)
                 delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 while slot <= hi:
@@ -304,13 +306,16 @@ if HAS_TRITON:
                     # The next slot's tile (if any) loads while this one's product runs.
                     b_next = tl.load(B + tl.minimum(following, hi).to(tl.int64) * stride_bs
                                      + b_off, mask=k_mask & (following <= hi), other=0.0)
-                    if U_SPLIT:
+                    if U_MODE == 1:
                         # bf16: u as the sum of two bf16 terms (16 significant bits, the
                         # rest below y's rounding) against b as it is, accumulated in fp32:
                         # 1.3-1.4x faster on an H200 than tf32x3 on b widened to fp32.
                         u_hi = u.to(b.dtype)
                         u_lo = (u - u_hi.to(tl.float32)).to(b.dtype)
                         part = tl.dot(u_lo, tl.trans(b), tl.dot(u_hi, tl.trans(b)))
+                    elif U_MODE == 2:
+                        # u already in b's 16-bit dtype: one product, accumulated in fp32
+                        part = tl.dot(u, tl.trans(b))
                     else:
                         # b widens exactly to fp32; PRECISION keeps the product near fp32
                         # (fp16's range would not hold every fp32 u split as above).
@@ -532,9 +537,18 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
         USE_PDL=pdl, num_warps=warps, num_stages=1 if INTERPRET else 3, launch_pdl=pdl)
 
 
+def _u_mode(buf_dtype: torch.dtype, y_dtype: torch.dtype) -> int:
+    """How the expand's blocks multiply: 1 splits an fp32 u into two bf16 terms (bf16 y),
+    2 takes a 16-bit u as it is, 0 multiplies in fp32 at the kernel's PRECISION."""
+    if buf_dtype == torch.float32:
+        return 1 if y_dtype == torch.bfloat16 else 0
+    return 2
+
+
 def lora_expand(buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
                 slice_sizes: tuple[int, ...], rank: int, *,
                 token_order: torch.Tensor | None = None, pdl: bool = False,
+                u_slot_stride: int = 0,
                 _config: tuple[int, int, int] | None = None) -> None:
     """buf [T, n_slices * rank] float32 (lora_shrink's out), b [S, N, rank] (N =
     sum(slice_sizes), y's dtype, rank contiguous), y [T, N] with contiguous rows, updated in
@@ -543,14 +557,25 @@ def lora_expand(buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y
     with the product in fp32 (bf16 blocks: buf carried to 16 significant bits, b exact;
     fp16: tf32x3), added to y in fp32 and rounded once to y's dtype; tokens with
     slot -1 are left untouched. `token_order` and `pdl` as in lora_shrink (B is read before
-    the wait); `_config` (tests, tuning) forces (BLOCK_M, BLOCK_N, num_warps)."""
+    the wait); `_config` (tests, tuning) forces (BLOCK_M, BLOCK_N, num_warps).
+
+    `u_slot_stride` > 0: buf holds every slot's shrink side by side (a dense x @ A_all^T of
+    all slots, e.g. from one GEMM with the base weight), and token t reads its columns
+    from slot[t] * u_slot_stride on: buf [T, >= (S - 1) * u_slot_stride + n_slices * rank].
+    buf may then also be in y's 16-bit dtype (the GEMM's output), used as it is."""
     require_triton()
     slice_sizes = _check_expand_side("lora_expand", b, y, slice_sizes, rank)
     t = y.shape[0]
-    if buf.shape != (t, len(slice_sizes) * rank) or buf.dtype != torch.float32 \
-            or buf.stride(1) != 1:
-        raise ValueError(f"buf must be float32 [{t}, {len(slice_sizes) * rank}] with "
-                         f"contiguous rows, got {tuple(buf.shape)} {buf.dtype}")
+    width = len(slice_sizes) * rank
+    if u_slot_stride < 0 or (u_slot_stride and u_slot_stride < width):
+        raise ValueError(f"u_slot_stride must be 0 or at least {width}, got {u_slot_stride}")
+    need = (b.shape[0] - 1) * u_slot_stride + width
+    dtypes = (torch.float32, y.dtype) if u_slot_stride else (torch.float32,)
+    if buf.dim() != 2 or buf.shape[0] != t or buf.dtype not in dtypes or buf.stride(1) != 1 \
+            or (buf.shape[1] != width if not u_slot_stride else buf.shape[1] < need):
+        raise ValueError(f"buf must be {' or '.join(map(str, dtypes))} [{t}, "
+                         f"{width if not u_slot_stride else f'>= {need}'}] with contiguous "
+                         f"rows, got {tuple(buf.shape)} {buf.dtype}")
     _check_map("token_slots", token_slots, t)
     if token_order is not None:
         _check_map("token_order", token_order, t)
@@ -569,7 +594,8 @@ def lora_expand(buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, y
         # fp32 stays exact; for 16-bit weights tf32x3 keeps the fp32 buf's precision
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32x3",
         BLOCK_M=block_m, BLOCK_N=block_n, RANK_PAD=rank_pad,
-        U_SPLIT=y.dtype == torch.bfloat16, ORDERED=ordered, USE_PDL=pdl,
+        U_SLOT_STRIDE=u_slot_stride, U_MODE=_u_mode(buf.dtype, y.dtype),
+        ORDERED=ordered, USE_PDL=pdl,
         num_warps=warps, num_stages=1, launch_pdl=pdl)
 
 

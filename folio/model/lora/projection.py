@@ -3,9 +3,14 @@ its adapters' A and B (zero-padded to the engine's max rank), and adds each toke
 adapter's B(A(x)) * scaling to the base output. Which slot each token uses is the step's
 `LoRABatch`, shared by all projections and set by the worker before the forward pass.
 
-On CUDA the Triton kernels (folio/model/kernels/lora.py) do it in one launch per projection
-(shrink and expand fused, up to 4 tokens) or two (tokens in slot order),
-reading the batch's static slot buffer, so CUDA graphs capture them; B is stored pre-scaled.
+On CUDA, a projection whose base weight is a plain 16-bit matrix without bias carries every
+slot's A rows appended to that weight ("riding" it, `ride_on`): one GEMM against [W; A_all]
+gives the base product and each slot's shrink, the A rows streaming with the weight the base
+product reads anyway, and one expand launch (folio/model/kernels/lora.py, each token reading
+its own slot's columns) adds B's part into the head of that output. Other CUDA projections
+(quantized or biased weights) run the Triton kernels in one launch per projection (shrink and
+expand fused, up to 4 tokens) or two (tokens in slot order). Either way the kernels read the
+batch's static slot buffer, so CUDA graphs capture them; B is stored pre-scaled.
 Elsewhere the torch path loops over the step's adapters (at most max_loras), each on its
 tokens' rows, and multiplies by the scaling after B as PEFT does, at each projection's own
 rank, so float32 results match PEFT's arithmetic."""
@@ -124,6 +129,57 @@ class LoRAProjection(nn.Module):
         self.ranks = [[0] * n for _ in range(max_loras)]
         # CUDA keeps B multiplied by its scaling (the kernels take no scale)
         self.prescaled = device.type == "cuda"
+        # [W; A_all] when riding the base weight (ride_on): `a` and the Linear's weight are
+        # views of it. None while the weights move (sleep mode) and when not riding.
+        self.weight_cat: torch.Tensor | None = None
+        self.rides = False
+
+    @property
+    def engaged(self) -> bool:
+        """Whether this step adds deltas: some token has an adapter, or a CUDA graph for
+        adapter steps is being captured."""
+        return self.batch.active or self.batch.force
+
+    @torch.no_grad()
+    def ride_on(self, linear: nn.Linear) -> None:
+        """Make `linear.weight` (out x in) and `a` (slots x R x in) the head and the tail of
+        one [out + slots * R, in] tensor, their values kept: the Linear then runs adapter
+        steps as one product against the whole (forward_on_weight). The Parameter object
+        stays the same; only its data moves into the new tensor."""
+        n, k = linear.weight.shape
+        slots, r, _ = self.a.shape
+        cat = torch.empty(n + slots * r, k, dtype=self.a.dtype, device=self.a.device)
+        cat[:n].copy_(linear.weight.data)
+        cat[n:].copy_(self.a.reshape(slots * r, k))
+        linear.weight.data = cat[:n]
+        self.a = cat[n:].view(slots, r, k)
+        self.weight_cat = cat
+        self.rides = True
+
+    def untie(self) -> None:
+        """Before the module's tensors move (sleep mode's _apply copies the weight and `a`
+        one by one, so together they take no more room than before): forget the joint
+        tensor, so it does not keep the old storage alive."""
+        self.weight_cat = None
+
+    def retie(self, linear: nn.Linear) -> None:
+        """After the tensors moved back: rebuild the joint tensor if this projection rode."""
+        if self.rides and self.weight_cat is None:
+            self.ride_on(linear)
+
+    def forward_on_weight(self, x: torch.Tensor, out_cat: torch.Tensor) -> torch.Tensor:
+        """The riding Linear's result: out_cat = x @ [W; A_all]^T (the base product, then
+        every slot's shrink); adds each token's delta into the head, which it returns (a
+        view with out_cat's row stride)."""
+        from folio.model.kernels.lora import lora_expand
+        n = sum(self.slice_sizes)
+        flat = out_cat.view(-1, out_cat.shape[-1])
+        t = flat.shape[0]
+        out = flat[:, :n]
+        lora_expand(flat[:, n:], self.b, self.batch.token_slots[:t], out, self.slice_sizes,
+                    self.max_rank, token_order=self.batch.token_order[:t],
+                    pdl=self.kernels.pdl_on, u_slot_stride=self.a.shape[1])
+        return out_cat[..., :n]
 
     @torch.no_grad()
     def load_slice(self, slot: int, index: int, a: torch.Tensor | None,
@@ -146,7 +202,7 @@ class LoRAProjection(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x, [T, out]) plus each token's adapter's delta."""
-        if not (self.batch.active or self.batch.force):
+        if not self.engaged:
             return y   # no adapter in this step: the base model's cost only
         if x.is_cuda and self.kernels.fused_kernels:
             from folio.model.kernels._common import HAS_TRITON
@@ -209,6 +265,17 @@ _PLACEMENT = {"q": ("self_attn.qkv_proj", 0), "k": ("self_attn.qkv_proj", 1),
               "down": ("mlp.down_proj", 0)}
 
 
+def can_ride(linear: nn.Linear, kernels: KernelConfig) -> bool:
+    """Whether `linear`'s adapters may ride its weight (LoRAProjection.ride_on): a plain
+    fp16/bf16 CUDA matrix (not a quantized one) without bias, and the Triton kernels on."""
+    from folio.model.kernels._common import HAS_TRITON
+    weight = linear.weight
+    return (HAS_TRITON and kernels.fused_kernels and kernels.lora_on_weight
+            and weight.is_cuda and weight.dim() == 2 and weight.numel() > 0
+            and weight.dtype in (torch.float16, torch.bfloat16)
+            and getattr(linear, "packed", None) is None and linear.bias is None)
+
+
 def install_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device, batch: LoRABatch) -> dict[tuple[int, str], LoRATarget]:
     """Give every q/k/v/o/gate/up/down projection of `model`'s layers a LoRAProjection (the
@@ -225,9 +292,25 @@ def install_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.d
                     if hasattr(linear, "shard_offsets") else (linear.out_features,)
                 linear.lora = LoRAProjection(linear.in_features, sizes, max_loras, max_rank,
                                              dtype, device, batch, kernels)
+                if can_ride(linear, kernels):
+                    linear.lora.ride_on(linear)
                 made[path] = linear.lora
             targets[(i, proj)] = LoRATarget(made[path], index)
     return targets
+
+
+def untie_all(targets: dict[tuple[int, str], LoRATarget]) -> None:
+    """Before the model's tensors move (sleep mode): see LoRAProjection.untie."""
+    for target in targets.values():
+        target.projection.untie()
+
+
+def retie_all(model: nn.Module) -> None:
+    """After the model's tensors moved back: see LoRAProjection.retie."""
+    for module in model.modules():
+        lora = getattr(module, "lora", None)
+        if isinstance(lora, LoRAProjection):
+            lora.retie(module)
 
 
 def load_into_slot(targets: dict[tuple[int, str], LoRATarget], slot: int,
