@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.folio-installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup clean chromium
 
 $(STAMP): pyproject.toml requirements.txt Makefile
 	python3 -m venv $(VENV)
@@ -23,12 +23,23 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The web console's browser tests (playwright, pinned in requirements.txt) drive the system's
+# chromium: installed with apt when it is missing and we are root; otherwise see README.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else \
+		echo "chromium not found: the web console's browser tests will be skipped (see README)"; \
+	fi
+
+setup: $(STAMP) chromium
 
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/folio serve
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

@@ -40,9 +40,14 @@ from folio.entrypoints.openai.protocol import (ChatCompletionRequest, Completion
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
 from folio.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES as _DEFAULT_MAX_BODY_BYTES
 from folio.entrypoints.openai.cli_args import build_engine_config
+from folio.entrypoints.openai.console_auth import CHALLENGE, basic_auth_matches, wants_challenge
 from folio.entrypoints.openai.serving_classify import OpenAIServingClassification
 from folio.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from folio.entrypoints.openai.serving_messages import AnthropicServingMessages
+from folio.entrypoints.openai.responses_protocol import ResponsesRequest
+from folio.entrypoints.openai.responses_routes import add_responses_routes
+from folio.entrypoints.openai.responses_store import ResponsesConfig
+from folio.entrypoints.openai.serving_responses import OpenAIServingResponses
 from folio.entrypoints.openai.serving_embedding import (OpenAIServingEmbedding,
                                                         OpenAIServingPooling)
 from folio.entrypoints.openai.serving_models import OpenAIServingModels
@@ -67,6 +72,10 @@ class ServerSettings:
     max_json_depth: int = 128
     # A request's own chat_template is Jinja run in the server: refused unless trusted.
     trust_request_chat_template: bool = False
+    # The web console at / (console_routes.py); --disable-console turns it off.
+    enable_console: bool = True
+    # /v1/responses: its store's bounds and file, its background runs.
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
 
 def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -92,12 +101,15 @@ def route_error_response(path: str, error: OpenAIError,
 
 
 def api_key_matches(headers: Any, api_key: str) -> bool:
-    """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
+    """`Authorization: Bearer <key>` (OpenAI's clients), `x-api-key: <key>` (Anthropic's), or
+    HTTP Basic with the key as the password (a browser on the web console)."""
     bearer = headers.get("authorization", "")
     if hmac.compare_digest(bearer.encode(), f"Bearer {api_key}".encode()):
         return True
     x_api_key = headers.get("x-api-key")
-    return x_api_key is not None and hmac.compare_digest(x_api_key.encode(), api_key.encode())
+    if x_api_key is not None and hmac.compare_digest(x_api_key.encode(), api_key.encode()):
+        return True
+    return basic_auth_matches(headers, api_key)
 
 
 async def _read_json(request: Request, limit: int, max_depth: int) -> Any:
@@ -185,6 +197,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
         if settings.api_key is not None and request.url.path not in _OPEN_ROUTES \
                 and request.method != "OPTIONS":
             if not api_key_matches(request.headers, settings.api_key):
+                if settings.enable_console and wants_challenge(request.url.path):
+                    headers = {**(headers or {}), **CHALLENGE}  # the browser asks for the key
                 return route_error_response(request.url.path, OpenAIError(
                     "invalid or missing API key", status_code=401, type="AuthenticationError"),
                     headers)
@@ -443,10 +457,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: Any | None = 
             raise OpenAIError("metrics are disabled", status_code=404, type="NotFoundError")
         return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
 
+    if settings.enable_console:
+        from folio.entrypoints.openai.console_routes import add_console_routes
+        add_console_routes(app, engine, metrics)
+
+    def _check_responses_ready() -> None:
+        _check_engine()
+        _check_generate_model("/v1/responses")
+
+    add_responses_routes(app, OpenAIServingResponses(engine, names, config=settings.responses,
+                                                     **chat_options),
+                         read_body=_body, check_ready=_check_responses_ready,
+                         openapi_extra=_json_body("ResponsesRequest"))
+
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                            DetokenizeRequest, EmbeddingRequest, PoolingRequest,
                            ClassificationRequest, ScoreRequest, RerankRequest,
-                           MessagesRequest, CountTokensRequest, *openapi_models])
+                           MessagesRequest, CountTokensRequest, ResponsesRequest,
+                           *openapi_models])
     return app
 
 
@@ -593,6 +621,7 @@ def serve(args: argparse.Namespace) -> int:
     from folio.model.default_model import DEFAULT_MODEL_NAME
     config = build_engine_config(args)
     _check_lora_flags(args, config.lora)
+    responses = ResponsesConfig.from_args(args)  # its flags refused before the engine starts
     chat_template = _load_chat_template(args.chat_template)
     model_arg = config.model.model
     names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
@@ -617,7 +646,9 @@ def serve(args: argparse.Namespace) -> int:
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   max_request_body_bytes=args.max_request_body_bytes,
                                   max_json_depth=config.limits.max_json_depth,
-                                  trust_request_chat_template=args.trust_request_chat_template)
+                                  trust_request_chat_template=args.trust_request_chat_template,
+                                  enable_console=not getattr(args, "disable_console", False),
+                                  responses=responses)
         app = build_app(engine, settings, metrics)
         server_cls = _server_class()
         server = server_cls(uvicorn.Config(app, host=args.host, port=args.port,

@@ -11,6 +11,7 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from folio.engine.arg_utils import add_engine_args, add_lora_serving_args
+    from folio.entrypoints.openai.responses_store import add_responses_args
     from folio.entrypoints.openai.tool_parsers.registry import TOOL_PARSERS
     from folio.reasoning import REASONING_FORMATS
     add_engine_args(parser)
@@ -24,7 +25,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="chat template: a Jinja file path, or the template text itself")
     parser.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health, /ping, "
-                             "/version (default: $FOLIO_API_KEY)")
+                             "/version; browsers on the web console log in with HTTP Basic, "
+                             "the key as the password (default: $FOLIO_API_KEY)")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: 'auto' (the model's generation_config.json), "
                              "'folio' (none), or a directory holding a generation_config.json")
@@ -57,6 +59,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "refused by default)")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no /metrics and no periodic stats line")
+    parser.add_argument("--disable-console", action="store_true",
+                        help="no web console at / (chat playground and engine dashboard)")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="refuse requests with HTTP 429 (and a Retry-After from the "
                              "measured drain rate) while this many wait for their first step; "
@@ -65,6 +69,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-time", type=float, default=None,
                         help="seconds a request may wait for its first step; past it the "
                              "request is refused with HTTP 429 (default: no limit)")
+    add_responses_args(parser)
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
 

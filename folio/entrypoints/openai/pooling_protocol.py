@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, field_validator
 
 from folio.entrypoints.openai.protocol import OpenAIBaseModel
 
@@ -35,6 +35,13 @@ class EmbeddingRequest(_PoolingFields):
     # Matryoshka truncation; only for models trained for it.
     dimensions: int | None = Field(default=None, ge=1)
     normalize: bool | None = None
+
+    @field_validator("encoding_format", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: object) -> object:
+        # An explicit null means "not given", as for OpenAI's API: LiteLLM's embedding call
+        # sends `"encoding_format": null` when its caller names no format.
+        return "float" if value is None else value
 
 
 class PoolingRequest(EmbeddingRequest):

@@ -38,6 +38,7 @@ from folio.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from folio.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from folio.entrypoints.openai.tool_parsers.forced import (NamedToolCallParser,
                                                           RequiredToolCallParser)
+from folio.reasoning import REASONING_FORMATS
 from folio.request_outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.structured_output.params import StructuredOutputsParams
@@ -90,6 +91,14 @@ class OpenAIServingChat(ServingBase):
                 and self.tool_parser_cls is not None:
             constraint = strict_tools_constraint(request.tools, self.tool_parser_cls.name, ctx)
         return constraint
+
+    def _thinking_kwargs(self) -> tuple[str, ...]:
+        # The chat_template_kwargs that switch the served model's thinking (deepseek_v3 reads
+        # "thinking"); without a reasoning parser, the common "enable_thinking". The Messages
+        # and Responses APIs' thinking switches set them.
+        if self.reasoning_parser_cls is None:
+            return ("enable_thinking",)
+        return REASONING_FORMATS[self.reasoning_parser_cls.name].thinking_kwargs
 
     def _reasoning_parser(self, request: ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_parser_cls is None:

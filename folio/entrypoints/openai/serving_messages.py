@@ -24,20 +24,12 @@ from folio.entrypoints.openai.protocol import ChatCompletionRequest
 from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.request_constraints import constraint_context
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
-from folio.reasoning import REASONING_FORMATS
 from folio.request_outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
 
 
 class AnthropicServingMessages(OpenAIServingChat):
     """The chat handler, answering in Anthropic's shapes (same constructor arguments)."""
-
-    def _thinking_kwargs(self) -> tuple[str, ...]:
-        # The chat_template_kwargs that switch the served model's thinking (deepseek_v3 reads
-        # "thinking"); without a reasoning parser, the common "enable_thinking".
-        if self.reasoning_parser_cls is None:
-            return ("enable_thinking",)
-        return REASONING_FORMATS[self.reasoning_parser_cls.name].thinking_kwargs
 
     def _chat_request(self, request: CountTokensRequest) -> ChatCompletionRequest:
         chat_request = to_chat_request(request, self._thinking_kwargs())
