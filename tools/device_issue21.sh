@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 21 (serving operations) on the lent GPU:
+#   PART=sleep_startup|profile_startup bash tools/device_issue21.sh
+# Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
+# $OUT.
+set -uo pipefail
+STEP_PATTERN="import folio|level [12]:|start-to-ready|ready in|latency:|passed|failed|Error|error"
+. tools/device_common.sh
+LAT="python3 -m folio.bench.latency --random-weights --input-len 32 --output-len 16 --max-model-len 2048 --num-iters-warmup 1 --num-iters 2 --no-roofline"
+serve_ready() {  # seconds from `folio serve` to /health 200, then stop it
+  timeout 200 python3 - "$1" "$2" "$OUT" <<'PY'
+import subprocess, sys, time, urllib.request
+model, name, out = sys.argv[1:4]
+start = time.perf_counter()
+log = open(f"{out}/{name}.log", "w")
+proc = subprocess.Popen([sys.executable, "-m", "folio.entrypoints.cli", "serve", model,
+                         "--port", "8123", "--max-model-len", "2048"],
+                        stdout=log, stderr=subprocess.STDOUT)
+while proc.poll() is None:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8123/health", timeout=1).status == 200:
+            break
+    except OSError:
+        time.sleep(0.05)
+print(f"{name}: ready in {time.perf_counter() - start:.2f} s (rc {proc.poll()})", flush=True)
+proc.send_signal(2)
+proc.wait(60)
+PY
+}
+case "${PART:-sleep_startup}" in
+sleep_startup)
+  # cold start (empty Triton cache), then warm restarts, with the stage timeline
+  step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
+  step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  serve_ready "$M" serve_warm1
+  serve_ready "$M" serve_warm2
+  step 200 sleep_qwen06 python3 tools/gpu_sleep_mode.py --config qwen3-0.6b \
+      --out "$OUT/sleep_qwen06.json" ;;
+profile_startup)  # cProfile of LLM() cold then warm; `folio serve` to /health warm
+  step 200 profile_cold python3 tools/gpu_profile_startup.py
+  step 120 profile_warm python3 tools/gpu_profile_startup.py
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  serve_ready "$M" serve_warm1
+  serve_ready "$M" serve_warm2 ;;
+esac
