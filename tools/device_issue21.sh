@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21 (serving operations) on the lent GPU:
-#   PART=sleep_startup|profile_startup bash tools/device_issue21.sh
+#   PART=sleep_startup|profile_startup|startup2 bash tools/device_issue21.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
@@ -43,4 +43,15 @@ profile_startup)  # cProfile of LLM() cold then warm; `folio serve` to /health w
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
   serve_ready "$M" serve_warm1
   serve_ready "$M" serve_warm2 ;;
+startup2)  # after the autotune, KV-profile and bytecode caches: a cold start, then restarts
+  # Python keeps bytecode here (the device's site-packages are read-only: without it every
+  # start compiles ~1,800 modules, which no installed deployment does)
+  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
+  step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  serve_ready "$M" serve_warm1
+  serve_ready "$M" serve_warm2
+  grep -h "KV profiling\|KV cache:" "$OUT/serve_warm2.log" | head -3
+  step 120 profile_warm python3 tools/gpu_profile_startup.py --top 30 ;;
 esac

@@ -4,8 +4,11 @@ tokenize, fan n>1 out into child requests."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from folio.config import EngineConfig, LoRAConfig, RequestLimitsConfig
@@ -23,13 +26,20 @@ from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolerConfig, PoolingModelInfo, PoolingParams, PoolingTask
 from folio.sampling_params import SamplingParams
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+
 
 def _load_generation_config(path: str) -> Any | None:
+    """The directory's generation_config.json as attributes, None without one (the file is
+    optional). Read as JSON rather than through transformers' GenerationConfig: importing
+    transformers.generation pulls in scikit-learn and torch.distributed, seconds of every
+    start for the five numbers read here."""
     try:
-        from transformers import GenerationConfig
-        return GenerationConfig.from_pretrained(path)
-    except Exception:
-        return None  # the file is optional
+        with open(os.path.join(path, GENERATION_CONFIG_FILE), encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return SimpleNamespace(**fields) if isinstance(fields, dict) else None
 
 
 @dataclass

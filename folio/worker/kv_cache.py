@@ -118,17 +118,26 @@ def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def gpu_kv_cache_bytes(run_profile: Callable[[], int], device: torch.device,
-                       utilization: float) -> int:
+                       utilization: float, activation_bytes: int | None = None
+                       ) -> tuple[int, int]:
     """Memory the KV cache may take on a GPU: `utilization` of the card, less the peak the
     model reaches in a forward pass at the largest batch (weights + activations, measured by
     `run_profile`, which returns bytes of scratch it allocated that the real run will not
-    hold), less memory held outside torch's allocator (CUDA context, other processes)."""
+    hold), less memory held outside torch's allocator (CUDA context, other processes).
+    `activation_bytes`: the peak above what is allocated now, from an earlier identical start
+    (worker/profile_cache.py); the pass is then not run. Returns (budget, the peak above what
+    was allocated before the pass: the figure to keep)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    scratch = run_profile()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch
+    resident = torch.cuda.memory_allocated(device)
+    if activation_bytes is None:
+        torch.cuda.reset_peak_memory_stats(device)
+        scratch = run_profile()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - scratch
+        activation_bytes = max(0, peak - resident)
+        # the pass's freed blocks stay reserved, which is not memory "outside torch"
+    peak = resident + activation_bytes
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     budget = int(total * utilization) - peak - outside_torch
@@ -141,4 +150,4 @@ def gpu_kv_cache_bytes(run_profile: Callable[[], int], device: torch.device,
             f"nothing for the KV cache within gpu_memory_utilization={utilization} of "
             f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, "
             "or use a smaller model/dtype")
-    return budget
+    return budget, activation_bytes

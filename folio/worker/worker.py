@@ -111,8 +111,17 @@ class Worker:
         if self.device.type == "cuda" and cache.num_gpu_blocks_override is None \
                 and kv_bytes is None and not self.spec.is_encoder:
             start = time.perf_counter()
-            kv_bytes = gpu_kv_cache_bytes(self._profile_run, self.device,
-                                          cache.gpu_memory_utilization)
+            from folio.worker import profile_cache
+            key = profile_cache.profile_key(config, kernel_config, source.path,
+                                            profile_cache.gpu_name(self.device))
+            stored = profile_cache.load_activation_bytes(key)
+            kv_bytes, measured = gpu_kv_cache_bytes(self._profile_run, self.device,
+                                                    cache.gpu_memory_utilization, stored)
+            if stored is None:
+                profile_cache.store_activation_bytes(key, measured)
+            else:
+                logger.info("KV profiling: the result of an identical earlier start reused "
+                            "(%.2f GiB above the weights)", stored / 2**30)
             self.timings["profile_s"] = time.perf_counter() - start
         start = time.perf_counter()
         layout = self.kv_cache_layout

@@ -47,6 +47,7 @@ from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, t
 from folio.model.kernels._common import next_pow2 as _next_pow2
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
 _LOG2E = 1.4426950408889634
@@ -76,7 +77,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 if HAS_TRITON:
 
     # ------------------------------------------------------------------ reshape_and_cache
-    @triton.autotune(
+    @autotune(
         configs=_configs({}, [({}, 1, 1), ({}, 2, 1), ({}, 4, 1)]),
         key=["KVH_PAD", "D_PAD"],
     )
@@ -162,7 +163,7 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     # ------------------------------------------------------------------ varlen (mixed batch)
-    @triton.autotune(
+    @autotune(
         configs=_configs(
             {"BLOCK_M": 16, "BLOCK_N": 16},
             [({"BLOCK_M": bm, "BLOCK_N": bn}, w, s)
@@ -257,7 +258,7 @@ if HAS_TRITON:
         tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_mask)
 
     # ------------------------------------------------------------------ decode (split-K)
-    @triton.autotune(
+    @autotune(
         configs=_configs(
             {"BLOCK_N": 16},
             [({"BLOCK_N": bn}, w, s)

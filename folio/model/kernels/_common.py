@@ -22,6 +22,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def autotune(**kwargs):
+    """triton.autotune whose choices are kept on disk (Triton's cache directory, keyed by the
+    kernel's source, the GPU, the tuning key and the configs): a restart reads them instead of
+    benchmarking every config again (seconds of each start). Not under the interpreter."""
+    return triton.autotune(cache_results=not INTERPRET, **kwargs)
+
+
 def warps_configs(warps: tuple[int, ...]) -> list:
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]

@@ -131,6 +131,7 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import load_k_tile, pdl_entry
 
     @triton.jit
@@ -217,7 +218,7 @@ if HAS_TRITON:
             tl.store(C + pid_n, 0)
         return is_last, total
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
+    @autotune(configs=_configs(), key=["N", "K", "M_PAD"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,
@@ -260,7 +261,7 @@ if HAS_TRITON:
             tl.store(OUT + offs_m[:, None] * stride_om + cols[None, :],
                      acc.to(OUT.dtype.element_ty), mask=o_mask)
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "M_PAD"],
+    @autotune(configs=_configs(), key=["N", "K", "M_PAD"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M"])
     def _skinny_gate_up_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,

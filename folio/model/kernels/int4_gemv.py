@@ -84,6 +84,7 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
 
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
     # float32 2^23: a nibble OR-ed into its mantissa reads as exactly 2^23 + q
@@ -127,7 +128,7 @@ if HAS_TRITON:
             out = s * part
         return out
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE"],
+    @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW, G: tl.constexpr,

@@ -108,6 +108,7 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
 
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
 
     @triton.jit
     def _widen(q, s, z_ptrs, ZERO_MODE: tl.constexpr, BITS: tl.constexpr):
@@ -125,7 +126,7 @@ if HAS_TRITON:
             w = q * s
         return w
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "G", "M_BUCKET", "BITS"],
+    @autotune(configs=_configs(), key=["N", "K", "G", "M_BUCKET", "BITS"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])
     def _int4_kernel(X, QW, SC, ZP, B, OUT, P, C, M, stride_xm, stride_om, N, K, M_BUCKET,

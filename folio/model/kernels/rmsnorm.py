@@ -12,11 +12,12 @@ from folio.model.kernels._common import (
     HAS_TRITON, next_pow2, pdl_launch, require_triton, tl, triton, warps_configs)
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
 if HAS_TRITON:
 
-    @triton.autotune(configs=warps_configs((1, 2, 4, 8)), key=["BLOCK_D"])
+    @autotune(configs=warps_configs((1, 2, 4, 8)), key=["BLOCK_D"])
     @triton.jit
     def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,

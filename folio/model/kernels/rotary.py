@@ -17,13 +17,14 @@ from folio.model.kernels._common import (
     HAS_TRITON, next_pow2, pdl_launch, require_triton, tl, triton, warps_configs)
 
 if HAS_TRITON:
+    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
 _HEADS_PER_PROGRAM = 8
 
 if HAS_TRITON:
 
-    @triton.autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D", "HB"])
+    @autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D", "HB"])
     @triton.jit
     def _rotary_kernel(POS, Q, K, QO, KO, COS, SIN, QW, KW, eps,
                        stride_qt, stride_qh, stride_kt, stride_kh,
