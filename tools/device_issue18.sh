@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=kernels|moe_models|mla bash tools/device_issue18.sh
+#   PART=kernels|moe_models|mla|s7 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
@@ -25,5 +25,17 @@ mla)  # DeepSeek-V2-Lite shapes: batch 1 and 64 decode on the latent cache
     step 250 lat_dsv2lite_b$b python3 -m folio.bench.latency $M --input-len 512 \
         --output-len 128 --batch-size $b --max-model-len 2048 --max-num-seqs $b \
         --num-iters-warmup 1 --num-iters 3 --output-json "$OUT/lat_dsv2lite_b$b.json"
+  done ;;
+s7)  # session 7, the figures not yet measured: MoE throughput on the standard workload, then
+  # DeepSeek-V2-Lite shapes at batch 1 and 64 on the latent cache (KV bytes per token)
+  M="--random-weights --config qwen3-30b-a3b --random-num-layers 12"
+  step 200 thr_qwen3moe python3 -m folio.bench.throughput $M --num-prompts 256 \
+      --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm \
+      --output-json "$OUT/thr_qwen3moe.json"
+  M="--random-weights --config deepseek-v2-lite --random-num-layers 9"
+  for b in 1 64; do
+    step 110 lat_dsv2lite_b$b python3 -m folio.bench.latency $M --input-len 512 \
+        --output-len 64 --batch-size $b --max-model-len 2048 --max-num-seqs $b \
+        --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/lat_dsv2lite_b$b.json"
   done ;;
 esac

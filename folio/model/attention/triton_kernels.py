@@ -39,6 +39,7 @@ so the CPU interpreter runs each kernel once.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -61,11 +62,43 @@ def _configs(interpret_one: dict, full: list[tuple[dict, int, int]]) -> list:
     return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in full]
 
 
-def _prune_block_m(configs: list, named_args: dict, **kwargs) -> list:
-    """Drop varlen configs whose BLOCK_M cannot hold one token's G_PAD query heads."""
-    g_pad = {**named_args, **kwargs}["G_PAD"]
+# Shared memory a config may plan for (the H200 has 227 KiB a block; some left to Triton).
+_SMEM_BUDGET = 200 << 10
+# Head dims above this (MLA's latent + rope: 576, padded to 1024) take the small configs only.
+_WIDE_D_PAD = 256
+
+
+def _smem_bytes(config: Any, rows: int, d_pad: int, elem: int) -> int:
+    """A config's shared memory, roughly: the query tile, and K and V tiles per stage."""
+    return elem * d_pad * (rows + 2 * config.kwargs["BLOCK_N"] * max(1, config.num_stages))
+
+
+def _fit_head_dim(configs: list, args: dict, rows_of: Any) -> list:
+    """The configs whose tiles fit shared memory at this head dim. The small single-stage
+    ones exist for wide heads (MLA: 576) and are dropped for the usual ones, which keep the
+    tuned set; none fitting keeps the smallest (the compiler then says why)."""
+    d_pad, elem = args["D_PAD"], args["Q"].element_size()
+    wide = d_pad > _WIDE_D_PAD
+    kept = [c for c in configs
+            if _smem_bytes(c, rows_of(c), d_pad, elem) <= _SMEM_BUDGET
+            and (wide or c.num_stages > 1)]
+    return kept or [min(configs, key=lambda c: _smem_bytes(c, rows_of(c), d_pad, elem))]
+
+
+def _prune_varlen(configs: list, named_args: dict, **kwargs) -> list:
+    """Drop varlen configs whose BLOCK_M cannot hold one token's G_PAD query heads, then
+    those that do not fit shared memory at this head dim."""
+    args = {**named_args, **kwargs}
+    g_pad = args["G_PAD"]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]
-    return kept or [max(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+    kept = kept or [max(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+    return _fit_head_dim(kept, args, lambda c: c.kwargs["BLOCK_M"])
+
+
+def _prune_decode(configs: list, named_args: dict, **kwargs) -> list:
+    """Decode configs that fit shared memory (the query tile: G_M rows)."""
+    args = {**named_args, **kwargs}
+    return _fit_head_dim(configs, args, lambda c: args["G_M"])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -169,10 +202,13 @@ if HAS_TRITON:
             [({"BLOCK_M": bm, "BLOCK_N": bn}, w, s)
              for bm, bn, w, s in [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                                   (128, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                                  (32, 64, 4, 2)]],
+                                  (32, 64, 4, 2),
+                                  # wide heads only (_fit_head_dim)
+                                  (16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1),
+                                  (64, 16, 8, 1)]],
         ),
         key=["G", "D", "BLOCK_SIZE", "SLIDING", "q_bucket", "SOFTCAP", "HAS_SINKS"],
-        prune_configs_by={"early_config_prune": _prune_block_m},
+        prune_configs_by={"early_config_prune": _prune_varlen},
     )
     # Per-step integers are not specialized on (== 1, % 16): each distinct pattern would be
     # another compile, paid in the middle of serving.
@@ -262,9 +298,12 @@ if HAS_TRITON:
         configs=_configs(
             {"BLOCK_N": 16},
             [({"BLOCK_N": bn}, w, s)
-             for bn, w, s in [(32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
+             for bn, w, s in [(32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3),
+                              # wide heads only (_fit_head_dim)
+                              (16, 4, 1), (32, 4, 1), (32, 8, 1)]],
         ),
         key=["G", "D", "BLOCK_SIZE", "SLIDING", "USE_SPLITS", "SOFTCAP", "HAS_SINKS"],
+        prune_configs_by={"early_config_prune": _prune_decode},
     )
     @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
     def _decode_kernel(
