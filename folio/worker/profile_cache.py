@@ -3,7 +3,8 @@
 Sizing the KV cache on a GPU runs one forward pass at the largest step and reads the peak
 memory it reached above the weights (`gpu_kv_cache_bytes`): seconds of every start (2.9 s
 of a 23 s warm restart of a Qwen3-0.6B shape on the H200). That figure depends only on what
-the pass runs: the engine's settings, the model's files, the GPU and the library versions.
+the pass runs: the engine's settings, the model's files, the GPU, folio's code and the library
+versions.
 So it is stored under a hash of all of them in folio's cache directory, and a start whose
 hash matches reuses it instead of running the pass; anything that changes the hash profiles
 again. The free memory and the memory held outside torch are always measured afresh."""
@@ -45,18 +46,32 @@ def _model_fingerprint(path: str) -> list[Any]:
     return [os.path.abspath(path), out]
 
 
+def _code_fingerprint() -> str:
+    """folio's own code as it is on disk (each module's path, size and modification time):
+    a changed layer can change the peak, and a version number would not say so."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    entries = []
+    for root, dirs, files in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                stat = os.stat(os.path.join(root, name))
+                entries.append(f"{os.path.relpath(os.path.join(root, name), package)}:"
+                               f"{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
 def profile_key(engine_config: Any, kernels: Any, model_path: str, gpu: str) -> str:
     """The hash a stored profile must match: the whole engine configuration (its repr: every
-    setting), the kernel choices, the model's files, the GPU (`gpu`, from gpu_name) and the versions of
-    folio, torch and triton."""
-    import folio
+    setting), the kernel choices, the model's files, the GPU (`gpu`, from gpu_name), folio's
+    code and the versions of torch and triton."""
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - CUDA installs have triton
         triton_version = None
     parts = [repr(engine_config), repr(kernels), _model_fingerprint(model_path),
-             gpu, folio.__version__, torch.__version__, torch.version.cuda, triton_version]
+             gpu, _code_fingerprint(), torch.__version__, torch.version.cuda, triton_version]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
