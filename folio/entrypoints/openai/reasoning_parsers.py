@@ -82,6 +82,16 @@ class ReasoningParser:
         self._finished = True
         return self._advance(final=True)
 
+    def split_delta(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """One streamed delta as (reasoning, content); with `final`, what the parser still
+        held is added (the stream ended)."""
+        reasoning, content = self.extract_streaming(text) if text else (None, None)
+        if final:
+            tail_reasoning, tail_content = self.finish()
+            reasoning = (reasoning or "") + (tail_reasoning or "") or None
+            content = (content or "") + (tail_content or "") or None
+        return reasoning, content
+
     def _advance(self, final: bool) -> tuple[str | None, str | None]:
         reasoning = content = ""
         if self._state == "start":
@@ -138,6 +148,14 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, MistralReasoningParser,
                 DeepSeekV3ReasoningParser)
 }
+
+
+def split_reasoning(parser: ReasoningParser | None, text: str,
+                    final: bool) -> tuple[str | None, str | None]:
+    """A streamed delta as (reasoning, content): all content without a parser."""
+    if parser is None:
+        return None, text or None
+    return parser.split_delta(text, final)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

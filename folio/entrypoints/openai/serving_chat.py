@@ -23,7 +23,8 @@ from folio.entrypoints.openai.protocol import (
 )
 from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
 from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
-from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from folio.entrypoints.openai.reasoning_parsers import (ReasoningParser, get_reasoning_parser,
+                                                      split_reasoning)
 from folio.entrypoints.openai.request_constraints import (
     ConstraintContext, constraint_context, forced_tool_constraint, named_function,
     request_constraint, strict_tools_constraint)
@@ -321,15 +322,7 @@ class OpenAIServingChat(ServingBase):
         def delta(index: int, text: str, *, final: bool = False) -> DeltaMessage | None:
             """The text delta split into reasoning, content and tool-call deltas; None when
             nothing shows yet (a parser may hold back a possible tag)."""
-            parser = parsers.get(index)
-            if parser is None:
-                reasoning, content = None, text or None
-            else:
-                reasoning, content = parser.extract_streaming(text) if text else (None, None)
-                if final:
-                    tail_reasoning, tail_content = parser.finish()
-                    reasoning = (reasoning or "") + (tail_reasoning or "") or None
-                    content = (content or "") + (tail_content or "") or None
+            reasoning, content = split_reasoning(parsers.get(index), text, final)
             content, tool_calls = split_tools(index, content, final)
             if reasoning is None and content is None and tool_calls is None:
                 return None

@@ -21,6 +21,7 @@ from folio.entrypoints.openai import anthropic_responses as bodies
 from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
 from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
 from folio.entrypoints.openai.protocol import ChatCompletionRequest
+from folio.entrypoints.openai.reasoning_parsers import split_reasoning
 from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.request_constraints import constraint_context
 from folio.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -154,15 +155,7 @@ class AnthropicServingMessages(OpenAIServingChat):
             return events
 
         def delta_events(text: str, final: bool) -> list[str]:
-            if reasoning_parser is None:
-                reasoning, content = None, text or None
-            else:
-                reasoning, content = (reasoning_parser.extract_streaming(text) if text
-                                      else (None, None))
-                if final:
-                    tail_reasoning, tail_content = reasoning_parser.finish()
-                    reasoning = (reasoning or "") + (tail_reasoning or "") or None
-                    content = (content or "") + (tail_content or "") or None
+            reasoning, content = split_reasoning(reasoning_parser, text, final)
             events = blocks.thinking(reasoning) if reasoning else []
             return events + content_events(content, final)
 
