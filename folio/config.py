@@ -158,9 +158,18 @@ class CacheConfig:
     # once, from the first step's K/V (amax / 200 and amax / 100, vLLM's), replacing the
     # checkpoint's or the default 1.0, then stay fixed.
     calculate_kv_scales: bool = False
+    # The most of the usable blocks that pins may hold: finished requests' blocks kept out of
+    # the LRU eviction for a time-to-live (a stored response's, for its continuation;
+    # folio/core/kv_pins.py), so that pins never crowd out the prefix cache of other traffic.
+    # 0 = no pins.
+    kv_pin_max_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
+        _require(isinstance(self.kv_pin_max_fraction, (int, float))
+                 and not isinstance(self.kv_pin_max_fraction, bool)
+                 and 0.0 <= self.kv_pin_max_fraction <= 1.0, "kv_pin_max_fraction",
+                 f"must be in [0, 1], got {self.kv_pin_max_fraction!r}")
         _require(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales",
                  f"must be a bool, got {self.calculate_kv_scales!r}")
         _require(isinstance(self.block_size, int) and self.block_size >= 1
@@ -483,15 +492,23 @@ class LoRAConfig:
         self.lora_modules = modules
 
 
+# What the server does with a request that arrives while the engine sleeps.
+SLEEP_MODE_REQUESTS = ("wait", "reject")
+
+
 @dataclass
 class AdmissionConfig:
     """Load shedding (folio's own; the peers queue without bound). The server refuses a
     request with HTTP 429 and a Retry-After from the measured drain rate once
     `max_waiting_requests` wait for their first step (a request that outranks a waiting one
     sheds it instead); the engine core finishes a request that waited `max_queue_time`
-    seconds without a first step (the server answers 429 then too). None = no limit."""
+    seconds without a first step (the server answers 429 then too). None = no limit.
+    `sleep_mode_requests`: what the server does with requests that arrive while the engine
+    sleeps (sleep mode): "wait" for the wake-up, or "reject" them with HTTP 503 and a
+    Retry-After."""
     max_waiting_requests: int | None = None
     max_queue_time: float | None = None
+    sleep_mode_requests: str = "wait"
 
     def __post_init__(self) -> None:
         n = self.max_waiting_requests
@@ -501,6 +518,8 @@ class AdmissionConfig:
         _require(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)
                                and 0 < t < float("inf")),
                  "max_queue_time", f"must be a positive number of seconds, got {t!r}")
+        _require(self.sleep_mode_requests in SLEEP_MODE_REQUESTS, "sleep_mode_requests",
+                 f"must be one of {list(SLEEP_MODE_REQUESTS)}, got {self.sleep_mode_requests!r}")
 
 
 @dataclass

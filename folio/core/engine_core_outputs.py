@@ -58,6 +58,9 @@ class SchedulerStats:
     # Requests the scheduler holds state for (running, waiting, finished but not yet
     # reported): 0 once idle, or state is leaking.
     num_tracked_requests: int = 0
+    # Blocks held by pins of finished requests (stored responses' KV, kept for a
+    # continuation); counted in kv_cache_usage too, and given back before any preemption.
+    num_pinned_blocks: int = 0
     # Speculative decoding, cumulative (zeros when off): verify steps with drafts, draft
     # tokens, accepted drafts, accepted drafts by position.
     spec_num_drafts: int = 0

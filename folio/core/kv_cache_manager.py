@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from folio.core.block_hash import BlockHash
 from folio.core.block_pool import BlockPool, KVCacheBlock
 from folio.core.kv_cache_layout import KVCacheLayout, cdiv
+from folio.core.kv_pins import KVPins
 from folio.core.request import Request
 
 
@@ -28,10 +29,14 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
-                 null_block: bool = False) -> None:
+                 null_block: bool = False, max_pinned_fraction: float = 0.0) -> None:
+        """`max_pinned_fraction`: the share of the usable blocks that pins of finished
+        requests may hold (folio/core/kv_pins.py); 0 = no pins."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, null_block)
+        self.pins = KVPins(self.block_pool,
+                           int(max_pinned_fraction * self.block_pool.num_usable_blocks))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same blocks' ids, kept in step with req_to_blocks, as the one group's list: the
         # model runner reads them every step, and rebuilding the list per request per step
@@ -130,6 +135,26 @@ class KVCacheManager:
         for block in self.req_to_blocks.get(request.request_id, [])[first:]:
             self.block_pool.uncache_block(block)
 
+    def pin(self, request: Request, expiry: float) -> int:
+        """Pin the prefix-cache blocks of the request's full blocks until `expiry` (call it
+        before `free`, while the request still holds them). Returns the blocks pinned."""
+        if not self.enable_caching:
+            return 0
+        return self.pins.pin(request.request_id, self._pinnable_blocks(request), expiry)
+
+    def _pinnable_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The blocks the prefix cache finds for the request's indexed blocks, in prefix
+        order: looked up by hash, since an equal block computed by another request at the
+        same time may be the one indexed instead of the request's own."""
+        cached = self.block_pool.cached_blocks
+        blocks = []
+        for block_hash in request.block_hashes[:self.num_cached_blocks.get(request.request_id, 0)]:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
@@ -143,6 +168,9 @@ class KVCacheManager:
         return self.req_to_block_ids.get(request_id, _NO_BLOCKS)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, pins first (they hold blocks; refused while requests
+        do, with the pins gone all the same)."""
+        self.pins.clear()
         return self.block_pool.reset_prefix_cache()
 
 
@@ -165,9 +193,10 @@ class HybridKVCacheManager(KVCacheManager):
     """
 
     def __init__(self, layout: KVCacheLayout, num_blocks: int, block_size: int,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, *, max_pinned_fraction: float = 0.0) -> None:
         super().__init__(num_blocks, block_size, enable_caching,
-                         null_block=layout.num_reserved_blocks > 0)
+                         null_block=layout.num_reserved_blocks > 0,
+                         max_pinned_fraction=max_pinned_fraction)
         self.layout = layout
         self.windows = [g.sliding_window for g in layout.groups]
         self.full_groups = [g for g, w in enumerate(self.windows) if w is None]
@@ -312,6 +341,27 @@ class HybridKVCacheManager(KVCacheManager):
                 if block is not null:
                     self.block_pool.uncache_block(block)
 
+    def _pinnable_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Every group's indexed blocks the request still holds (a sliding group's are those
+        of its last window), position by position, looked up under each group's key."""
+        rid = request.request_id
+        tables = self.req_to_blocks.get(rid)
+        if tables is None:
+            return []
+        counts = self.num_cached_blocks[rid]
+        cached = self.block_pool.cached_blocks
+        null = self.block_pool.null_block
+        hashes = request.block_hashes
+        blocks = []
+        for i in range(max(counts)):
+            for g, table in enumerate(tables):
+                if i < counts[g] and table[i] is not null:
+                    block = cached.get(self._key(g, hashes[i]))
+                    if block is None:
+                        return blocks
+                    blocks.append(block)
+        return blocks
+
     def free(self, request: Request) -> None:
         rid = request.request_id
         tables = self.req_to_blocks.pop(rid, [])
@@ -327,9 +377,12 @@ class HybridKVCacheManager(KVCacheManager):
 
 
 def make_kv_cache_manager(layout: KVCacheLayout, num_blocks: int, block_size: int,
-                          enable_caching: bool = True) -> KVCacheManager:
+                          enable_caching: bool = True, *,
+                          max_pinned_fraction: float = 0.0) -> KVCacheManager:
     """The manager for this layout: the one-group manager for today's layout (no per-step
     cost of groups), the hybrid one otherwise."""
     if layout.is_single_full:
-        return KVCacheManager(num_blocks, block_size, enable_caching)
-    return HybridKVCacheManager(layout, num_blocks, block_size, enable_caching)
+        return KVCacheManager(num_blocks, block_size, enable_caching,
+                              max_pinned_fraction=max_pinned_fraction)
+    return HybridKVCacheManager(layout, num_blocks, block_size, enable_caching,
+                                max_pinned_fraction=max_pinned_fraction)

@@ -31,6 +31,9 @@ class EngineCoreRequest:
     lora_request: LoRARequest | None = None
     # time.monotonic() after which it is finished with reason "timeout" (None = none).
     deadline: float | None = None
+    # Seconds its cached KV blocks stay pinned once it finishes (a stored response, which a
+    # continuation reuses: folio/core/kv_pins.py); None = freed as usual.
+    kv_pin_ttl: float | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -100,6 +103,7 @@ class Request:
         hash_blocks: bool = True,
         lora_request: LoRARequest | None = None,
         deadline: float | None = None,
+        kv_pin_ttl: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -110,6 +114,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.deadline = deadline
+        self.kv_pin_ttl = kv_pin_ttl
         # The adapter joins the first block's hash: the same prompt under two adapters (or
         # under one and the base model) has different KV and must not share blocks.
         if lora_request is not None:
@@ -163,7 +168,7 @@ class Request:
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                    pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
                    hash_blocks=hash_blocks, lora_request=req.lora_request,
-                   deadline=req.deadline)
+                   deadline=req.deadline, kv_pin_ttl=req.kv_pin_ttl)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:

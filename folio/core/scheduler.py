@@ -120,6 +120,9 @@ class ScheduledStep:
 
 
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
+# The finishes whose blocks a request's kv_pin_ttl pins: those of a complete output (an
+# aborted, failed or timed-out request is not stored for a continuation).
+_PINNED_ON = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _FINISH_REASON_OF = {status: status.finish_reason for status in RequestStatus
                      if status.finish_reason is not None}
 
@@ -206,6 +209,10 @@ class Scheduler:
         self._first_scheduled: dict[str, float] = {}
         self.num_preemptions = 0
         self._step_id = 0
+        # LoRA adapters (lora_int_id) the workers were sent, so may hold; and those removed
+        # (remove_lora), each with the requests that had it then and must finish first.
+        self._sent_loras: set[int] = set()
+        self._loras_to_remove: dict[int, set[str]] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -217,7 +224,10 @@ class Scheduler:
             self._num_deadlines += 1
         self.waiting.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish these requests now, with `status` (set before their blocks are freed:
+        whether they are pinned depends on it)."""
         aborted = []
         for rid in request_ids:
             request = self.requests.get(rid)
@@ -230,7 +240,7 @@ class Scheduler:
         self.running = [r for r in self.running if r not in aborted_set]
         self.waiting.remove(aborted_set)
         for request in aborted:
-            request.status = RequestStatus.FINISHED_ABORTED
+            request.status = status
             self._free(request)
         return aborted
 
@@ -240,6 +250,8 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.drop(request)
             self.draft_length.drop(request.request_id)
+        if request.kv_pin_ttl and request.status in _PINNED_ON:
+            self.kv.pin(request, time.monotonic() + request.kv_pin_ttl)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
@@ -254,6 +266,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:
+        self.kv.pins.expire(time.monotonic())   # one comparison while no pin is due
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -290,6 +303,8 @@ class Scheduler:
                                                         request.num_computed_tokens + num_new))
                 if new_blocks is not None:
                     break
+                if self.kv.pins.release_oldest():
+                    continue    # pins give way before any running request does
                 victim = self._pick_victim()
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
@@ -341,9 +356,14 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            new_blocks = self.kv.allocate_slots(
-                request, num_new, hit_blocks,
-                num_lookahead_tokens=self._lookahead(num_hit_tokens + num_new))
+            while True:
+                new_blocks = self.kv.allocate_slots(
+                    request, num_new, hit_blocks,
+                    num_lookahead_tokens=self._lookahead(num_hit_tokens + num_new))
+                # Pins give way to a waiting request too (a released pin's blocks stay
+                # cached, so the hits found above still hold).
+                if new_blocks is not None or not self.kv.pins.release_oldest():
+                    break
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -387,6 +407,8 @@ class Scheduler:
     def _message(self, items: list[ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
         """The step as the workers get it: new requests whole, the others as diffs since they
         were last sent. Every list is a copy: the request's own lists go on changing."""
+        # First: a new request of this step may send a removed adapter again.
+        removed_loras = self._take_lora_removals()
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
@@ -412,6 +434,8 @@ class Scheduler:
                     list(request.eos_token_ids), [list(ids) for ids in blocks],
                     item.num_computed_tokens, request.pooling_params, request.token_type_ids,
                     request.lora_request))
+                if request.lora_request is not None:
+                    self._sent_loras.add(request.lora_int_id)
                 # The prompt is all a new request has (its output starts empty).
                 request.num_sent_tokens = len(tokens)
             else:
@@ -433,7 +457,25 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             has_grammar=any(item.samples and item.request.structured_output is not None
                             for item in items),
-            scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling)
+            scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling,
+            removed_lora_ids=removed_loras)
+
+    def _take_lora_removals(self) -> list[int]:
+        """The removed adapters whose requests from before the removal have all finished,
+        taken for the step message. Requests of the id that came after it do not hold it up:
+        the worker drops the adapter before the step's adapters load, so they read its files
+        again."""
+        if not self._loras_to_remove:
+            return []
+        removed = []
+        for lora_id, holders in self._loras_to_remove.items():
+            holders.intersection_update(self.requests)    # the unfinished ones
+            if not holders:
+                removed.append(lora_id)
+        for lora_id in removed:
+            del self._loras_to_remove[lora_id]
+            self._sent_loras.discard(lora_id)
+        return sorted(removed)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -627,11 +669,37 @@ class Scheduler:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests for a reason found outside the core (a stop string in the text)."""
-        for request in self.abort_requests(request_ids):
-            request.status = status
+        self.abort_requests(request_ids, status)
+
+    def unpin_kv(self, request_ids: list[str]) -> int:
+        """End the pins of these finished requests (a stored response deleted or evicted);
+        returns how many there were."""
+        return self.kv.pins.unpin(request_ids)
+
+    def has_expired_pins(self, now: float) -> bool:
+        """A pin is past its expiry: a step (even an empty one) releases it."""
+        return self.kv.pins.has_expired(now)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Tell the workers to drop the adapter's host copy and device slot, in the next step
+        message once the requests that have it now (running or queued) finish. False when
+        neither a worker nor a request holds it (never used, or removed already)."""
+        holders = {rid for rid, r in self.requests.items() if r.lora_int_id == lora_id}
+        if lora_id not in self._sent_loras and not holders:
+            return False
+        self._loras_to_remove[lora_id] = holders
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The adapters the workers were sent and not told to remove (a worker's host LRU
+        may have let some go already)."""
+        return self._sent_loras - self._loras_to_remove.keys()
+
+    def has_lora_removals(self) -> bool:
+        return bool(self._loras_to_remove)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -640,6 +708,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             num_blocks=self.kv.block_pool.num_blocks, num_free_blocks=self.kv.num_free_blocks,
             num_tracked_requests=len(self.requests),
+            num_pinned_blocks=self.kv.pins.num_pinned_blocks,
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,

@@ -85,6 +85,10 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # Pooling requests whose prompt ends in this step: each gets a PooledData (batch order).
     pooling_req_ids: list[str] = []
+    # LoRA adapters (lora_int_id) the engine removed (remove_lora): the workers drop their
+    # host copies, free their device slots and forget a failed load, before this step's
+    # adapters are loaded. Sent once no running request uses the adapter.
+    removed_lora_ids: list[int] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):

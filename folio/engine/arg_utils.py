@@ -68,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="allow sleep / wake_up (server: POST /sleep?level=1|2, POST "
                              "/wake_up, GET /is_sleeping): level 1 moves the weights to host "
                              "memory and frees the KV cache, level 2 frees both; requests "
-                             "that arrive while asleep wait")
+                             "that arrive while asleep wait (the server's "
+                             "--sleep-mode-requests reject: 503 instead)")
     parser.add_argument("--cudagraph-mode", default="full", type=str.lower,
                         choices=["full", "full_decode_only"],
                         help="which steps replay CUDA graphs: full = pure-decode and mixed "

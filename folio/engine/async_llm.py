@@ -43,10 +43,22 @@ T = TypeVar("T")
 
 # How often the stats line is logged while the engine is busy (vLLM's interval).
 STATS_LOG_INTERVAL_S = 10.0
+# Retry-After of a request refused while the engine sleeps: when the wake-up comes is the
+# operator's call, so a short fixed wait.
+ASLEEP_RETRY_AFTER_S = 5
 
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone (or shutting down); requests cannot be served."""
+
+
+class EngineAsleep(Exception):
+    """The engine sleeps (sleep mode) and requests are refused meanwhile
+    (`--sleep-mode-requests reject`): HTTP 503, try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class AsyncLLM:
@@ -73,6 +85,9 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._draining: str | None = None  # set by begin_shutdown
+        # The engine core's sleep state as the last sleep / wake_up / is_sleeping left it:
+        # requests read it here, with no round trip to the core.
+        self._asleep = False
 
         self._ipc_dir = tempfile.mkdtemp(prefix="folio-ipc-")
         input_address = f"ipc://{self._ipc_dir}/input"
@@ -235,27 +250,36 @@ class AsyncLLM:
     async def _prepare(self, request_id: str | None, prepare: Callable[..., Any]) -> tuple[str, Any]:
         """A request's id (a fresh one if None) and `prepare(request_id=...)` run on the
         preprocessing thread; ValueError for an id in use, EngineDeadError when the engine is
-        not there (checked again after the preparation, which may take a while)."""
+        not there, EngineAsleep when it sleeps and refuses requests meanwhile (both checked
+        again after the preparation, which may take a while)."""
         self._ensure_started()
-        if not self.is_healthy:
-            raise self._unavailable()
+        self._check_serving()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         prepared = await self.run_blocking(functools.partial(prepare, request_id=request_id))
         if request_id in self._queues:  # taken while this one was being prepared
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_serving()
+        return request_id, prepared
+
+    def _check_serving(self) -> None:
         if not self.is_healthy:
             raise self._unavailable()
-        return request_id, prepared
+        if self._asleep and self.config.admission.sleep_mode_requests == "reject":
+            raise EngineAsleep("the engine is asleep (sleep mode): try again once it is woken "
+                               "up", ASLEEP_RETRY_AFTER_S)
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
                        cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None,
+                       kv_pin_ttl: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs for one request (as params.output_kind says). `deadline`: a
         time.monotonic() value past which the engine finishes it with reason "timeout".
+        `kv_pin_ttl`: seconds its KV blocks stay pinned in the prefix cache once it
+        finishes (`unpin_kv` ends that sooner).
         Raises ValueError for bad input before anything is queued, RequestRejected when the
         server is over its admission limits (then, or later if it is shed or waits past
         max_queue_time before its first step), EngineDeadError if the engine dies. Closing
@@ -269,6 +293,7 @@ class AsyncLLM:
             self._reject(shed, "shed for a request of better priority")
         for core_request in prepared.core_requests:
             core_request.deadline = deadline
+            core_request.kv_pin_ttl = kv_pin_ttl
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = prepared.core_requests[0].arrival_time
@@ -352,15 +377,34 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call_utility("reset_prefix_cache")
 
+    async def unpin_kv(self, request_ids: list[str]) -> int:
+        """End the KV pins of finished requests (those generated with kv_pin_ttl)."""
+        return await self._call_utility("unpin_kv", request_ids)
+
     async def sleep(self, level: int = 1) -> dict[str, int]:
         """Sleep mode (the engine core's EngineCore.sleep); ValueError when it cannot."""
-        return await self._call_utility("sleep", level)
+        freed = await self._call_utility("sleep", level)
+        self._asleep = True
+        return freed
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call_utility("wake_up", tags)
+        await self.is_sleeping()    # woken in part (tags) is still asleep
 
     async def is_sleeping(self) -> bool:
-        return await self._call_utility("is_sleeping")
+        self._asleep = await self._call_utility("is_sleeping")
+        return self._asleep
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's remove_lora: the front end forgets the adapter's checked files and the
+        engine core has the workers free its copies (EngineCore.remove_lora); False when
+        nothing there held it."""
+        self.preparer.lora.forget(lora_id)
+        return await self._call_utility("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """The adapter ids the workers were given and not told to remove."""
+        return set(await self._call_utility("list_loras"))
 
     async def _call_utility(self, method: str, *args: Any) -> Any:
         self._ensure_started()

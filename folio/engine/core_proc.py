@@ -20,7 +20,8 @@ from folio.engine import messages as msg
 logger = logging.getLogger(__name__)
 
 # The EngineCore methods the front end may call remotely.
-UTILITY_METHODS = {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"}
+UTILITY_METHODS = {"reset_prefix_cache", "unpin_kv", "sleep", "wake_up", "is_sleeping",
+                   "remove_lora", "list_loras"}
 
 _IDLE_POLL_MS = 500
 

@@ -52,9 +52,9 @@ class EngineCore:
         self.executor = make_executor(config, source, hf_config)
         self.num_blocks = self.executor.num_blocks
         layout = self.executor.kv_cache_layout
-        self.kv_cache_manager = make_kv_cache_manager(layout, self.num_blocks,
-                                                      config.cache.block_size,
-                                                      config.cache.enable_prefix_caching)
+        self.kv_cache_manager = make_kv_cache_manager(
+            layout, self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            max_pinned_fraction=config.cache.kv_pin_max_fraction)
         # Tokens the cache surely holds, for the front end's check of n > 1 requests.
         self.kv_capacity_tokens = layout.token_capacity(self.num_blocks, config.cache.block_size)
         sched = config.scheduler
@@ -137,9 +137,11 @@ class EngineCore:
             times.steps += 1
             times.schedule_s += time.perf_counter() - start
         if step.is_empty:
-            if step.message.finished_req_ids or step.message.preempted_req_ids:
-                # Still let the workers drop the state of requests that finished meanwhile.
-                self.executor.execute_model(step.message)
+            message = step.message
+            if message.finished_req_ids or message.preempted_req_ids or message.removed_lora_ids:
+                # Still let the workers drop the state of requests that finished meanwhile
+                # and the adapters removed.
+                self.executor.execute_model(message)
             if self._in_flight is not None:
                 return outputs + self._finish_in_flight()
             if self.structured_output.has_pending() and not outputs:
@@ -192,14 +194,42 @@ class EngineCore:
         return outputs
 
     def has_pending_notifications(self) -> bool:
-        """Requests finished outside a step (aborts) whose worker state is still to drop."""
-        return self.scheduler.has_finished_since_last_step()
+        """Requests finished outside a step (aborts) whose worker state is still to drop,
+        removed LoRA adapters the workers still hold, or KV pins past their expiry (while
+        idle too: a step releases them)."""
+        return (self.scheduler.has_finished_since_last_step()
+                or self.scheduler.has_lora_removals()
+                or self.scheduler.has_expired_pins(time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def unpin_kv(self, request_ids: list[str]) -> int:
+        """End the KV pins of finished requests (EngineCoreRequest.kv_pin_ttl)."""
+        return self.scheduler.unpin_kv(request_ids)
+
+    # ---- LoRA adapters (vLLM's remove_lora / list_loras) ----------------------------------
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Free adapter `lora_id` in the workers (host copy, device slot) with the next step
+        message, or once the requests using it finish. False when nothing holds it. Its
+        prefix-cache blocks stay, keyed by its id and name: a later adapter under the same id
+        and name must have the same weights."""
+        self._check_lora("remove_lora")
+        return self.scheduler.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        """The adapters the workers were given and not told to remove, sorted."""
+        self._check_lora("list_loras")
+        return sorted(self.scheduler.list_loras())
+
+    def _check_lora(self, method: str) -> None:
+        if self.config.lora is None:
+            raise ValueError(f"{method}: LoRA adapters are not enabled (start the engine "
+                             "with enable_lora=True / --enable-lora)")
 
     # ---- sleep mode (--enable-sleep-mode) -------------------------------------------------
 

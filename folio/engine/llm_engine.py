@@ -122,6 +122,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's remove_lora: forget the adapter's checked files (the id may then name
+        another adapter) and have the worker free its host copy and device slot with the next
+        step, or once the requests using it finish. False when nothing held it."""
+        self.preparer.lora.forget(lora_id)
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The adapter ids the worker was given and not told to remove."""
+        return set(self.engine_core.list_loras())
+
     def sleep(self, level: int = 1) -> dict[str, int]:
         return self.engine_core.sleep(level)
 

@@ -38,6 +38,9 @@ class LoRAManager:
         # slot -> lora_int_id (None: empty); lora_int_id -> slot, least recently used first
         self._slot_ids: list[int | None] = [None] * config.max_loras
         self._slot_of: OrderedDict[int, int] = OrderedDict()
+        # lora_int_id -> why its load failed: its requests fail at once instead of reading
+        # the files again each step, until the engine removes the id (remove_lora)
+        self._failed: dict[int, str] = {}
         self.num_loads = 0          # adapters read from their files (tests, logs)
 
     def before_weights_move(self) -> None:
@@ -62,8 +65,15 @@ class LoRAManager:
         if weights is not None:
             self._host.move_to_end(request.lora_int_id)
             return weights
-        files = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank)
-        weights = load_adapter_weights(files, self.dtype, pin=self.device.type == "cuda")
+        failure = self._failed.get(request.lora_int_id)
+        if failure is not None:
+            raise RuntimeError(failure)
+        try:
+            files = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank)
+            weights = load_adapter_weights(files, self.dtype, pin=self.device.type == "cuda")
+        except Exception as exc:
+            self._failed[request.lora_int_id] = str(exc)
+            raise
         self.num_loads += 1
         logger.info("LoRA adapter %r (id %d) loaded from %s: rank %d, %d projections, %.1f MiB",
                     request.lora_name, request.lora_int_id, files.path, files.rank,
@@ -94,6 +104,18 @@ class LoRAManager:
         self._slot_ids[slot] = lora_id
         self._slot_of[lora_id] = slot
         return slot
+
+    def remove(self, lora_ids: list[int]) -> None:
+        """The engine removed these adapters (SchedulerOutput.removed_lora_ids; no request of
+        the step uses them): their host copies go, their device slots are free (marked only:
+        loading an adapter writes every projection of its slot) and a failed load is
+        forgotten, so the id reads its files again if a request brings it back."""
+        for lora_id in lora_ids:
+            self._host.pop(lora_id, None)
+            self._failed.pop(lora_id, None)
+            slot = self._slot_of.pop(lora_id, None)
+            if slot is not None:
+                self._slot_ids[slot] = None
 
     def set_step(self, requests: list[tuple[str, LoRARequest | None]],
                  counts: list[int]) -> dict[str, str]:

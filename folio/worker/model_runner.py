@@ -206,6 +206,8 @@ class ModelRunner:
         schedule the next step meanwhile."""
         batch = self.input_batch
         batch.update(step)
+        if step.removed_lora_ids and self.lora is not None:
+            self.lora.remove(step.removed_lora_ids)   # first: this step may reuse their slots
         order = step.num_scheduled_tokens
         if not order:
             return PendingRunnerOutput()

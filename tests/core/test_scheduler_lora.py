@@ -2,7 +2,8 @@
 max_loras (the worker's slots); a request of one more adapter waits, keeps its place, and
 runs once a slot's requests finish, while requests of adapters already running (and of the
 base model) go ahead; the adapter crosses the step message to the worker; blocks of the same
-prompt under different adapters are never shared; the stats name the adapters."""
+prompt under different adapters are never shared; the stats name the adapters; a removed
+adapter (remove_lora) rides the first step message once no request of it is left."""
 from __future__ import annotations
 
 import msgspec
@@ -98,3 +99,70 @@ def test_block_hashes_depend_on_the_adapter():
     a_again = request("w", A, prompt)
     assert a.block_hashes == a_again.block_hashes
     assert len({base.block_hashes[0], a.block_hashes[0], b.block_hashes[0]}) == 3
+
+
+def decoded(message: StepMessage) -> StepMessage:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=StepMessage)
+
+
+def test_a_removed_adapter_rides_the_next_step_message():
+    s = scheduler()
+    assert s.remove_lora(A.lora_int_id) is False    # never sent to a worker: nothing to free
+    s.add_request(request("a1", A, max_tokens=1))
+    step = s.schedule()
+    assert step.message.removed_lora_ids == [] and s.list_loras() == {1}
+    s.update_from_output(step, sample(step))        # a1 finishes
+    assert s.remove_lora(1) is True and s.has_lora_removals()
+    assert s.list_loras() == set()
+    step = s.schedule()                             # nothing runnable: an empty step
+    assert step.is_empty and decoded(step.message).removed_lora_ids == [1]
+    assert not s.has_lora_removals()
+    assert s.remove_lora(1) is False                # removed already
+    assert s.schedule().message.removed_lora_ids == []
+    # a request of the id that comes after the removal does not hold it up: the worker drops
+    # the adapter before the step loads it, so reads its files again
+    s.add_request(request("a2", A, max_tokens=1))
+    step = s.schedule()
+    s.update_from_output(step, sample(step))
+    assert s.remove_lora(1) is True
+    s.add_request(request("a3", A, max_tokens=1))
+    message = decoded(s.schedule().message)
+    assert message.removed_lora_ids == [1]
+    assert [r.lora_request for r in message.scheduled_new_reqs] == [A]
+    assert s.list_loras() == {1}                    # sent again with a3
+
+
+def test_a_removal_waits_for_the_requests_of_the_adapter():
+    s = scheduler()
+    s.add_request(request("a1", A, max_tokens=3))
+    s.add_request(request("b1", B, max_tokens=3))
+    step = s.schedule()
+    s.update_from_output(step, sample(step))
+    # removed while a1 and b1 run: each removal waits for its own adapter's request
+    assert s.remove_lora(1) and s.remove_lora(2) is True
+    s.add_request(request("a2", A, max_tokens=1))   # after the removal: does not hold it up
+    step = s.schedule()
+    assert set(step.message.num_scheduled_tokens) == {"a1", "b1", "a2"}
+    assert step.message.removed_lora_ids == []      # a1 and b1 still run
+    s.update_from_output(step, sample(step))        # a2 finishes
+    step = s.schedule()
+    assert step.message.removed_lora_ids == []
+    s.update_from_output(step, sample(step))        # a1 and b1 finish
+    assert decoded(s.schedule().message).removed_lora_ids == [1, 2]
+
+
+def test_a_removal_waits_for_a_queued_request_of_the_adapter():
+    """A request of the adapter queued before the removal would load it again right after
+    it: the removal waits for it too."""
+    s = scheduler(max_loras=1)
+    s.add_request(request("b1", B, max_tokens=1))
+    s.add_request(request("a1", A, max_tokens=1))   # waits: one slot, b holds it
+    step = s.schedule()
+    assert list(step.message.num_scheduled_tokens) == ["b1"]
+    assert s.remove_lora(1) is True                 # not sent yet, but a request holds it
+    s.update_from_output(step, sample(step))
+    step = s.schedule()
+    assert list(step.message.num_scheduled_tokens) == ["a1"]
+    assert step.message.removed_lora_ids == []
+    s.update_from_output(step, sample(step))
+    assert s.schedule().message.removed_lora_ids == [1]

@@ -81,3 +81,17 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def qwen3_chat_template_file(directory) -> str:
+    """The real Qwen3 chat template (tools, tool results, the thinking switch; fetched by
+    fixtures_tokenizers) written to `directory`, for a server's --chat-template: the default
+    model's own template has no tool calls."""
+    import json
+    from pathlib import Path
+
+    from fixtures_tokenizers import tokenizer_dir
+    config = json.loads((Path(tokenizer_dir("qwen3")) / "tokenizer_config.json").read_text())
+    template = Path(directory) / "qwen3_chat_template.jinja"
+    template.write_text(config["chat_template"], encoding="utf-8")
+    return str(template)

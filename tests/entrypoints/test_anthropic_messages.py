@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,8 +27,7 @@ import httpx
 import jsonschema
 import pytest
 
-from fixtures_tokenizers import tokenizer_dir
-from server_utils import RemoteServer
+from server_utils import RemoteServer, qwen3_chat_template_file
 from test_openai_serving import FakeEngine, tokenizer  # noqa: F401
 
 API_KEY = "anthropic-test-key"
@@ -54,14 +52,12 @@ MAX_STOP_SEQUENCES = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = json.loads((Path(tokenizer_dir("qwen3")) / "tokenizer_config.json").read_text())
-    template = tmp_path_factory.mktemp("anthropic") / "qwen3_chat_template.jinja"
-    template.write_text(config["chat_template"], encoding="utf-8")
+    template = qwen3_chat_template_file(tmp_path_factory.mktemp("anthropic"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         srv = RemoteServer(["--max-model-len", "2048", "--num-gpu-blocks-override", "256",
                             "--dtype", "float32", "--max-num-seqs", "16",
-                            "--chat-template", str(template),
+                            "--chat-template", template,
                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                             "--reasoning-parser", "qwen3",
                             "--max-stop-strings", str(MAX_STOP_SEQUENCES)], api_key=API_KEY)

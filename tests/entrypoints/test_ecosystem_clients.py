@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 # Before litellm is imported anywhere: the packaged cost map, never a download.
@@ -47,8 +46,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa
 from langchain_openai import ChatOpenAI  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from fixtures_tokenizers import tokenizer_dir  # noqa: E402
-from server_utils import RemoteServer  # noqa: E402
+from server_utils import RemoteServer, qwen3_chat_template_file  # noqa: E402
 
 API_KEY = "ecosystem-test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -91,14 +89,12 @@ WEATHER_SCHEMA = WEATHER_TOOL["function"]["parameters"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = json.loads((Path(tokenizer_dir("qwen3")) / "tokenizer_config.json").read_text())
-    template = tmp_path_factory.mktemp("ecosystem") / "qwen3_chat_template.jinja"
-    template.write_text(config["chat_template"], encoding="utf-8")
+    template = qwen3_chat_template_file(tmp_path_factory.mktemp("ecosystem"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         srv = RemoteServer(["--max-model-len", "2048", "--num-gpu-blocks-override", "256",
                             "--dtype", "float32", "--max-num-seqs", "16",
-                            "--chat-template", str(template),
+                            "--chat-template", template,
                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                            api_key=API_KEY)
     with srv:

@@ -337,6 +337,11 @@ class _StandInEngine:
                                                          AutoConfig.from_pretrained(model_dir)))
         self.model_info = SimpleNamespace(source=SimpleNamespace(path=model_dir),
                                           vocab_size=49152, pooling=None)
+        self.removed: list[int] = []
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return True
 
     def shutdown(self) -> None:
         pass
@@ -364,6 +369,25 @@ def test_load_routes_absent_without_the_flag(smollm2_dir, dirs):
         _error(response, 404, "NotFoundError")
     ids = [c["id"] for c in _request(app, "GET", "/v1/models").json()["data"]]
     assert ids == [BASE, "qv8"]
+
+
+def test_unload_has_the_engine_free_the_adapter(smollm2_dir, dirs):
+    """/v1/unload_lora_adapter hands the adapter's id to the engine's remove_lora, which
+    frees the worker's copies (tests/lora/test_lora_offline.py); the real server's
+    test_load_use_unload runs it through the engine-core process."""
+    from folio.config import LoRAConfig
+    engine = _StandInEngine(smollm2_dir, LoRAConfig(allow_runtime_lora_updating=True,
+                                                    allowed_lora_dirs=[dirs["allowed"]]))
+    app = _app(engine)
+    for name in ("one", "two"):
+        response = _request(app, "POST", "/v1/load_lora_adapter",
+                            json={"lora_name": name, "lora_path": dirs["all16rs"]})
+        assert response.status_code == 200, response.text
+    assert _request(app, "POST", "/v1/unload_lora_adapter",
+                    json={"lora_name": "two"}).status_code == 200
+    assert engine.removed == [2]
+    _error(_request(app, "POST", "/v1/unload_lora_adapter", json={"lora_name": "two"}), 404)
+    assert engine.removed == [2]
 
 
 @pytest.mark.parametrize("module, reason", [

@@ -58,6 +58,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.raise_on_generate: BaseException | None = None
         self.raise_mid_stream: BaseException | None = None
+        # KV pins the server ended (the Responses store's deletions).
+        self.unpinned: list[str] = []
 
     def default_sampling_params(self) -> SamplingParams:
         return self.defaults.clone()
@@ -70,10 +72,11 @@ class FakeEngine:
         return pos
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       kv_pin_ttl: float | None = None) -> AsyncIterator[RequestOutput]:
         self.calls.append({"prompt": prompt, "params": params, "request_id": request_id,
-                           "priority": priority, "cache_salt": cache_salt})
+                           "priority": priority, "cache_salt": cache_salt,
+                           "kv_pin_ttl": kv_pin_ttl})
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
         prompt_ids = list(prompt["prompt_token_ids"])
@@ -123,6 +126,10 @@ class FakeEngine:
         finally:
             if not finished:
                 self.aborted.append(request_id)
+
+    async def unpin_kv(self, request_ids: list[str]) -> int:
+        self.unpinned += request_ids
+        return len(request_ids)
 
 
 def run(coro: Any) -> Any:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import time
 from array import array
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,8 +28,7 @@ import jsonschema
 import openai
 import pytest
 
-from fixtures_tokenizers import tokenizer_dir
-from server_utils import RemoteServer
+from server_utils import RemoteServer, qwen3_chat_template_file
 from test_openai_serving import FakeEngine, tokenizer  # noqa: F401
 
 from folio.entrypoints.openai.responses_store import ResponseStore, StoredResponse
@@ -66,14 +64,12 @@ RESPONSE_KEYS = {"id", "object", "created_at", "status", "completed_at", "error"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = json.loads((Path(tokenizer_dir("qwen3")) / "tokenizer_config.json").read_text())
-    template = tmp_path_factory.mktemp("responses") / "qwen3_chat_template.jinja"
-    template.write_text(config["chat_template"], encoding="utf-8")
+    template = qwen3_chat_template_file(tmp_path_factory.mktemp("responses"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         srv = RemoteServer(["--max-model-len", "2048", "--num-gpu-blocks-override", "256",
                             "--dtype", "float32", "--max-num-seqs", "16",
-                            "--chat-template", str(template),
+                            "--chat-template", template,
                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                             "--reasoning-parser", "qwen3",
                             "--responses-store-max-entries", "256",

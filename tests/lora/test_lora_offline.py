@@ -213,3 +213,60 @@ def test_adapter_whose_files_break_after_the_check_fails_only_its_request(llm, a
     assert outs["fragile"].outputs[0].finish_reason == "error"
     assert list(outs["plain"].outputs[0].token_ids) == base
     assert _generate(llm) == base
+
+
+def _drain(engine) -> dict:
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return outs
+
+
+def test_remove_lora_frees_the_workers_copies(llm, adapters):
+    """vLLM's remove_lora: the next step message has the worker drop the adapter's host copy
+    and device slot (a request using it finishes with it first); the same directory under a
+    new id is read from its files again and answers the same."""
+    from folio import LoRARequest
+    engine = llm.llm_engine
+    manager = engine.engine_core.executor.worker.lora
+    first = _generate(llm, LoRARequest("r8-first", 41, adapters["r8"]))
+    assert manager.host_adapters == [41] and manager.device_adapters == [41]
+    assert 41 in engine.list_loras()
+    assert engine.remove_lora(41) is True
+    assert 41 not in engine.list_loras()
+    engine.step()           # idle: the next (empty) step message carries the removal
+    assert manager.host_adapters == [] and manager.device_adapters == []
+    assert engine.remove_lora(41) is False
+    loads = manager.num_loads
+    again = LoRARequest("r8-again", 42, adapters["r8"])
+    engine.add_request("again", PROMPT, _params(), lora_request=again)
+    engine.step()
+    assert engine.remove_lora(42) is True   # while its request runs
+    outs = _drain(engine)
+    assert list(outs["again"].outputs[0].token_ids) == first
+    assert manager.num_loads == loads + 1 and manager.device_adapters == [42]
+    engine.step()           # the request is done: now the removal goes out
+    assert manager.host_adapters == [] and manager.device_adapters == []
+
+
+def test_a_failed_adapter_load_is_remembered_until_removed(llm, adapters, tmp_path):
+    """The worker does not read a broken adapter's files for every request of it: the
+    failure stands for its id, even after the files are mended, until remove_lora."""
+    from folio import LoRARequest
+    engine = llm.llm_engine
+    want = _generate(llm, LoRARequest("r4", 1, adapters["r4"]))
+    path = tmp_path / "flaky"
+    shutil.copytree(adapters["r4"], path)
+    weights = path / "adapter_model.safetensors"
+    lora = LoRARequest("flaky", 51, str(path))
+    engine.add_request("f1", PROMPT, _params(), lora_request=lora)   # checked: fine
+    with open(weights, "r+b") as f:
+        f.truncate(64)
+    assert _drain(engine)["f1"].outputs[0].finish_reason == "error"
+    shutil.copyfile(os.path.join(adapters["r4"], "adapter_model.safetensors"), weights)
+    engine.add_request("f2", PROMPT, _params(), lora_request=lora)
+    assert _drain(engine)["f2"].outputs[0].finish_reason == "error"   # not read again
+    assert engine.remove_lora(51) is True
+    assert _generate(llm, lora) == want

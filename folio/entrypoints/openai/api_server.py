@@ -621,6 +621,9 @@ def serve(args: argparse.Namespace) -> int:
     from folio.model.default_model import DEFAULT_MODEL_NAME
     config = build_engine_config(args)
     _check_lora_flags(args, config.lora)
+    if config.admission.sleep_mode_requests != "wait" and not config.model.enable_sleep_mode:
+        raise ValueError("--sleep-mode-requests: the engine never sleeps without "
+                         "--enable-sleep-mode")
     responses = ResponsesConfig.from_args(args)  # its flags refused before the engine starts
     chat_template = _load_chat_template(args.chat_template)
     model_arg = config.model.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from folio.config import RequestLimitsConfig
+from folio.config import SLEEP_MODE_REQUESTS, RequestLimitsConfig
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
@@ -69,6 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-time", type=float, default=None,
                         help="seconds a request may wait for its first step; past it the "
                              "request is refused with HTTP 429 (default: no limit)")
+    parser.add_argument("--sleep-mode-requests", default="wait", choices=SLEEP_MODE_REQUESTS,
+                        help="with --enable-sleep-mode: requests that arrive while the engine "
+                             "sleeps wait for the wake-up (wait), or get HTTP 503 with a "
+                             "Retry-After (reject); /health stays 200 either way")
     add_responses_args(parser)
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level")
 
@@ -92,7 +96,8 @@ def build_engine_config(args: argparse.Namespace):
                           kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
                           cache_dtype=kw["kv_cache_dtype"],
                           calculate_kv_scales=kw["calculate_kv_scales"],
-                          num_gpu_blocks_override=kw["num_gpu_blocks_override"]),
+                          num_gpu_blocks_override=kw["num_gpu_blocks_override"],
+                          kv_pin_max_fraction=args.responses_kv_pin_max_fraction),
         scheduler=SchedulerConfig(max_num_seqs=kw["max_num_seqs"],
                                   max_num_batched_tokens=kw["max_num_batched_tokens"],
                                   enable_chunked_prefill=kw["enable_chunked_prefill"],
@@ -107,4 +112,5 @@ def build_engine_config(args: argparse.Namespace):
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
         lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]),
         admission=AdmissionConfig(max_waiting_requests=args.max_waiting_requests,
-                                  max_queue_time=args.max_queue_time))
+                                  max_queue_time=args.max_queue_time,
+                                  sleep_mode_requests=args.sleep_mode_requests))

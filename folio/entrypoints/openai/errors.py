@@ -8,7 +8,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from folio.engine.admission import RequestRejected
-from folio.engine.async_llm import EngineDeadError
+from folio.engine.async_llm import EngineAsleep, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ def to_openai_error(exc: BaseException, *, known_params: set[str] | None = None,
         # OpenAI's rate-limit shape; Retry-After from the measured drain rate
         return OpenAIError(str(exc), status_code=429, type="rate_limit_error",
                            code="rate_limit_exceeded",
+                           headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineAsleep):
+        # Not a fault of the request or of the server (health stays 200): retry after the
+        # wake-up (--sleep-mode-requests reject).
+        return OpenAIError(str(exc), status_code=503, type="ServiceUnavailableError",
                            headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineDeadError):
         # Dead, or shutting down: the server cannot serve it, the request was fine.

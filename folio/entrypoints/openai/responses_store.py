@@ -12,6 +12,10 @@ With a SQLite file every change is written through (on one writer thread, in ord
 event loop) and the live entries are read back when the store opens, so stored responses
 survive a restart. Memory holds every live entry either way: the file is persistence, not a
 second tier.
+
+A stored response's KV blocks stay pinned in the engine's prefix cache for
+`kv_pin_ttl_s` (folio/core/kv_pins.py), so its continuation does not compute them again; the
+store's `on_delete` hook ends the pin when the entry goes (deleted, evicted, expired).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from folio.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,10 @@ class ResponsesConfig:
     store_ttl_s: float = 86400.0
     store_path: str | None = None
     max_background: int = 64
+    # Seconds a stored response's KV blocks stay pinned in the prefix cache after it
+    # finishes (0 = not pinned): a continuation within that time computes only its new
+    # tokens, whatever other traffic ran meanwhile.
+    kv_pin_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.store_max_entries < 1:
@@ -50,12 +60,16 @@ class ResponsesConfig:
         if self.max_background < 1:
             raise ValueError(f"--responses-max-background must be >= 1, got "
                              f"{self.max_background}")
+        if not 0 <= self.kv_pin_ttl_s < float("inf"):
+            raise ValueError(f"--responses-kv-pin-ttl must be >= 0 seconds, got "
+                             f"{self.kv_pin_ttl_s}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ResponsesConfig":
         return cls(store_max_entries=args.responses_store_max_entries,
                    store_ttl_s=args.responses_store_ttl, store_path=args.responses_store_path,
-                   max_background=args.responses_max_background)
+                   max_background=args.responses_max_background,
+                   kv_pin_ttl_s=args.responses_kv_pin_ttl)
 
 
 def add_responses_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +86,15 @@ def add_responses_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-max-background", type=int,
                         default=defaults.max_background,
                         help="most background responses running at once; more get HTTP 429")
+    parser.add_argument("--responses-kv-pin-ttl", type=float, default=defaults.kv_pin_ttl_s,
+                        help="seconds a stored response's KV blocks stay pinned in the prefix "
+                             "cache, so a previous_response_id continuation reuses them "
+                             "whatever other traffic ran meanwhile (pins give way to running "
+                             "requests before any preemption); 0 = off")
+    parser.add_argument("--responses-kv-pin-max-fraction", type=float,
+                        default=CacheConfig.kv_pin_max_fraction,
+                        help="the most of the KV cache's blocks those pins may hold (older "
+                             "pins go first)")
 
 
 @dataclass
@@ -100,9 +123,13 @@ class ResponseStore:
     from the event loop only (the file's writes run on the store's own thread)."""
 
     def __init__(self, max_entries: int, ttl_s: float, path: str | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_delete: Callable[[str], None] | None = None) -> None:
+        """`on_delete`: called with the id of each entry that goes (deleted, evicted,
+        expired; not one stored again under its own id)."""
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self._on_delete = on_delete
         # Wall-clock time: expiry times read back from the file mean the same after a restart.
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
@@ -172,7 +199,7 @@ class ResponseStore:
             self.delete(oldest.id)
 
     def _add(self, entry: StoredResponse) -> None:
-        self.delete(entry.id)  # a response stored again replaces itself, items included
+        self._remove(entry.id)  # a response stored again replaces itself, items included
         self._entries[entry.id] = entry
         for item in entry.conversation():
             if item.get("id"):
@@ -210,6 +237,13 @@ class ResponseStore:
         return None if held is None else held[0]
 
     def delete(self, response_id: str) -> bool:
+        if not self._remove(response_id):
+            return False
+        if self._on_delete is not None:
+            self._on_delete(response_id)
+        return True
+
+    def _remove(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False

@@ -61,12 +61,17 @@ class ServingBase:
     def start_streams(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
                       request_ids: Sequence[str], request: Any,
                       is_disconnected: IsDisconnected | None,
-                      lora_request: LoRARequest | None = None) -> EngineStreams:
+                      lora_request: LoRARequest | None = None, *,
+                      kv_pin_ttl: float | None = None) -> EngineStreams:
+        """`kv_pin_ttl`: seconds the requests' KV blocks stay pinned once they finish (a
+        stored response's)."""
         # Only passed when set: the base model's requests call generate as before.
         extra: dict[str, Any] = {} if lora_request is None else {"lora_request": lora_request}
         deadline = request_deadline(request)
         if deadline is not None:
             extra["deadline"] = deadline
+        if kv_pin_ttl is not None:
+            extra["kv_pin_ttl"] = kv_pin_ttl
         streams = [self._count_lora(self.engine.generate(prompt, p, rid,
                                                          priority=request.priority,
                                                          cache_salt=request.cache_salt, **extra),

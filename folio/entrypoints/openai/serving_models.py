@@ -204,7 +204,8 @@ class OpenAIServingModels:
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
         """Drop an adapter: new requests naming it get the 404; those already running with
-        it finish (they hold its LoRARequest, and the engine its weights)."""
+        it finish (they hold its LoRARequest, and the engine its weights), then the engine
+        frees its copies in host and device memory (AsyncLLM.remove_lora)."""
         name = body.lora_name
         if not name:
             raise _bad_request("'lora_name' needs to be provided to unload a LoRA adapter.",
@@ -213,9 +214,9 @@ class OpenAIServingModels:
             entry = self._adapters.pop(name, None)
             if entry is None:
                 raise _not_found(f"The lora adapter '{name}' cannot be found.")
-            # Its checked-files record goes too: the files may change before a reload (which
-            # gets a fresh id anyway).
-            self.engine.preparer.lora.forget(entry.request.lora_int_id)
+            # Its checked-files record goes too (the files may change before a reload, which
+            # gets a fresh id anyway), and the worker's copies once no request uses them.
+            await self.engine.remove_lora(entry.request.lora_int_id)
         logger.info("LoRA adapter '%s' unloaded", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 

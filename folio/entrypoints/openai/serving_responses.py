@@ -14,10 +14,16 @@ whole conversation that led to it, for previous_response_id, retrieval and /inpu
 background=true answers at once (status queued) and runs the response as an asyncio task,
 at most --responses-max-background at a time; a poll shows its output so far, and cancel
 aborts its engine request.
+
+A stored response's engine request carries a KV pin time-to-live (--responses-kv-pin-ttl):
+the engine keeps its cached blocks out of the prefix cache's eviction for that long, so the
+continuation that names it computes only its new tokens; the store's deletions (DELETE, LRU,
+TTL) end the pin at once.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -25,7 +31,7 @@ from typing import Any, AsyncIterator
 from folio.entrypoints.openai.engine_streams import EngineStreams, IsDisconnected
 from folio.entrypoints.openai.errors import OpenAIError, to_openai_error
 from folio.entrypoints.openai.protocol import ChatCompletionRequest
-from folio.entrypoints.openai.reasoning_parsers import ReasoningParser
+from folio.entrypoints.openai.reasoning_parsers import ReasoningParser, split_reasoning
 from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.request_constraints import constraint_context
 from folio.entrypoints.openai.responses_events import (RESPONSE_COMPLETED, RESPONSE_CREATED,
@@ -50,6 +56,8 @@ from folio.entrypoints.openai.tool_parsers import ToolParser
 from folio.lora.request import LoRARequest
 from folio.request_outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # The engine's finish reason when the output ran out of tokens.
 _LENGTH = "length"
@@ -97,9 +105,13 @@ class OpenAIServingResponses(OpenAIServingChat):
                  config: ResponsesConfig | None = None, **chat_options: Any) -> None:
         super().__init__(engine, served_model_names, **chat_options)
         self.config = config or ResponsesConfig()
+        pinning = self.config.kv_pin_ttl_s > 0
         self.store = ResponseStore(self.config.store_max_entries, self.config.store_ttl_s,
-                                   self.config.store_path)
+                                   self.config.store_path,
+                                   on_delete=self._unpin_kv if pinning else None)
         self._background: dict[str, _Background] = {}
+        # The unpin calls in flight (the loop keeps only weak references to tasks).
+        self._unpins: set[asyncio.Task] = set()
 
     # ---- create ---------------------------------------------------------------------------
 
@@ -198,10 +210,25 @@ class OpenAIServingResponses(OpenAIServingChat):
         """The one place a Responses request reaches the engine (its request id is the
         response's id). A continuation's prompt starts with the tokens of the response it
         continues (StoredResponse.token_ids), which the prefix cache reuses while their
-        blocks are still cached: pinning a stored response's blocks belongs here."""
+        blocks are still cached: a response to be stored has its blocks pinned for
+        --responses-kv-pin-ttl seconds once it finishes, so they are."""
+        pin = self.config.kv_pin_ttl_s if run.request.store and self.config.kv_pin_ttl_s else None
         return self.start_streams([{"prompt_token_ids": run.prompt_ids, "prompt": prompt_text}],
                                   [run.params], [run.record.id], run.chat_request,
-                                  is_disconnected, lora_request)
+                                  is_disconnected, lora_request, kv_pin_ttl=pin)
+
+    def _unpin_kv(self, response_id: str) -> None:
+        """The store let the response go: end its KV pin (a no-op in the engine when it has
+        none, or it has expired). Called on the event loop; the call itself runs as a task."""
+        task = asyncio.get_running_loop().create_task(self._call_unpin(response_id))
+        self._unpins.add(task)
+        task.add_done_callback(self._unpins.discard)
+
+    async def _call_unpin(self, response_id: str) -> None:
+        try:
+            await self.engine.unpin_kv([response_id])
+        except Exception as exc:  # the engine is gone: its pins went with it
+            logger.debug("unpinning %s failed: %s", response_id, exc)
 
     def _keep(self, run: _Run) -> None:
         """Store the response (store=true), once it has its final status."""
@@ -248,15 +275,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     def _delta_events(events: ResponseEvents, reasoning_parser: ReasoningParser | None,
                       tool_parser: ToolParser | None, text: str, final: bool) -> list[str]:
         """One output delta split into reasoning, text and tool-call pieces, as events."""
-        if reasoning_parser is None:
-            reasoning, content = None, text or None
-        else:
-            reasoning, content = (reasoning_parser.extract_streaming(text) if text
-                                  else (None, None))
-            if final:
-                tail_reasoning, tail_content = reasoning_parser.finish()
-                reasoning = (reasoning or "") + (tail_reasoning or "") or None
-                content = (content or "") + (tail_content or "") or None
+        reasoning, content = split_reasoning(reasoning_parser, text, final)
         out = events.reasoning(reasoning) if reasoning else []
         if tool_parser is None:
             return out + (events.text(content) if content else [])
