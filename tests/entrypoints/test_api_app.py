@@ -16,6 +16,7 @@ class _StandInEngine:
     errored = None
     max_model_len = 128
     tokenizer = None
+    num_open_requests = 0
     model_info = SimpleNamespace(source=SimpleNamespace(path="/models/x"), vocab_size=100,
                                  pooling=None)
 

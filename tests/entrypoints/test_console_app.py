@@ -3,12 +3,9 @@ password), the 401 challenge on its pages, its static files and the stats endpoi
 built around a stand-in engine. The browser tests are in test_web_console.py."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import math
-from types import SimpleNamespace
 
-import httpx
 import pytest
 from starlette.testclient import TestClient
 
@@ -18,35 +15,9 @@ from folio.entrypoints.openai.console_auth import basic_password
 from folio.entrypoints.openai.console_routes import STATIC_FILES
 from folio.entrypoints.openai.console_stats import ConsoleStats, Histogram
 from folio.metrics import EngineMetrics
+from test_api_app import _StandInEngine, _get
 
 KEY = "sk-console"
-
-
-class _StandInEngine:
-    """What build_app and the console read of an engine, without one."""
-
-    is_healthy = True
-    errored = None
-    max_model_len = 128
-    tokenizer = None
-    num_open_requests = 0
-    model_info = SimpleNamespace(source=SimpleNamespace(path="/models/x"), vocab_size=100,
-                                 pooling=None)
-
-    def default_sampling_params(self):
-        from folio import SamplingParams
-        return SamplingParams()
-
-    def shutdown(self):
-        pass
-
-
-def _get(app, method: str, path: str, **kwargs) -> httpx.Response:
-    async def run():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, **kwargs)
-    return asyncio.run(run())
 
 
 def basic(password: str, user: str = "anyone") -> dict[str, str]:
