@@ -301,13 +301,8 @@ class OpenAIServingChat(ServingBase):
             tool_parser = tool_parsers.get(index)
             if tool_parser is None:
                 return content, None
-            pieces = [tool_parser.extract_streaming(content)] if content else []
-            if final:
-                pieces.append(tool_parser.finish())
             text, calls = "", []
-            for piece in pieces:
-                if piece is None:
-                    continue
+            for piece in tool_parser.stream_pieces(content, final):
                 text += piece.content or ""
                 calls += [DeltaToolCall(
                     index=c.index, id=c.id, type="function" if c.id else None,

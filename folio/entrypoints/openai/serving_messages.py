@@ -135,13 +135,8 @@ class AnthropicServingMessages(OpenAIServingChat):
         def content_events(content: str | None, final: bool) -> list[str]:
             if tool_parser is None:
                 return blocks.text(content) if content else []
-            pieces = [tool_parser.extract_streaming(content)] if content else []
-            if final:
-                pieces.append(tool_parser.finish())
             events: list[str] = []
-            for piece in pieces:
-                if piece is None:
-                    continue
+            for piece in tool_parser.stream_pieces(content, final):
                 if piece.content:
                     events += blocks.text(piece.content)
                 for call in piece.tool_calls:

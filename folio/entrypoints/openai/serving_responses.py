@@ -279,12 +279,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         out = events.reasoning(reasoning) if reasoning else []
         if tool_parser is None:
             return out + (events.text(content) if content else [])
-        pieces = [tool_parser.extract_streaming(content)] if content else []
-        if final:
-            pieces.append(tool_parser.finish())
-        for piece in pieces:
-            if piece is None:
-                continue
+        for piece in tool_parser.stream_pieces(content, final):
             if piece.content:
                 out += events.text(piece.content)
             for call in piece.tool_calls:

@@ -231,6 +231,14 @@ class ToolParser:
             segments = [Text(self._buffer)]
         return self._emit(segments)
 
+    def stream_pieces(self, content: str | None, final: bool) -> list[StreamDelta]:
+        """A streamed content delta's pieces to send: what it adds, and with `final` what
+        finish() still had (the stream ended)."""
+        pieces = [self.extract_streaming(content)] if content else []
+        if final:
+            pieces.append(self.finish())
+        return [piece for piece in pieces if piece is not None]
+
     def _emit(self, segments: list[Segment]) -> StreamDelta | None:
         """Diff ``segments`` against what was already sent."""
         out = StreamDelta()
