@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=kernels|moe_models|mla|s7 bash tools/device_issue18.sh
+#   PART=kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
@@ -38,4 +38,12 @@ s7)  # session 7, the figures not yet measured: MoE throughput on the standard w
         --output-len 64 --batch-size $b --max-model-len 2048 --max-num-seqs $b \
         --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/lat_dsv2lite_b$b.json"
   done ;;
+s8)  # session 8: the DeepSeek-V2-Lite runs again after the smem-pruned attention configs
+  M="--random-weights --config deepseek-v2-lite --random-num-layers 9"
+  for b in 1 64; do
+    step 150 lat_dsv2lite_b$b python3 -m folio.bench.latency $M --input-len 512 \
+        --output-len 64 --batch-size $b --max-model-len 2048 --max-num-seqs $b \
+        --num-iters-warmup 1 --num-iters 2 --output-json "$OUT/lat_dsv2lite_b$b.json"
+  done
+  grep -h "KV cache" "$OUT"/lat_dsv2lite_b*.log | head -4 ;;
 esac

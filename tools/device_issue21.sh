@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21 (serving operations) on the lent GPU:
-#   PART=sleep_startup|profile_startup|startup2 bash tools/device_issue21.sh
+#   PART=sleep_startup|profile_startup|startup2|startup3 bash tools/device_issue21.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
@@ -54,4 +54,16 @@ startup2)  # after the autotune, KV-profile and bytecode caches: a cold start, t
   serve_ready "$M" serve_warm2
   grep -h "KV profiling\|KV cache:" "$OUT/serve_warm2.log" | head -3
   step 120 profile_warm python3 tools/gpu_profile_startup.py --top 30 ;;
+startup3)  # bytecode written and read (startup2 kept PYTHONDONTWRITEBYTECODE, which the device
+  # sets, so nothing was cached); then where a warm `folio serve` start goes, per process
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
+  step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  serve_ready "$M" serve_warm1
+  serve_ready "$M" serve_warm2
+  PYTHONPROFILEIMPORTTIME=1 serve_ready "$M" serve_importtime
+  grep -h "start-up\|KV profiling\|captured\|loaded" "$OUT/serve_warm2.log" | head -12
+  step 120 profile_warm python3 tools/gpu_profile_startup.py --top 40 ;;
 esac

@@ -5,6 +5,7 @@ the wall time. For the device tool:
 
     python tools/gpu_profile_batch_kernels.py [NUM PROMPT_LEN OUTPUT_LEN] [--config qwen3-0.6b]
         [--quantization fp8] [--kv-cache-dtype fp8] [--random-quantization w4a16]
+        [--num-layers N]
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ parser.add_argument("--config", default="qwen3-0.6b")
 parser.add_argument("--quantization", default=None)
 parser.add_argument("--kv-cache-dtype", default="auto")
 parser.add_argument("--random-quantization", default=None)
+parser.add_argument("--num-layers", type=int, default=None)
 args = parser.parse_args()
-model = build_random_model_info(args.config, quantization=args.random_quantization)["path"]
+model = build_random_model_info(args.config, quantization=args.random_quantization,
+                                num_layers=args.num_layers)["path"]
 llm = LLM(model, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 rng = random.Random(0)

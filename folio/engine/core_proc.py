@@ -43,7 +43,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from folio.engine.engine_core import EngineCore
         from folio.engine.frontend import load_model_info
-        info = load_model_info(config)
+        info = load_model_info(config, with_tokenizer=False)
         core = EngineCore(config, info.source, info.hf_config, info.tokenizer)
         outbox.send_multipart(msg.encode(msg.READY, msg.ReadyInfo(
             core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid(),

@@ -69,9 +69,12 @@ def _encoder_max_positions(hf_config: Any) -> int:
     return total
 
 
-def load_model_info(config: EngineConfig) -> ModelInfo:
+def load_model_info(config: EngineConfig, with_tokenizer: bool = True) -> ModelInfo:
     """Resolve the model, read its config and tokenizer, and fill the config's model-dependent
-    defaults (max_model_len, the token budget). Raises ValueError for a bad model or setting."""
+    defaults (max_model_len, the token budget). Raises ValueError for a bad model or setting.
+    `with_tokenizer=False` (the engine core's process, which sees only token ids) leaves the
+    tokenizer out unless the config needs it (a classifier scoring named tokens): loading it
+    imports transformers, seconds of a start."""
     source = resolve_model_source(config.model.model, config.model.revision)
     hf_config, gguf_chat_template = load_hf_config(source)
     _apply_hf_overrides(hf_config, config.model.hf_overrides)
@@ -106,14 +109,17 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     if pooling is not None and pooling.max_seq_length:
         # sentence-transformers' max_seq_length: what the model was trained and is served at
         default_len = min(model_max, pooling.max_seq_length)
-    tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.revision)
+    tokenizer = None
+    if with_tokenizer or (pooling is not None and pooling.classifier_from_token):
+        tokenizer = load_tokenizer(source, config.model.tokenizer, config.model.revision)
     if pooling is not None:
         if pooling.classifier_from_token:
             pooling = dataclasses.replace(pooling, classifier_token_ids=token_ids_of(
                 tokenizer, pooling.classifier_from_token))
         config.set_pooling(pooling)
     config.finalize(default_len)
-    if gguf_chat_template and not getattr(tokenizer, "chat_template", None):
+    if tokenizer is not None and gguf_chat_template and not getattr(tokenizer, "chat_template",
+                                                                    None):
         tokenizer.chat_template = gguf_chat_template
     eos = eos_token_ids(tokenizer, hf_config, generation_config)
     eos += tuple(t for t in extra_eos if t not in eos)

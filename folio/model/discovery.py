@@ -8,6 +8,7 @@ installed; folio's modules on this path import none of it.)
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,16 +126,33 @@ def _download_from_hub(repo_id: str, revision: str | None) -> str:
 
 
 def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
-    """The transformers config, and a chat template found beside the weights (GGUF)."""
-    from transformers import AutoConfig
+    """The model's config (a ConfigSnapshot of the transformers config: config_snapshot.py),
+    and a chat template found beside the weights (GGUF)."""
+    from folio.model.config_snapshot import cached_config
     if source.kind == "gguf":
         from folio.model.gguf_metadata import read_gguf_metadata
         if source.gguf_metadata is None:
             source.gguf_metadata = read_gguf_metadata(source.path)
         cfg_dict = dict(source.gguf_metadata.hf_config)
-        return (AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict),
+
+        def build_gguf() -> Any:
+            from transformers import AutoConfig
+            fields = dict(cfg_dict)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return (cached_config(["gguf", cfg_dict], build_gguf),
                 source.gguf_metadata.chat_template)
+    config_file = os.path.join(source.path, "config.json")
     try:
-        return AutoConfig.from_pretrained(source.path), None
-    except Exception as exc:
+        with open(config_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as exc:
         raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
+
+    def build() -> Any:
+        from transformers import AutoConfig
+        try:
+            return AutoConfig.from_pretrained(source.path)
+        except Exception as exc:
+            raise ValueError(f"could not read the model config in {source.path!r}: {exc}"
+                             ) from exc
+    return cached_config(["hf_dir", os.path.abspath(source.path), digest], build), None

@@ -34,6 +34,7 @@ from folio.model.attention.triton_backend import (STEP_CACHE_KEY, TritonPagedAtt
                                                   TritonStepTensors)
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Attention
+from folio.model.mla import MLAttention
 from folio.model.lora.projection import LoRABatch
 from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
 from folio.worker.input_batch import InputBatch
@@ -59,15 +60,15 @@ def capture_graphs(sizes: list[int], prepare: Callable[[int], None],
                    forward: Callable[[int], None], device: torch.device
                    ) -> dict[int, torch.cuda.CUDAGraph]:
     """One CUDA graph per size, largest first (later, smaller graphs reuse the pool memory the
-    larger ones reserved). `prepare(size)` stages padding-only inputs; two eager runs precede
+    larger ones reserved). `prepare(size)` stages padding-only inputs; one eager run precedes
     each capture, because Triton compiles and autotunes on a new key, which cannot happen
-    inside one."""
+    inside one (a second run found nothing more to do, and cost a third of every start's
+    capture time)."""
     pool = torch.cuda.graph_pool_handle()
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     for size in reversed(sizes):
         prepare(size)
-        for _ in range(2):
-            forward(size)
+        forward(size)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
@@ -79,8 +80,10 @@ def capture_graphs(sizes: list[int], prepare: Callable[[int], None],
 
 def triton_backend_of(model: DecoderLM) -> TritonPagedAttention | None:
     """The model's attention backend if every layer uses the Triton one (the only backend with
-    a capture-safe static path), else None."""
-    backends = {id(m.backend): m.backend for m in model.modules() if isinstance(m, Attention)}
+    a capture-safe static path), else None. Latent attention (MLA) runs on the same backend
+    over its one latent head."""
+    backends = {id(m.backend): m.backend for m in model.modules()
+                if isinstance(m, (Attention, MLAttention))}
     if not backends or not all(isinstance(b, TritonPagedAttention) for b in backends.values()):
         return None
     return next(iter(backends.values()))

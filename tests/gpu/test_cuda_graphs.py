@@ -38,6 +38,16 @@ def _save_model(kind: str, path: str) -> str:
                   bos_token_id=1, eos_token_id=2, initializer_range=0.05)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shapes))
+    elif kind == "deepseek_v2":
+        # latent attention (one 160-wide latent head) and routed + shared experts after a
+        # dense first layer: the MLA and fused-MoE paths in the graphs
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+        shapes["num_key_value_heads"] = 8
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(
+            q_lora_rank=None, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+            v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1,
+            topk_method="greedy", **shapes))
     else:  # qk-norm and an explicit head_dim: the other attention layout folio supports
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **shapes))
     model.to(torch.bfloat16).save_pretrained(path)
@@ -45,7 +55,7 @@ def _save_model(kind: str, path: str) -> str:
     return path
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek_v2"])
 def model_dir(request, tmp_path_factory):
     return _save_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 
