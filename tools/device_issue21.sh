@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21 (serving operations) on the lent GPU:
-#   PART=sleep_startup|profile_startup|startup2|startup3 bash tools/device_issue21.sh
+#   PART=sleep_startup|profile_startup|startup2|startup3|startup4 bash tools/device_issue21.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
@@ -32,7 +32,7 @@ sleep_startup)
   # cold start (empty Triton cache), then warm restarts, with the stage timeline
   step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
   step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))" | tail -1)
   serve_ready "$M" serve_warm1
   serve_ready "$M" serve_warm2
   step 200 sleep_qwen06 python3 tools/gpu_sleep_mode.py --config qwen3-0.6b \
@@ -40,30 +40,40 @@ sleep_startup)
 profile_startup)  # cProfile of LLM() cold then warm; `folio serve` to /health warm
   step 200 profile_cold python3 tools/gpu_profile_startup.py
   step 120 profile_warm python3 tools/gpu_profile_startup.py
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))" | tail -1)
   serve_ready "$M" serve_warm1
   serve_ready "$M" serve_warm2 ;;
 startup2)  # after the autotune, KV-profile and bytecode caches: a cold start, then restarts
   # Python keeps bytecode here (the device's site-packages are read-only: without it every
   # start compiles ~1,800 modules, which no installed deployment does)
-  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  [ -n "${KEEP_NO_BYTECODE:-}" ] || export PYTHONPYCACHEPREFIX=/tmp/pycache
   step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
   step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))" | tail -1)
   serve_ready "$M" serve_warm1
   serve_ready "$M" serve_warm2
   grep -h "KV profiling\|KV cache:" "$OUT/serve_warm2.log" | head -3
   step 120 profile_warm python3 tools/gpu_profile_startup.py --top 30 ;;
 startup3)  # bytecode written and read (startup2 kept PYTHONDONTWRITEBYTECODE, which the device
   # sets, so nothing was cached); then where a warm `folio serve` start goes, per process
-  unset PYTHONDONTWRITEBYTECODE
-  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  [ -n "${KEEP_NO_BYTECODE:-}" ] || unset PYTHONDONTWRITEBYTECODE
+  [ -n "${KEEP_NO_BYTECODE:-}" ] || export PYTHONPYCACHEPREFIX=/tmp/pycache
   step 240 lat_qwen06_cold $LAT --config qwen3-0.6b
   step 120 lat_qwen06_warm $LAT --config qwen3-0.6b
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))")
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))" | tail -1)
   serve_ready "$M" serve_warm1
   serve_ready "$M" serve_warm2
   PYTHONPROFILEIMPORTTIME=1 serve_ready "$M" serve_importtime
   grep -h "start-up\|KV profiling\|captured\|loaded" "$OUT/serve_warm2.log" | head -12
   step 120 profile_warm python3 tools/gpu_profile_startup.py --top 40 ;;
+startup4)  # after the config snapshot (no transformers in the engine core): a first `folio
+  # serve`, three restarts, each with the engine core's start-up timeline; LLM() warm
+  [ -n "${KEEP_NO_BYTECODE:-}" ] || unset PYTHONDONTWRITEBYTECODE
+  [ -n "${KEEP_NO_BYTECODE:-}" ] || export PYTHONPYCACHEPREFIX=/tmp/pycache
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('qwen3-0.6b'))" | tail -1)
+  for run in serve_first serve_warm1 serve_warm2 serve_warm3; do
+    serve_ready "$M" $run
+    grep -h "start-up timeline\|ready .* after the command" "$OUT/$run.log" | sed 's/^.*: //'
+  done
+  step 120 lat_qwen06_warm $LAT --config qwen3-0.6b ;;
 esac

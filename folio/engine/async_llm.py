@@ -107,7 +107,7 @@ class AsyncLLM:
         # below (load_model_info; the same inputs give the same values).
         self.process = ctx.Process(target=run_engine_core, name="folio-engine-core",
                                    args=(config, input_address, output_address, os.getpid(),
-                                         log_level),
+                                         log_level, time.time()),
                                    daemon=True)
         self.process.start()
         try:

@@ -27,8 +27,11 @@ _IDLE_POLL_MS = 500
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_pid: int, log_level: int = logging.WARNING) -> None:
-    """Process entry point (multiprocessing target)."""
+                    parent_pid: int, log_level: int = logging.WARNING,
+                    spawned_at: float | None = None) -> None:
+    """Process entry point (multiprocessing target). `spawned_at`: the front end's
+    time.time() when it started this process, for the start-up timeline."""
+    entered_at = time.time()
     # Ctrl-C goes to the whole process group; the front end decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A spawned process starts with no logging set up: start-up progress (loading weights,
@@ -43,8 +46,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from folio.engine.engine_core import EngineCore
         from folio.engine.frontend import load_model_info
+        imported_at = time.time()
         info = load_model_info(config, with_tokenizer=False)
+        info_at = time.time()
         core = EngineCore(config, info.source, info.hf_config, info.tokenizer)
+        logger.info("%s", startup_timeline(spawned_at or entered_at, entered_at, imported_at,
+                                           info_at, time.time(), core.executor.timings))
         outbox.send_multipart(msg.encode(msg.READY, msg.ReadyInfo(
             core.num_blocks, config.cache.block_size, config.model.max_model_len, os.getpid(),
             config.scheduler.max_num_seqs, core.kv_capacity_tokens)))
@@ -65,6 +72,21 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         inbox.close(linger=0)
         outbox.close(linger=1000)
         context.term()
+
+
+def startup_timeline(spawned_at: float, entered_at: float, imported_at: float, info_at: float,
+                     ready_at: float, stages: dict[str, float]) -> str:
+    """One log line: where the engine core's start went, in seconds (the worker's stages
+    inside "engine"), and when it was ready after the front end spawned it."""
+    from folio.worker.worker import STARTUP_STAGES
+    engine_s = ready_at - info_at
+    parts = [f"{label} {stages.get(key, 0.0):.1f}" for key, label in STARTUP_STAGES.items()
+             if stages.get(key, 0.0) >= 0.05]
+    parts.append(f"other {max(0.0, engine_s - sum(stages.values())):.1f}")
+    return (f"start-up timeline: process start {entered_at - spawned_at:.1f} s, imports "
+            f"{imported_at - entered_at:.1f} s, model config {info_at - imported_at:.1f} s, "
+            f"engine {engine_s:.1f} s ({', '.join(parts)}); ready {ready_at - spawned_at:.1f} s "
+            "after spawn")
 
 
 def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:

@@ -59,3 +59,20 @@ def reload_to_device(module: nn.Module, device: torch.device) -> None:
     if device.type != "cuda":
         return
     module._apply(lambda t: t.to(device) if t.device.type == "cpu" else t)
+
+
+def trim_host_heap() -> None:
+    """Hand freed heap pages back to the system (glibc's malloc_trim). A large tensor is
+    usually its own mapping, unmapped when freed; but after a long run the allocator may have
+    placed it in a heap arena, whose freed pages it keeps, and a CPU engine asleep would then
+    hold the memory it says it freed. No-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)

@@ -365,7 +365,7 @@ class Worker:
         memory (through a bounded pinned buffer: folio/worker/sleep.py; on the CPU they are
         host memory already). Returns the bytes freed of each. The engine calls it only
         when no request is in flight, and resets the prefix cache (the KV is gone)."""
-        from folio.worker.sleep import offload_to_host, tensors_bytes
+        from folio.worker.sleep import offload_to_host, tensors_bytes, trim_host_heap
         if self.draft_model is not None:
             raise ValueError("sleep mode with a speculative draft model or head is not supported")
         self.graph_runner = self.mixed_graph_runner = None
@@ -380,6 +380,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+        else:
+            trim_host_heap()
         logger.info("asleep: KV cache freed (%s), weights moved to host memory (%s)",
                     _format_bytes(kv_bytes), _format_bytes(weight_bytes))
         return {"kv_cache": kv_bytes, "weights": weight_bytes}

@@ -341,3 +341,15 @@ def test_sigterm_shuts_down_cleanly(tiny_server_args):
 def tiny_server_args(tiny_model_dir):
     return [tiny_model_dir("llama"), "--max-model-len", "256", "--num-gpu-blocks-override", "32",
             "--dtype", "float32"]
+
+
+def test_startup_timeline_is_logged(server):
+    """The engine core logs where its start went and the server when it was ready (issue 21:
+    a start-up timeline)."""
+    log = server.log()
+    timeline = re.search(r"start-up timeline: process start [\d.]+ s, imports [\d.]+ s, model "
+                         r"config [\d.]+ s, engine [\d.]+ s \(.*model load [\d.]+.*\); ready "
+                         r"([\d.]+) s after spawn", log)
+    assert timeline, log
+    ready = re.search(r"serving .* \| ready ([\d.]+) s after the command started", log)
+    assert ready and float(ready.group(1)) >= float(timeline.group(1)) - 0.2, log

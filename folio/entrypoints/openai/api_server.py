@@ -618,6 +618,7 @@ def _check_lora_flags(args: argparse.Namespace, lora: Any) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
+    started = time.perf_counter()
     from folio.model.default_model import DEFAULT_MODEL_NAME
     config = build_engine_config(args)
     _check_lora_flags(args, config.lora)
@@ -658,8 +659,10 @@ def serve(args: argparse.Namespace) -> int:
                                            log_level=args.uvicorn_log_level,
                                            timeout_graceful_shutdown=5))
         server.engine = engine
-        logger.info("serving %s (%s) on http://%s:%d%s", names[0], engine.model_info.source.path,
-                    args.host, args.port, " | API key required" if args.api_key else "")
+        logger.info("serving %s (%s) on http://%s:%d%s | ready %.1f s after the command "
+                    "started", names[0], engine.model_info.source.path, args.host, args.port,
+                    " | API key required" if args.api_key else "",
+                    time.perf_counter() - started)
         # On SIGINT/SIGTERM uvicorn stops accepting; open requests were just failed by
         # handle_exit; then the lifespan shuts the engine core down (bounded, ~5 s at most).
         server.run()
