@@ -252,9 +252,12 @@ class ParallelConfig:
     # fed the step messages over ZMQ.
     distributed_executor_backend: str | None = field(
         default_factory=lambda: os.environ.get(EXECUTOR_BACKEND_ENV) or "uni")
-    # Workers of the mp executor. Each holds a whole replica of the model and runs every step
-    # (rank 0 answers): the shape tensor parallelism will fill, by sharding instead.
+    # Workers of the mp executor that each hold a whole replica of the model and run every
+    # step (rank 0 answers); with tensor parallelism the workers are its ranks instead.
     num_workers: int = 1
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the model's layers split over this
+    # many workers (folio/model/tensor_parallel.py), which then run on the mp executor.
+    tensor_parallel_size: int = 1
     # Encode and decode every step message and reply (msgpack) even in process, and check
     # they come back equal: what crosses a process boundary is then tested everywhere.
     debug_step_messages: bool = field(
@@ -271,6 +274,18 @@ class ParallelConfig:
                  f"must be a positive int, got {self.num_workers!r}")
         _require(self.num_workers == 1 or self.distributed_executor_backend == "mp",
                  "num_workers", "above 1 needs distributed_executor_backend='mp'")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", f"must be a positive int, got "
+                 f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            # each rank is a worker process (as vLLM, mp is the default for N > 1)
+            _require(self.num_workers in (1, self.tensor_parallel_size), "num_workers",
+                     "with tensor_parallel_size > 1 the workers are its ranks: leave "
+                     "num_workers unset")
+            _require(self.distributed_executor_backend in ("uni", "mp"),
+                     "distributed_executor_backend", "must be 'mp' with tensor parallelism")
+            self.distributed_executor_backend = "mp"
+            self.num_workers = self.tensor_parallel_size
 
 
 @dataclass

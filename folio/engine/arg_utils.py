@@ -90,8 +90,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                              "their own processes, fed the step messages over ZMQ "
                              "(default: uni, or $FOLIO_DISTRIBUTED_EXECUTOR_BACKEND)")
     parser.add_argument("--num-workers", type=int, default=1,
-                        help="workers of the mp executor (each a full replica of the model "
-                             "until tensor parallelism shards it)")
+                        help="replica workers of the mp executor (each a full copy of the "
+                             "model; for testing the step transport)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model's layers over this many workers (ranks: "
+                             "torch.distributed, gloo on the CPU, NCCL on GPUs; the mp "
+                             "executor)")
     _add_pooling_args(parser)
     _add_lora_args(parser)
     _add_limit_args(parser)
@@ -249,6 +253,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                         if hasattr(args, name)},
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         num_workers=getattr(args, "num_workers", 1),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=getattr(args, "speculative_config", None),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),

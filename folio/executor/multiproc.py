@@ -37,6 +37,14 @@ _POLL_MS = 500
 _SHUTDOWN_WAIT_S = 10.0
 
 
+def _free_port() -> int:
+    """A loopback port for torch.distributed's rendezvous (the ranks meet on this host)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class WorkerFailed(RuntimeError):
     """A worker process reported an error or died."""
 
@@ -55,6 +63,9 @@ class MultiprocExecutor:
         # Every worker process started, for tests and for liveness checks after shutdown.
         self._procs_started: list[subprocess.Popen] = []
         log_level = logging.getLogger("folio").getEffectiveLevel()
+        dist_init = None
+        if config.parallel.tensor_parallel_size > 1:
+            dist_init = f"tcp://127.0.0.1:{_free_port()}"
         try:
             for rank in range(self.num_workers):
                 address = f"ipc://{self._ipc_dir}/step-{rank}"
@@ -62,7 +73,7 @@ class MultiprocExecutor:
                 sock.bind(address)
                 self._step_sockets.append(sock)
                 args = wp.WorkerArgs(rank, config, source, hf_config, address, output_address,
-                                     os.getpid(), log_level)
+                                     os.getpid(), log_level, dist_init)
                 proc = subprocess.Popen([sys.executable, "-m", "folio.executor.worker_proc"],
                                         stdin=subprocess.PIPE)
                 proc.stdin.write(pickle.dumps(args))

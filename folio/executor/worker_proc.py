@@ -55,6 +55,9 @@ class WorkerArgs:
     output_address: str
     parent_pid: int
     log_level: int
+    # torch.distributed's rendezvous (tcp://127.0.0.1:PORT) when the workers are the ranks of
+    # a tensor-parallel group; None for replicas.
+    dist_init_method: str | None = None
 
 
 class WorkerError(msgspec.Struct):
@@ -119,6 +122,7 @@ def run_worker(args: WorkerArgs) -> None:
 def _start_worker(args: WorkerArgs):
     import torch
     from folio.worker.worker import Worker, resolve_device
+    from folio.model.tensor_parallel import SINGLE, TPGroup
     device = resolve_device(args.config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(args.rank)
@@ -126,7 +130,15 @@ def _start_worker(args: WorkerArgs):
         # Replicas share the host's cores: each takes its part, or torch's threads fight.
         workers = args.config.parallel.num_workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    return Worker(args.config, args.source, args.hf_config)
+    tp = SINGLE
+    size = args.config.parallel.tensor_parallel_size
+    if size > 1:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=args.dist_init_method, rank=args.rank,
+                                world_size=size)
+        tp = TPGroup(args.rank, size)
+    return Worker(args.config, args.source, args.hf_config, tp=tp)
 
 
 def _serve(worker, args: WorkerArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> None:

@@ -12,6 +12,8 @@ from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from folio.model.mla import MLAttention
 from folio.model.moe.layer import EXPERT_SHARDS, SparseMoeBlock
+from folio.model.tensor_parallel import (SINGLE, TPGroup, VocabParallelEmbedding, read_part,
+                                         shard_of_checkpoint, vocab_part)
 
 # Checkpoint names of projections that folio stores merged: (merged module, shard).
 _MERGED_SHARDS = {
@@ -116,14 +118,20 @@ def make_rotaries(spec: ArchSpec, max_positions: int, hf_config: Any,
 
 class DecoderLM(nn.Module):
     def __init__(self, spec: ArchSpec, hf_config: Any, backend: AttentionBackend,
-                 max_positions: int, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
+                 max_positions: int, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
+                 tp: TPGroup = SINGLE) -> None:
         """`kernels`: the kernel choices every layer is built with (load_model resolves them
-        from the environment once; the backend should have been picked from the same config)."""
+        from the environment once; the backend should have been picked from the same config).
+        `tp`: this rank's tensor-parallel group; `spec` is then the rank's local spec
+        (tensor_parallel.local_spec), and the embedding and output matrix hold its
+        vocabulary rows."""
         super().__init__()
         self.spec = spec
         self.kernel_config = kernels
+        self.tp = tp
         rotaries = make_rotaries(spec, max_positions, hf_config, kernels)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size) if tp.size == 1
+                             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp))
         windows = spec.sliding_windows or (None,) * spec.num_layers
         layer_type = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
@@ -131,7 +139,9 @@ class DecoderLM(nn.Module):
             for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
-            spec.hidden_size, spec.vocab_size, bias=False)
+            spec.hidden_size, vocab_part(spec.vocab_size, tp).size, bias=False)
+        if self.lm_head is not None and tp.size > 1:
+            self.lm_head.tp_vocab = spec.vocab_size   # its rows: this rank's vocabulary
         # The output matrix as packed planes (folio.model.quant, CPU), when it is kept
         # quantized; None = the float weight.
         self.lm_head_packed: nn.Module | None = None
@@ -169,6 +179,8 @@ class DecoderLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = hidden @ weight.t()
+            if self.tp.size > 1:   # each rank's vocabulary rows, side by side
+                logits = self.tp.all_gather_last(logits)[..., :self.spec.vocab_size]
         cap = self.spec.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -232,11 +244,19 @@ class DecoderLM(nn.Module):
         self.kv_scales_loaded = False
         loaded: set[str] = set()
         unexpected: list[str] = []
+        sharded = self.tp.size > 1
         for name, tensor in weights:
             target = self.weight_target(name)
             if target is None:
                 continue
             module_path, shard, attr = target
+            if sharded:   # this rank's slice (a lazy checkpoint tensor reads only that)
+                try:
+                    owner = self.get_submodule(module_path) if module_path else self
+                except AttributeError:   # not a weight of this model: reported below
+                    owner = None
+                tensor = (read_part(tensor, 0, None) if owner is None else
+                          shard_of_checkpoint(owner, attr, shard, tensor, self.tp))
             if attr in _KV_SCALE_ATTRS and shard is None:
                 if module_path not in attentions:
                     unexpected.append(name)

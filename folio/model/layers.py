@@ -188,6 +188,9 @@ class Linear(nn.Linear):
         # LoRA adapters' deltas, added after the product (folio/model/lora/projection.py;
         # None without --enable-lora).
         self.lora: nn.Module | None = None
+        # Tensor parallelism (folio/model/tensor_parallel.py): a row-parallel projection's
+        # group, whose ranks' partial outputs are summed after the product; None otherwise.
+        self.tp_reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = self.lora
@@ -202,6 +205,8 @@ class Linear(nn.Linear):
             out = self._product(x, self.weight, self.bias)
         if lora is not None:
             out = lora.forward(x, out)
+        if self.tp_reduce is not None:
+            out = self.tp_reduce.all_reduce(out)
         return out
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor,

@@ -19,6 +19,8 @@ from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
 from folio.model.quant.scheme import CHECKPOINT_METHODS, parse_quant_config
+from folio.model.tensor_parallel import (SINGLE, TPGroup, check_tp_support, local_spec,
+                                         plan_shards)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -42,7 +44,11 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     return config_dtype
 
 
-def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_weights(source: ModelSource, lazy: bool = False
+                            ) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor. `lazy`: safetensors tensors come as
+    slices that read only what is indexed (tensor parallelism: each rank reads its part);
+    each is valid until the next item."""
     if source.kind == "gguf":
         from folio.model.gguf_loader import read_gguf
         yield from read_gguf(source.path).state_dict.items()
@@ -61,7 +67,8 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
             try:
                 with safe_open(file, framework="pt") as handle:
                     for name in handle.keys():
-                        yield name, handle.get_tensor(name)
+                        yield name, (handle.get_slice(name) if lazy
+                                     else handle.get_tensor(name))
             except FileNotFoundError as exc:
                 raise ValueError(f"weight file {file} is missing") from exc
             except Exception as exc:
@@ -80,14 +87,14 @@ def iter_checkpoint_weights(source: ModelSource) -> Iterator[tuple[str, torch.Te
 
 
 def new_decoder(spec: ArchSpec, hf_config: Any, device: torch.device, max_model_len: int,
-                kernel_config: KernelConfig) -> DecoderLM:
+                kernel_config: KernelConfig, tp: TPGroup = SINGLE) -> DecoderLM:
     """The decoder on the meta device, its attention backend picked for `device`. The caller
     casts it to the model's dtype and materialises it on the device once (`to_empty`): no time
     on random init, and no float32 copy of the weights on the way."""
     backend = get_attention_backend(device, kernel_config)
     with torch.device("meta"):
         return DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
-                         kernels=kernel_config)
+                         kernels=kernel_config, tp=tp)
 
 
 def install_rotaries(model: DecoderLM, hf_config: Any, device: torch.device,
@@ -104,7 +111,8 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
                max_model_len: int, *,
                kernel_config: KernelConfig | None = None,
                quantization: str = "none",
-               kv_cache_dtype: torch.dtype | None = None) -> tuple[DecoderLM, ArchSpec]:
+               kv_cache_dtype: torch.dtype | None = None,
+               tp: TPGroup = SINGLE) -> tuple[DecoderLM, ArchSpec]:
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
@@ -115,7 +123,8 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     checkpoint's quantized projections (or, for "fp8" on a float checkpoint, its projections
     quantized on load) run on quantized kernels (folio.model.quant.checkpoint_install).
     `kv_cache_dtype`: the cache's, checked against the architecture before any weight is
-    read (None: not checked)."""
+    read (None: not checked). `tp`: this rank's tensor-parallel group (size 1: the whole
+    model); the returned spec is then the rank's local one (tensor_parallel.local_spec)."""
     if quantization == "int8":
         from folio.model.quant import int8_install
         int8_install.check_device(device)  # before anything is built
@@ -133,6 +142,19 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if (spec.moe is not None or spec.mla is not None) and quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
                          f"or latent-attention models yet (they load in the model's dtype only)")
+    if tp.size > 1:
+        check_tp_support(spec, tp.size)
+        if quantization != "none":
+            raise ValueError(f"tensor_parallel_size={tp.size}: quantization {quantization!r} "
+                             "is not supported with tensor parallelism yet (float weights only)")
+        full_spec, spec = spec, local_spec(spec, tp.size)
+        model = new_decoder(spec, hf_config, device, max_model_len, kernel_config, tp)
+        plan_shards(model, full_spec, tp)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.load_weights(iter_checkpoint_weights(source, lazy=True))
+        install_rotaries(model, hf_config, device, max_model_len)
+        model.eval()
+        return model, spec
     model = new_decoder(spec, hf_config, device, max_model_len, kernel_config)
     if quantization == "gguf":
         from folio.model.discovery import gguf_file_of

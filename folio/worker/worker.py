@@ -16,6 +16,7 @@ from folio.model.families import ArchSpec
 from folio.model.discovery import ModelSource, resolve_quantization
 from folio.model.kernel_config import resolve_kernel_config
 from folio.model.loader import load_model, resolve_dtype
+from folio.model.tensor_parallel import SINGLE, TPGroup
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes, resolve_cache_dtype)
 from folio.worker.model_runner import ModelRunner, PendingRunnerOutput
@@ -41,19 +42,42 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _check_tp_features(config: EngineConfig, size: int) -> None:
+    """ValueError for what tensor parallelism does not run yet."""
+    what = None
+    if config.lora is not None:
+        what = "LoRA adapters"
+    elif config.speculative is not None and config.speculative.drafts_on_worker:
+        what = "a speculative draft model or head"
+    elif config.pooling is not None:
+        what = "pooling models"
+    if what is not None:
+        raise ValueError(f"tensor_parallel_size={size}: {what} are not supported with tensor "
+                         "parallelism yet")
+
+
 def _format_bytes(num: int) -> str:
     return f"{num / 2**30:.2f} GiB" if num >= 2**30 else f"{num / 2**20:.1f} MiB"
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
+                 tp: TPGroup = SINGLE) -> None:
+        """`tp`: this worker's rank in a tensor-parallel group (the worker process joined
+        torch.distributed's group first); it holds that rank's slice of the model."""
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
         # the device.
         self.quantization = resolve_quantization(config.model.quantization, source,
                                                  self.device.type, hf_config)
+        if tp.size > 1:
+            _check_tp_features(config, tp.size)
+            if self.quantization == "gguf" and config.model.quantization is None:
+                # a GGUF's packed planes are not split; its converted float weights are
+                self.quantization = "none"
         # The KV cache's dtype (--kv-cache-dtype; "auto" = the model's, float16 for GGUF
         # weights on the CPU), checked against the attention backend the model will get before
         # any weight is read.
@@ -88,7 +112,7 @@ class Worker:
                                                config.model.max_model_len,
                                                kernel_config=kernel_config,
                                                quantization=self.quantization,
-                                               kv_cache_dtype=self.kv_cache_dtype)
+                                               kv_cache_dtype=self.kv_cache_dtype, tp=tp)
         # LoRA adapters' device slots in every projection (their memory is the model's, so
         # the KV cache is sized after them).
         self.lora = None
