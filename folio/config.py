@@ -237,7 +237,7 @@ class StructuredOutputsConfig:
                  f"must be one of {list(_REASONING_PARSERS)}, got {self.reasoning_parser!r}")
 
 
-_EXECUTOR_BACKENDS = ("uni", "mp")
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Set (to 1) by the test suite: every step message and reply goes through msgpack and back.
 DEBUG_STEP_MESSAGES_ENV = "FOLIO_DEBUG_STEP_MESSAGES"
 # The executor backend when none is given (pytest --executor-backend mp runs the suites so).
@@ -249,7 +249,7 @@ class ParallelConfig:
     """How the model's workers run (vLLM's `--distributed-executor-backend`)."""
 
     # "uni": one worker in the engine-core process; "mp": workers in their own processes,
-    # fed the step messages over ZMQ.
+    # fed the step messages over ZMQ; "ray": those workers as Ray actors.
     distributed_executor_backend: str | None = field(
         default_factory=lambda: os.environ.get(EXECUTOR_BACKEND_ENV) or "uni")
     # Workers of the mp executor that each hold a whole replica of the model and run every
@@ -272,8 +272,8 @@ class ParallelConfig:
                  f"{self.distributed_executor_backend!r}")
         _require(isinstance(self.num_workers, int) and self.num_workers >= 1, "num_workers",
                  f"must be a positive int, got {self.num_workers!r}")
-        _require(self.num_workers == 1 or self.distributed_executor_backend == "mp",
-                 "num_workers", "above 1 needs distributed_executor_backend='mp'")
+        _require(self.num_workers == 1 or self.distributed_executor_backend in ("mp", "ray"),
+                 "num_workers", "above 1 needs distributed_executor_backend='mp' or 'ray'")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be a positive int, got "
                  f"{self.tensor_parallel_size!r}")
@@ -282,9 +282,8 @@ class ParallelConfig:
             _require(self.num_workers in (1, self.tensor_parallel_size), "num_workers",
                      "with tensor_parallel_size > 1 the workers are its ranks: leave "
                      "num_workers unset")
-            _require(self.distributed_executor_backend in ("uni", "mp"),
-                     "distributed_executor_backend", "must be 'mp' with tensor parallelism")
-            self.distributed_executor_backend = "mp"
+            if self.distributed_executor_backend == "uni":
+                self.distributed_executor_backend = "mp"
             self.num_workers = self.tensor_parallel_size
 
 

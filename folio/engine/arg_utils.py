@@ -85,10 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help='speculative decoding, as JSON: {"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                              '"prompt_lookup_min": 2}')
-    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+    parser.add_argument("--distributed-executor-backend", default=None,
+                        choices=["uni", "mp", "ray"],
                         help="uni: the worker runs in the engine-core process; mp: workers in "
-                             "their own processes, fed the step messages over ZMQ "
-                             "(default: uni, or $FOLIO_DISTRIBUTED_EXECUTOR_BACKEND)")
+                             "their own processes, fed the step messages over ZMQ; ray: the "
+                             "workers as Ray actors (the cluster RAY_ADDRESS names, or a local "
+                             "one) (default: uni, mp with --tensor-parallel-size > 1, or "
+                             "$FOLIO_DISTRIBUTED_EXECUTOR_BACKEND)")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="replica workers of the mp executor (each a full copy of the "
                              "model; for testing the step transport)")

@@ -10,6 +10,9 @@ from folio.model.discovery import ModelSource
 
 
 def make_executor(config: EngineConfig, source: ModelSource, hf_config: Any) -> Executor:
+    if config.parallel.distributed_executor_backend == "ray":
+        from folio.executor.ray_executor import RayExecutor
+        return RayExecutor(config, source, hf_config)
     if config.parallel.distributed_executor_backend == "mp":
         from folio.executor.multiproc import MultiprocExecutor
         return MultiprocExecutor(config, source, hf_config)

@@ -13,6 +13,7 @@ trip, and they need no polling thread or size bound.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -49,49 +50,84 @@ class WorkerFailed(RuntimeError):
     """A worker process reported an error or died."""
 
 
+class WorkerProcess:
+    """A worker as a child process of this one (the mp executor's)."""
+
+    def __init__(self, args: wp.WorkerArgs) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "folio.executor.worker_proc"],
+                                     stdin=subprocess.PIPE)
+        self.proc.stdin.write(pickle.dumps(args))
+        self.proc.stdin.close()
+
+    def exit_reason(self) -> str | None:
+        """None while it runs; else why it stopped."""
+        code = self.proc.poll()
+        return None if code is None else f"exited with code {code}"
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait for it to leave (it was told to), killing it after `timeout_s`."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class MultiprocExecutor:
+    """Workers fed over ZMQ; `_spawn_workers` starts them (child processes here, Ray actors
+    in the Ray executor, which reuses everything else)."""
+
+    # Where the step and output sockets live: ipc on one host; the Ray executor uses TCP.
+    transport = "ipc"
+
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any) -> None:
         self.num_workers = config.parallel.num_workers
         self._ipc_dir = tempfile.mkdtemp(prefix="folio-workers-")
         self._context = zmq.Context()
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._inbox = self._context.socket(zmq.PULL)
-        output_address = f"ipc://{self._ipc_dir}/out"
-        self._inbox.bind(output_address)
+        output_address = self._bind(self._inbox, "out")
         self._step_sockets: list[zmq.Socket] = []
-        self._procs: list[subprocess.Popen] = []
-        # Every worker process started, for tests and for liveness checks after shutdown.
-        self._procs_started: list[subprocess.Popen] = []
+        self._procs: list[Any] = []
+        # Every worker started, for tests and for liveness checks after shutdown.
+        self._procs_started: list[Any] = []
         log_level = logging.getLogger("folio").getEffectiveLevel()
-        dist_init = None
-        if config.parallel.tensor_parallel_size > 1:
-            dist_init = f"tcp://127.0.0.1:{_free_port()}"
         try:
+            arg_list = []
             for rank in range(self.num_workers):
-                address = f"ipc://{self._ipc_dir}/step-{rank}"
                 sock = self._context.socket(zmq.PUSH)
-                sock.bind(address)
+                address = self._bind(sock, f"step-{rank}")
                 self._step_sockets.append(sock)
-                args = wp.WorkerArgs(rank, config, source, hf_config, address, output_address,
-                                     os.getpid(), log_level, dist_init)
-                proc = subprocess.Popen([sys.executable, "-m", "folio.executor.worker_proc"],
-                                        stdin=subprocess.PIPE)
-                proc.stdin.write(pickle.dumps(args))
-                proc.stdin.close()
-                self._procs.append(proc)
-                self._procs_started.append(proc)
+                arg_list.append(wp.WorkerArgs(rank, config, source, hf_config, address,
+                                              output_address, os.getpid(), log_level))
+            self._procs = self._spawn_workers(arg_list, config)
+            self._procs_started = list(self._procs)
             infos = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
         first = infos[0]
         self.device_type: str = first.device_type
-        # Replicas size their caches alike; the smallest is what every rank can hold.
+        # Each rank sizes its cache from its own memory; the smallest decides for all.
         self.num_blocks: int = min(info.num_blocks for info in infos)
         self.vocab_size: int = first.vocab_size
         self.kv_cache_layout: KVCacheLayout = first.kv_cache_layout
         self.timings: dict[str, float] = dict(first.timings)
         logger.info("%d worker processes ready (%s)", self.num_workers, self.device_type)
+
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        if self.transport == "ipc":
+            address = f"ipc://{self._ipc_dir}/{name}"
+            sock.bind(address)
+            return address
+        port = sock.bind_to_random_port(f"tcp://{self._host}")
+        return f"tcp://{self._host}:{port}"
+
+    def _spawn_workers(self, arg_list: list[wp.WorkerArgs], config: EngineConfig) -> list:
+        if config.parallel.tensor_parallel_size > 1:
+            dist_init = f"tcp://127.0.0.1:{_free_port()}"
+            arg_list = [dataclasses.replace(a, dist_init_method=dist_init) for a in arg_list]
+        return [WorkerProcess(args) for args in arg_list]
 
     def _wait_ready(self) -> list[wp.WorkerInfo]:
         infos: dict[int, wp.WorkerInfo] = {}
@@ -104,8 +140,9 @@ class MultiprocExecutor:
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self._procs):
-            if proc.poll() is not None:
-                raise WorkerFailed(f"worker {rank} exited with code {proc.returncode}")
+            reason = proc.exit_reason()
+            if reason is not None:
+                raise WorkerFailed(f"worker {rank} {reason}")
 
     def _receive(self) -> tuple[bytes, int, int, bytes]:
         """The next frame from any worker; WorkerFailed on an error or a dead worker."""
@@ -161,11 +198,7 @@ class MultiprocExecutor:
             except zmq.ZMQError:
                 pass
         for proc in procs:
-            try:
-                proc.wait(timeout=_SHUTDOWN_WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.stop(_SHUTDOWN_WAIT_S)
         for sock in self._step_sockets:
             sock.close(linger=0)
         self._step_sockets = []

@@ -53,7 +53,7 @@ class WorkerArgs:
     hf_config: Any
     step_address: str
     output_address: str
-    parent_pid: int
+    parent_pid: int | None   # the process whose exit ends the worker (None: Ray's actor)
     log_level: int
     # torch.distributed's rendezvous (tcp://127.0.0.1:PORT) when the workers are the ranks of
     # a tensor-parallel group; None for replicas.
@@ -154,7 +154,7 @@ def _serve(worker, args: WorkerArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> N
     try:
         while True:
             if not inbox.poll(_POLL_MS):
-                if os.getppid() != args.parent_pid:
+                if args.parent_pid is not None and os.getppid() != args.parent_pid:
                     logger.warning("worker %d: the engine core is gone; exiting", args.rank)
                     return
                 continue

@@ -101,7 +101,7 @@ def test_mp_outputs_equal_in_process(workload, expected, num_workers):
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     finally:
         llm.llm_engine.shutdown()
-    assert all(proc.poll() is not None for proc in executor._procs_started)
+    assert all(proc.exit_reason() is not None for proc in executor._procs_started)
 
 
 def test_a_dead_worker_is_an_error_not_a_hang():
@@ -109,7 +109,7 @@ def test_a_dead_worker_is_an_error_not_a_hang():
     llm = _make("mp", num_workers=2)
     try:
         executor = llm.llm_engine.engine_core.executor
-        victim = executor._procs_started[1]
+        victim = executor._procs_started[1].proc
         victim.kill()
         victim.wait()
         with pytest.raises(WorkerFailed, match="worker 1"):
