@@ -29,6 +29,7 @@ LAYER_OF = {
     "folio.model": "model",
     # What and where the model is, without weights: the front end's part of folio.model.
     "folio.model.discovery": "model_info",
+    "folio.model.config_snapshot": "model_info",   # the config as JSON, read without torch
     "folio.model.families": "model_info",
     "folio.model.default_model": "model_info",
     "folio.model.cache_dir": "model_info",

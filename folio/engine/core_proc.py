@@ -78,7 +78,7 @@ def startup_timeline(spawned_at: float, entered_at: float, imported_at: float, i
                      ready_at: float, stages: dict[str, float]) -> str:
     """One log line: where the engine core's start went, in seconds (the worker's stages
     inside "engine"), and when it was ready after the front end spawned it."""
-    from folio.worker.worker import STARTUP_STAGES
+    from folio.core.startup_stages import STARTUP_STAGES
     engine_s = ready_at - info_at
     parts = [f"{label} {stages.get(key, 0.0):.1f}" for key, label in STARTUP_STAGES.items()
              if stages.get(key, 0.0) >= 0.05]

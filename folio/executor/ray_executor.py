@@ -92,8 +92,8 @@ class RayExecutor(MultiprocExecutor):
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from folio.executor import resolve_device_type
-        on_gpu = resolve_device_type(config.model.device) == "cuda"
+        from folio.worker.worker import resolve_device
+        on_gpu = resolve_device(config.model.device).type == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
         group = placement_group([dict(bundle) for _ in arg_list], strategy="PACK")
         self._placement_group = group

@@ -122,7 +122,7 @@ def run_worker(args: WorkerArgs) -> None:
 def _start_worker(args: WorkerArgs):
     import torch
     from folio.worker.worker import Worker, resolve_device
-    from folio.model.tensor_parallel import SINGLE, TPGroup
+    from folio.worker.worker import join_tensor_parallel
     device = resolve_device(args.config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(args.rank)
@@ -130,14 +130,8 @@ def _start_worker(args: WorkerArgs):
         # Replicas share the host's cores: each takes its part, or torch's threads fight.
         workers = args.config.parallel.num_workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    tp = SINGLE
-    size = args.config.parallel.tensor_parallel_size
-    if size > 1:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=args.dist_init_method, rank=args.rank,
-                                world_size=size)
-        tp = TPGroup(args.rank, size)
+    tp = join_tensor_parallel(args.rank, args.config.parallel.tensor_parallel_size,
+                              args.dist_init_method, device)
     return Worker(args.config, args.source, args.hf_config, tp=tp)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from folio.config import EngineConfig
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
+from folio.core.startup_stages import STARTUP_STAGES
 from folio.core.kv_cache_layout import KVCacheLayout, full_attention_layout, kv_cache_layout
 from folio.model.attention.fp8 import fp8_max, is_fp8
 from folio.model.attention.selector import check_kv_cache_dtype
@@ -27,11 +28,6 @@ logger = logging.getLogger(__name__)
 # (with async scheduling), and a graph's activation pool grows with its token count.
 MAX_MIXED_GRAPH_TOKENS = 8192
 
-# The start-up stages `Worker.timings` reports (its keys, seconds each) and their names in
-# benchmark output (folio.bench.startup_report.format_startup).
-STARTUP_STAGES = {"load_s": "model load", "profile_s": "KV profiling",
-                  "kv_alloc_s": "KV allocation", "warm_up_s": "kernel warm-up",
-                  "graph_capture_s": "CUDA graph capture"}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -40,6 +36,18 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but no CUDA device is available")
     return torch.device(device)
+
+
+def join_tensor_parallel(rank: int, size: int, init_method: str | None,
+                         device: torch.device) -> TPGroup:
+    """This process as rank `rank` of a tensor-parallel group of `size` (torch.distributed:
+    NCCL on GPUs, gloo on the CPU, meeting at `init_method`); SINGLE for size 1."""
+    if size == 1:
+        return SINGLE
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=init_method, rank=rank, world_size=size)
+    return TPGroup(rank, size)
 
 
 def _check_tp_features(config: EngineConfig, size: int) -> None:
