@@ -169,6 +169,9 @@ class StructuredOutputManager:
         self._tokenizer: Any = None
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
+        # The tokenizer is loaded on first use, from the busy loop (reasoning tags) or the
+        # compile thread, whichever comes first: one load, never two at once.
+        self._tokenizer_lock = threading.Lock()
         self._reasoning_tags: tuple[list[int], list[int], bool] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Request] = []
@@ -192,9 +195,10 @@ class StructuredOutputManager:
             return self._compiler
 
     def _get_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._tokenizer_factory()
-        return self._tokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._tokenizer_factory()
+            return self._tokenizer
 
     def _compile(self, params: StructuredOutputsParams, eos_token_ids: tuple[int, ...]) -> Any:
         compiler = self._get_compiler(eos_token_ids)
