@@ -258,6 +258,11 @@ class ParallelConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model's layers split over this
     # many workers (folio/model/tensor_parallel.py), which then run on the mp executor.
     tensor_parallel_size: int = 1
+    # Data parallelism (vLLM's --data-parallel-size): this many engine cores, each with its
+    # own replica of the model (and its own tensor-parallel group), behind one API server
+    # (folio/engine/dp_async_llm.py); `data_parallel_rank` is the replica an engine core is.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # Encode and decode every step message and reply (msgpack) even in process, and check
     # they come back equal: what crosses a process boundary is then tested everywhere.
     debug_step_messages: bool = field(
@@ -277,6 +282,10 @@ class ParallelConfig:
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be a positive int, got "
                  f"{self.tensor_parallel_size!r}")
+        _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+                 "data_parallel_size", f"must be a positive int, got {self.data_parallel_size!r}")
+        _require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
+                 f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
         if self.tensor_parallel_size > 1:
             # each rank is a worker process (as vLLM, mp is the default for N > 1)
             _require(self.num_workers in (1, self.tensor_parallel_size), "num_workers",

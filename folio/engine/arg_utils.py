@@ -99,6 +99,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="split the model's layers over this many workers (ranks: "
                              "torch.distributed, gloo on the CPU, NCCL on GPUs; the mp "
                              "executor)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="serve with this many engine cores, each a replica of the model "
+                             "(and of its tensor-parallel group) on its own devices; requests "
+                             "go to the replica holding their prefix, else the least loaded "
+                             "(folio serve only)")
     _add_pooling_args(parser)
     _add_lora_args(parser)
     _add_limit_args(parser)
@@ -257,6 +262,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         num_workers=getattr(args, "num_workers", 1),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         speculative_config=getattr(args, "speculative_config", None),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),

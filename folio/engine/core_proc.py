@@ -32,6 +32,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """Process entry point (multiprocessing target). `spawned_at`: the front end's
     time.time() when it started this process, for the start-up timeline."""
     entered_at = time.time()
+    _narrow_visible_devices(config)
     # Ctrl-C goes to the whole process group; the front end decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A spawned process starts with no logging set up: start-up progress (loading weights,
@@ -72,6 +73,23 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         inbox.close(linger=0)
         outbox.close(linger=1000)
         context.term()
+
+
+def _narrow_visible_devices(config: EngineConfig) -> None:
+    """A data-parallel replica's engine core sees only its own GPUs (replica r: devices
+    r*TP ... r*TP + TP - 1 of those visible), set before CUDA starts in this process."""
+    parallel = config.parallel
+    if parallel.data_parallel_size == 1 or config.model.device == "cpu":
+        return
+    tp = parallel.tensor_parallel_size
+    first = parallel.data_parallel_rank * tp
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(first + tp)]
+    mine = ids[first:first + tp]
+    if len(mine) < tp:
+        raise ValueError(f"data-parallel replica {parallel.data_parallel_rank} needs GPUs "
+                         f"{first}..{first + tp - 1}, but only {len(ids)} are visible")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
 
 
 def startup_timeline(spawned_at: float, entered_at: float, imported_at: float, info_at: float,

@@ -40,6 +40,7 @@ class LLM(PoolingAPI):
                  distributed_executor_backend: str | None = None,
                  num_workers: int = 1,
                  tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1,
                  speculative_config: SpeculativeConfig | dict | str | None = None,
                  runner: str = "auto", convert: str = "auto", task: str | None = None,
                  pooler_config: dict | None = None,
@@ -61,6 +62,10 @@ class LLM(PoolingAPI):
         if max_logprobs is not None:
             request_limits.max_logprobs = max_logprobs
             request_limits.__post_init__()
+        if data_parallel_size != 1:
+            raise ValueError("data_parallel_size: data parallelism runs behind one API server "
+                             "(folio serve --data-parallel-size N); offline, run one LLM per "
+                             "replica")
         config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                               max_model_len=max_model_len, revision=revision, device=device,

@@ -13,7 +13,7 @@ Everything is called from a single asyncio loop, so no locking is done here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -113,21 +113,25 @@ class EngineMetrics:
         p = PREFIX
 
         # --- scheduler state (gauges: last observed value) ---
+        # Scheduler metrics are labelled by `engine` too (the data-parallel replica, "0"
+        # with one engine), as vLLM's are.
+        engine_labels = ["model_name", "engine"]
         self._g_running = Gauge(
             p + "num_requests_running", "Number of requests in model execution batches.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._g_waiting = Gauge(
             p + "num_requests_waiting", "Number of requests waiting to be processed.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._g_kv_usage = Gauge(
             p + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         # State held per request, by process (folio's own): 0 when idle, or it is leaking.
         self._g_tracked = Gauge(
             p + "tracked_requests", "Requests a process holds state for (engine: the "
             "scheduler; api: streams, output processor and metrics).",
             ["model_name", "process"], registry=reg)
         self._g_tracked_engine = self._g_tracked.labels(model_name, "engine")
+        self._engine_tracked: dict[int, int] = {}
         self._g_tracked.labels(model_name, "api").set_function(
             lambda: len(self._requests) + sum(f() for f in self._api_trackers))
         self._api_trackers: list = []
@@ -140,14 +144,22 @@ class EngineMetrics:
         # prometheus_client appends "_total" on exposition: folio:num_preemptions_total etc.
         self._c_preemptions = Counter(
             p + "num_preemptions", "Cumulative number of preemptions from the engine.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._c_prefix_queries = Counter(
             p + "prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._c_prefix_hits = Counter(
             p + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
+        # Data parallelism (--data-parallel-size): requests routed to each replica, and
+        # those routed there because it held their prefix (track_dp_routing; absent with
+        # one engine).
+        self._dp_routed: Any = None
+        self._dp_prefix_routed: Any = None
+        for family in (self._g_running, self._g_waiting, self._g_kv_usage, self._c_preemptions,
+                       self._c_prefix_queries, self._c_prefix_hits):
+            family.labels(model_name, "0")   # exported (as 0) before the first step
 
         # --- speculative decoding (vLLM's spec_decode counters; zero when off) ---
         self._c_spec_drafts = Counter(
@@ -247,17 +259,22 @@ class EngineMetrics:
 
     # ------------------------------------------------------------------ scheduler stats
 
-    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """Record one scheduler step's stats: gauges are set, cumulative values become deltas."""
-        self._g_running.set(stats.num_running)
-        self._g_waiting.set(stats.num_waiting)
-        self._g_kv_usage.set(stats.kv_cache_usage)
-        self._g_tracked_engine.set(stats.num_tracked_requests)
+    def observe_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Record one scheduler step's stats (of data-parallel replica `engine`): gauges are
+        set, cumulative values become deltas."""
+        label = (self.model_name, str(engine))
+        self._g_running.labels(*label).set(stats.num_running)
+        self._g_waiting.labels(*label).set(stats.num_waiting)
+        self._g_kv_usage.labels(*label).set(stats.kv_cache_usage)
+        self._engine_tracked[engine] = stats.num_tracked_requests
+        self._g_tracked_engine.set(sum(self._engine_tracked.values()))
 
-        self._inc_cumulative("num_preemptions", stats.num_preemptions, self._c_preemptions)
-        self._inc_cumulative("prefix_cache_queries", stats.prefix_cache_queries,
-                             self._c_prefix_queries)
-        self._inc_cumulative("prefix_cache_hits", stats.prefix_cache_hits, self._c_prefix_hits)
+        self._inc_cumulative(f"{engine}:num_preemptions", stats.num_preemptions,
+                             self._c_preemptions.labels(*label))
+        self._inc_cumulative(f"{engine}:prefix_cache_queries", stats.prefix_cache_queries,
+                             self._c_prefix_queries.labels(*label))
+        self._inc_cumulative(f"{engine}:prefix_cache_hits", stats.prefix_cache_hits,
+                             self._c_prefix_hits.labels(*label))
         self._inc_cumulative("spec_num_drafts", stats.spec_num_drafts, self._c_spec_drafts)
         self._inc_cumulative("spec_num_draft_tokens", stats.spec_num_draft_tokens,
                              self._c_spec_draft_tokens)
@@ -386,6 +403,26 @@ class EngineMetrics:
         """Add a callable giving a count of per-request state held in the API process to
         folio:tracked_requests{process="api"}."""
         self._api_trackers.append(count)
+
+    def track_dp_routing(self, routed: Any, prefix_routed: Any) -> None:
+        """Data parallelism: `routed()` and `prefix_routed()` give, per replica, the requests
+        routed to it and those routed there for a prefix it holds (read at each scrape)."""
+        reg, p = self.registry, PREFIX
+        if self._dp_routed is not None:
+            return
+        self._dp_routed = Gauge(p + "dp_requests_routed", "Requests routed to each "
+                                "data-parallel replica.", ["model_name", "engine"], registry=reg)
+        self._dp_prefix_routed = Gauge(p + "dp_prefix_routed", "Requests routed to a "
+                                       "data-parallel replica because it held their prefix.",
+                                       ["model_name", "engine"], registry=reg)
+        for engine in range(len(routed())):
+            for family in (self._g_running, self._g_waiting, self._g_kv_usage,
+                           self._c_preemptions, self._c_prefix_queries, self._c_prefix_hits):
+                family.labels(self.model_name, str(engine))   # every replica, from the start
+            self._dp_routed.labels(self.model_name, str(engine)).set_function(
+                lambda e=engine: routed()[e])
+            self._dp_prefix_routed.labels(self.model_name, str(engine)).set_function(
+                lambda e=engine: prefix_routed()[e])
 
     def structured_outputs_fallback(self, reason: str) -> None:
         """Count one request whose constraint fell back (reason: one of

@@ -20,8 +20,16 @@ def scrape(m: EngineMetrics) -> dict[tuple[str, frozenset], float]:
     return out
 
 
+# Scheduler metrics carry the data-parallel replica too (engine="0" with one engine).
+_ENGINE_LABELLED = ("folio:num_requests_running", "folio:num_requests_waiting",
+                    "folio:kv_cache_usage_perc", "folio:num_preemptions_total",
+                    "folio:prefix_cache_queries_total", "folio:prefix_cache_hits_total")
+
+
 def val(m: EngineMetrics, name: str, **labels: str) -> float:
     labels = {"model_name": MODEL, **labels}
+    if name in _ENGINE_LABELLED:
+        labels.setdefault("engine", "0")
     return scrape(m)[(name, frozenset(labels.items()))]
 
 
@@ -179,3 +187,19 @@ def test_spec_decode_counters_use_vllm_names(m: EngineMetrics) -> None:
     assert val(m, "folio:spec_decode_num_accepted_tokens_total") == 9
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 3
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
+
+
+def test_scheduler_metrics_per_data_parallel_replica(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(num_running=3, prefix_cache_hits=10), engine=0)
+    m.observe_scheduler_stats(SchedulerStats(num_running=5, prefix_cache_hits=4), engine=1)
+    m.observe_scheduler_stats(SchedulerStats(num_running=1, prefix_cache_hits=12), engine=0)
+    assert val(m, "folio:num_requests_running", engine="0") == 1
+    assert val(m, "folio:num_requests_running", engine="1") == 5
+    # each replica's cumulative counts become deltas of their own
+    assert val(m, "folio:prefix_cache_hits_total", engine="0") == 12
+    assert val(m, "folio:prefix_cache_hits_total", engine="1") == 4
+    routed, prefix = [4, 2], [1, 0]
+    m.track_dp_routing(lambda: routed, lambda: prefix)
+    routed[0] += 1
+    assert val(m, "folio:dp_requests_routed", engine="0") == 5
+    assert val(m, "folio:dp_prefix_routed", engine="1") == 0

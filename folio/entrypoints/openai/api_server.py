@@ -631,7 +631,11 @@ def serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [model_arg or DEFAULT_MODEL_NAME]
     metrics = None
     logger.info("folio %s: starting the engine for %s", folio.__version__, names[0])
-    engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
+    if config.parallel.data_parallel_size > 1:
+        from folio.engine.dp_async_llm import DataParallelAsyncLLM
+        engine = DataParallelAsyncLLM(config, log_stats=not args.disable_log_stats)
+    else:
+        engine = AsyncLLM(config, log_stats=not args.disable_log_stats)
     try:
         if not args.disable_log_stats:
             from folio.metrics import EngineMetrics
