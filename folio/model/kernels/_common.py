@@ -22,11 +22,32 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+_BENCHMARKS = [0]
+
+
 def autotune(**kwargs):
     """triton.autotune whose choices are kept on disk (Triton's cache directory, keyed by the
     kernel's source, the GPU, the tuning key and the configs): a restart reads them instead of
-    benchmarking every config again (seconds of each start). Not under the interpreter."""
-    return triton.autotune(cache_results=not INTERPRET, **kwargs)
+    benchmarking every config again (seconds of each start). Not under the interpreter.
+    Every config benchmarked is counted (`autotune_benchmarks`)."""
+    decorate = triton.autotune(cache_results=not INTERPRET, **kwargs)
+
+    def wrap(fn):
+        tuner = decorate(fn)
+        bench = getattr(tuner, "_bench", None)
+        if bench is not None:
+            def counted(*args, **kw):
+                _BENCHMARKS[0] += 1
+                return bench(*args, **kw)
+            tuner._bench = counted
+        return tuner
+    return wrap
+
+
+def autotune_benchmarks() -> int:
+    """How many autotune configs this process has benchmarked so far: a caller can tell
+    whether a run tuned anything (nothing, on a restart whose choices were on disk)."""
+    return _BENCHMARKS[0]
 
 
 def warps_configs(warps: tuple[int, ...]) -> list:
