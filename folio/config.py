@@ -263,6 +263,9 @@ class ParallelConfig:
     # (folio/engine/dp_async_llm.py); `data_parallel_rank` is the replica an engine core is.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Expert parallelism (vLLM's --enable-expert-parallel): with tensor_parallel_size > 1, a
+    # mixture of experts spreads its experts (whole) over the ranks instead of being refused.
+    enable_expert_parallel: bool = False
     # Encode and decode every step message and reply (msgpack) even in process, and check
     # they come back equal: what crosses a process boundary is then tested everywhere.
     debug_step_messages: bool = field(

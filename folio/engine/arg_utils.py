@@ -99,6 +99,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="split the model's layers over this many workers (ranks: "
                              "torch.distributed, gloo on the CPU, NCCL on GPUs; the mp "
                              "executor)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tensor-parallel-size N, a mixture-of-experts model's "
+                             "experts are spread over the N ranks (each holds 1/N of them, "
+                             "whole)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="serve with this many engine cores, each a replica of the model "
                              "(and of its tensor-parallel group) on its own devices; requests "
@@ -263,6 +267,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         num_workers=getattr(args, "num_workers", 1),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         speculative_config=getattr(args, "speculative_config", None),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),

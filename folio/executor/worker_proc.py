@@ -130,8 +130,9 @@ def _start_worker(args: WorkerArgs):
         # Replicas share the host's cores: each takes its part, or torch's threads fight.
         workers = args.config.parallel.num_workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    tp = join_tensor_parallel(args.rank, args.config.parallel.tensor_parallel_size,
-                              args.dist_init_method, device)
+    parallel = args.config.parallel
+    tp = join_tensor_parallel(args.rank, parallel.tensor_parallel_size, args.dist_init_method,
+                              device, parallel.enable_expert_parallel)
     return Worker(args.config, args.source, args.hf_config, tp=tp)
 
 

@@ -376,6 +376,7 @@ class GatedMLP(nn.Module):
                                          kernels=kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, kernels=kernels)
         self.fused_silu = is_silu(act)
+        self.act_name = act
         self.act = gate_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
                          f"or latent-attention models yet (they load in the model's dtype only)")
     if tp.size > 1:
-        check_tp_support(spec, tp.size)
+        check_tp_support(spec, tp.size, tp.expert_parallel)
         if quantization != "none":
             raise ValueError(f"tensor_parallel_size={tp.size}: quantization {quantization!r} "
                              "is not supported with tensor parallelism yet (float weights only)")

@@ -36,6 +36,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None   # a torch.distributed ProcessGroup (None: the default one)
+    # --enable-expert-parallel: a mixture of experts spreads its experts over the ranks
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -57,13 +59,17 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def check_tp_support(spec: ArchSpec, size: int) -> None:
+def check_tp_support(spec: ArchSpec, size: int, expert_parallel: bool = False) -> None:
     """ValueError naming what keeps this model from `size` ranks."""
     if size == 1:
         return
     what = None
-    if spec.moe is not None:
-        what = "mixture-of-experts models (expert parallelism is not built yet)"
+    if spec.moe is not None and not expert_parallel:
+        what = ("mixture-of-experts models without --enable-expert-parallel (their experts "
+                "are spread over the ranks, not split)")
+    elif spec.moe is not None and spec.moe.num_experts % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's "
+                         f"{spec.moe.num_experts} experts (expert parallelism)")
     elif spec.mla is not None:
         what = "latent-attention (DeepSeek) models"
     elif spec.is_encoder:
@@ -162,11 +168,40 @@ def read_part(source: Any, dim: int, part: Part | None) -> torch.Tensor:
     return out
 
 
+def _plan_experts(block: nn.Module, tp: TPGroup) -> None:
+    """Expert parallelism for one MoE block (still on the meta device): this rank keeps
+    1/N of the experts, whole; the shared expert, a gated MLP, is split as the dense ones."""
+    from folio.model.layers import GatedMLP
+    experts = block.experts
+    part = even_part(experts.num_experts, tp)
+    experts.num_experts, experts.expert_offset = part.size, part.start
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        param = getattr(experts, name)
+        if param is not None:
+            setattr(experts, name, nn.Parameter(
+                torch.empty(part.size, *param.shape[1:], device=param.device),
+                requires_grad=False))
+    experts.tp_param_parts = {name: part for name in ("gate_up_proj", "down_proj",
+                                                      "gate_up_proj_bias", "down_proj_bias")}
+    block.tp = tp
+    shared = block.shared_expert
+    if shared is not None:
+        full = shared.down_proj.in_features
+        with torch.device(shared.down_proj.weight.device):
+            block.shared_expert = GatedMLP(shared.down_proj.out_features, full // tp.size,
+                                           False, shared.act_name, shared.kernels)
+        block.shared_expert.tp_full_width = full
+
+
 def plan_shards(model: nn.Module, spec: ArchSpec, tp: TPGroup) -> None:
     """Mark each module with the slices its parameters take from the checkpoint, and the
     row-parallel projections with their all-reduce. `spec` is the full (not local) spec."""
     from folio.model.layers import Attention, GatedMLP
+    from folio.model.moe.layer import SparseMoeBlock
     heads = head_parts(spec, tp)
+    for module in list(model.modules()):
+        if isinstance(module, SparseMoeBlock):
+            _plan_experts(module, tp)
     for module in model.modules():
         if isinstance(module, Attention):
             module.qkv_proj.tp_rows = heads
@@ -177,7 +212,7 @@ def plan_shards(model: nn.Module, spec: ArchSpec, tp: TPGroup) -> None:
                 module.tp_param_parts = {"sinks": Part(spec.num_heads, q.start // spec.head_dim,
                                                        q.size // spec.head_dim)}
         elif isinstance(module, GatedMLP):
-            part = even_part(spec.intermediate_size, tp)
+            part = even_part(getattr(module, "tp_full_width", spec.intermediate_size), tp)
             module.gate_up_proj.tp_rows = {"gate": part, "up": part}
             module.down_proj.tp_cols = part
             module.down_proj.tp_reduce = tp
@@ -212,6 +247,12 @@ def shard_of_checkpoint(module: nn.Module, attr: str, shard: str | None, source:
         return read_part(source, 0, vocab_part(module.tp_vocab if not isinstance(
             module, VocabParallelEmbedding) else module.part.full, tp))
     parts = getattr(module, "tp_param_parts", None)
-    if parts is not None and attr in parts:
+    if parts is not None and shard is not None and "." in shard:
+        expert = int(shard.partition(".")[0]) - module.expert_offset
+        if not 0 <= expert < module.num_experts:
+            return torch.empty(0)   # another rank's expert: not read (load_shard drops it)
+    if parts is not None and attr in parts and shard is None:
+        # a stacked tensor (all experts' weights, or all heads' sinks): this rank's rows; a
+        # per-expert tensor (shard "<expert>.<part>") is kept or dropped by the module
         return read_part(source, 0, parts[attr])
     return read_part(source, 0, None)

@@ -39,15 +39,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def join_tensor_parallel(rank: int, size: int, init_method: str | None,
-                         device: torch.device) -> TPGroup:
+                         device: torch.device, expert_parallel: bool = False) -> TPGroup:
     """This process as rank `rank` of a tensor-parallel group of `size` (torch.distributed:
-    NCCL on GPUs, gloo on the CPU, meeting at `init_method`); SINGLE for size 1."""
+    NCCL on GPUs, gloo on the CPU, meeting at `init_method`); SINGLE for size 1.
+    `expert_parallel`: mixture-of-experts layers spread their experts over the group."""
     if size == 1:
         return SINGLE
     import torch.distributed as dist
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=init_method, rank=rank, world_size=size)
-    return TPGroup(rank, size)
+    return TPGroup(rank, size, expert_parallel=expert_parallel)
 
 
 def _check_tp_features(config: EngineConfig, size: int) -> None:

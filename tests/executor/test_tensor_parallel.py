@@ -60,6 +60,18 @@ def test_tp2_greedy_equals_one_rank(tiny_model_dir, arch):
     _assert_same(_answers(model, 2, prompts), _answers(model, 1, prompts))
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_expert_parallel_tp2_equals_one_rank(tiny_model_dir, arch):
+    """--enable-expert-parallel: each rank runs half the experts (whole) on every token and
+    the ranks' outputs are summed; Mixtral (per-expert checkpoint tensors), Qwen2-MoE (a
+    shared expert, split like a dense MLP, and a dense layer) and GPT-OSS (stacked,
+    transposed expert tensors with biases; attention sinks split by head)."""
+    model = tiny_model_dir(arch)
+    prompts = _prompts(8, seed=4)
+    _assert_same(_answers(model, 2, prompts, enable_expert_parallel=True),
+                 _answers(model, 1, prompts))
+
+
 def test_smollm2_tp3_equals_one_rank():
     model = default_model_path()
     prompts = _prompts(6, seed=2)
@@ -87,6 +99,21 @@ def test_a_rank_holds_its_share_of_the_weights(tiny_model_dir):
         q_rows = part.layers[0].self_attn.qkv_proj.weight[:spec.num_heads * spec.head_dim]
         full_q = whole.layers[0].self_attn.qkv_proj.weight[:4 * spec.head_dim]
         assert torch.equal(q_rows, full_q[rank * 2 * spec.head_dim:(rank + 1) * 2 * spec.head_dim])
+
+
+def test_a_rank_holds_its_share_of_the_experts(tiny_model_dir):
+    source = ModelSource("hf_dir", tiny_model_dir("qwen3_moe"))
+    cfg, _ = load_hf_config(source)
+    whole, _ = load_model(source, cfg, torch.float32, torch.device("cpu"), 256)
+    layer = 1   # decoder_sparse_step 2: layer 1 is the sparse one
+    for rank in range(2):
+        part, _ = load_model(source, cfg, torch.float32, torch.device("cpu"), 256,
+                             tp=TPGroup(rank, 2, expert_parallel=True))
+        experts = part.layers[layer].mlp.experts
+        assert experts.num_experts == 4 and experts.expert_offset == 4 * rank
+        full = whole.layers[layer].mlp.experts.gate_up_proj
+        assert torch.equal(experts.gate_up_proj, full[4 * rank:4 * rank + 4])
+        assert abs(_weight_bytes(part) / _weight_bytes(whole) - 0.5) < 0.05
 
 
 def test_lazy_reads_take_only_the_slice(tiny_model_dir):
@@ -122,9 +149,12 @@ def test_shapes_split_and_replicate():
 
 
 def test_unsupported_models_and_settings_are_clear_errors(tiny_model_dir):
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+    with pytest.raises(ValueError, match="--enable-expert-parallel"):
         LLM(tiny_model_dir("mixtral"), dtype="float32", max_model_len=128,
             tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="latent-attention"):
+        LLM(tiny_model_dir("deepseek_v2"), dtype="float32", max_model_len=128,
+            tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(default_model_path(), max_model_len=128, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):

@@ -39,6 +39,9 @@ class FusedMoE(nn.Module):
                  transposed_interleaved_checkpoint: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        # Expert parallelism (folio/model/tensor_parallel.py): this rank's experts are the
+        # checkpoint's [expert_offset, expert_offset + num_experts).
+        self.expert_offset = 0
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -65,7 +68,7 @@ class FusedMoE(nn.Module):
 
     def checkpoint_shards(self) -> dict[str, list[str]]:
         """Per parameter, the shards a per-expert checkpoint fills ("<expert>.<part>")."""
-        experts = range(self.num_experts)
+        experts = range(self.expert_offset, self.expert_offset + self.num_experts)
         return {"gate_up_proj": [f"{e}.{p}" for e in experts for p in ("gate", "up")],
                 "down_proj": [f"{e}.down" for e in experts]}
 
@@ -87,8 +90,11 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         expert_s, _, part = shard.partition(".")
-        expert = int(expert_s)
-        if not 0 <= expert < self.num_experts:
+        expert = int(expert_s) - self.expert_offset
+        if self.expert_offset or getattr(self, "tp_param_parts", None):
+            if not 0 <= expert < self.num_experts:
+                return   # another rank's expert (expert parallelism)
+        elif not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
         inter = self.intermediate_size
         target = getattr(self, param_name)[expert]
@@ -180,10 +186,22 @@ class SparseMoeBlock(nn.Module):
                               if moe.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (nn.Linear(spec.hidden_size, 1, bias=False)
                                    if moe.shared_expert_gate else None)
+        # Expert parallelism: the rank's group (tensor_parallel.plan_shards sets it); None on
+        # one device.
+        self.tp = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.tp is not None:
+            # The tokens are on every rank; each runs its own experts' pairs (the others'
+            # weigh 0, on a local expert) and the ranks' outputs are summed.
+            local = ids - self.experts.expert_offset
+            outside = (local < 0) | (local >= self.experts.num_experts)
+            weights = weights.masked_fill(outside, 0)
+            ids = local.masked_fill(outside, 0)
         out = self.experts(x, weights, ids)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
