@@ -52,12 +52,25 @@ def _run(model_dir: str, spec, prompts, params, **kw):
     return result, stats
 
 
-def _close(a, b, label: str) -> bool:
+def _close(a, b, label: str, sampled: bool = False) -> bool:
+    """True when the answers are identical. At the first difference, a greedy answer must be a
+    near-tie (each token among the other run's top logprobs); a seeded sampled answer draws
+    each token as argmax(p / E) with the same noise E in both runs, so a bf16 rounding
+    difference can flip any two tokens whose p / E nearly tie, top-ranked or not: there the
+    check is that both runs saw the same distribution (the shared top logprobs within bf16
+    rounding), so the difference came from rounding and not from a wrong token."""
     (ids_a, lp_a), (ids_b, lp_b) = a, b
     for pos, (x, y) in enumerate(zip(ids_a, ids_b)):
-        if x != y:
+        if x == y:
+            continue
+        if sampled:
+            shared = set(lp_a[pos]) & set(lp_b[pos])
+            assert len(shared) >= 3, f"{label}: position {pos}: top logprobs differ"
+            worst = max(abs(lp_a[pos][t].logprob - lp_b[pos][t].logprob) for t in shared)
+            assert worst < 0.1, f"{label}: position {pos}: logprobs differ by {worst}"
+        else:
             assert x in lp_b[pos] and y in lp_a[pos], f"{label}: position {pos}: {x} vs {y}"
-            return False
+        return False
     return ids_a == ids_b
 
 
@@ -70,7 +83,8 @@ def test_greedy_and_seeded_equal_without_speculation(model_dir, eager) -> None:
               for i in range(len(prompts))]
     want, _ = _run(model_dir, None, prompts, params, enforce_eager=eager)
     got, stats = _run(model_dir, SPEC, prompts, params, enforce_eager=eager)
-    exact = sum(_close(a, b, f"prompt {i}") for i, (a, b) in enumerate(zip(got, want)))
+    exact = sum(_close(a, b, f"prompt {i}", sampled=i % 2 == 1)
+                for i, (a, b) in enumerate(zip(got, want)))
     print(f"eager={eager}: {exact} of {len(prompts)} identical; drafts {stats.spec_num_drafts}, "
           f"accepted {stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens}")
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
@@ -85,7 +99,10 @@ def test_draft_model_and_eagle3_heads_on_cuda(model_dir, tmp_path) -> None:
     import os
     import sys
     from folio import SamplingParams
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
+    tests = os.path.join(os.path.dirname(__file__), "..")
+    # test_spec_eagle imports tests/model_utils (on the path through conftest, which the
+    # device runs leave out).
+    sys.path[:0] = [os.path.join(tests, "engine"), tests]
     from test_spec_eagle import build_head
     prompts = _prompts(8, seed=2)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
