@@ -178,9 +178,9 @@ class Scheduler:
         """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
         device slots); 0 = LoRA off. `max_queue_time`: seconds a request may wait for its
         first step before it is finished with reason "timeout" (None = forever)."""
-        if drafter is not None and async_scheduling:
-            raise ValueError("speculative decoding needs each step's tokens on the host "
-                             "before the next is scheduled: async_scheduling must be off")
+        if drafter is not None and async_scheduling and drafter.lookahead:
+            raise ValueError("a draft model's drafts come with each step's output: "
+                             "async_scheduling must be off")
         self.kv = kv_cache_manager
         # Speculative decoding: proposes each running request's draft tokens after its
         # tokens are updated (None = off).
@@ -290,7 +290,9 @@ class Scheduler:
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
-                if num_new == 1:   # a decode step: verify the drafts that pay and fit
+                # A request whose latest token is still in flight has drafts made before
+                # it: they are stale (the engine finishes that step first when it drafts).
+                if num_new == 1 and not pending:   # a decode step: verify the drafts that pay and fit
                     room = min(budget - 1, request.max_tokens - len(request.output_token_ids) - 1,
                                self.max_model_len - len(request.all_token_ids) - 1, draft_k)
                     drafts = drafts[:max(room, 0)]
@@ -508,6 +510,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if self.drafter is not None:
             self.drafter.receive(runner_output.draft_token_ids)
+        # Drafts for the next step, unless the draft length rests at k = 0 (then making them
+        # would only cost the host).
+        propose = self.drafter is not None and self.draft_length.wants_proposals()
         # One token per request per step, or with drafts the accepted ones and one more.
         sampled = {rid: tokens for rid, tokens in
                    zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}
@@ -578,7 +583,7 @@ class Scheduler:
             logprobs = all_logprobs.get(request_id, []) if all_logprobs else []
             status = request.status
             is_finished = status >= _FIRST_FINISHED
-            if not is_finished and self.drafter is not None:
+            if not is_finished and propose:
                 request.spec_token_ids = self.drafter.propose(request)
             outputs.append(EngineCoreOutput(
                 request_id, list(token_ids), logprobs[:len(token_ids)],
@@ -613,22 +618,38 @@ class Scheduler:
         self.draft_length.observe_acceptance(item.request_id, num_drafts, accepted)
         return token_ids
 
-    def _choose_draft_length(self) -> int:
+    def _decoding_drafts(self) -> tuple[dict[str, int], int]:
+        """The running requests that decode one token next: {request id: drafts on offer}
+        for those with drafts, and the count of the others. Under async scheduling a
+        request's token in flight counts as known (its drafts, made a token earlier, stand
+        for what it will have)."""
         drafting: dict[str, int] = {}
         others = 0
         for request in self.running:
-            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+            pending = request.num_pending_tokens if self.async_scheduling else 0
+            if len(request.all_token_ids) + pending - request.num_computed_tokens == 1:
                 if request.spec_token_ids:
                     drafting[request.request_id] = len(request.spec_token_ids)
                 else:
                     others += 1
-        return self.draft_length.choose(drafting, others)
+        return drafting, others
 
-    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
-        """A step's wall time (the engine measures it with async scheduling off): the cost
-        model the adaptive draft length decides by."""
+    def _choose_draft_length(self) -> int:
+        return self.draft_length.choose(*self._decoding_drafts())
+
+    def next_step_drafts(self) -> bool:
+        """Whether the next `schedule()` would verify drafts, as it stands (no state
+        changes): the engine then finishes the step in flight first, since drafts need every
+        token on the host, and runs that step synchronously."""
+        if self.draft_length is None:
+            return False
+        return self.draft_length.will_draft(*self._decoding_drafts())
+
+    def observe_step_time(self, num_tokens: int, seconds: float, verify: bool) -> None:
+        """A step's wall time (`verify`: it carried drafts): the cost model the adaptive
+        draft length decides by."""
         if self.draft_length is not None:
-            self.draft_length.observe_step(num_tokens, seconds)
+            self.draft_length.observe_step(num_tokens, seconds, verify)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

@@ -59,14 +59,19 @@ class EngineCore:
         self.kv_capacity_tokens = layout.token_capacity(self.num_blocks, config.cache.block_size)
         sched = config.scheduler
         drafter = make_drafter(config.speculative)
-        if drafter is not None and sched.async_scheduling:
-            # A verify step's kept count decides the next step's positions, and host drafters
-            # need its tokens: the next step cannot be built before it returns. Speculation
-            # wins over the overlap (it saves whole steps); say so rather than refuse.
-            logger.warning("async_scheduling is off while speculative decoding runs: each "
-                           "step's kept drafts are needed before the next is scheduled")
-        self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
-                                 else self.executor.device_type == "cuda") and drafter is None
+        # A verify step's kept count decides the next step's positions, and host drafters
+        # need its tokens: the step after one is never built before it returns. Steps
+        # without drafts still overlap (async scheduling), so speculation that rests (the
+        # adaptive draft length's k = 0 at large batches) costs the overlap nothing. A draft
+        # model's drafts come with every step's output: there every step is synchronous.
+        async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
+                            else self.executor.device_type == "cuda")
+        if drafter is not None and drafter.lookahead and async_scheduling:
+            if sched.async_scheduling:
+                logger.warning("async_scheduling is off with a draft model or EAGLE head: "
+                               "its drafts come with each step's output")
+            async_scheduling = False
+        self.async_scheduling = async_scheduling
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -125,10 +130,13 @@ class EngineCore:
         outputs += self.scheduler.expire_requests(time.monotonic())
         if self.sleep_level:
             return outputs      # asleep: requests wait for wake_up
-        if self._in_flight is not None and _needs_tokens_first(self._in_flight[0]):
+        if self._in_flight is not None and (_needs_tokens_first(self._in_flight[0])
+                                            or self.scheduler.next_step_drafts()):
             # A request in flight needs its new token on the host before its next step can be
-            # built (penalties, a grammar's mask, ...): finish that step first.
+            # built (penalties, a grammar's mask, drafts to verify): finish that step first.
             outputs += self._finish_in_flight()
+        if self._time_steps:
+            step_start = time.perf_counter()
         times = self.step_times
         if times is not None:
             start = time.perf_counter()
@@ -151,20 +159,25 @@ class EngineCore:
         fill = None
         if step.message.has_grammar:
             fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
-        if times is not None or self._time_steps:
+        if times is not None:
             start = time.perf_counter()
         pending = self.executor.execute_model_async(step.message, fill)
         if times is not None:
             times.launch_s += time.perf_counter() - start
-        if self._in_flight is not None:
+        overlapped = self._in_flight is not None
+        if overlapped:
             outputs += self._finish_in_flight()
         self._in_flight = (step, pending)
-        if not self.async_scheduling:
+        verify = bool(step.message.scheduled_spec_decode_tokens)
+        finished = not self.async_scheduling or verify
+        if finished:
             outputs += self._finish_in_flight()
-            if self._time_steps:
-                # speculative decoding's cost model: what a step of this size took
-                self.scheduler.observe_step_time(step.total_num_scheduled_tokens,
-                                                 time.perf_counter() - start)
+        if self._time_steps and (finished or overlapped):
+            # speculative decoding's cost model: what a step of this size took, from its
+            # scheduling to the end of this call (overlapped: the wait for the step before
+            # it; a step left in flight with none before it has no time yet)
+            self.scheduler.observe_step_time(step.total_num_scheduled_tokens,
+                                             time.perf_counter() - step_start, verify)
         return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:

@@ -320,7 +320,7 @@ class ModelRunner:
         request's last token and after each of its drafts, verified (worker/spec_verify.py);
         the other sampling requests sample one token as usual. Synchronous: speculation runs
         with async scheduling off, and the kept tokens are needed on the host."""
-        from folio.worker.spec_verify import verify
+        from folio.worker.spec_verify import accept_greedy, needs_own_pass, verify
         spec = step.scheduled_spec_decode_tokens
         sampling = step.sampling_req_ids
         requests = self.input_batch.requests
@@ -360,13 +360,24 @@ class ModelRunner:
         if logprobs is not None:
             lp_ids += [plain_ids[i] for i in logprobs.rows]
             lp_parts.append(logprobs.tensors.lists())
+        # Greedy requests without logit processors share one argmax over every row and one
+        # copy to the host, instead of a device round trip each.
+        own_pass = [rid in spec and needs_own_pass(states[j].sampling, columns, j)
+                    for j, rid in enumerate(sampling)]
+        argmax = (logits.argmax(dim=-1).tolist()
+                  if any(rid in spec and not own for rid, own in zip(sampling, own_pass))
+                  else None)
         for j, rid in enumerate(sampling):
             if rid in spec:
                 drafts = spec[rid]
-                rows_j = logits[first_row[j]:first_row[j] + len(drafts) + 1]
-                kept = verify(rows_j, drafts, states[j].sampling, columns, j,
-                              self.input_batch.token_ids_of(states[j]),
-                              states[j].num_prompt_tokens)
+                first = first_row[j]
+                rows_j = logits[first:first + len(drafts) + 1]
+                if own_pass[j]:
+                    kept = verify(rows_j, drafts, states[j].sampling, columns, j,
+                                  self.input_batch.token_ids_of(states[j]),
+                                  states[j].num_prompt_tokens)
+                else:
+                    kept = accept_greedy(drafts, argmax[first:first + len(drafts) + 1])
                 token_lists[j] = kept
                 num_top = states[j].sampling.params.logprobs
                 if num_top is not None:

@@ -66,15 +66,27 @@ def verify(logits: torch.Tensor, drafts: list[int], state: SamplingState,
         logits = logits.to(torch.float32, copy=True)
         Sampler._apply_processors(logits, [state] * (k + 1), positions)
     if columns.greedy[row]:
-        target = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for j, draft in enumerate(drafts):
-            if draft != target[j]:
-                break
-            out.append(draft)
-        out.append(target[len(out)])
-        return out
+        return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
     return sample_verified(target_probs(logits, columns, row), drafts, state.generator)
+
+
+def needs_own_pass(state: SamplingState, columns: SamplingColumns, row: int) -> bool:
+    """Whether a request's verification needs `verify` (random sampling or logit
+    processors); the others are greedy on the logits as they are, and a whole step's argmax
+    can serve them all at once (`accept_greedy`)."""
+    return not columns.greedy[row] or needs_processors(state.params)
+
+
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """The greedy rule: `target` holds the argmax at the last token and after each draft;
+    the drafts are kept up to the first that differs from it, then the argmax there."""
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        if draft != target[j]:
+            break
+        out.append(draft)
+    out.append(target[len(out)])
+    return out
 
 
 def sample_verified(probs: torch.Tensor, drafts: list[int],

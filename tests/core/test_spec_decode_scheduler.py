@@ -107,6 +107,16 @@ class FixedDrafter(HostDrafter):
         self.dropped.append(request.request_id)
 
 
+class CountingDrafter(FixedDrafter):
+    def __init__(self, drafts: list[int]) -> None:
+        super().__init__(drafts)
+        self.calls = 0
+
+    def propose(self, request: Request) -> list[int]:
+        self.calls += 1
+        return super().propose(request)
+
+
 def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256,
          policy: str = "fcfs"):
     return Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, True), max_num_seqs=8,
@@ -271,11 +281,34 @@ def test_priority_preempts_a_speculating_request_and_it_resumes() -> None:
     assert step.message.scheduled_spec_decode_tokens == {"low": [7, 8]}
 
 
-def test_async_scheduling_with_a_drafter_is_refused() -> None:
+def test_async_scheduling_with_a_draft_model_is_refused() -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         Scheduler(kv_cache_manager=KVCacheManager(8, BS, True), max_num_seqs=2,
                   max_num_batched_tokens=16, max_model_len=64, async_scheduling=True,
-                  drafter=FixedDrafter([1]))
+                  drafter=WorkerDrafts(SpeculativeConfig(num_speculative_tokens=2)))
+
+
+def test_under_async_scheduling_drafts_wait_for_the_token_in_flight() -> None:
+    """A host drafter beside async scheduling: a step scheduled while the request's latest
+    token is in flight verifies nothing (its drafts were made before that token); the
+    engine, told by next_step_drafts, finishes that step first and the next one verifies."""
+    s = Scheduler(kv_cache_manager=KVCacheManager(64, BS, True), max_num_seqs=8,
+                  max_num_batched_tokens=64, max_model_len=256, async_scheduling=True,
+                  drafter=FixedDrafter([7, 8]), adaptive_draft_length=False)
+    s.add_request(request("a"))
+    prefill = s.schedule()
+    assert not s.next_step_drafts()          # no drafts yet: the decode step may overlap
+    decode = s.schedule()                    # scheduled with the prefill's token in flight
+    assert decode.message.num_scheduled_tokens == {"a": 1}
+    s.update_from_output(prefill, reply({"a": [50]}))   # drafts made, a token behind
+    assert s.next_step_drafts()              # the engine finishes the step in flight first...
+    step = s.schedule()                      # (were it not to, the stale drafts stay unused)
+    assert step.message.scheduled_spec_decode_tokens == {}
+    s.update_from_output(decode, reply({"a": [51]}))
+    s.update_from_output(step, reply({"a": [52]}))
+    step = s.schedule()                      # every token known: the drafts are verified
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8]}
+    assert step.message.num_scheduled_tokens == {"a": 3}
 
 
 def test_a_reply_that_is_not_a_verification_of_the_drafts_is_an_error() -> None:
@@ -305,7 +338,8 @@ def test_adaptive_draft_length_maximises_tokens_per_second() -> None:
     # steps up to 16 tokens cost the same (the weights' reading), then 1 ms per token
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         for _ in range(20):
-            policy.observe_step(tokens, 0.010 + 0.001 * max(tokens - 16, 0))
+            for verify in (False, True):
+                policy.observe_step(tokens, 0.010 + 0.001 * max(tokens - 16, 0), verify)
     assert abs(policy.cost(5) - 0.010) < 1e-9 and abs(policy.cost(96) - 0.090) < 1e-3
     # batch 1: every draft is nearly free
     assert policy.choose({"a": 8}, 0) == 8
@@ -327,10 +361,10 @@ def test_drafting_steps_in_a_bucket_do_not_make_drafts_look_free() -> None:
     token here, plain or drafting."""
     from folio.core.spec.policy import AdaptiveDraftLength
     policy = AdaptiveDraftLength()
-    policy.observe_step(32, 0.032)
+    policy.observe_step(32, 0.032, True)
     for _ in range(30):
-        policy.observe_step(64, 0.064)
-        policy.observe_step(120, 0.120)
+        policy.observe_step(64, 0.064, True)
+        policy.observe_step(120, 0.120, True)
     assert abs(policy.cost(64) - 0.064) < 2e-3 and abs(policy.cost(120) - 0.120) < 2e-3
     # every token costs the same: drafts that are kept half the time do not pay
     drafting = {str(i): 4 for i in range(64)}
@@ -347,17 +381,18 @@ def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
     from folio.core.spec.policy import AdaptiveDraftLength
     policy = AdaptiveDraftLength()
     for tokens in (2, 4, 8):
-        policy.observe_step(tokens, 0.200)   # noisy: steps with drafts look 20x dearer
+        policy.observe_step(tokens, 0.200, True)   # noisy: steps with drafts look 20x dearer
     for _ in range(AdaptiveDraftLength.STALE_AFTER_STEPS + 1):
-        policy.observe_step(1, 0.010)    # the engine decodes without drafts meanwhile
+        policy.observe_step(1, 0.010, False)   # the engine decodes without drafts meanwhile
+        policy.observe_step(1, 0.010, True)
     choices = [policy.choose({"a": 7}, 0) for _ in range(policy.MIN_PROBE_AFTER)]
     assert choices[:-1] == [0] * (policy.MIN_PROBE_AFTER - 1) and choices[-1] == 7
-    policy.observe_step(8, 0.010)        # the probe's step: the true cost replaces the stale one
+    policy.observe_step(8, 0.010, True)  # the probe's step: the true cost replaces the stale one
     assert policy.choose({"a": 7}, 0) == 7 and policy.probe_after == policy.MIN_PROBE_AFTER
     # a real k = 0 (every token costs) is probed ever more rarely
     confirm = AdaptiveDraftLength()
     for tokens in (1, 2, 4, 8, 16):
-        confirm.observe_step(tokens, 0.001 * tokens)
+        confirm.observe_step(tokens, 0.001 * tokens, True)
     for _ in range(10):
         confirm.observe_acceptance("b", 4, 0)
     waits, since = [], 0
@@ -369,10 +404,97 @@ def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
     assert waits[:3] == [16, 32, 64] and waits[-2:] == [1024, 1024]
 
 
+def test_verify_steps_dearer_than_plain_ones_turn_drafting_off() -> None:
+    """Per token the steps cost alike, but a step with drafts costs 2x a plain one of any
+    size (on a GPU it runs synchronously, host work unhidden): at batch 64 drafts kept half
+    the time do not pay, at batch 1 with high acceptance they do."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    for _ in range(10):
+        for tokens in (1, 2, 4, 8, 64, 128, 256):
+            policy.observe_step(tokens, 0.002, False)
+            policy.observe_step(tokens, 0.004, True)
+    assert policy.cost(64, verify=False) == pytest.approx(0.002)
+    assert policy.cost(64) == pytest.approx(0.004)
+    batch = {str(i): 4 for i in range(64)}
+    for rid in batch:
+        for _ in range(10):
+            policy.observe_acceptance(rid, 4, 2)
+    assert not policy.will_draft(batch, 0) and policy.choose(batch, 0) == 0
+    for _ in range(10):
+        policy.observe_acceptance("solo", 4, 4)
+    assert policy.will_draft({"solo": 4}, 0) and policy.choose({"solo": 4}, 0) == 4
+
+
+def test_a_plain_step_size_never_timed_is_timed_before_drafting_is_judged() -> None:
+    """Only prefill-sized plain steps timed: the plain cost of a 64-request decode step is
+    unknown (the prefill's would make drafting look free), so one step goes without drafts
+    to time it; will_draft agrees with choose and changes nothing."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    policy.observe_step(4096, 0.050, False)          # a prefill
+    policy.observe_step(128, 0.006, True)            # a verify step
+    batch = {str(i): 1 for i in range(64)}
+    assert [policy.will_draft(batch, 0) for _ in range(3)] == [False] * 3
+    assert policy.choose(batch, 0) == 0
+    policy.observe_step(64, 0.002, False)
+    assert policy.cost(64, verify=False) == pytest.approx(0.002)
+    assert policy.choose(batch, 0) == 0              # 0.006 s for <= 96 tokens: no gain
+
+
+def test_a_resting_draft_length_asks_for_no_proposals_but_probes() -> None:
+    """Past a k = 0 verdict no proposals are made (at batch 64 the suffix proposer's host
+    work cost more than the steps it would shorten); they are made again for the probes,
+    which come ever more rarely while they confirm k = 0, and for the verdict after each."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    for tokens in (64, 128, 256, 512):
+        policy.observe_step(tokens, 0.002, False)
+        policy.observe_step(tokens, 0.010, True)
+    batch = {str(i): 4 for i in range(64)}
+    assert policy.wants_proposals() and policy.choose(batch, 0) == 0
+    proposing, probes = [], []
+    for step in range(3000):
+        asked = policy.wants_proposals()
+        proposing.append(asked)
+        if policy.choose(batch if asked else {}, 0 if asked else 64) > 0:
+            probes.append(step)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+    assert sum(proposing) <= 3 * len(probes) + 1        # a probe, the step before, the verdict
+    # a probe that finds drafting cheap now ends the rest
+    policy.observe_step(320, 0.001, True)
+    policy.observe_step(512, 0.001, True)
+    while not policy.wants_proposals():
+        policy.choose({}, 64)
+    assert policy.choose(batch, 0) > 0 and policy.wants_proposals()
+
+
+def test_the_scheduler_makes_no_proposals_while_the_draft_length_rests() -> None:
+    drafter = CountingDrafter([7, 8])
+    s = make(drafter)
+    for tokens in (1, 2, 4, 8, 16):
+        s.observe_step_time(tokens, 0.001, False)
+        s.observe_step_time(tokens, 0.050, True)
+    reqs = [request(str(i)) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    step = s.schedule()
+    s.update_from_output(step, reply({r.request_id: [50] for r in reqs}))
+    assert drafter.calls == 4
+    step = s.schedule()                            # k = 0: the verdict, and the rest begins
+    assert step.message.scheduled_spec_decode_tokens == {}
+    for token in range(51, 56):
+        s.update_from_output(step, reply({r.request_id: [token] for r in reqs}))
+        step = s.schedule()
+    assert drafter.calls == 4
+
+
 def test_a_fixed_draft_length_verifies_every_draft() -> None:
     from folio.core.spec.policy import FixedDraftLength
     policy = FixedDraftLength()
-    policy.observe_step(64, 10.0)
+    policy.observe_step(64, 10.0, True)
+    assert policy.will_draft({"a": 3}, 0) and not policy.will_draft({}, 4)
     assert policy.choose({"a": 3, "b": 5}, 60) == 5 and policy.choose({}, 4) == 0
 
 
@@ -380,7 +502,7 @@ def test_the_scheduler_stops_drafting_when_a_large_batch_makes_it_cost() -> None
     s = make(FixedDrafter([7, 8, 9]))
     for tokens in (1, 2, 4, 8, 16, 32):
         for _ in range(10):
-            s.observe_step_time(tokens, 0.001 * tokens)   # every token costs: no free rows
+            s.observe_step_time(tokens, 0.001 * tokens, tokens > 1)   # every token costs
     reqs = [request(str(i)) for i in range(8)]
     for r in reqs:
         s.add_request(r)

@@ -180,19 +180,54 @@ def test_the_adaptive_draft_length_keeps_the_outputs(plain_llm) -> None:
         _ids(plain_llm.generate(prompts, params, use_tqdm=False))
 
 
-def test_async_scheduling_steps_aside_for_speculation(plain_llm, caplog) -> None:
-    """Asked for together, speculation runs and async scheduling is turned off (the next
-    step needs this one's kept drafts), with a warning; the answers are unchanged."""
-    import logging
-    with caplog.at_level(logging.WARNING):
-        llm = _make(SPEC, async_scheduling=True)
-    assert "async_scheduling is off" in caplog.text
-    assert llm.llm_engine.engine_core.async_scheduling is False
-    prompts = _editing_prompts()[:1]
-    params = SamplingParams(temperature=0, max_tokens=16)
-    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == \
-        _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+class _Resting:
+    """A draft-length policy that never drafts (as the adaptive one at a large batch)."""
+
+    def will_draft(self, drafting, other_tokens) -> bool:
+        return False
+
+    def wants_proposals(self) -> bool:
+        return False
+
+    def choose(self, drafting, other_tokens) -> int:
+        return 0
+
+    def observe_step(self, num_tokens, seconds, verify) -> None:
+        pass
+
+    def observe_acceptance(self, request_id, num_drafts, accepted) -> None:
+        pass
+
+    def drop(self, request_id) -> None:
+        pass
+
+
+def test_async_scheduling_runs_beside_speculation(plain_llm) -> None:
+    """Asked for together, both run: steps that verify drafts are synchronous (the next step
+    needs their kept tokens), the others overlap. The answers are the engine's without
+    speculation, drafts are kept, and while the policy drafts nothing every step overlaps
+    (a step stays in flight as the next is scheduled)."""
+    llm = _make(SPEC, async_scheduling=True)
+    core = llm.llm_engine.engine_core
+    assert core.async_scheduling is True
+    prompts = _editing_prompts()[:2]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert _spec_stats(llm).spec_num_accepted_tokens > 0
+    core.scheduler.draft_length = _Resting()
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"rest-{i}", prompt, params)
+    got: dict[str, list[int]] = {}
+    in_flight = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+        in_flight.append(core._in_flight is not None)
+    assert [got[f"rest-{i}"] for i in range(len(prompts))] == want
+    assert sum(in_flight) >= len(in_flight) - 2    # all but the last steps overlapped
 
 
 def test_suffix_greedy_outputs_equal_and_learn_across_requests(plain_llm) -> None:

@@ -8,81 +8,50 @@ engine/grammar_manager.py). What is left to decide is how far.
 from __future__ import annotations
 
 
-class AdaptiveDraftLength:
-    """How many drafts each request verifies this step: the k that maximises the expected
-    tokens per second of the step, from the measured cost of steps by size and each
-    request's measured acceptance.
+class StepCostCurve:
+    """Measured seconds of steps by their tokens: one point per size bucket (powers of two),
+    each an exponential moving average of its steps' (tokens, seconds), read by linear
+    interpolation. A step of 64 tokens and one of 64 + 56 share a bucket; the bucket is a
+    point at its steps' mean size, not its lower edge (read there, the larger steps' times
+    would make the smaller look dear). Past the largest point the cost grows in proportion
+    to the tokens from there (flat when only one point is known: optimistic, so larger
+    steps are tried and measured)."""
 
-    A step's cost is not linear in its tokens: up to some size the weights' reading dominates
-    and extra tokens are nearly free (a 5-token step cost 1.04x a 1-token one on the CPU),
-    beyond it they cost their compute. So step times are kept per size bucket (powers of
-    two, an exponential moving average each) and read by linear interpolation; past the
-    largest bucket measured, the cost grows in proportion to the tokens from there, and with
-    nothing measured beyond one size the curve is flat (optimistic: speculation is tried, its
-    steps measured, and the choice corrected).
-
-    With B requests able to draft, request r keeping its i-th draft with probability a_r^i
-    (a_r an EMA of its accepted / drafted), a step with k drafts each yields
-    Σ_r (1 + a_r + ... + a_r^k) tokens, plus one for every request that does not draft; the
-    chosen k maximises that over cost(T) for the step's tokens T. k = 0 whenever drafting
-    would lower the rate (large batches past the knee, low acceptance): speculation steps
-    aside where it would cost.
-
-    A k = 0 verdict rests on measurements that may be stale or noisy (a step timed while
-    another process held the core); with k = 0 no verify step is timed again, so the
-    verdict would stand for good. So after `probe_after` steps of k = 0 while drafts were
-    on offer, one step drafts in full to measure again; each probe that confirms k = 0
-    doubles the wait (up to MAX_PROBE_AFTER steps, where a probe costs a large batch well
-    under a per cent), and a step that chooses to draft resets it."""
-
-    # A request's acceptance rate before its first verify step (optimistic, so it is tried).
-    PRIOR_ACCEPTANCE = 0.7
     _EMA_STEP = 0.2    # weight of a new step time in its bucket
-    _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
-    MIN_PROBE_AFTER = 16
-    MAX_PROBE_AFTER = 1024
 
-    # A bucket not timed for this many steps is stale: its next time replaces it outright
-    # (a probe must be able to overturn an old noisy figure in one step).
-    STALE_AFTER_STEPS = 64
-
-    def __init__(self) -> None:
-        # log2 bucket of the step's tokens -> (mean tokens, mean seconds) of its steps, EMAs:
-        # each bucket is a measured point of the cost curve where its steps actually were
-        # (a step of 64 tokens and one of 64 + 56 drafts share a bucket; read at its lower
-        # edge, the drafting steps' times would make plain steps look dear and drafts free)
-        self.bucket_points: dict[int, tuple[float, float]] = {}
-        self._bucket_timed_at: dict[int, int] = {}   # log2 bucket -> step count when last timed
-        self._steps_timed = 0
-        self.acceptance: dict[str, float] = {}
-        self.probe_after = self.MIN_PROBE_AFTER
-        self._steps_without_drafts = 0
+    def __init__(self, stale_after: int) -> None:
+        # log2 bucket of the step's tokens -> (mean tokens, mean seconds), EMAs
+        self.points: dict[int, tuple[float, float]] = {}
+        self.timed_at: dict[int, int] = {}   # bucket -> the policy's step count when timed
+        self.stale_after = stale_after
 
     @staticmethod
-    def _bucket(num_tokens: int) -> int:
+    def bucket(num_tokens: int) -> int:
         return max(num_tokens, 1).bit_length() - 1     # 1 -> 0, 2-3 -> 1, 4-7 -> 2, ...
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        b = self._bucket(num_tokens)
-        self._steps_timed += 1
-        old = self.bucket_points.get(b)
-        if old is not None and self._steps_timed - self._bucket_timed_at[b] > self.STALE_AFTER_STEPS:
+    def observe(self, num_tokens: int, seconds: float, now: int) -> None:
+        b = self.bucket(num_tokens)
+        old = self.points.get(b)
+        # A bucket not timed for a while is stale: its next time replaces it outright (a
+        # probe must be able to overturn an old noisy figure in one step).
+        if old is not None and now - self.timed_at[b] > self.stale_after:
             old = None
-        self._bucket_timed_at[b] = self._steps_timed
+        self.timed_at[b] = now
         if old is None:
-            self.bucket_points[b] = (float(num_tokens), seconds)
+            self.points[b] = (float(num_tokens), seconds)
         else:
             w = self._EMA_STEP
-            self.bucket_points[b] = ((1 - w) * old[0] + w * num_tokens,
-                                     (1 - w) * old[1] + w * seconds)
+            self.points[b] = ((1 - w) * old[0] + w * num_tokens, (1 - w) * old[1] + w * seconds)
+
+    def knows(self, num_tokens: int, now: int, max_age: int) -> bool:
+        """Whether a step of this size was timed in the last max_age steps."""
+        b = self.bucket(num_tokens)
+        return b in self.points and now - self.timed_at[b] <= max_age
 
     def cost(self, num_tokens: int) -> float | None:
-        """The expected seconds of a step of num_tokens tokens (None before any step)."""
-        if not self.bucket_points:
+        if not self.points:
             return None
-        pts = sorted(self.bucket_points.values())
+        pts = sorted(self.points.values())
         x = max(num_tokens, 1)
         if x <= pts[0][0]:
             return pts[0][1]
@@ -94,6 +63,80 @@ class AdaptiveDraftLength:
             return y_last                              # nothing known past it: flat
         return y_last * max(1.0, x / x_last) if y_last > pts[-2][1] else y_last
 
+
+class AdaptiveDraftLength:
+    """How many drafts each request verifies this step: the k that maximises the expected
+    tokens per second of the step, from the measured cost of steps by size and each
+    request's measured acceptance.
+
+    A step's cost is not linear in its tokens: up to some size the weights' reading dominates
+    and extra tokens are nearly free (a 5-token step cost 1.04x a 1-token one on the CPU),
+    beyond it they cost their compute. Steps that verify drafts also carry costs of their
+    own that plain steps do not: the engine runs them synchronously (the next step needs
+    their kept tokens), so the host's scheduling is no longer hidden behind the device's
+    work, and the verification itself. At batch 64 on a GPU a plain step of a small model
+    took 2.4 ms and a verify step twice as long, whatever its drafts. So plain steps and
+    verify steps keep separate cost curves (StepCostCurve), and k = 0 is priced on the plain
+    one. A plain size never timed (or not for MAX_PROBE_AFTER steps) is measured first:
+    one step without drafts.
+
+    With B requests able to draft, request r keeping its i-th draft with probability a_r^i
+    (a_r an EMA of its accepted / drafted), a step with k drafts each yields
+    Σ_r (1 + a_r + ... + a_r^k) tokens, plus one for every request that does not draft; the
+    chosen k maximises that over cost(T) for the step's tokens T. k = 0 whenever drafting
+    would lower the rate (large batches past the knee, low acceptance): speculation steps
+    aside where it would cost, and the engine goes back to overlapping steps.
+
+    A k = 0 verdict rests on measurements that may be stale or noisy (a step timed while
+    another process held the core); with k = 0 no verify step is timed again, so the
+    verdict would stand for good. So after `probe_after` steps of k = 0 while drafts were
+    on offer, one step drafts in full to measure again; each probe that confirms k = 0
+    doubles the wait (up to MAX_PROBE_AFTER steps, where a probe costs a large batch well
+    under a per cent), and a step that chooses to draft resets it."""
+
+    # A request's acceptance rate before its first verify step (optimistic, so it is tried).
+    PRIOR_ACCEPTANCE = 0.7
+    _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
+    MIN_PROBE_AFTER = 16
+    MAX_PROBE_AFTER = 1024
+
+    # A bucket not timed for this many steps is stale: its next time replaces it outright.
+    STALE_AFTER_STEPS = 64
+
+    def __init__(self) -> None:
+        self.plain = StepCostCurve(self.STALE_AFTER_STEPS)
+        self.verify = StepCostCurve(self.STALE_AFTER_STEPS)
+        self._steps_timed = 0
+        self.acceptance: dict[str, float] = {}
+        self.probe_after = self.MIN_PROBE_AFTER
+        self._steps_without_drafts = 0
+        # Resting: the last verdict was k = 0 with drafts on offer. Proposals are then not
+        # made (the scheduler asks `wants_proposals`), since at a large batch making them
+        # costs the host more than the step it would speed up; they are made again for a
+        # probe and for the verdict right after it.
+        self._resting = False
+        self._judge_next = False
+
+    def wants_proposals(self) -> bool:
+        """Whether the drafter should propose after this step (for the next one)."""
+        return (not self._resting or self._judge_next
+                or self._steps_without_drafts + 1 >= self.probe_after)
+
+    def observe_step(self, num_tokens: int, seconds: float, verify: bool) -> None:
+        """A step's wall time; `verify`: it carried drafts."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        self._steps_timed += 1
+        (self.verify if verify else self.plain).observe(num_tokens, seconds, self._steps_timed)
+
+    def cost(self, num_tokens: int, verify: bool = True) -> float | None:
+        """The expected seconds of a step of num_tokens tokens (None before any step); a plain
+        step's from the verify steps' curve until a plain step is timed."""
+        if verify:
+            return self.verify.cost(num_tokens)
+        plain = self.plain.cost(num_tokens)
+        return plain if plain is not None else self.verify.cost(num_tokens)
+
     def observe_acceptance(self, request_id: str, num_drafts: int, accepted: int) -> None:
         if num_drafts > 0:
             old = self.acceptance.get(request_id, self.PRIOR_ACCEPTANCE)
@@ -103,34 +146,57 @@ class AdaptiveDraftLength:
     def drop(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
 
+    def will_draft(self, drafting: dict[str, int], other_tokens: int) -> bool:
+        """Whether `choose` with these arguments would draft (no state changes): the engine
+        asks before scheduling, to run the step synchronously if so."""
+        return self._plan(drafting, other_tokens)[0] > 0
+
     def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
         """The draft length for this step: `drafting` maps each request that has drafts to
         how many it has, `other_tokens` counts the step's other tokens (one per request that
         decodes without drafts, and each drafting request's own token is added here)."""
         if not drafting:
+            if self._resting and other_tokens > 0 and not self.wants_proposals():
+                self._steps_without_drafts += 1    # a k = 0 step: proposals were skipped
             return 0
+        k, probe = self._plan(drafting, other_tokens)
+        self._judge_next = probe       # the probe's time is judged with fresh proposals
+        if probe:
+            self._steps_without_drafts = 0
+            self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
+        elif k > 0:
+            self.probe_after = self.MIN_PROBE_AFTER
+            self._steps_without_drafts = 0
+            self._resting = False
+        else:
+            self._steps_without_drafts += 1
+            self._resting = True
+        return k
+
+    def _plan(self, drafting: dict[str, int], other_tokens: int) -> tuple[int, bool]:
+        """(k, whether k is a probe of a k = 0 verdict)."""
+        if not drafting:
+            return 0, False
         max_k = max(drafting.values())
         best_k = self._best_k(drafting, other_tokens, max_k)
         if best_k > 0:
-            self.probe_after = self.MIN_PROBE_AFTER
-            self._steps_without_drafts = 0
-            return best_k
-        self._steps_without_drafts += 1
-        if self._steps_without_drafts < self.probe_after:
-            return 0
-        self._steps_without_drafts = 0
-        self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
-        return max_k
+            return best_k, False
+        if self._steps_without_drafts + 1 < self.probe_after:
+            return 0, False
+        return max_k, True
 
     def _best_k(self, drafting: dict[str, int], other_tokens: int, max_k: int) -> int:
-        rates = [self.acceptance.get(rid, self.PRIOR_ACCEPTANCE) for rid in drafting]
         base = other_tokens + len(drafting)
+        if self.verify.cost(base) is None:
+            return max_k                         # no verify step measured yet: try it
+        if self.plain.points and not self.plain.knows(base, self._steps_timed,
+                                                      self.MAX_PROBE_AFTER):
+            return 0                             # time a plain step of this size first
+        rates = [self.acceptance.get(rid, self.PRIOR_ACCEPTANCE) for rid in drafting]
         best_k, best_rate = 0, None
         for k in range(max_k + 1):
             tokens = base + sum(min(k, n) for n in drafting.values())
-            cost = self.cost(tokens)
-            if cost is None:
-                return max_k                     # nothing measured yet: try it
+            cost = self.cost(tokens, verify=k > 0)
             gain = other_tokens
             for a, n in zip(rates, drafting.values()):
                 kk = min(k, n)
@@ -145,7 +211,7 @@ class FixedDraftLength:
     """Every request verifies all the drafts its proposer gave (speculative_config's
     adaptive_draft_length false): reproducible step shapes, for benchmarks and tests."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, verify: bool) -> None:
         """Nothing to learn: the length is fixed."""
 
     def observe_acceptance(self, request_id: str, num_drafts: int, accepted: int) -> None:
@@ -153,6 +219,12 @@ class FixedDraftLength:
 
     def drop(self, request_id: str) -> None:
         """Nothing is kept per request."""
+
+    def will_draft(self, drafting: dict[str, int], other_tokens: int) -> bool:
+        return bool(drafting)
+
+    def wants_proposals(self) -> bool:
+        return True
 
     def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
         return max(drafting.values(), default=0)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 17 (speculative decoding) on the lent GPU:
+#   PART=verify|editing bash tools/device_issue17.sh
+# Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
+# (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
+# `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
+# which joins them (split here: head -c 37748736 FILE > .smolA/part; tail -c +37748737 FILE
+# > .smolB/part).
+set -uo pipefail
+STEP_PATTERN="verify|plain|ms/step|latency:|decode:|accept|spec|passed|failed|Error|error"
+. tools/device_common.sh
+SMOL=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+EDIT="python3 -m folio.bench.latency --model $SMOL --dataset editing --input-len 400 --no-roofline --max-model-len 1024 --num-iters-warmup 1"
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+SUFFIX='{"method": "suffix", "num_speculative_tokens": 8}'
+case "${PART:-verify}" in
+copy)
+  mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+verify)
+  mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA
+  step 300 verify_llama8b python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --profile
+  FOLIO_GEMV=all step 200 verify_llama8b_gemv_all python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 ;;
+editing)
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  step 120 edit_off1 $EDIT --output-len 384 --num-iters 5 --output-json $OUT/edit_off1.json
+  step 120 edit_ngram1 $EDIT --output-len 384 --num-iters 5 --speculative-config "$NGRAM" --output-json $OUT/edit_ngram1.json
+  step 120 edit_suffix1 $EDIT --output-len 384 --num-iters 5 --speculative-config "$SUFFIX" --output-json $OUT/edit_suffix1.json
+  step 120 edit_off2 $EDIT --output-len 384 --num-iters 5
+  step 120 edit_ngram2 $EDIT --output-len 384 --num-iters 5 --speculative-config "$NGRAM"
+  B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 150 b64_off $B64
+  step 150 b64_ngram $B64 --speculative-config "$NGRAM"
+  step 150 b64_off2 $B64 ;;
+editing2)  # after the async-while-resting change: batch 64 both orders, batch 1 once more
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 150 b64_off $B64
+  step 150 b64_ngram $B64 --speculative-config "$NGRAM"
+  step 150 b64_suffix $B64 --speculative-config "$SUFFIX"
+  step 150 b64_ngram2 $B64 --speculative-config "$NGRAM"
+  step 150 b64_off2 $B64
+  step 120 edit_off $EDIT --output-len 384 --num-iters 5
+  step 120 edit_ngram $EDIT --output-len 384 --num-iters 5 --speculative-config "$NGRAM"
+  step 120 edit_suffix $EDIT --output-len 384 --num-iters 5 --speculative-config "$SUFFIX" ;;
+esac

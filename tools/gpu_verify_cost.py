@@ -1,0 +1,105 @@
+"""GPU helper (issue 17's target "a verify step of k=4 costs <= 1.15x a plain decode step",
+Llama-3-8B shape, batch 1): engine steps timed by hand (EngineCore.step_times), once without
+speculation and once with n-gram speculation whose proposer is replaced here by one that
+always drafts k tokens (the last token repeated), so every decode step is a verify step of
+k + 1 tokens whatever the random weights say. Steps of the prefill are left out of both
+medians by timing only after the first token.
+
+python tools/gpu_verify_cost.py [--config llama3-8b] [--k 4] [--output-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from folio import LLM, SamplingParams
+from folio.bench.random_model import build_random_model
+
+
+def _always_draft(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+    return [token_ids[-1]] * k if k > 0 else []
+
+
+def _step_times(llm: LLM, prompt: list[int], output_len: int) -> tuple[list[float], int]:
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            detokenize=False)
+    engine.add_request("verify-cost", {"prompt_token_ids": prompt}, params)
+    engine.step()  # the prefill
+    times = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        steps += 1
+    return times, steps
+
+
+def _profile(llm: LLM, prompt: list[int], label: str) -> None:
+    """GPU time per decode step against its wall time (host-bound or kernel-bound?), and
+    the kernels taking most of it."""
+    from torch.profiler import ProfilerActivity, profile
+    steps = 16
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        times, _ = _step_times(llm, prompt, steps + 1)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    gpu_us = sum(e.self_device_time_total for e in events)
+    print(f"{label} profile: wall {statistics.fmean(times) * 1e3:.3f} ms/step (profiled), "
+          f"GPU busy {gpu_us / 1e3 / (steps + 1):.3f} ms/step")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"  {label} {e.self_device_time_total / 1e3 / (steps + 1):8.3f} ms/step "
+              f"{e.count:6d}x {e.key[:90]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="llama3-8b")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 16 steps of each (GPU time per step, top kernels)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU check)")
+    args = parser.parse_args()
+    from folio.core.spec.ngram import NgramProposer
+    model = build_random_model(args.config, num_layers=args.num_layers)
+    prompt = list(range(1000, 1128))
+    results = {}
+    for label, spec in (("plain", None),
+                        ("verify", {"method": "ngram", "num_speculative_tokens": args.k,
+                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                    "adaptive_draft_length": False})):
+        original = NgramProposer.propose
+        if spec is not None:
+            NgramProposer.propose = _always_draft
+        try:
+            llm = LLM(model, dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
+                      speculative_config=spec, enforce_eager=args.enforce_eager)
+            _step_times(llm, prompt, 32)  # warm-up: autotune, graphs
+            times, steps = _step_times(llm, prompt, args.output_len)
+            if args.profile:
+                _profile(llm, prompt, label)
+            stats = llm.llm_engine.engine_core.scheduler.stats()
+        finally:
+            NgramProposer.propose = original
+        median = statistics.median(times) * 1e3
+        results[label] = median
+        print(f"{label}: {steps} steps, median {median:.3f} ms/step, mean "
+              f"{statistics.fmean(times) * 1e3:.3f}; drafts {stats.spec_num_drafts}, "
+              f"draft tokens {stats.spec_num_draft_tokens}, accepted "
+              f"{stats.spec_num_accepted_tokens}")
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"verify step (k={args.k}) / plain decode step: "
+          f"{results['verify'] / results['plain']:.3f}x (target <= 1.15x)")
+
+
+if __name__ == "__main__":
+    main()
