@@ -258,6 +258,11 @@ class ParallelConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model's layers split over this
     # many workers (folio/model/tensor_parallel.py), which then run on the mp executor.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (vLLM's --pipeline-parallel-size): the layers split into this many
+    # stages, each a tensor-parallel group of workers (folio/model/pipeline_parallel.py);
+    # `pp_layer_partition`: the layers of each stage, "8,8,7,7" (default: an even split).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     # Data parallelism (vLLM's --data-parallel-size): this many engine cores, each with its
     # own replica of the model (and its own tensor-parallel group), behind one API server
     # (folio/engine/dp_async_llm.py); `data_parallel_rank` is the replica an engine core is.
@@ -289,14 +294,25 @@ class ParallelConfig:
                  "data_parallel_size", f"must be a positive int, got {self.data_parallel_size!r}")
         _require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
                  f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
-        if self.tensor_parallel_size > 1:
+        _require(isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+                 "pipeline_parallel_size", f"must be a positive int, got "
+                 f"{self.pipeline_parallel_size!r}")
+        _require(self.pp_layer_partition is None or self.pipeline_parallel_size > 1,
+                 "pp_layer_partition", "needs pipeline_parallel_size > 1")
+        world = self.world_size
+        if world > 1:
             # each rank is a worker process (as vLLM, mp is the default for N > 1)
-            _require(self.num_workers in (1, self.tensor_parallel_size), "num_workers",
-                     "with tensor_parallel_size > 1 the workers are its ranks: leave "
+            _require(self.num_workers in (1, world), "num_workers",
+                     "with tensor or pipeline parallelism the workers are its ranks: leave "
                      "num_workers unset")
             if self.distributed_executor_backend == "uni":
                 self.distributed_executor_backend = "mp"
-            self.num_workers = self.tensor_parallel_size
+            self.num_workers = world
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of one replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -174,10 +174,15 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  async_scheduling: bool = False, drafter: Drafter | None = None,
                  adaptive_draft_length: bool = True, max_loras: int = 0,
-                 max_queue_time: float | None = None) -> None:
+                 max_queue_time: float | None = None, pipelined: bool = False) -> None:
         """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
         device slots); 0 = LoRA off. `max_queue_time`: seconds a request may wait for its
-        first step before it is finished with reason "timeout" (None = forever)."""
+        first step before it is finished with reason "timeout" (None = forever).
+        `pipelined`: several steps are in flight at once (pipeline parallelism), each of other
+        requests: a request whose sampled token is still in flight sits out the step."""
+        if pipelined and async_scheduling:
+            raise ValueError("pipelined steps and async_scheduling exclude each other: a "
+                             "request's token in flight makes it sit out, not run ahead")
         if drafter is not None and async_scheduling and drafter.lookahead:
             raise ValueError("a draft model's drafts come with each step's output: "
                              "async_scheduling must be off")
@@ -192,6 +197,7 @@ class Scheduler:
         # Schedule the next step before the step in flight has returned its tokens: running
         # requests then also decode the token still being sampled (see Request.num_pending_tokens).
         self.async_scheduling = async_scheduling
+        self.pipelined = pipelined
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -278,6 +284,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.pipelined and request.num_pending_tokens:
+                index += 1     # its token is in a step still in flight
+                continue
             pending = request.num_pending_tokens if self.async_scheduling else 0
             num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens,
                           budget)
@@ -339,7 +348,7 @@ class Scheduler:
         while (not preempted and len(self.waiting) > 0 and budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting.peek()
-            if self.async_scheduling and request.num_pending_tokens:
+            if (self.async_scheduling or self.pipelined) and request.num_pending_tokens:
                 # Preempted with a token in flight: it resumes once that token is known.
                 break
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:

@@ -90,7 +90,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="uni: the worker runs in the engine-core process; mp: workers in "
                              "their own processes, fed the step messages over ZMQ; ray: the "
                              "workers as Ray actors (the cluster RAY_ADDRESS names, or a local "
-                             "one) (default: uni, mp with --tensor-parallel-size > 1, or "
+                             "one) (default: uni, mp with --tensor- or --pipeline-parallel-size > 1, or "
                              "$FOLIO_DISTRIBUTED_EXECUTOR_BACKEND)")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="replica workers of the mp executor (each a full copy of the "
@@ -99,6 +99,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="split the model's layers over this many workers (ranks: "
                              "torch.distributed, gloo on the CPU, NCCL on GPUs; the mp "
                              "executor)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the model's layers into this many stages, run one after "
+                             "another on their own workers (each stage a tensor-parallel "
+                             "group: TP x PP ranks), with up to this many batches in flight")
+    parser.add_argument("--pp-layer-partition", default=None,
+                        help="the layers of each pipeline stage, comma-separated (e.g. "
+                             "'16,16' or '9,8,8,7'; default: an even split, the earlier "
+                             "stages taking the remainder)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="with --tensor-parallel-size N, a mixture-of-experts model's "
                              "experts are spread over the N ranks (each holds 1/N of them, "
@@ -266,6 +274,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         num_workers=getattr(args, "num_workers", 1),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        pp_layer_partition=getattr(args, "pp_layer_partition", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         speculative_config=getattr(args, "speculative_config", None),

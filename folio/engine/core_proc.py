@@ -77,11 +77,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 def _narrow_visible_devices(config: EngineConfig) -> None:
     """A data-parallel replica's engine core sees only its own GPUs (replica r: devices
-    r*TP ... r*TP + TP - 1 of those visible), set before CUDA starts in this process."""
+    r*W ... r*W + W - 1 of those visible, W = TP x PP ranks), set before CUDA starts in this
+    process."""
     parallel = config.parallel
     if parallel.data_parallel_size == 1 or config.model.device == "cpu":
         return
-    tp = parallel.tensor_parallel_size
+    tp = parallel.world_size
     first = parallel.data_parallel_rank * tp
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(first + tp)]

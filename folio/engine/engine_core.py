@@ -6,6 +6,7 @@ import logging
 
 import gc
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,9 @@ class EngineCore:
                 logger.warning("async_scheduling is off with a draft model or EAGLE head: "
                                "its drafts come with each step's output")
             async_scheduling = False
+        if config.parallel.pipeline_parallel_size > 1:
+            # pipelined steps overlap instead: each of other requests, one per stage
+            async_scheduling = False
         self.async_scheduling = async_scheduling
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager, max_num_seqs=sched.max_num_seqs,
@@ -81,11 +85,16 @@ class EngineCore:
             adaptive_draft_length=(config.speculative is None
                                    or config.speculative.adaptive_draft_length),
             max_loras=0 if config.lora is None else config.lora.max_loras,
-            max_queue_time=config.admission.max_queue_time)
+            max_queue_time=config.admission.max_queue_time,
+            pipelined=config.parallel.pipeline_parallel_size > 1)
         # Sleep mode: 0 awake, else the level slept at (requests wait).
         self.sleep_level = 0
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
+        # Pipeline parallelism: up to one step per stage in flight, oldest first, each of
+        # other requests (the scheduler leaves out those with a token still in flight).
+        self._max_in_flight = config.parallel.pipeline_parallel_size
+        self._pipeline: deque[tuple[ScheduledStep, PendingOutput]] = deque()
         # Speculative decoding sizes its drafts from measured step times.
         self._time_steps = drafter is not None and config.speculative.adaptive_draft_length
         # Set to a StepTimes to have each step's parts timed (benchmarks).
@@ -130,6 +139,8 @@ class EngineCore:
         outputs += self.scheduler.expire_requests(time.monotonic())
         if self.sleep_level:
             return outputs      # asleep: requests wait for wake_up
+        if self._max_in_flight > 1:
+            return outputs + self._step_pipelined()
         if self._in_flight is not None and (_needs_tokens_first(self._in_flight[0])
                                             or self.scheduler.next_step_drafts()):
             # A request in flight needs its new token on the host before its next step can be
@@ -180,6 +191,33 @@ class EngineCore:
                                              time.perf_counter() - step_start, verify)
         return outputs
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: schedule and queue a step while up to one per stage is in
+        flight, so that each stage works on a different step; the oldest is finished once
+        the pipeline is full, or when there is nothing new to run."""
+        outputs: list[EngineCoreOutput] = []
+        if len(self._pipeline) >= self._max_in_flight:
+            outputs += self._finish_oldest()
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            message = step.message
+            if message.finished_req_ids or message.preempted_req_ids or message.removed_lora_ids:
+                self.executor.execute_model(message)
+            if self._pipeline:
+                return outputs + self._finish_oldest()
+            if self.structured_output.has_pending() and not outputs:
+                self.structured_output.wait_for_pending(timeout=0.01)
+            return outputs
+        fill = None
+        if step.message.has_grammar:
+            fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
+        self._pipeline.append((step, self.executor.execute_model_async(step.message, fill)))
+        return outputs
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        step, pending = self._pipeline.popleft()
+        return self.scheduler.update_from_output(step, pending.get())
+
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         step, pending = self._in_flight
         self._in_flight = None
@@ -215,7 +253,8 @@ class EngineCore:
                 or self.scheduler.has_expired_pins(time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._pipeline))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -280,6 +319,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._in_flight = None
+        self._pipeline.clear()
         self.structured_output.shutdown()
         self.executor.shutdown()
 

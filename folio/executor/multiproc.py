@@ -2,9 +2,10 @@
 
 Each step message is encoded once and sent to every worker over its own ZMQ PUSH socket (ipc);
 when the step has a grammar, its bitmask follows as a second message, filled by the engine's
-matchers while the workers run the forward pass. Every worker runs every step (today each
-holds a whole replica; tensor parallelism will give each a shard); rank 0 sends the output
-back, tagged with the step's id, so a step's output can be waited for out of order (the engine
+matchers while the workers run the forward pass. Every worker runs every step (each holds
+a whole replica, or its part of the model: a tensor-parallel slice, a pipeline stage's
+layers); the output rank (rank 0, or the last pipeline stage's first) sends the output back,
+tagged with the step's id, so a step's output can be waited for out of order (the engine
 runs an empty step to drop finished requests while another is in flight).
 
 Why ZMQ and not a shared-memory ring: see docs/benchmarks.md ("Step transport") — at the sizes
@@ -106,6 +107,7 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        # The first rank's description (every rank builds the same layout and vocabulary).
         first = infos[0]
         self.device_type: str = first.device_type
         # Each rank sizes its cache from its own memory; the smallest decides for all.
@@ -124,7 +126,7 @@ class MultiprocExecutor:
         return f"tcp://{self._host}:{port}"
 
     def _spawn_workers(self, arg_list: list[wp.WorkerArgs], config: EngineConfig) -> list:
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             dist_init = f"tcp://127.0.0.1:{_free_port()}"
             arg_list = [dataclasses.replace(a, dist_init_method=dist_init) for a in arg_list]
         return [WorkerProcess(args) for args in arg_list]

@@ -38,7 +38,7 @@ BITMASK = b"MASK"       # GrammarBitmask of the step just sent (empty payload: n
 SHUTDOWN = b"STOP"
 # Worker -> executor frames: [kind, rank, step id, payload].
 READY = b"READY"        # WorkerInfo
-OUTPUT = b"OUT"         # ModelRunnerOutput (rank 0 only)
+OUTPUT = b"OUT"         # ModelRunnerOutput (the output rank only)
 ERROR = b"ERR"          # WorkerError
 
 _POLL_MS = 1000
@@ -56,7 +56,7 @@ class WorkerArgs:
     parent_pid: int | None   # the process whose exit ends the worker (None: Ray's actor)
     log_level: int
     # torch.distributed's rendezvous (tcp://127.0.0.1:PORT) when the workers are the ranks of
-    # a tensor-parallel group; None for replicas.
+    # a tensor- or pipeline-parallel group; None for replicas.
     dist_init_method: str | None = None
 
 
@@ -119,10 +119,18 @@ def run_worker(args: WorkerArgs) -> None:
         context.term()
 
 
+def output_rank(config: EngineConfig) -> int:
+    """The rank that sends each step's output: the last pipeline stage's first
+    tensor-parallel rank (rank 0 without a pipeline)."""
+    parallel = config.parallel
+    return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+
 def _start_worker(args: WorkerArgs):
     import torch
-    from folio.worker.worker import Worker, resolve_device
-    from folio.worker.worker import join_tensor_parallel
+    from folio.model.families import arch_spec_from_hf_config
+    from folio.model.pipeline_parallel import stage_of
+    from folio.worker.worker import Worker, join_parallel, resolve_device
     device = resolve_device(args.config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(args.rank)
@@ -131,9 +139,13 @@ def _start_worker(args: WorkerArgs):
         workers = args.config.parallel.num_workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     parallel = args.config.parallel
-    tp = join_tensor_parallel(args.rank, parallel.tensor_parallel_size, args.dist_init_method,
-                              device, parallel.enable_expert_parallel)
-    return Worker(args.config, args.source, args.hf_config, tp=tp)
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    pp = stage_of(args.rank, tp_size, pp_size,
+                  arch_spec_from_hf_config(args.hf_config).num_layers,
+                  parallel.pp_layer_partition)
+    tp = join_parallel(args.rank, tp_size, pp_size, args.dist_init_method, device,
+                       parallel.enable_expert_parallel)
+    return Worker(args.config, args.source, args.hf_config, tp=tp, pp=pp)
 
 
 def _serve(worker, args: WorkerArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
@@ -143,7 +155,9 @@ def _serve(worker, args: WorkerArgs, inbox: zmq.Socket, outbox: zmq.Socket) -> N
     # step's latency). A short interval hands it over within tens of microseconds.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     results: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_send_outputs, args=(results, outbox, args.rank),
+    sender = threading.Thread(target=_send_outputs,
+                              args=(results, outbox, args.rank,
+                                    args.rank == output_rank(args.config)),
                               name="folio-worker-output", daemon=True)
     sender.start()
     try:
@@ -186,9 +200,10 @@ def _receive_bitmask(inbox: zmq.Socket):
     return step_codec.decode_bitmask(payload) if payload else None
 
 
-def _send_outputs(results: queue.Queue, outbox: zmq.Socket, rank: int) -> None:
-    """The output thread: each step's output, in step order, to the executor (rank 0); the
-    other ranks wait for theirs too, so an error on any rank is reported."""
+def _send_outputs(results: queue.Queue, outbox: zmq.Socket, rank: int, sends: bool) -> None:
+    """The output thread: each step's output, in step order, to the executor (`sends`: this
+    is the output rank); the other ranks wait for theirs too, so an error on any rank is
+    reported."""
     rank_frame = frame_int(rank)
     while True:
         item = results.get()
@@ -204,7 +219,7 @@ def _send_outputs(results: queue.Queue, outbox: zmq.Socket, rank: int) -> None:
             logger.error("%s\n%s", detail, traceback.format_exc())
             outbox.send_multipart([ERROR, rank_frame, frame_int(step_id), error_frame(exc, rank)])
             return
-        if rank == 0:
+        if sends:
             outbox.send_multipart([OUTPUT, rank_frame, frame_int(step_id),
                                    step_codec.encode(output)])
 

@@ -12,6 +12,7 @@ from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from folio.model.mla import MLAttention
 from folio.model.moe.layer import EXPERT_SHARDS, SparseMoeBlock
+from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.tensor_parallel import (SINGLE, TPGroup, VocabParallelEmbedding, read_part,
                                          shard_of_checkpoint, vocab_part)
 
@@ -116,29 +117,42 @@ def make_rotaries(spec: ArchSpec, max_positions: int, hf_config: Any,
     return out
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: keeps the layer indices (and the checkpoint's
+    names) of this stage's layers as they are; never run."""
+
+
 class DecoderLM(nn.Module):
     def __init__(self, spec: ArchSpec, hf_config: Any, backend: AttentionBackend,
                  max_positions: int, kernels: KernelConfig = DEFAULT_KERNEL_CONFIG,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, pp: PPStage = WHOLE) -> None:
         """`kernels`: the kernel choices every layer is built with (load_model resolves them
         from the environment once; the backend should have been picked from the same config).
         `tp`: this rank's tensor-parallel group; `spec` is then the rank's local spec
         (tensor_parallel.local_spec), and the embedding and output matrix hold its
-        vocabulary rows."""
+        vocabulary rows. `pp`: this rank's pipeline stage: only its layers are built (and
+        the embedding on the first stage, the final norm and output matrix on the last)."""
         super().__init__()
         self.spec = spec
         self.kernel_config = kernels
         self.tp = tp
+        self.pp = pp
         rotaries = make_rotaries(spec, max_positions, hf_config, kernels)
-        self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size) if tp.size == 1
-                             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp))
+        # The embedding: the first stage's input, and the last stage's output matrix if tied.
+        self.embed_tokens = None
+        if pp.is_first or (pp.is_last and spec.tie_word_embeddings):
+            self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size) if tp.size == 1
+                                 else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size,
+                                                             tp))
         windows = spec.sliding_windows or (None,) * spec.num_layers
         layer_type = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_type(spec, rotaries[i], backend, windows[i], kernels, i)
-            for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(
+            layer_type(spec, rotaries[i], backend, windows[i], kernels, i) if pp.owns(i)
+            else MissingLayer() for i in range(spec.num_layers))
+        # This stage's layers, in order (with kv_caches[j] the cache of the j-th of them).
+        self.stage_layers = [i for i in range(spec.num_layers) if pp.owns(i)]
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if pp.is_last else None
+        self.lm_head = None if spec.tie_word_embeddings or not pp.is_last else nn.Linear(
             spec.hidden_size, vocab_part(spec.vocab_size, tp).size, bias=False)
         if self.lm_head is not None and tp.size > 1:
             self.lm_head.tp_vocab = spec.vocab_size   # its rows: this rank's vocabulary
@@ -153,25 +167,42 @@ class DecoderLM(nn.Module):
         self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata) -> torch.Tensor | None:
         """Flat batch in, final hidden states out ([T, hidden]); logits are computed only for
-        the rows that need them (compute_logits)."""
-        hidden = self.embed_tokens(input_ids)
-        if self.spec.embed_scale != 1.0:
-            # Gemma: the scale rounded to the activations' dtype first, as transformers does
-            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
-        residual = None
+        the rows that need them (compute_logits). `kv_caches`: this stage's layers' caches.
+        A pipeline stage before the last sends its residual stream on and returns None."""
+        pp = self.pp
+        if pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+            if self.spec.embed_scale != 1.0:
+                # Gemma: the scale rounded to the activations' dtype first, as transformers does
+                hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+            residual = None
+        else:
+            hidden, residual = pp.receive(input_ids.shape[0], self.spec.hidden_size,
+                                          self.norm_dtype(), input_ids.device)
         aux = self.aux_hidden_layers
         if aux:
             kept: dict[int, torch.Tensor] = {}
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
             if aux and i in aux:
                 kept[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, metadata)
         if aux:
             self.aux_hidden_states = [kept[i] for i in aux]
+        if not pp.is_last:
+            pp.send(hidden, residual)
+            return None
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def norm_dtype(self) -> torch.dtype:
+        """The activations' dtype (a later stage has no embedding to read it from)."""
+        for param in self.parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                return param.dtype
+        return torch.float32
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None:
@@ -205,7 +236,10 @@ class DecoderLM(nn.Module):
             return None  # derived buffers some checkpoints carry
         name = name.removeprefix("model.") if not name.startswith("lm_head") else name
         if name == "lm_head.weight" and self.lm_head is None:
-            return None  # tied: the embedding is the output matrix
+            return None  # tied (the embedding is the output matrix), or not this stage's
+        if (name.startswith("embed_tokens.") and self.embed_tokens is None) \
+                or (name == "norm.weight" and self.norm is None):
+            return None  # another pipeline stage's
         layer, sep, rest = name.partition(".self_attn.")
         if sep and rest in _KV_SCALE_NAMES:
             return f"{layer}.self_attn", None, _KV_SCALE_NAMES[rest]
@@ -215,6 +249,9 @@ class DecoderLM(nn.Module):
         name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
         name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's router
         parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() \
+                and int(parts[1]) < self.spec.num_layers and not self.pp.owns(int(parts[1])):
+            return None  # another pipeline stage's layer
         if self.spec.num_mtp_layers and len(parts) > 2 and parts[0] == "layers" \
                 and parts[1].isdigit() and int(parts[1]) >= self.spec.num_layers:
             return None  # a multi-token-prediction module, not a decoder layer
@@ -239,12 +276,14 @@ class DecoderLM(nn.Module):
         1.0 unless the checkpoint has them (vLLM's default)."""
         params = dict(self.named_parameters())
         attentions = {name: m for name, m in self.named_modules() if isinstance(m, Attention)}
+        device = next(iter(params.values())).device
         for attention in attentions.values():
-            attention.reset_kv_scales(self.norm.weight.device)
+            attention.reset_kv_scales(device)
         self.kv_scales_loaded = False
         loaded: set[str] = set()
         unexpected: list[str] = []
-        sharded = self.tp.size > 1
+        # lazy checkpoint tensors: each rank reads only its slice (or its stage's tensors)
+        sharded = self.tp.size > 1 or self.pp.size > 1
         for name, tensor in weights:
             target = self.weight_target(name)
             if target is None:

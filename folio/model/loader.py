@@ -14,10 +14,11 @@ import torch
 
 from folio.model.attention import get_attention_backend
 from folio.model.attention.fp8 import is_fp8
-from folio.model.decoder import DecoderLM, make_rotaries
+from folio.model.decoder import DecoderLM, MissingLayer, make_rotaries
 from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
+from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.quant.scheme import CHECKPOINT_METHODS, parse_quant_config
 from folio.model.tensor_parallel import (SINGLE, TPGroup, check_tp_support, local_spec,
                                          plan_shards)
@@ -87,14 +88,15 @@ def iter_checkpoint_weights(source: ModelSource, lazy: bool = False
 
 
 def new_decoder(spec: ArchSpec, hf_config: Any, device: torch.device, max_model_len: int,
-                kernel_config: KernelConfig, tp: TPGroup = SINGLE) -> DecoderLM:
+                kernel_config: KernelConfig, tp: TPGroup = SINGLE,
+                pp: PPStage = WHOLE) -> DecoderLM:
     """The decoder on the meta device, its attention backend picked for `device`. The caller
     casts it to the model's dtype and materialises it on the device once (`to_empty`): no time
     on random init, and no float32 copy of the weights on the way."""
     backend = get_attention_backend(device, kernel_config)
     with torch.device("meta"):
         return DecoderLM(spec, hf_config, backend, max_positions=max(max_model_len, 1),
-                         kernels=kernel_config, tp=tp)
+                         kernels=kernel_config, tp=tp, pp=pp)
 
 
 def install_rotaries(model: DecoderLM, hf_config: Any, device: torch.device,
@@ -104,7 +106,8 @@ def install_rotaries(model: DecoderLM, hf_config: Any, device: torch.device,
     with torch.device(device):
         rotaries = make_rotaries(model.spec, max_model_len, hf_config, model.kernel_config)
     for layer, rotary in zip(model.layers, rotaries):
-        layer.self_attn.rotary = rotary
+        if not isinstance(layer, MissingLayer):   # another pipeline stage's
+            layer.self_attn.rotary = rotary
 
 
 def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -112,7 +115,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
                kernel_config: KernelConfig | None = None,
                quantization: str = "none",
                kv_cache_dtype: torch.dtype | None = None,
-               tp: TPGroup = SINGLE) -> tuple[DecoderLM, ArchSpec]:
+               tp: TPGroup = SINGLE, pp: PPStage = WHOLE) -> tuple[DecoderLM, ArchSpec]:
     """The model on `device`, its layers and attention backend built with `kernel_config`
     (None: the defaults with the FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV overrides, read
     here once; the forward code never reads the environment). `quantization` "gguf": the
@@ -124,7 +127,8 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     quantized on load) run on quantized kernels (folio.model.quant.checkpoint_install).
     `kv_cache_dtype`: the cache's, checked against the architecture before any weight is
     read (None: not checked). `tp`: this rank's tensor-parallel group (size 1: the whole
-    model); the returned spec is then the rank's local one (tensor_parallel.local_spec)."""
+    model); the returned spec is then the rank's local one (tensor_parallel.local_spec).
+    `pp`: this rank's pipeline stage: only its layers are built and read."""
     if quantization == "int8":
         from folio.model.quant import int8_install
         int8_install.check_device(device)  # before anything is built
@@ -142,14 +146,16 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if (spec.moe is not None or spec.mla is not None) and quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
                          f"or latent-attention models yet (they load in the model's dtype only)")
-    if tp.size > 1:
+    if tp.size > 1 or pp.size > 1:
         check_tp_support(spec, tp.size, tp.expert_parallel)
         if quantization != "none":
-            raise ValueError(f"tensor_parallel_size={tp.size}: quantization {quantization!r} "
-                             "is not supported with tensor parallelism yet (float weights only)")
+            raise ValueError(f"tensor_parallel_size={tp.size}, pipeline_parallel_size="
+                             f"{pp.size}: quantization {quantization!r} is not supported with "
+                             "tensor or pipeline parallelism yet (float weights only)")
         full_spec, spec = spec, local_spec(spec, tp.size)
-        model = new_decoder(spec, hf_config, device, max_model_len, kernel_config, tp)
-        plan_shards(model, full_spec, tp)
+        model = new_decoder(spec, hf_config, device, max_model_len, kernel_config, tp, pp)
+        if tp.size > 1:
+            plan_shards(model, full_spec, tp)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_checkpoint_weights(source, lazy=True))
         install_rotaries(model, hf_config, device, max_model_len)

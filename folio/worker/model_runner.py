@@ -186,8 +186,9 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        if self.pooling is not None:
-            return   # no logits, no sampling; the pooler's heads are small
+        if self.pooling is not None or hidden is None:
+            return   # no logits, no sampling (the pooler's heads are small; a pipeline
+            #          stage before the last has none)
         rows = hidden[-1:].expand(num_seqs, -1)
         logits = self.model.compute_logits(rows)
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * num_seqs
@@ -243,6 +244,8 @@ class ModelRunner:
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc
+        if hidden is None:
+            return PendingRunnerOutput()   # a pipeline stage before the last: nothing sampled
         if self.pooling is not None:
             return PendingRunnerOutput(
                 pooled=self.pooling.run(step, batch, hidden, query_start_loc))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from folio.model.families import ArchSpec
 from folio.model.discovery import ModelSource, resolve_quantization
 from folio.model.kernel_config import resolve_kernel_config
 from folio.model.loader import load_model, resolve_dtype
+from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.tensor_parallel import SINGLE, TPGroup
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes, resolve_cache_dtype)
@@ -38,17 +40,30 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def join_tensor_parallel(rank: int, size: int, init_method: str | None,
-                         device: torch.device, expert_parallel: bool = False) -> TPGroup:
-    """This process as rank `rank` of a tensor-parallel group of `size` (torch.distributed:
-    NCCL on GPUs, gloo on the CPU, meeting at `init_method`); SINGLE for size 1.
-    `expert_parallel`: mixture-of-experts layers spread their experts over the group."""
-    if size == 1:
+def join_parallel(rank: int, tp_size: int, pp_size: int, init_method: str | None,
+                  device: torch.device, expert_parallel: bool = False) -> TPGroup:
+    """This process as global rank `rank` of tp_size x pp_size ranks (torch.distributed: NCCL
+    on GPUs, gloo on the CPU, meeting at `init_method`; rank = stage * tp_size + tp_rank).
+    Returns its tensor-parallel group (SINGLE for tp_size 1): with pipeline stages, each
+    stage's ranks form a group of their own. `expert_parallel`: mixture-of-experts layers
+    spread their experts over the tensor-parallel group."""
+    world = tp_size * pp_size
+    if world == 1:
         return SINGLE
     import torch.distributed as dist
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=init_method, rank=rank, world_size=size)
-    return TPGroup(rank, size, expert_parallel=expert_parallel)
+                            init_method=init_method, rank=rank, world_size=world)
+    stage, tp_rank = divmod(rank, tp_size)
+    group = None   # the default (world) group, when it is the tensor-parallel group
+    if pp_size > 1 and tp_size > 1:
+        # every rank creates every stage's group, in the same order (torch.distributed's rule)
+        for s in range(pp_size):
+            made = dist.new_group(ranks=list(range(s * tp_size, (s + 1) * tp_size)))
+            if s == stage:
+                group = made
+    if tp_size == 1:
+        return SINGLE
+    return TPGroup(tp_rank, tp_size, group=group, expert_parallel=expert_parallel)
 
 
 def _check_tp_features(config: EngineConfig, size: int) -> None:
@@ -65,25 +80,50 @@ def _check_tp_features(config: EngineConfig, size: int) -> None:
                          "parallelism yet")
 
 
+def _check_pp_features(config: EngineConfig, size: int, spec: ArchSpec) -> None:
+    """ValueError for what pipeline parallelism does not run yet."""
+    what = None
+    if config.lora is not None:
+        what = "LoRA adapters"
+    elif config.speculative is not None:
+        what = "speculative decoding"
+    elif config.pooling is not None:
+        what = "pooling models"
+    elif any(window is not None for window in spec.sliding_windows):
+        what = "models with sliding-window layers (their KV cache groups span the stages)"
+    elif spec.mla is not None:
+        what = "latent-attention (DeepSeek) models"
+    if what is not None:
+        raise ValueError(f"pipeline_parallel_size={size}: {what} are not supported with "
+                         "pipeline parallelism yet")
+
+
 def _format_bytes(num: int) -> str:
     return f"{num / 2**30:.2f} GiB" if num >= 2**30 else f"{num / 2**20:.1f} MiB"
 
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config: Any,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, pp: PPStage = WHOLE) -> None:
         """`tp`: this worker's rank in a tensor-parallel group (the worker process joined
-        torch.distributed's group first); it holds that rank's slice of the model."""
+        torch.distributed's group first); it holds that rank's slice of the model. `pp`:
+        its pipeline stage, whose layers (and their KV cache) alone it holds."""
         self.config = config
         self.tp = tp
+        self.pp = pp
+        pp.communicate = False   # start-up runs (profiling, warm-up) are each stage's own
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
         # How the weights are kept (config.QUANTIZATION_METHODS), decided here: it depends on
         # the device.
         self.quantization = resolve_quantization(config.model.quantization, source,
                                                  self.device.type, hf_config)
+        if pp.size > 1:
+            from folio.model.families import arch_spec_from_hf_config
+            _check_pp_features(config, pp.size, arch_spec_from_hf_config(hf_config))
         if tp.size > 1:
             _check_tp_features(config, tp.size)
+        if tp.size > 1 or pp.size > 1:
             if self.quantization == "gguf" and config.model.quantization is None:
                 # a GGUF's packed planes are not split; its converted float weights are
                 self.quantization = "none"
@@ -121,7 +161,8 @@ class Worker:
                                                config.model.max_model_len,
                                                kernel_config=kernel_config,
                                                quantization=self.quantization,
-                                               kv_cache_dtype=self.kv_cache_dtype, tp=tp)
+                                               kv_cache_dtype=self.kv_cache_dtype, tp=tp,
+                                               pp=pp)
         # LoRA adapters' device slots in every projection (their memory is the model's, so
         # the KV cache is sized after them).
         self.lora = None
@@ -139,6 +180,13 @@ class Worker:
         self.load_seconds = time.perf_counter() - start
         self.timings["load_s"] = self.load_seconds
         self.kv_cache_layout = self._kv_cache_layout()
+        # What this worker's cache holds: every layer's, or its pipeline stage's (one
+        # full-attention group; the scheduler still counts blocks by the whole model's layout).
+        self.kv_spec, self.kv_alloc_layout = self.spec, self.kv_cache_layout
+        if pp.size > 1:
+            num_stage_layers = len(self.model.stage_layers)
+            self.kv_spec = replace(self.spec, num_layers=num_stage_layers, sliding_windows=())
+            self.kv_alloc_layout = full_attention_layout(num_stage_layers)
         cache = config.cache
         kv_bytes = cache.kv_cache_memory_bytes
         if self.device.type == "cuda" and cache.num_gpu_blocks_override is None \
@@ -157,9 +205,9 @@ class Worker:
                             "(%.2f GiB above the weights)", stored / 2**30)
             self.timings["profile_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        layout = self.kv_cache_layout
+        layout = self.kv_alloc_layout
         self.num_blocks = determine_num_blocks(
-            self.spec, block_size=cache.block_size, dtype=self.kv_cache_dtype,
+            self.kv_spec, block_size=cache.block_size, dtype=self.kv_cache_dtype,
             max_model_len=config.model.max_model_len,
             kv_cache_memory_bytes=kv_bytes,
             num_blocks_override=cache.num_gpu_blocks_override,
@@ -167,7 +215,7 @@ class Worker:
             bytes_per_block(self.draft_spec, cache.block_size, self.kv_cache_dtype),
             layout=layout, max_step_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs)
-        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, cache.block_size,
+        self.kv_caches = allocate_kv_caches(self.kv_spec, self.num_blocks, cache.block_size,
                                             self.kv_cache_dtype, self.device, layout)
         if layout.num_groups > 1:
             for layer, (group, _) in zip(self.model.layers,
@@ -197,9 +245,10 @@ class Worker:
             self.timings["graph_capture_s"] = time.perf_counter() - start
         self.runner.graph_runner = self.graph_runner
         self.runner.mixed_graph_runner = self.mixed_graph_runner
-        if self.device.type == "cuda" and config.pooling is None:
+        if self.device.type == "cuda" and config.pooling is None and pp.is_last:
             self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
-        kv_total = self.num_blocks * bytes_per_block(self.spec, cache.block_size,
+        pp.communicate = True    # the start-up runs are done: the stages pass the stream on
+        kv_total = self.num_blocks * bytes_per_block(self.kv_spec, cache.block_size,
                                                      self.kv_cache_dtype, layout.group_size)
         max_len = config.model.max_model_len
         logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens "
@@ -313,12 +362,12 @@ class Worker:
         cache = self.config.cache
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         num_blocks = -(-num_tokens // cache.block_size)
-        scratch = allocate_kv_caches(self.spec, num_blocks, cache.block_size,
+        scratch = allocate_kv_caches(self.kv_spec, num_blocks, cache.block_size,
                                      self.kv_cache_dtype, self.device)
         runner = self._new_runner(scratch)
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
         del runner, scratch
-        return num_blocks * bytes_per_block(self.spec, cache.block_size, self.kv_cache_dtype)
+        return num_blocks * bytes_per_block(self.kv_spec, cache.block_size, self.kv_cache_dtype)
 
     def _new_runner(self, kv_caches: list[torch.Tensor],
                     calculate_kv_scales: bool = False) -> ModelRunner:
@@ -343,6 +392,10 @@ class Worker:
             return None
         if self.config.pooling is not None:
             return None   # pooling steps are whole prompts, the mixed steps' eager path
+        if self.pp.size > 1:
+            # a stage's forward receives and sends the stream outside any graph
+            logger.info("CUDA graphs off: pipeline parallelism")
+            return None
         if self.model.aux_hidden_layers:
             # an EAGLE-3 head reads streams the forward keeps aside: not from graph buffers
             logger.info("CUDA graphs off: the EAGLE-3 head reads the target's inner states")

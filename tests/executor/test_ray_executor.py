@@ -1,5 +1,5 @@
 """The Ray executor (issue 22, item 5) on a local Ray cluster of this machine's cores: tensor
-parallelism over two Ray actors answers as one rank does, and a worker whose actor is killed
+or pipeline parallelism over two Ray actors answers as one rank does, and a worker whose actor is killed
 ends the engine with a clear error, in bounded time."""
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_tp2_on_ray_equals_one_rank(tiny_model_dir):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}])
+def test_tp2_and_pp2_on_ray_equal_one_rank(tiny_model_dir, layout):
     model = tiny_model_dir("qwen3")
     prompts = _prompts(15)
     one = _llm(model)
@@ -46,7 +48,7 @@ def test_tp2_on_ray_equals_one_rank(tiny_model_dir):
         expected = _greedy(one, prompts)
     finally:
         one.llm_engine.shutdown()
-    llm = _llm(model, tensor_parallel_size=2, distributed_executor_backend="ray")
+    llm = _llm(model, distributed_executor_backend="ray", **layout)
     try:
         executor = llm.llm_engine.engine_core.executor
         assert type(executor).__name__ == "RayExecutor" and len(executor._procs) == 2

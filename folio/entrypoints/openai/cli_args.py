@@ -110,6 +110,8 @@ def build_engine_config(args: argparse.Namespace):
         parallel=ParallelConfig(distributed_executor_backend=kw["distributed_executor_backend"],
                                 num_workers=kw["num_workers"],
                                 tensor_parallel_size=kw["tensor_parallel_size"],
+                                pipeline_parallel_size=kw["pipeline_parallel_size"],
+                                pp_layer_partition=kw["pp_layer_partition"],
                                 data_parallel_size=kw["data_parallel_size"],
                                 enable_expert_parallel=kw["enable_expert_parallel"]),
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
