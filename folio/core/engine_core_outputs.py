@@ -67,6 +67,9 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Expert parallelism, cumulative: (token, expert) pairs each tensor-parallel rank's
+    # experts ran, summed over the MoE layers (empty without expert parallelism).
+    expert_load_per_rank: list[int] = field(default_factory=list)
     # LoRA adapters (names) of the running and the waiting requests, and the most a step may
     # run (vLLM's lora_requests_info gauge); 0 = LoRA off.
     running_lora_adapters: list[str] = field(default_factory=list)

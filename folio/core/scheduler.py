@@ -194,6 +194,8 @@ class Scheduler:
         self.draft_length = None if drafter is None else (
             AdaptiveDraftLength() if adaptive_draft_length else FixedDraftLength())
         self.spec_stats = SpecDecodingStats()
+        # Expert parallelism: (token, expert) pairs each rank's experts ran, cumulative.
+        self.expert_load_per_rank: list[int] = []
         # Schedule the next step before the step in flight has returned its tokens: running
         # requests then also decode the token still being sampled (see Request.num_pending_tokens).
         self.async_scheduling = async_scheduling
@@ -517,6 +519,8 @@ class Scheduler:
         # Runs for every request every step: locals and plain comparisons instead of
         # properties (at batch 256 this loop was a millisecond-scale part of each step).
         outputs: list[EngineCoreOutput] = []
+        if runner_output.expert_load is not None:
+            self._add_expert_load(runner_output.expert_load)
         if self.drafter is not None:
             self.drafter.receive(runner_output.draft_token_ids)
         # Drafts for the next step, unless the draft length rests at k = 0 (then making them
@@ -743,7 +747,17 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            expert_load_per_rank=list(self.expert_load_per_rank),
             **(self._lora_stats() if self.max_loras else {}))
+
+    def _add_expert_load(self, load: list[int]) -> None:
+        """A worker's report of each rank's expert load since its last one (expert
+        parallelism), added to the cumulative counts."""
+        totals = self.expert_load_per_rank
+        if len(totals) < len(load):
+            totals.extend([0] * (len(load) - len(totals)))
+        for rank, count in enumerate(load):
+            totals[rank] += count
 
     def _lora_stats(self) -> dict:
         def names(requests) -> list[str]:

@@ -145,6 +145,9 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     # Requests the worker could not run (a LoRA adapter whose files no longer load), with
     # the reason: the scheduler finishes them with an error; their other results are void.
     failed_req_ids: dict[str, str] = {}
+    # Expert parallelism: (token, expert) pairs each tensor-parallel rank's experts ran since
+    # the last report, summed over the MoE layers, in rank order (None: no report this step).
+    expert_load: list[int] | None = None
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

@@ -175,6 +175,13 @@ class EngineMetrics:
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
 
+        # --- expert parallelism: each rank's experts' (token, expert) pairs ---
+        self._c_expert_load = Counter(
+            p + "expert_load_tokens",
+            "Token-expert pairs run by each tensor-parallel rank's experts (expert "
+            "parallelism; summed over the MoE layers).",
+            ["model_name", "engine", "rank"], registry=reg)
+
         # --- token throughput ---
         self._c_prompt_tokens = Counter(
             p + "prompt_tokens", "Number of prefill tokens processed.",
@@ -283,6 +290,9 @@ class EngineMetrics:
         for pos, count in enumerate(stats.spec_accepted_per_pos):
             self._inc_cumulative(f"spec_accepted_pos_{pos}", count,
                                  self._c_spec_per_pos.labels(self.model_name, str(pos)))
+        for rank, count in enumerate(stats.expert_load_per_rank):
+            self._inc_cumulative(f"{engine}:expert_load_{rank}", count,
+                                 self._c_expert_load.labels(*label, str(rank)))
 
         if self._g_lora_info is not None:
             self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)

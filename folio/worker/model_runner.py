@@ -471,6 +471,8 @@ class PendingRunnerOutput:
                  pooled: PendingPooled | None = None) -> None:
         # Requests this step could not run (their LoRA adapter failed to load): reason.
         self.failed_req_ids: dict[str, str] = {}
+        # Expert parallelism's per-rank load since the last report (the worker sets it).
+        self.expert_load: list[int] | None = None
         self._request_ids = request_ids or []
         self._pooled = pooled
         self._draft_token_ids = draft_token_ids or {}
@@ -520,6 +522,7 @@ class PendingRunnerOutput:
                                   for rid, (start, tensors) in self._prompt_logprobs.items()}
         output.draft_token_ids = self._draft_token_ids
         output.failed_req_ids = self.failed_req_ids
+        output.expert_load = self.expert_load
         if self._pooled is not None:
             output.pooler_output = self._pooled.collect()
             self._pooled = None

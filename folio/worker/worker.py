@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # (with async scheduling), and a graph's activation pool grows with its token count.
 MAX_MIXED_GRAPH_TOKENS = 8192
 
+# Expert parallelism on a GPU: steps between reports of each rank's expert load.
+EXPERT_LOAD_INTERVAL = 32
+
 
 
 def resolve_device(device: str) -> torch.device:
@@ -111,6 +114,7 @@ class Worker:
         self.config = config
         self.tp = tp
         self.pp = pp
+        self._steps_since_load = 0   # expert parallelism's load report (execute_model_async)
         pp.communicate = False   # start-up runs (profiling, warm-up) are each stage's own
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
@@ -248,6 +252,10 @@ class Worker:
         if self.device.type == "cuda" and config.pooling is None and pp.is_last:
             self.runner.warm_up_sampling(config.scheduler.max_num_seqs)
         pp.communicate = True    # the start-up runs are done: the stages pass the stream on
+        with torch.inference_mode():
+            for module in self.model.modules():   # nor do they count as expert load
+                if getattr(module, "expert_load", None) is not None:
+                    module.expert_load.zero_()
         kv_total = self.num_blocks * bytes_per_block(self.kv_spec, cache.block_size,
                                                      self.kv_cache_dtype, layout.group_size)
         max_len = config.model.max_model_len
@@ -506,4 +514,28 @@ class Worker:
 
     def execute_model_async(self, step: SchedulerOutput,
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
-        return self.runner.execute_model_async(step, grammar_bitmask)
+        pending = self.runner.execute_model_async(step, grammar_bitmask)
+        if self.tp.expert_parallel and self.tp.size > 1:
+            self._steps_since_load += 1
+            # every step on the CPU; on a GPU every EXPERT_LOAD_INTERVAL steps (reading the
+            # counts waits for the device)
+            if self.device.type != "cuda" or self._steps_since_load >= EXPERT_LOAD_INTERVAL:
+                pending.expert_load = self._gather_expert_load()
+                self._steps_since_load = 0
+        return pending
+
+    @torch.inference_mode()
+    def _gather_expert_load(self) -> list[int]:
+        """(token, expert) pairs each rank's experts ran since the last call, summed over the
+        MoE layers, in rank order (an all-gather over the tensor-parallel group: every rank
+        calls it at the same step)."""
+        import torch.distributed as dist
+        mine = torch.zeros((), dtype=torch.int64, device=self.device)
+        for module in self.model.modules():
+            load = getattr(module, "expert_load", None)
+            if load is not None:
+                mine += load.sum()
+                load.zero_()
+        parts = [torch.zeros_like(mine) for _ in range(self.tp.size)]
+        dist.all_gather(parts, mine, group=self.tp.group)
+        return [int(part) for part in parts]

@@ -72,6 +72,28 @@ def test_expert_parallel_tp2_equals_one_rank(tiny_model_dir, arch):
                  _answers(model, 1, prompts))
 
 
+def test_expert_load_is_counted_per_rank(tiny_model_dir):
+    """Each rank counts the (token, expert) pairs its experts ran: together every routed
+    pair of every token the forward passes saw, top_k per token per MoE layer."""
+    from transformers import AutoConfig
+    model = tiny_model_dir("mixtral")
+    cfg = AutoConfig.from_pretrained(model)
+    llm = LLM(model, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+              enable_expert_parallel=True, kv_cache_memory_bytes=1 << 26,
+              enable_prefix_caching=False)
+    try:
+        prompt, max_tokens = list(range(100, 130)), 8
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                     use_tqdm=False)
+        load = llm.llm_engine.engine_core.scheduler.stats().expert_load_per_rank
+    finally:
+        llm.llm_engine.shutdown()
+    forwarded = len(prompt) + max_tokens - 1     # the last token is sampled, never fed
+    assert len(load) == 2 and min(load) > 0
+    assert sum(load) == forwarded * cfg.num_experts_per_tok * cfg.num_hidden_layers
+
+
 def test_smollm2_tp3_equals_one_rank():
     model = default_model_path()
     prompts = _prompts(6, seed=2)

@@ -23,7 +23,8 @@ def scrape(m: EngineMetrics) -> dict[tuple[str, frozenset], float]:
 # Scheduler metrics carry the data-parallel replica too (engine="0" with one engine).
 _ENGINE_LABELLED = ("folio:num_requests_running", "folio:num_requests_waiting",
                     "folio:kv_cache_usage_perc", "folio:num_preemptions_total",
-                    "folio:prefix_cache_queries_total", "folio:prefix_cache_hits_total")
+                    "folio:prefix_cache_queries_total", "folio:prefix_cache_hits_total",
+                    "folio:expert_load_tokens_total")
 
 
 def val(m: EngineMetrics, name: str, **labels: str) -> float:
@@ -187,6 +188,13 @@ def test_spec_decode_counters_use_vllm_names(m: EngineMetrics) -> None:
     assert val(m, "folio:spec_decode_num_accepted_tokens_total") == 9
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 3
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
+
+
+def test_expert_load_per_rank(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(expert_load_per_rank=[10, 6]))
+    m.observe_scheduler_stats(SchedulerStats(expert_load_per_rank=[25, 9]))
+    assert val(m, "folio:expert_load_tokens_total", rank="0") == 25
+    assert val(m, "folio:expert_load_tokens_total", rank="1") == 9
 
 
 def test_scheduler_metrics_per_data_parallel_replica(m: EngineMetrics) -> None:

@@ -189,6 +189,9 @@ class SparseMoeBlock(nn.Module):
         # Expert parallelism: the rank's group (tensor_parallel.plan_shards sets it); None on
         # one device.
         self.tp = None
+        # Expert parallelism: (token, expert) pairs this rank's experts ran since the worker
+        # last read them, per local expert (made on the first forward, on its device).
+        self.expert_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -199,6 +202,11 @@ class SparseMoeBlock(nn.Module):
             outside = (local < 0) | (local >= self.experts.num_experts)
             weights = weights.masked_fill(outside, 0)
             ids = local.masked_fill(outside, 0)
+            if self.expert_load is None:
+                self.expert_load = torch.zeros(self.experts.num_experts, dtype=torch.int64,
+                                               device=x.device)
+            # on the device, no sync: the other ranks' pairs add 0 (to expert 0)
+            self.expert_load.scatter_add_(0, ids.flatten(), (~outside).flatten().long())
         out = self.experts(x, weights, ids)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
