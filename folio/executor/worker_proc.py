@@ -128,9 +128,7 @@ def output_rank(config: EngineConfig) -> int:
 
 def _start_worker(args: WorkerArgs):
     import torch
-    from folio.model.families import arch_spec_from_hf_config
-    from folio.model.pipeline_parallel import stage_of
-    from folio.worker.worker import Worker, join_parallel, resolve_device
+    from folio.worker.worker import Worker, join_parallel, pipeline_stage, resolve_device
     device = resolve_device(args.config.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(args.rank)
@@ -140,9 +138,7 @@ def _start_worker(args: WorkerArgs):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     parallel = args.config.parallel
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    pp = stage_of(args.rank, tp_size, pp_size,
-                  arch_spec_from_hf_config(args.hf_config).num_layers,
-                  parallel.pp_layer_partition)
+    pp = pipeline_stage(args.rank, args.config, args.hf_config)
     tp = join_parallel(args.rank, tp_size, pp_size, args.dist_init_method, device,
                        parallel.enable_expert_parallel)
     return Worker(args.config, args.source, args.hf_config, tp=tp, pp=pp)

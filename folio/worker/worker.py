@@ -69,6 +69,16 @@ def join_parallel(rank: int, tp_size: int, pp_size: int, init_method: str | None
     return TPGroup(tp_rank, tp_size, group=group, expert_parallel=expert_parallel)
 
 
+def pipeline_stage(rank: int, config: EngineConfig, hf_config: Any) -> PPStage:
+    """Global rank `rank`'s pipeline stage (WHOLE without pipeline parallelism)."""
+    from folio.model.families import arch_spec_from_hf_config
+    from folio.model.pipeline_parallel import stage_of
+    parallel = config.parallel
+    return stage_of(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                    arch_spec_from_hf_config(hf_config).num_layers,
+                    parallel.pp_layer_partition)
+
+
 def _check_tp_features(config: EngineConfig, size: int) -> None:
     """ValueError for what tensor parallelism does not run yet."""
     what = None
