@@ -163,9 +163,34 @@ class CacheConfig:
     # folio/core/kv_pins.py), so that pins never crowd out the prefix cache of other traffic.
     # 0 = no pins.
     kv_pin_max_fraction: float = 0.5
+    # The host-memory KV tier (vLLM's --kv-offloading-size), GiB: prefix blocks evicted from
+    # the device cache are kept there and loaded back on a hit (folio/core/kv_offload.py).
+    # None = off.
+    kv_offloading_size: float | None = None
+    # The disk KV tier below it (folio's own): blocks the host tier evicts are kept as files
+    # in this directory, up to kv_disk_size GiB, and survive a restart. None = off.
+    kv_disk_path: str | None = None
+    kv_disk_size: float | None = None
 
     def __post_init__(self) -> None:
         self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
+        if self.kv_offloading_size is not None:
+            _require(isinstance(self.kv_offloading_size, (int, float))
+                     and not isinstance(self.kv_offloading_size, bool)
+                     and 0 < self.kv_offloading_size <= 4096, "kv_offloading_size",
+                     f"must be a size in GiB in (0, 4096], got {self.kv_offloading_size!r}")
+            _require(self.enable_prefix_caching, "kv_offloading_size",
+                     "the host KV tier keeps prefix-cache blocks: enable_prefix_caching "
+                     "must be on")
+        if self.kv_disk_path is not None or self.kv_disk_size is not None:
+            _require(self.kv_disk_path is not None and self.kv_disk_size is not None,
+                     "kv_disk_path", "the disk KV tier needs both kv_disk_path and kv_disk_size")
+            _require(isinstance(self.kv_disk_size, (int, float))
+                     and not isinstance(self.kv_disk_size, bool)
+                     and 0 < self.kv_disk_size <= 1 << 20, "kv_disk_size",
+                     f"must be a size in GiB in (0, 1048576], got {self.kv_disk_size!r}")
+            _require(self.kv_offloading_size is not None, "kv_disk_path",
+                     "the disk KV tier sits below the host tier: give kv_offloading_size too")
         _require(isinstance(self.kv_pin_max_fraction, (int, float))
                  and not isinstance(self.kv_pin_max_fraction, bool)
                  and 0.0 <= self.kv_pin_max_fraction <= 1.0, "kv_pin_max_fraction",

@@ -8,7 +8,7 @@ the block is handed out again (that is the LRU eviction).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from folio.core.block_hash import BlockHash
 
@@ -99,6 +99,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[int(null_block):])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Told of each cached block evicted (its hash and id), before its slot is reused: the
+        # host KV tier saves it (folio/core/kv_offload.py). None: nobody listens.
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,6 +130,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash, block.block_id)
             block.block_hash = None
             self.num_evictions += 1
 

@@ -70,6 +70,17 @@ class SchedulerStats:
     # Expert parallelism, cumulative: (token, expert) pairs each tensor-parallel rank's
     # experts ran, summed over the MoE layers (empty without expert parallelism).
     expert_load_per_rank: list[int] = field(default_factory=list)
+    # The host KV tier (--kv-offloading-size; zeros when off): the share of its pool in use;
+    # cumulative prompt blocks found there / not found past the device prefix hit, and the
+    # bytes copied each way (device to host: saves; host to device: loads).
+    kv_offload_usage: float = 0.0
+    kv_offload_hit_blocks: int = 0
+    kv_offload_miss_blocks: int = 0
+    kv_offload_saved_bytes: int = 0
+    kv_offload_loaded_bytes: int = 0
+    # The disk tier below it (--kv-disk-path), cumulative: blocks read back, files found bad.
+    kv_disk_read_blocks: int = 0
+    kv_disk_bad_blocks: int = 0
     # LoRA adapters (names) of the running and the waiting requests, and the most a step may
     # run (vLLM's lora_requests_info gauge); 0 = LoRA off.
     running_lora_adapters: list[str] = field(default_factory=list)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from folio.core.kv_offload import HostKVTier
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
@@ -116,7 +117,8 @@ class ScheduledStep:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run and nothing to hear back (disk-tier reads report in the reply)."""
+        return not self.scheduled and not self.message.kv_disk_reads
 
 
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
@@ -174,12 +176,15 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  async_scheduling: bool = False, drafter: Drafter | None = None,
                  adaptive_draft_length: bool = True, max_loras: int = 0,
-                 max_queue_time: float | None = None, pipelined: bool = False) -> None:
+                 max_queue_time: float | None = None, pipelined: bool = False,
+                 host_tier: HostKVTier | None = None) -> None:
         """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
         device slots); 0 = LoRA off. `max_queue_time`: seconds a request may wait for its
         first step before it is finished with reason "timeout" (None = forever).
         `pipelined`: several steps are in flight at once (pipeline parallelism), each of other
-        requests: a request whose sampled token is still in flight sits out the step."""
+        requests: a request whose sampled token is still in flight sits out the step.
+        `host_tier`: the host-memory KV tier (--kv-offloading-size; None = off): evicted
+        prefix blocks are saved there and prompt blocks found there are loaded back."""
         if pipelined and async_scheduling:
             raise ValueError("pipelined steps and async_scheduling exclude each other: a "
                              "request's token in flight makes it sit out, not run ahead")
@@ -187,6 +192,17 @@ class Scheduler:
             raise ValueError("a draft model's drafts come with each step's output: "
                              "async_scheduling must be off")
         self.kv = kv_cache_manager
+        self.host_tier = host_tier
+        # Requests that have had their disk-tier blocks read once (a failed read is computed).
+        self._disk_tried: set[str] = set()
+        # One block's K/V bytes over the workers (the engine sets it), for the tier's byte
+        # counts.
+        self.host_block_bytes = 0
+        if host_tier is not None:
+            if not isinstance(kv_cache_manager, KVCacheManager) or not kv_cache_manager.enable_caching:
+                raise ValueError("the host KV tier (kv_offloading_size) needs prefix caching "
+                                 "and one full-attention KV cache group")
+            kv_cache_manager.block_pool.on_evict = host_tier.on_evict
         # Speculative decoding: proposes each running request's draft tokens after its
         # tokens are updated (None = off).
         self.drafter = drafter
@@ -255,6 +271,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         if request.deadline is not None and request.request_id in self.requests:
             self._num_deadlines -= 1
+        self._disk_tried.discard(request.request_id)
         if self.drafter is not None:
             self.drafter.drop(request)
             self.draft_length.drop(request.request_id)
@@ -364,6 +381,13 @@ class Scheduler:
                 not_ready.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            # Past the device prefix hit: blocks the host tier holds are loaded, not computed.
+            host_slots, num_looked_up = self._host_hits(request, len(hit_blocks))
+            if self._waits_for_disk(request, len(hit_blocks) + len(host_slots)):
+                not_ready.append(self.waiting.pop())   # its blocks are read from disk first
+                continue
+            num_loaded = len(host_slots) * self.kv.block_size
+            num_hit_tokens += num_loaded
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -371,7 +395,7 @@ class Scheduler:
                 num_new = budget
             while True:
                 new_blocks = self.kv.allocate_slots(
-                    request, num_new, hit_blocks,
+                    request, num_loaded + num_new, hit_blocks,
                     num_lookahead_tokens=self._lookahead(num_hit_tokens + num_new))
                 # Pins give way to a waiting request too (a released pin's blocks stay
                 # cached, so the hits found above still hold).
@@ -380,6 +404,14 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            if host_slots:
+                # the first new blocks take the host tier's copies, before the forward pass
+                first = len(hit_blocks)
+                hashes = request.block_hashes[first:first + len(host_slots)]
+                self.host_tier.load(host_slots, [b.block_id for b in new_blocks[:len(host_slots)]],
+                                    hashes)
+            if self.host_tier is not None:
+                self.host_tier.count_lookup(len(host_slots), num_looked_up)
             resumed = request.status == RequestStatus.PREEMPTED
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -417,11 +449,39 @@ class Scheduler:
         self._finished_since_last_step = set()
         return step
 
+    def _waits_for_disk(self, request: Request, num_hits: int) -> bool:
+        """Whether the request's next prompt blocks are on the disk tier: their reads are
+        asked for (this step) or still in flight, and the request waits for them. Blocks on
+        disk are read once: after a read fails or the pool has no room, it computes them."""
+        tier = self.host_tier
+        if tier is None or tier.disk is None or request.needs_every_prompt_token:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        wanted = tier.disk_hits(request.block_hashes[num_hits:max_blocks])
+        if not wanted:
+            return False
+        if any(tier.is_reading(h) for h in wanted):
+            return True
+        if request.request_id in self._disk_tried:
+            return False
+        self._disk_tried.add(request.request_id)
+        return tier.read_from_disk(wanted) > 0
+
+    def _host_hits(self, request: Request, num_device_hits: int) -> tuple[list[int], int]:
+        """(host slots of the prompt blocks after the device prefix hit that the host tier
+        holds, how many blocks were looked up); ([], 0) without a tier."""
+        if self.host_tier is None or request.needs_every_prompt_token:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size   # one token computed
+        wanted = request.block_hashes[num_device_hits:max_blocks]
+        return self.host_tier.lookup(wanted), len(wanted)
+
     def _message(self, items: list[ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
         """The step as the workers get it: new requests whole, the others as diffs since they
         were last sent. Every list is a copy: the request's own lists go on changing."""
         # First: a new request of this step may send a removed adapter again.
         removed_loras = self._take_lora_removals()
+        tier_copies = self.host_tier.take_step_copies() if self.host_tier is not None else None
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
@@ -471,7 +531,11 @@ class Scheduler:
             has_grammar=any(item.samples and item.request.structured_output is not None
                             for item in items),
             scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling,
-            removed_lora_ids=removed_loras)
+            removed_lora_ids=removed_loras,
+            **({} if tier_copies is None else dict(
+                kv_spills=tier_copies.spills, kv_saves=tier_copies.saves,
+                kv_disk_reads=tier_copies.disk_reads, kv_loads=tier_copies.loads,
+                kv_disk_deletes=tier_copies.disk_deletes)))
 
     def _take_lora_removals(self) -> list[int]:
         """The removed adapters whose requests from before the removal have all finished,
@@ -521,6 +585,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if runner_output.expert_load is not None:
             self._add_expert_load(runner_output.expert_load)
+        if runner_output.kv_disk_read_results:
+            self.host_tier.finish_disk_reads(runner_output.kv_disk_read_results)
         if self.drafter is not None:
             self.drafter.receive(runner_output.draft_token_ids)
         # Drafts for the next step, unless the draft length rests at k = 0 (then making them
@@ -715,7 +781,10 @@ class Scheduler:
         return self.kv.pins.has_expired(now)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        done = self.kv.reset_prefix_cache()
+        if done and self.host_tier is not None:
+            self.host_tier.reset()
+        return done
 
     def remove_lora(self, lora_id: int) -> bool:
         """Tell the workers to drop the adapter's host copy and device slot, in the next step
@@ -748,7 +817,17 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             expert_load_per_rank=list(self.expert_load_per_rank),
-            **(self._lora_stats() if self.max_loras else {}))
+            **(self._lora_stats() if self.max_loras else {}),
+            **(self._host_tier_stats() if self.host_tier is not None else {}))
+
+    def _host_tier_stats(self) -> dict:
+        tier, size = self.host_tier, self.host_block_bytes
+        return dict(kv_offload_usage=tier.usage, kv_offload_hit_blocks=tier.stats.hit_blocks,
+                    kv_offload_miss_blocks=tier.stats.missed_blocks,
+                    kv_offload_saved_bytes=tier.stats.saved_blocks * size,
+                    kv_offload_loaded_bytes=tier.stats.loaded_blocks * size,
+                    kv_disk_read_blocks=tier.stats.disk_read_blocks,
+                    kv_disk_bad_blocks=tier.stats.disk_bad_blocks)
 
     def _add_expert_load(self, load: list[int]) -> None:
         """A worker's report of each rank's expert load since its last one (expert

@@ -89,6 +89,16 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     # host copies, free their device slots and forget a failed load, before this step's
     # adapters are loaded. Sent once no running request uses the adapter.
     removed_lora_ids: list[int] = []
+    # The host and disk KV tiers' work (folio/core/kv_offload.py), run before the forward
+    # pass in this order: host slots spilled to their block's file (slot, block hash),
+    # device blocks saved to host slots (block, slot), files read into host slots (hash,
+    # slot; each reported in the reply), host slots loaded into device blocks (slot, block);
+    # then files deleted (hashes).
+    kv_spills: list[tuple[int, bytes]] = []
+    kv_saves: list[tuple[int, int]] = []
+    kv_disk_reads: list[tuple[bytes, int]] = []
+    kv_loads: list[tuple[int, int]] = []
+    kv_disk_deletes: list[bytes] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
@@ -148,6 +158,8 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     # Expert parallelism: (token, expert) pairs each tensor-parallel rank's experts ran since
     # the last report, summed over the MoE layers, in rank order (None: no report this step).
     expert_load: list[int] | None = None
+    # The disk KV tier's reads of this step: (block hash, whether the file was good).
+    kv_disk_read_results: list[tuple[bytes, bool]] = []
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

@@ -42,6 +42,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps so decodes keep flowing")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--kv-offloading-size", type=float, default=None,
+                        help="GiB of host memory for a second KV tier: prefix blocks evicted "
+                             "from the device cache are kept there and copied back on a hit "
+                             "instead of recomputed (needs prefix caching)")
+    parser.add_argument("--kv-disk-path", default=None,
+                        help="a directory for a disk KV tier below the host tier: blocks the "
+                             "host tier evicts are kept there as files and survive a restart")
+    parser.add_argument("--kv-disk-size", type=float, default=None,
+                        help="GiB the disk KV tier may use (with --kv-disk-path)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="memory for the KV cache on CPU (default: min(4 GiB, a quarter of free memory))")
     parser.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype,
@@ -257,6 +266,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_disk_path=getattr(args, "kv_disk_path", None),
+        kv_disk_size=getattr(args, "kv_disk_size", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
         num_gpu_blocks_override=args.num_gpu_blocks_override,

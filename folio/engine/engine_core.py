@@ -12,6 +12,7 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import make_kv_cache_manager
+from folio.core.kv_offload import DiskKVIndex, HostKVTier
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
@@ -86,7 +87,9 @@ class EngineCore:
                                    or config.speculative.adaptive_draft_length),
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_queue_time=config.admission.max_queue_time,
-            pipelined=config.parallel.pipeline_parallel_size > 1)
+            pipelined=config.parallel.pipeline_parallel_size > 1,
+            host_tier=_host_tier(config, self.executor))
+        self.scheduler.host_block_bytes = self.executor.host_block_bytes
         # Sleep mode: 0 awake, else the level slept at (requests wait).
         self.sleep_level = 0
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
@@ -157,9 +160,11 @@ class EngineCore:
             times.schedule_s += time.perf_counter() - start
         if step.is_empty:
             message = step.message
-            if message.finished_req_ids or message.preempted_req_ids or message.removed_lora_ids:
+            if (message.finished_req_ids or message.preempted_req_ids
+                    or message.removed_lora_ids or message.kv_saves
+                    or message.kv_spills or message.kv_disk_deletes):
                 # Still let the workers drop the state of requests that finished meanwhile
-                # and the adapters removed.
+                # and the adapters removed, and save the blocks the host tier took.
                 self.executor.execute_model(message)
             if self._in_flight is not None:
                 return outputs + self._finish_in_flight()
@@ -201,7 +206,9 @@ class EngineCore:
         step = self.scheduler.schedule()
         if step.is_empty:
             message = step.message
-            if message.finished_req_ids or message.preempted_req_ids or message.removed_lora_ids:
+            if (message.finished_req_ids or message.preempted_req_ids
+                    or message.removed_lora_ids or message.kv_saves
+                    or message.kv_spills or message.kv_disk_deletes):
                 self.executor.execute_model(message)
             if self._pipeline:
                 return outputs + self._finish_oldest()
@@ -325,6 +332,19 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+
+def _host_tier(config: EngineConfig, executor) -> HostKVTier | None:
+    """The host KV tier (--kv-offloading-size) and the disk tier below it (--kv-disk-path),
+    sized from the workers' pools; None without one."""
+    cache = config.cache
+    if cache.kv_offloading_size is None:
+        return None
+    disk = None
+    if cache.kv_disk_path is not None:
+        capacity = int(cache.kv_disk_size * 2**30) // max(executor.host_block_bytes, 1)
+        disk = DiskKVIndex(capacity, executor.disk_kv_hashes)
+    return HostKVTier(executor.num_host_blocks, disk=disk)
 
 
 def _needs_tokens_first(step: ScheduledStep) -> bool:

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.bench import latency as latency_bench
     latency_bench.add_cli_args(latency)
     latency.set_defaults(func=lambda a: (latency_bench.run(a), 0)[1])
+    kv_tiers = bench_sub.add_parser("kv-tiers", help="TTFT of a long prefix: device hit, host "
+                                    "tier, recompute", formatter_class=FolioHelpFormatter)
+    from folio.bench import kv_tiers as kv_tiers_bench
+    kv_tiers_bench.add_cli_args(kv_tiers)
+    kv_tiers.set_defaults(func=lambda a: (kv_tiers_bench.run(a), 0)[1])
     serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL",
                                         formatter_class=FolioHelpFormatter)
     # serve_peers: bench serve's flags plus --peer / --launch (servers started here).

@@ -18,6 +18,9 @@ class Executor(Protocol):
     device_type: str      # "cuda" or "cpu"
     num_blocks: int       # KV cache blocks per worker
     kv_cache_layout: KVCacheLayout   # how the layers share those blocks (KV cache groups)
+    num_host_blocks: int  # blocks of the host KV tier's pool (0: none)
+    host_block_bytes: int  # one block's K/V bytes on a worker (what a tier copy moves)
+    disk_kv_hashes: list[bytes]   # the blocks the disk KV tier holds at start-up
     vocab_size: int       # the width of the model's logits
     timings: dict[str, float]  # seconds of each worker start-up stage
 

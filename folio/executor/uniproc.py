@@ -67,6 +67,22 @@ class UniProcExecutor:
         return self._num_blocks if self.worker is None else self.worker.num_blocks
 
     @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier's pool (0: no tier)."""
+        worker = self.worker
+        return 0 if worker is None or worker.host_kv is None else worker.host_kv.num_slots
+
+    @property
+    def disk_kv_hashes(self) -> list[bytes]:
+        """The blocks the disk KV tier holds at start-up, oldest first."""
+        worker = self.worker
+        return [] if worker is None or worker.disk_kv is None else worker.disk_kv.existing()
+
+    @property
+    def host_block_bytes(self) -> int:
+        return 0 if self.worker is None else self.worker.host_block_bytes
+
+    @property
     def kv_cache_layout(self) -> KVCacheLayout:
         return self._layout if self.worker is None else self.worker.kv_cache_layout
 

@@ -78,6 +78,9 @@ class WorkerInfo(msgspec.Struct):
     vocab_size: int
     timings: dict[str, float]
     kv_cache_layout: KVCacheLayout
+    num_host_blocks: int = 0
+    host_block_bytes: int = 0
+    disk_kv_hashes: list[bytes] = []
 
 
 def frame_int(value: int) -> bytes:
@@ -103,7 +106,10 @@ def run_worker(args: WorkerArgs) -> None:
         worker = _start_worker(args)
         outbox.send_multipart([READY, rank, frame_int(-1), step_codec.encode(WorkerInfo(
             worker.device.type, worker.num_blocks, worker.arch_spec.vocab_size,
-            dict(worker.timings), worker.kv_cache_layout))])
+            dict(worker.timings), worker.kv_cache_layout,
+            0 if worker.host_kv is None else worker.host_kv.num_slots,
+            worker.host_block_bytes,
+            [] if worker.disk_kv is None else worker.disk_kv.existing()))])
         _serve(worker, args, inbox, outbox)
     except Exception as exc:
         detail = f"worker {args.rank}: {type(exc).__name__}: {exc}"

@@ -182,6 +182,30 @@ class EngineMetrics:
             "parallelism; summed over the MoE layers).",
             ["model_name", "engine", "rank"], registry=reg)
 
+        # --- the host KV tier (--kv-offloading-size; zero when off) ---
+        self._g_offload_usage = Gauge(
+            p + "kv_offload_usage_perc", "Host KV tier usage. 1 means 100 percent usage.",
+            labels, registry=reg).labels(model_name)
+        self._c_offload_hits = Counter(
+            p + "kv_offload_hit_blocks", "Prompt blocks found in the host KV tier past the "
+            "device prefix hit (loaded, not recomputed).", labels, registry=reg).labels(model_name)
+        self._c_offload_misses = Counter(
+            p + "kv_offload_miss_blocks", "Prompt blocks past the device prefix hit that the "
+            "host KV tier did not hold.", labels, registry=reg).labels(model_name)
+        self._c_offload_saved = Counter(
+            p + "kv_offload_saved_bytes", "KV bytes copied from the device to the host tier.",
+            labels, registry=reg).labels(model_name)
+        self._c_offload_loaded = Counter(
+            p + "kv_offload_loaded_bytes", "KV bytes copied from the host tier to the device.",
+            labels, registry=reg).labels(model_name)
+
+        self._c_disk_reads = Counter(
+            p + "kv_disk_read_blocks", "Blocks read back from the disk KV tier.",
+            labels, registry=reg).labels(model_name)
+        self._c_disk_bad = Counter(
+            p + "kv_disk_bad_blocks", "Disk KV tier files found bad (computed instead).",
+            labels, registry=reg).labels(model_name)
+
         # --- token throughput ---
         self._c_prompt_tokens = Counter(
             p + "prompt_tokens", "Number of prefill tokens processed.",
@@ -290,6 +314,15 @@ class EngineMetrics:
         for pos, count in enumerate(stats.spec_accepted_per_pos):
             self._inc_cumulative(f"spec_accepted_pos_{pos}", count,
                                  self._c_spec_per_pos.labels(self.model_name, str(pos)))
+        self._g_offload_usage.set(stats.kv_offload_usage)
+        for key, value, counter in (
+                ("offload_hits", stats.kv_offload_hit_blocks, self._c_offload_hits),
+                ("offload_misses", stats.kv_offload_miss_blocks, self._c_offload_misses),
+                ("offload_saved", stats.kv_offload_saved_bytes, self._c_offload_saved),
+                ("offload_loaded", stats.kv_offload_loaded_bytes, self._c_offload_loaded),
+                ("disk_reads", stats.kv_disk_read_blocks, self._c_disk_reads),
+                ("disk_bad", stats.kv_disk_bad_blocks, self._c_disk_bad)):
+            self._inc_cumulative(f"{engine}:{key}", value, counter)
         for rank, count in enumerate(stats.expert_load_per_rank):
             self._inc_cumulative(f"{engine}:expert_load_{rank}", count,
                                  self._c_expert_load.labels(*label, str(rank)))

@@ -473,6 +473,8 @@ class PendingRunnerOutput:
         self.failed_req_ids: dict[str, str] = {}
         # Expert parallelism's per-rank load since the last report (the worker sets it).
         self.expert_load: list[int] | None = None
+        # The disk KV tier's reads of this step (the worker sets them).
+        self.kv_disk_read_results: list[tuple[bytes, bool]] = []
         self._request_ids = request_ids or []
         self._pooled = pooled
         self._draft_token_ids = draft_token_ids or {}
@@ -523,6 +525,7 @@ class PendingRunnerOutput:
         output.draft_token_ids = self._draft_token_ids
         output.failed_req_ids = self.failed_req_ids
         output.expert_load = self.expert_load
+        output.kv_disk_read_results = self.kv_disk_read_results
         if self._pooled is not None:
             output.pooler_output = self._pooled.collect()
             self._pooled = None

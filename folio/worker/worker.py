@@ -20,6 +20,7 @@ from folio.model.kernel_config import resolve_kernel_config
 from folio.model.loader import load_model, resolve_dtype
 from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.tensor_parallel import SINGLE, TPGroup
+from folio.worker.host_kv_pool import HostKVPool
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes, resolve_cache_dtype)
 from folio.worker.model_runner import ModelRunner, PendingRunnerOutput
@@ -235,6 +236,34 @@ class Worker:
             for layer, (group, _) in zip(self.model.layers,
                                          layout.layer_placement(self.spec.num_layers)):
                 layer.self_attn.kv_group = group
+        # The host-memory KV tier's pool (--kv-offloading-size): evicted prefix blocks kept
+        # in host memory, loaded back on a hit.
+        self.host_kv = None
+        self.host_block_bytes = HostKVPool.bytes_per_slot(self.kv_caches) if self.kv_caches else 0
+        if cache.kv_offloading_size is not None:
+            num_slots = int(cache.kv_offloading_size * 2**30) // max(self.host_block_bytes, 1)
+            if num_slots < 1:
+                raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB holds no "
+                                 f"block of {self.host_block_bytes} bytes")
+            if layout.num_groups > 1 or self.draft_spec is not None:
+                raise ValueError("kv_offloading_size: the host KV tier runs with one "
+                                 "full-attention KV cache group and no draft model's cache")
+            self.host_kv = HostKVPool(self.kv_caches, num_slots)
+            logger.info("host KV tier: %d blocks (%s) in host memory", num_slots,
+                        _format_bytes(num_slots * self.host_block_bytes))
+        # The disk KV tier's files (--kv-disk-path): blocks the host tier evicts.
+        self.disk_kv = None
+        if cache.kv_disk_path is not None:
+            if tp.size > 1 or pp.size > 1:
+                raise ValueError("kv_disk_path: the disk KV tier runs with one worker (no "
+                                 "tensor or pipeline parallelism) yet")
+            from folio.worker.disk_kv_store import DiskKVStore, namespace_of
+            namespace = namespace_of(source.path, repr(self.spec), str(self.kv_cache_dtype),
+                                     cache.block_size, [tuple(c.shape[:1]) + tuple(c.shape[2:])
+                                                        for c in self.kv_caches])
+            self.disk_kv = DiskKVStore(cache.kv_disk_path, namespace, self.host_kv)
+            logger.info("disk KV tier: %s (%d blocks there)", self.disk_kv.dir,
+                        len(self.disk_kv.existing()))
         self.draft_kv_caches = [] if self.draft_spec is None else allocate_kv_caches(
             self.draft_spec, self.num_blocks, cache.block_size, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
@@ -524,7 +553,9 @@ class Worker:
 
     def execute_model_async(self, step: SchedulerOutput,
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
+        read_results = self._run_tier_copies(step) if self.host_kv is not None else []
         pending = self.runner.execute_model_async(step, grammar_bitmask)
+        pending.kv_disk_read_results = read_results
         if self.tp.expert_parallel and self.tp.size > 1:
             self._steps_since_load += 1
             # every step on the CPU; on a GPU every EXPERT_LOAD_INTERVAL steps (reading the
@@ -533,6 +564,23 @@ class Worker:
                 pending.expert_load = self._gather_expert_load()
                 self._steps_since_load = 0
         return pending
+
+    def _run_tier_copies(self, step: SchedulerOutput) -> list[tuple[bytes, bool]]:
+        """The KV tiers' work of a step, before its forward pass, in the order the scheduler
+        relies on: spills, saves, disk reads, loads, then deletes. Returns each read's
+        result."""
+        disk = self.disk_kv
+        for slot, block_hash in step.kv_spills:
+            disk.spill(slot, block_hash)
+        if step.kv_saves:
+            self.host_kv.apply(self.kv_caches, step.kv_saves, [])
+        results = [(block_hash, disk.read(block_hash, slot))
+                   for block_hash, slot in step.kv_disk_reads]
+        if step.kv_loads:
+            self.host_kv.apply(self.kv_caches, [], step.kv_loads)
+        for block_hash in step.kv_disk_deletes:
+            disk.delete(block_hash)
+        return results
 
     @torch.inference_mode()
     def _gather_expert_load(self) -> list[int]:

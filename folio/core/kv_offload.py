@@ -1,0 +1,268 @@
+"""The host-memory KV tier (`--kv-offloading-size GiB`), on the scheduler's side: which
+prefix blocks the host pool holds, and the copies each step asks the workers for.
+
+A full, prefix-cached device block that the block pool evicts (its slot handed to another
+request) is saved to a host slot, keyed by its block hash (which covers the tokens before it,
+the cache_salt and the LoRA adapter, so tenants stay apart here too). A request whose prompt
+continues past its device prefix hit into blocks the host pool holds gets new device blocks
+for them, filled from the host pool instead of recomputed.
+
+Each step carries its copies (`SchedulerOutput.kv_saves`, `kv_loads`); a worker runs the
+saves, then the loads, before the step's forward pass, all in stream order: a save reads a
+block before this step may overwrite it (an evicted block is handed out in the same step),
+and a load fills a block before the forward reads it. A host slot is never both saved to
+and loaded from in one step (a slot being loaded is not evicted until the next).
+
+The host pool is LRU by default; `policy` is pluggable (`HostEvictionPolicy`).
+
+With a disk tier (`--kv-disk-path DIR --kv-disk-size GiB`, `DiskKVIndex`) a block the host
+pool evicts is spilled to a file named by its hash (in a directory of the model, dtype and
+layout: another model never reads it), and files survive a restart. A prompt's blocks past
+its host hits that the disk holds are read back into host slots first: the request waits a
+step while the workers read and check the files (size, header, checksum) and report each
+read; a bad file is dropped and its blocks are computed, never used. A step's file work runs
+first on the worker, in this order: spills, saves, disk reads, loads.
+
+Torch-free, like the rest of folio/core.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from folio.core.block_hash import BlockHash
+
+
+class HostEvictionPolicy(Protocol):
+    """Which cached host slot gives way when the pool is full."""
+
+    def touch(self, block_hash: BlockHash) -> None:
+        """A block was saved or found again."""
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """A block left the pool."""
+
+    def victims(self):
+        """Block hashes in the order they should be evicted."""
+
+
+class LRUPolicy:
+    def __init__(self) -> None:
+        self._order: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def touch(self, block_hash: BlockHash) -> None:
+        self._order[block_hash] = None
+        self._order.move_to_end(block_hash)
+
+    def forget(self, block_hash: BlockHash) -> None:
+        self._order.pop(block_hash, None)
+
+    def victims(self):
+        return iter(list(self._order))
+
+
+@dataclass
+class HostTierStats:
+    """Cumulative: blocks saved to and loaded from the host pool, prompt blocks looked up
+    past the device prefix hit and found there (hits) or not (misses); with a disk tier,
+    blocks spilled to it, read back from it, and its files found bad."""
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    hit_blocks: int = 0
+    missed_blocks: int = 0
+    disk_spilled_blocks: int = 0
+    disk_read_blocks: int = 0
+    disk_bad_blocks: int = 0
+
+
+class DiskKVIndex:
+    """Which block hashes the disk tier holds, least recently used first, at most
+    `capacity` of them (a file per block)."""
+
+    def __init__(self, capacity: int, existing: list[BlockHash] = ()) -> None:
+        if capacity < 1:
+            raise ValueError(f"the disk KV tier needs room for at least one block, got {capacity}")
+        self.capacity = capacity
+        self._order: OrderedDict[BlockHash, None] = OrderedDict()
+        self.evicted: list[BlockHash] = []     # files to delete, taken with each step
+        for block_hash in existing:           # oldest first (the files' modification times)
+            self.add(block_hash)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, block_hash: BlockHash) -> None:
+        self._order[block_hash] = None
+        self._order.move_to_end(block_hash)
+        while len(self._order) > self.capacity:
+            old, _ = self._order.popitem(last=False)
+            self.evicted.append(old)
+
+    def touch(self, block_hash: BlockHash) -> None:
+        if block_hash in self._order:
+            self._order.move_to_end(block_hash)
+
+    def remove(self, block_hash: BlockHash) -> None:
+        self._order.pop(block_hash, None)
+
+
+@dataclass
+class StepCopies:
+    """A step's tier work for the workers, in the order they run it."""
+    spills: list[tuple[int, BlockHash]] = field(default_factory=list)   # host slot -> file
+    saves: list[tuple[int, int]] = field(default_factory=list)          # device block -> slot
+    disk_reads: list[tuple[BlockHash, int]] = field(default_factory=list)   # file -> slot
+    loads: list[tuple[int, int]] = field(default_factory=list)          # slot -> device block
+    disk_deletes: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass
+class HostKVTier:
+    num_host_blocks: int
+    policy: HostEvictionPolicy = field(default_factory=LRUPolicy)
+    disk: DiskKVIndex | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_host_blocks < 1:
+            raise ValueError(f"the host KV pool needs at least one block, got "
+                             f"{self.num_host_blocks}")
+        self.slot_of: dict[BlockHash, int] = {}
+        self._free_slots = list(range(self.num_host_blocks - 1, -1, -1))
+        self._step = StepCopies()
+        self._loading: set[int] = set()           # host slots read this step
+        # Disk reads in flight: hash -> the host slot it is read into (kept from eviction
+        # until the workers report the read).
+        self._reading: dict[BlockHash, int] = {}
+        self.stats = HostTierStats()
+
+    @property
+    def usage(self) -> float:
+        return len(self.slot_of) / self.num_host_blocks
+
+    def on_evict(self, block_hash: BlockHash, block_id: int) -> None:
+        """The device pool evicted cached block `block_id`: keep its K/V in a host slot
+        (already there: it only counts as used again)."""
+        if block_hash in self.slot_of:
+            self.policy.touch(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return     # every slot is being read this step: the block is lost, as without
+        self.slot_of[block_hash] = slot
+        self.policy.touch(block_hash)
+        self._step.saves.append((block_id, slot))
+        self.stats.saved_blocks += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for victim in self.policy.victims():
+            slot = self.slot_of[victim]
+            if slot in self._loading:
+                continue
+            del self.slot_of[victim]
+            self.policy.forget(victim)
+            if self.disk is not None and victim not in self.disk:
+                self._step.spills.append((slot, victim))   # to its file before reuse
+                self.disk.add(victim)
+                self.stats.disk_spilled_blocks += 1
+            return slot
+        return None
+
+    def lookup(self, block_hashes: list[BlockHash]) -> list[int]:
+        """The host slots of the longest run of `block_hashes` (a prompt's blocks after its
+        device prefix hit) the pool holds."""
+        slots = []
+        for block_hash in block_hashes:
+            slot = self.slot_of.get(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def count_lookup(self, num_hits: int, num_looked_up: int) -> None:
+        """Count a lookup once, when its request is scheduled."""
+        self.stats.hit_blocks += num_hits
+        self.stats.missed_blocks += max(num_looked_up - num_hits, 0)
+
+    def load(self, slots: list[int], block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+        """Fill new device blocks from host slots this step (a prefix hit on the host)."""
+        for slot, block_id, block_hash in zip(slots, block_ids, block_hashes):
+            self._step.loads.append((slot, block_id))
+            self._loading.add(slot)
+            self.policy.touch(block_hash)
+        self.stats.loaded_blocks += len(slots)
+
+    # ---- the disk tier -------------------------------------------------------------------
+
+    def disk_hits(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
+        """The longest run of `block_hashes` (a prompt's blocks past its host hits) on disk."""
+        if self.disk is None:
+            return []
+        found = []
+        for block_hash in block_hashes:
+            if block_hash not in self.disk:
+                break
+            found.append(block_hash)
+        return found
+
+    def is_reading(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._reading
+
+    def read_from_disk(self, block_hashes: list[BlockHash]) -> int:
+        """Have the workers read these blocks' files into host slots this step (each found
+        in the host pool once its read is reported good). Returns how many were asked for
+        (fewer when the host pool has no slot to spare)."""
+        asked = 0
+        for block_hash in block_hashes:
+            if block_hash in self._reading or block_hash in self.slot_of:
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self._reading[block_hash] = slot
+            self._loading.add(slot)
+            self._step.disk_reads.append((block_hash, slot))
+            self.disk.touch(block_hash)
+            asked += 1
+        return asked
+
+    def finish_disk_reads(self, results: list[tuple[BlockHash, bool]]) -> None:
+        """The workers' reports: a good read puts the block in the host pool; a bad file is
+        dropped (its blocks are computed instead)."""
+        for block_hash, ok in results:
+            slot = self._reading.pop(block_hash, None)
+            if slot is None:
+                continue
+            if ok:
+                self.slot_of[block_hash] = slot
+                self.policy.touch(block_hash)
+                self.stats.disk_read_blocks += 1
+            else:
+                self._free_slots.append(slot)
+                self.disk.remove(block_hash)
+                self._step.disk_deletes.append(block_hash)
+                self.stats.disk_bad_blocks += 1
+
+    def take_step_copies(self) -> StepCopies:
+        """This step's copies, handed to the step message; the next step starts empty."""
+        step, self._step = self._step, StepCopies()
+        if self.disk is not None and self.disk.evicted:
+            step.disk_deletes += self.disk.evicted
+            self.disk.evicted = []
+        self._loading = set(self._reading.values())
+        return step
+
+    def reset(self) -> None:
+        """Forget every block of the host pool (the prefix cache was reset). Reads in flight
+        keep their slots until reported; the disk tier's files stay (they are checked on
+        every read)."""
+        for block_hash in list(self.slot_of):
+            self.policy.forget(block_hash)
+        self.slot_of.clear()
+        busy = set(self._reading.values())
+        self._free_slots = [s for s in range(self.num_host_blocks - 1, -1, -1) if s not in busy]

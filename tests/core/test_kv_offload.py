@@ -1,0 +1,137 @@
+"""The host KV tier on the scheduler's side (folio/core/kv_offload.py), without a model:
+evicted prefix blocks get host slots and save copies; a later prompt's blocks past its device
+prefix hit are found there and loaded into new device blocks (counted as computed); LRU slots;
+a slot being loaded is never overwritten in the same step; reset forgets everything."""
+from __future__ import annotations
+
+import pytest
+
+from folio.core.kv_cache_manager import KVCacheManager
+from folio.core.kv_offload import DiskKVIndex, HostKVTier
+from folio.core.request import Request
+from folio.core.scheduler import Scheduler
+from folio.core.step_messages import ModelRunnerOutput
+from folio.sampling_params import SamplingParams
+
+BS = 4
+
+
+def test_saves_lookups_and_lru() -> None:
+    tier = HostKVTier(2)
+    tier.on_evict("a", 5)
+    tier.on_evict("b", 6)
+    tier.on_evict("a", 9)                 # held already: only used again
+    assert tier.take_step_copies().saves == [(5, 0), (6, 1)]
+    assert tier.lookup(["a", "b", "c"]) == [0, 1] and tier.lookup(["c", "a"]) == []
+    tier.on_evict("c", 7)                 # full: the least recently used ("b") gives way
+    assert tier.slot_of == {"a": 0, "c": 1} and tier.take_step_copies().saves == [(7, 1)]
+    assert tier.usage == 1.0
+
+
+def test_a_slot_being_loaded_is_not_overwritten_in_the_same_step() -> None:
+    tier = HostKVTier(1)
+    tier.on_evict("a", 3)
+    tier.take_step_copies()
+    tier.load([0], [8], ["a"])
+    tier.on_evict("b", 4)                 # the only slot is read this step: "b" is dropped
+    copies = tier.take_step_copies()
+    assert (copies.saves, copies.loads) == ([], [(0, 8)]) and "b" not in tier.slot_of
+    tier.on_evict("b", 4)                 # the next step it may take it
+    assert tier.take_step_copies().saves == [(4, 0)]
+    tier.reset()
+    assert tier.slot_of == {} and tier.lookup(["b"]) == []
+    with pytest.raises(ValueError, match="at least one block"):
+        HostKVTier(0)
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=1, temperature=0), (2,),
+                   block_size=BS, max_model_len=256)
+
+
+def _run_to_end(s: Scheduler, r: Request) -> list:
+    """Schedule the request until it finishes (one token); the step messages."""
+    s.add_request(r)
+    messages = []
+    while r.request_id in s.requests:
+        step = s.schedule()
+        messages.append(step.message)
+        s.update_from_output(step, ModelRunnerOutput(req_ids=[r.request_id],
+                                                     sampled_token_ids=[[50]]))
+    return messages
+
+
+def test_an_evicted_prefix_comes_back_from_the_host() -> None:
+    """A 9-block pool: prompt A (4 full blocks + 1 token) finishes, prompts B and C take its
+    blocks (saved as they are evicted), and A again finds them on the host: 4 blocks loaded
+    into new device blocks, 16 tokens counted as computed, one computed."""
+    kv = KVCacheManager(9, BS, True)
+    tier = HostKVTier(16)
+    s = Scheduler(kv_cache_manager=kv, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=256, host_tier=tier)
+    prompt_a = list(range(100, 117))
+    _run_to_end(s, _request("a", prompt_a))
+    saves = []
+    for rid, first in (("b", 200), ("c", 300)):
+        saves += [pair for m in _run_to_end(s, _request(rid, list(range(first, first + 17))))
+                  for pair in m.kv_saves]
+    assert len(saves) == 4 and tier.stats.saved_blocks == 4      # A's 4 full blocks
+    messages = _run_to_end(s, _request("a2", prompt_a))
+    first = messages[0]
+    assert len(first.kv_loads) == 4
+    assert {slot for slot, _ in first.kv_loads} == {slot for _, slot in saves}
+    new = first.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 16 and first.num_scheduled_tokens == {"a2": 1}
+    assert [block for _, block in first.kv_loads] == new.block_ids[0][:4]
+    assert tier.stats.hit_blocks == 4 and tier.stats.loaded_blocks == 4
+    kv.block_pool.check_invariants()
+
+
+def test_a_salted_prompt_finds_nothing_of_another_tenant() -> None:
+    kv = KVCacheManager(9, BS, True)
+    tier = HostKVTier(16)
+    s = Scheduler(kv_cache_manager=kv, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=256, host_tier=tier)
+    prompt = list(range(100, 117))
+    _run_to_end(s, _request("a", prompt))
+    for rid, first in (("b", 200), ("c", 300)):
+        _run_to_end(s, _request(rid, list(range(first, first + 17))))
+    salted = Request("s", prompt, SamplingParams(max_tokens=1, temperature=0), (2,),
+                     block_size=BS, max_model_len=256, cache_salt="tenant-2")
+    messages = _run_to_end(s, salted)
+    assert messages[0].kv_loads == [] and messages[0].num_scheduled_tokens == {"s": 17}
+
+
+def test_the_tier_needs_one_cached_group() -> None:
+    with pytest.raises(ValueError, match="prefix caching"):
+        Scheduler(kv_cache_manager=KVCacheManager(8, BS, False), max_num_seqs=2,
+                  max_num_batched_tokens=16, max_model_len=64, host_tier=HostKVTier(4))
+
+
+def test_the_disk_tier_below_the_host_pool() -> None:
+    """A host slot's victim is spilled to disk before its slot is reused; a block on disk is
+    read into a host slot (kept from eviction until the read is reported), found on the
+    host once good, dropped and its file deleted when bad; the disk keeps its newest blocks."""
+    disk = DiskKVIndex(2, existing=["old"])
+    tier = HostKVTier(1, disk=disk)
+    tier.on_evict("a", 3)
+    tier.on_evict("b", 4)                 # "a" leaves the host pool: to its file first
+    copies = tier.take_step_copies()
+    assert copies.spills == [(0, "a")] and copies.saves == [(3, 0), (4, 0)]
+    assert "a" in disk and "old" in disk and tier.disk_hits(["a", "x"]) == ["a"]
+    assert tier.read_from_disk(["a"]) == 1 and tier.is_reading("a")
+    copies = tier.take_step_copies()      # "b" is spilled to make room; "old" leaves the disk
+    assert copies.spills == [(0, "b")] and copies.disk_reads == [("a", 0)]
+    assert copies.disk_deletes == ["old"] and "old" not in disk
+    tier.on_evict("c", 5)                 # the slot is being read: "c" finds no room
+    assert tier.take_step_copies().saves == []
+    tier.finish_disk_reads([("a", True)])
+    assert tier.lookup(["a"]) == [0] and tier.stats.disk_read_blocks == 1
+    # a bad file: dropped from the disk index, its file deleted, its slot free again
+    disk2 = DiskKVIndex(4, existing=["z"])
+    tier2 = HostKVTier(2, disk=disk2)
+    tier2.read_from_disk(["z"])
+    tier2.take_step_copies()
+    tier2.finish_disk_reads([("z", False)])
+    assert "z" not in disk2 and tier2.take_step_copies().disk_deletes == ["z"]
+    assert tier2.lookup(["z"]) == [] and tier2.stats.disk_bad_blocks == 1

@@ -1,0 +1,110 @@
+"""The host KV tier through the engine (issue 23, item 2), on the default model (SmolLM2-135M,
+float32 on the CPU, whose "host" pool is a second CPU pool): a prompt whose prefix blocks were
+evicted from a small device pool by later prompts comes back from the host tier — every full
+block of it cached (device hits plus host loads), only its last token computed — and the
+greedy answers are the engine's without the tier; a salted request finds nothing of another
+tenant; the tier's metrics count it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.model.default_model import default_model_path
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+PROMPT_LEN = 8 * BLOCK + 1          # eight full blocks and the token that must be computed
+
+
+def _token_prompts(llm: LLM) -> list[dict]:
+    """Four prompts of PROMPT_LEN tokens from standard-library sources (text no one here
+    wrote): the first is asked again after the others evicted it."""
+    tok = llm.get_tokenizer()
+    out = []
+    for name in ("textwrap.py", "bisect.py", "colorsys.py", "fnmatch.py"):
+        with open(os.path.join(os.path.dirname(os.__file__), name), encoding="utf-8") as f:
+            ids = tok.encode(f.read()[:4000])
+        out.append({"prompt_token_ids": ids[:PROMPT_LEN]})
+    return out
+
+
+def _make(**kw) -> LLM:
+    return LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
+               max_model_len=192, num_gpu_blocks_override=12, max_num_seqs=1, device="cpu",
+               **kw)
+
+
+def test_an_evicted_prefix_is_served_from_the_host_tier() -> None:
+    params = SamplingParams(temperature=0, max_tokens=16)
+    plain = _make()
+    prompts = _token_prompts(plain)
+    sequence = prompts + [prompts[0]]
+    want = [list(plain.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids)
+            for p in sequence]
+    plain.llm_engine.shutdown()
+
+    llm = _make(kv_offloading_size=0.1)
+    outs = [llm.generate(p, params, use_tqdm=False)[0] for p in sequence]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    again = outs[-1]
+    # every full block of the prompt cached, none of it on the device any more: loaded
+    assert again.num_cached_tokens == PROMPT_LEN - 1
+    stats = llm.llm_engine.engine_core.scheduler.stats()
+    assert stats.kv_offload_hit_blocks == 8 and stats.kv_offload_loaded_bytes > 0
+    assert stats.kv_offload_saved_bytes >= stats.kv_offload_loaded_bytes
+
+    # another tenant (a cache_salt) finds none of it, and still gets the same answer
+    salted = llm.generate(prompts[0], params, cache_salt="tenant-2", use_tqdm=False)[0]
+    assert salted.num_cached_tokens == 0 and list(salted.outputs[0].token_ids) == want[0]
+    assert llm.llm_engine.engine_core.scheduler.stats().kv_offload_hit_blocks == 8
+    llm.llm_engine.shutdown()
+
+
+def test_bad_settings_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        _make(kv_offloading_size=-1)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        _make(kv_offloading_size=0.1, enable_prefix_caching=False)
+
+
+def test_the_disk_tier_survives_a_restart_and_a_bad_file_is_a_miss(tmp_path, caplog) -> None:
+    """Run 1 pushes the first prompt's blocks through the device and host pools to disk.
+    A new engine on the same directory reads them back (every full block cached, the same
+    answer); with one of the files corrupted, that block and those after it are computed,
+    a log line says so, and the answer is still the same."""
+    import logging
+    params = SamplingParams(temperature=0, max_tokens=16)
+    tiers = dict(kv_offloading_size=0.007, kv_disk_path=str(tmp_path), kv_disk_size=0.5)
+    llm = _make(**tiers)
+    prompts = _token_prompts(llm)
+    want = list(llm.generate(prompts[0], params, use_tqdm=False)[0].outputs[0].token_ids)
+    for prompt in prompts[1:]:
+        llm.generate(prompt, params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.host_tier.stats.disk_spilled_blocks >= 8
+    llm.llm_engine.shutdown()
+
+    llm = _make(**tiers)                    # a restart: empty device and host pools
+    again = llm.generate(prompts[0], params, use_tqdm=False)[0]
+    assert list(again.outputs[0].token_ids) == want
+    assert again.num_cached_tokens == PROMPT_LEN - 1
+    assert llm.llm_engine.engine_core.scheduler.stats().kv_disk_read_blocks == 8
+    llm.llm_engine.shutdown()
+
+    files = sorted((p for p in tmp_path.rglob("*") if p.is_file()), key=lambda p: p.name)
+    assert files
+    llm = _make(**tiers)
+    for path in files:                     # corrupt every file's payload, one byte each
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="folio"):
+        again = llm.generate(prompts[0], params, use_tqdm=False)[0]
+    assert list(again.outputs[0].token_ids) == want
+    assert again.num_cached_tokens == 0
+    assert "checksum mismatch" in caplog.text
+    stats = llm.llm_engine.engine_core.scheduler.stats()
+    assert stats.kv_disk_bad_blocks >= 1 and stats.kv_disk_read_blocks == 0
+    llm.llm_engine.shutdown()
