@@ -108,3 +108,26 @@ def test_the_disk_tier_survives_a_restart_and_a_bad_file_is_a_miss(tmp_path, cap
     stats = llm.llm_engine.engine_core.scheduler.stats()
     assert stats.kv_disk_bad_blocks >= 1 and stats.kv_disk_read_blocks == 0
     llm.llm_engine.shutdown()
+
+
+def test_preempted_requests_resume_from_the_host_tier() -> None:
+    """Swap by way of the tier: a preempted request's full blocks stay cached, are saved to
+    the host when the device pool evicts them, and load back when it resumes. Answers are
+    those of the engine without the tier (recompute preemption)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
+                  max_model_len=128, num_gpu_blocks_override=14, max_num_seqs=4, device="cpu",
+                  **kw)
+        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:49]} for p in _token_prompts(llm)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.engine_core.scheduler.stats()
+        llm.llm_engine.shutdown()
+        return [list(o.outputs[0].token_ids) for o in outs], stats
+
+    want, plain_stats = run()
+    got, stats = run(kv_offloading_size=0.05)
+    assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
+    assert got == want
+    assert stats.kv_offload_hit_blocks > 0

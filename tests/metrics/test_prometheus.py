@@ -197,6 +197,21 @@ def test_expert_load_per_rank(m: EngineMetrics) -> None:
     assert val(m, "folio:expert_load_tokens_total", rank="1") == 9
 
 
+def test_kv_tier_metrics(m: EngineMetrics) -> None:
+    m.observe_scheduler_stats(SchedulerStats(kv_offload_usage=0.25, kv_offload_hit_blocks=8,
+                                             kv_offload_miss_blocks=2,
+                                             kv_offload_saved_bytes=4096,
+                                             kv_offload_loaded_bytes=2048,
+                                             kv_disk_read_blocks=3, kv_disk_bad_blocks=1))
+    assert val(m, "folio:kv_offload_usage_perc") == 0.25
+    assert val(m, "folio:kv_offload_hit_blocks_total") == 8
+    assert val(m, "folio:kv_offload_miss_blocks_total") == 2
+    assert val(m, "folio:kv_offload_saved_bytes_total") == 4096
+    assert val(m, "folio:kv_offload_loaded_bytes_total") == 2048
+    assert val(m, "folio:kv_disk_read_blocks_total") == 3
+    assert val(m, "folio:kv_disk_bad_blocks_total") == 1
+
+
 def test_scheduler_metrics_per_data_parallel_replica(m: EngineMetrics) -> None:
     m.observe_scheduler_stats(SchedulerStats(num_running=3, prefix_cache_hits=10), engine=0)
     m.observe_scheduler_stats(SchedulerStats(num_running=5, prefix_cache_hits=4), engine=1)
