@@ -159,22 +159,11 @@ class EngineCore:
             times.steps += 1
             times.schedule_s += time.perf_counter() - start
         if step.is_empty:
-            message = step.message
-            if (message.finished_req_ids or message.preempted_req_ids
-                    or message.removed_lora_ids or message.kv_saves
-                    or message.kv_spills or message.kv_disk_deletes):
-                # Still let the workers drop the state of requests that finished meanwhile
-                # and the adapters removed, and save the blocks the host tier took.
-                self.executor.execute_model(message)
             if self._in_flight is not None:
+                self._send_empty_step(step, outputs)
                 return outputs + self._finish_in_flight()
-            if self.structured_output.has_pending() and not outputs:
-                # Nothing runnable but a grammar compiling: wait for it briefly, not spin.
-                self.structured_output.wait_for_pending(timeout=0.01)
-            return outputs
-        fill = None
-        if step.message.has_grammar:
-            fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
+            return self._send_empty_step(step, outputs)
+        fill = self._grammar_fill(step)
         if times is not None:
             start = time.perf_counter()
         pending = self.executor.execute_model_async(step.message, fill)
@@ -205,21 +194,33 @@ class EngineCore:
             outputs += self._finish_oldest()
         step = self.scheduler.schedule()
         if step.is_empty:
-            message = step.message
-            if (message.finished_req_ids or message.preempted_req_ids
-                    or message.removed_lora_ids or message.kv_saves
-                    or message.kv_spills or message.kv_disk_deletes):
-                self.executor.execute_model(message)
             if self._pipeline:
+                self._send_empty_step(step, outputs)
                 return outputs + self._finish_oldest()
-            if self.structured_output.has_pending() and not outputs:
-                self.structured_output.wait_for_pending(timeout=0.01)
-            return outputs
-        fill = None
-        if step.message.has_grammar:
-            fill = lambda: self.structured_output.grammar_bitmask(step)  # noqa: E731
-        self._pipeline.append((step, self.executor.execute_model_async(step.message, fill)))
+            return self._send_empty_step(step, outputs)
+        self._pipeline.append((step, self.executor.execute_model_async(
+            step.message, self._grammar_fill(step))))
         return outputs
+
+    def _send_empty_step(self, step: ScheduledStep,
+                         outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """A step that runs no request: the workers still get it when it tells them of
+        requests finished meanwhile, adapters removed or KV tier copies to make. With
+        nothing in flight and a grammar compiling, wait for it briefly rather than spin."""
+        message = step.message
+        if (message.finished_req_ids or message.preempted_req_ids or message.removed_lora_ids
+                or message.kv_saves or message.kv_spills or message.kv_disk_deletes):
+            self.executor.execute_model(message)
+        if (self._in_flight is None and not self._pipeline and not outputs
+              and self.structured_output.has_pending()):
+            self.structured_output.wait_for_pending(timeout=0.01)
+        return outputs
+
+    def _grammar_fill(self, step: ScheduledStep):
+        """How the workers get the step's grammar bitmask (None without a grammar)."""
+        if not step.message.has_grammar:
+            return None
+        return lambda: self.structured_output.grammar_bitmask(step)
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:
         step, pending = self._pipeline.popleft()

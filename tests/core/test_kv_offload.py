@@ -61,10 +61,10 @@ def _run_to_end(s: Scheduler, r: Request) -> list:
     return messages
 
 
-def test_an_evicted_prefix_comes_back_from_the_host() -> None:
-    """A 9-block pool: prompt A (4 full blocks + 1 token) finishes, prompts B and C take its
-    blocks (saved as they are evicted), and A again finds them on the host: 4 blocks loaded
-    into new device blocks, 16 tokens counted as computed, one computed."""
+def _evicting_scheduler() -> tuple[KVCacheManager, HostKVTier, Scheduler, list[int], list]:
+    """A 9-block pool with a 16-slot host tier; prompt A (4 full blocks + 1 token) has run,
+    then prompts B and C took its blocks (saved as they were evicted). Returns the manager,
+    the tier, the scheduler, A's prompt and the saves made."""
     kv = KVCacheManager(9, BS, True)
     tier = HostKVTier(16)
     s = Scheduler(kv_cache_manager=kv, max_num_seqs=4, max_num_batched_tokens=64,
@@ -75,6 +75,13 @@ def test_an_evicted_prefix_comes_back_from_the_host() -> None:
     for rid, first in (("b", 200), ("c", 300)):
         saves += [pair for m in _run_to_end(s, _request(rid, list(range(first, first + 17))))
                   for pair in m.kv_saves]
+    return kv, tier, s, prompt_a, saves
+
+
+def test_an_evicted_prefix_comes_back_from_the_host() -> None:
+    """Prompt A's evicted blocks, saved to the host, come back: 4 blocks loaded into new
+    device blocks, 16 tokens counted as computed, one computed."""
+    kv, tier, s, prompt_a, saves = _evicting_scheduler()
     assert len(saves) == 4 and tier.stats.saved_blocks == 4      # A's 4 full blocks
     messages = _run_to_end(s, _request("a2", prompt_a))
     first = messages[0]
@@ -88,14 +95,7 @@ def test_an_evicted_prefix_comes_back_from_the_host() -> None:
 
 
 def test_a_salted_prompt_finds_nothing_of_another_tenant() -> None:
-    kv = KVCacheManager(9, BS, True)
-    tier = HostKVTier(16)
-    s = Scheduler(kv_cache_manager=kv, max_num_seqs=4, max_num_batched_tokens=64,
-                  max_model_len=256, host_tier=tier)
-    prompt = list(range(100, 117))
-    _run_to_end(s, _request("a", prompt))
-    for rid, first in (("b", 200), ("c", 300)):
-        _run_to_end(s, _request(rid, list(range(first, first + 17))))
+    _, _, s, prompt, _ = _evicting_scheduler()
     salted = Request("s", prompt, SamplingParams(max_tokens=1, temperature=0), (2,),
                      block_size=BS, max_model_len=256, cache_salt="tenant-2")
     messages = _run_to_end(s, salted)

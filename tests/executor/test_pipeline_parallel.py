@@ -14,7 +14,7 @@ from folio import LLM, SamplingParams
 from folio.model.default_model import default_model_path
 from folio.model.pipeline_parallel import partition_layers, stage_of
 
-from test_tensor_parallel import _assert_same, _prompts
+from test_tensor_parallel import _answers as _tp_answers, _assert_same, _prompts
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +26,7 @@ def _llm(model: str, **kw) -> LLM:
 
 
 def _answers(model: str, prompts, **kw):
-    llm = _llm(model, **kw)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-    finally:
-        llm.llm_engine.shutdown()
+    return _tp_answers(model, kw.pop("tensor_parallel_size", 1), prompts, **kw)
 
 
 def test_layer_partitions() -> None:
