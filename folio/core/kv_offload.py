@@ -149,6 +149,8 @@ class HostKVTier:
         if block_hash in self.slot_of:
             self.policy.touch(block_hash)
             return
+        if block_hash in self._reading:
+            return     # being read from disk into a slot already
         slot = self._take_slot()
         if slot is None:
             return     # every slot is being read this step: the block is lost, as without
@@ -182,6 +184,8 @@ class HostKVTier:
             if slot is None:
                 break
             slots.append(slot)
+            # used: a disk read for the blocks after these must not take their slots
+            self.policy.touch(block_hash)
         return slots
 
     def count_lookup(self, num_hits: int, num_looked_up: int) -> None:
@@ -238,7 +242,9 @@ class HostKVTier:
             slot = self._reading.pop(block_hash, None)
             if slot is None:
                 continue
-            if ok:
+            if ok and block_hash in self.slot_of:
+                self._free_slots.append(slot)      # saved again meanwhile: one copy is enough
+            elif ok:
                 self.slot_of[block_hash] = slot
                 self.policy.touch(block_hash)
                 self.stats.disk_read_blocks += 1

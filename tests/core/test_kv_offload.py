@@ -23,8 +23,9 @@ def test_saves_lookups_and_lru() -> None:
     tier.on_evict("a", 9)                 # held already: only used again
     assert tier.take_step_copies().saves == [(5, 0), (6, 1)]
     assert tier.lookup(["a", "b", "c"]) == [0, 1] and tier.lookup(["c", "a"]) == []
-    tier.on_evict("c", 7)                 # full: the least recently used ("b") gives way
-    assert tier.slot_of == {"a": 0, "c": 1} and tier.take_step_copies().saves == [(7, 1)]
+    # full: the least recently used gives way; the lookup used "a" then "b", so "a"
+    tier.on_evict("c", 7)
+    assert tier.slot_of == {"b": 1, "c": 0} and tier.take_step_copies().saves == [(7, 0)]
     assert tier.usage == 1.0
 
 
