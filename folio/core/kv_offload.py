@@ -10,8 +10,8 @@ for them, filled from the host pool instead of recomputed.
 Each step carries its copies (`SchedulerOutput.kv_saves`, `kv_loads`); a worker runs the
 saves, then the loads, before the step's forward pass, all in stream order: a save reads a
 block before this step may overwrite it (an evicted block is handed out in the same step),
-and a load fills a block before the forward reads it. A host slot is never both saved to
-and loaded from in one step (a slot being loaded is not evicted until the next).
+and a load fills a block before the forward reads it. A host slot is used by one block
+per step: a slot saved to, loaded from or read into in a step is not evicted until the next.
 
 The host pool is LRU by default; `policy` is pluggable (`HostEvictionPolicy`).
 
@@ -133,7 +133,10 @@ class HostKVTier:
         self.slot_of: dict[BlockHash, int] = {}
         self._free_slots = list(range(self.num_host_blocks - 1, -1, -1))
         self._step = StepCopies()
-        self._loading: set[int] = set()           # host slots read this step
+        # Host slots written or read this step (saved to, loaded from, read into): never
+        # another block's slot in the same step, since the workers run each kind of copy
+        # together (a spill of a slot saved this step would read it before the save).
+        self._busy: set[int] = set()
         # Disk reads in flight: hash -> the host slot it is read into (kept from eviction
         # until the workers report the read).
         self._reading: dict[BlockHash, int] = {}
@@ -155,6 +158,7 @@ class HostKVTier:
         if slot is None:
             return     # every slot is being read this step: the block is lost, as without
         self.slot_of[block_hash] = slot
+        self._busy.add(slot)
         self.policy.touch(block_hash)
         self._step.saves.append((block_id, slot))
         self.stats.saved_blocks += 1
@@ -164,7 +168,7 @@ class HostKVTier:
             return self._free_slots.pop()
         for victim in self.policy.victims():
             slot = self.slot_of[victim]
-            if slot in self._loading:
+            if slot in self._busy:
                 continue
             del self.slot_of[victim]
             self.policy.forget(victim)
@@ -197,7 +201,7 @@ class HostKVTier:
         """Fill new device blocks from host slots this step (a prefix hit on the host)."""
         for slot, block_id, block_hash in zip(slots, block_ids, block_hashes):
             self._step.loads.append((slot, block_id))
-            self._loading.add(slot)
+            self._busy.add(slot)
             self.policy.touch(block_hash)
         self.stats.loaded_blocks += len(slots)
 
@@ -229,7 +233,7 @@ class HostKVTier:
             if slot is None:
                 break
             self._reading[block_hash] = slot
-            self._loading.add(slot)
+            self._busy.add(slot)
             self._step.disk_reads.append((block_hash, slot))
             self.disk.touch(block_hash)
             asked += 1
@@ -260,7 +264,7 @@ class HostKVTier:
         if self.disk is not None and self.disk.evicted:
             step.disk_deletes += self.disk.evicted
             self.disk.evicted = []
-        self._loading = set(self._reading.values())
+        self._busy = set(self._reading.values())
         return step
 
     def reset(self) -> None:

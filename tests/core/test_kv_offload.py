@@ -116,9 +116,10 @@ def test_the_disk_tier_below_the_host_pool() -> None:
     disk = DiskKVIndex(2, existing=["old"])
     tier = HostKVTier(1, disk=disk)
     tier.on_evict("a", 3)
+    assert tier.take_step_copies().saves == [(3, 0)]
     tier.on_evict("b", 4)                 # "a" leaves the host pool: to its file first
     copies = tier.take_step_copies()
-    assert copies.spills == [(0, "a")] and copies.saves == [(3, 0), (4, 0)]
+    assert copies.spills == [(0, "a")] and copies.saves == [(4, 0)]
     assert "a" in disk and "old" in disk and tier.disk_hits(["a", "x"]) == ["a"]
     assert tier.read_from_disk(["a"]) == 1 and tier.is_reading("a")
     copies = tier.take_step_copies()      # "b" is spilled to make room; "old" leaves the disk
@@ -136,3 +137,20 @@ def test_the_disk_tier_below_the_host_pool() -> None:
     tier2.finish_disk_reads([("z", False)])
     assert "z" not in disk2 and tier2.take_step_copies().disk_deletes == ["z"]
     assert tier2.lookup(["z"]) == [] and tier2.stats.disk_bad_blocks == 1
+
+
+def test_a_slot_saved_this_step_is_not_spilled_in_the_same_step() -> None:
+    """The workers run a step's spills before its saves: a slot saved to in this step and
+    chosen again as a victim would be spilled before its save wrote it (a file of stale
+    bytes: wrong answers after a restart). Such a slot is kept for the step; the block that
+    finds no other slot is simply not kept."""
+    tier = HostKVTier(2, disk=DiskKVIndex(8))
+    tier.on_evict("a", 1)
+    tier.on_evict("b", 2)
+    tier.on_evict("c", 3)                # both slots were saved to this step: no room
+    copies = tier.take_step_copies()
+    assert copies.spills == [] and copies.saves == [(1, 0), (2, 1)]
+    assert "c" not in tier.slot_of
+    tier.on_evict("c", 3)                # the next step a slot gives way, spilled first
+    copies = tier.take_step_copies()
+    assert copies.spills == [(0, "a")] and copies.saves == [(3, 0)]
