@@ -16,6 +16,6 @@ bench)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it
   step 500 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
       --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 40 \
+      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
       --output-json "$OUT/kv_tiers_llama8b.json" ;;
 esac
