@@ -507,6 +507,88 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# --kv-transfer-config's connectors folio has (vLLM's names): OffloadingConnector is the
+# host KV tier (folio/core/kv_offload.py). The disaggregated-prefill ones are not built yet.
+KV_CONNECTORS = ("OffloadingConnector",)
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# vLLM's other KVTransferConfig keys: accepted (a config written for vLLM parses), unused by
+# the connectors folio has.
+_KV_TRANSFER_UNUSED_KEYS = ("engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank",
+                            "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_module_path",
+                            "kv_load_failure_policy")
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config JSON: {"kv_connector": "OffloadingConnector", "kv_role":
+    "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": N}} keeps evicted prefix
+    blocks in N bytes of host memory, as --kv-offloading-size N/2^30 does."""
+
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    unused: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.kv_connector in KV_CONNECTORS, "kv_transfer_config.kv_connector",
+                 f"{self.kv_connector!r} is not built into folio; it has {list(KV_CONNECTORS)} "
+                 "(the host KV tier); disaggregated prefill connectors are not built yet")
+        _require(self.kv_role in _KV_ROLES, "kv_transfer_config.kv_role",
+                 f"must be one of {list(_KV_ROLES)}, got {self.kv_role!r}")
+        _require(self.kv_role == "kv_both", "kv_transfer_config.kv_role",
+                 f"{self.kv_connector} both saves and loads: kv_role must be 'kv_both'")
+        extra = self.kv_connector_extra_config
+        _require(isinstance(extra, dict), "kv_transfer_config.kv_connector_extra_config",
+                 "must be a JSON object")
+        known = {"cpu_bytes_to_use", "spec_name", "block_size"}
+        unknown = sorted(set(extra) - known)
+        _require(not unknown, "kv_transfer_config.kv_connector_extra_config",
+                 f"has keys folio's {self.kv_connector} does not read: {unknown}; it reads "
+                 f"{sorted(known)}")
+        _require(extra.get("spec_name", "CPUOffloadingSpec") == "CPUOffloadingSpec",
+                 "kv_transfer_config.kv_connector_extra_config.spec_name",
+                 "only 'CPUOffloadingSpec' (one host tier; folio's disk tier is --kv-disk-path)")
+        size = extra.get("cpu_bytes_to_use")
+        _require(isinstance(size, int) and not isinstance(size, bool) and size > 0,
+                 "kv_transfer_config.kv_connector_extra_config.cpu_bytes_to_use",
+                 f"must be a positive int (bytes of host memory), got {size!r}")
+
+    def offloading_size_gib(self) -> float:
+        """The host tier's size, as --kv-offloading-size takes it."""
+        return self.kv_connector_extra_config["cpu_bytes_to_use"] / 2**30
+
+    @classmethod
+    def from_json(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+        _require(isinstance(value, dict), "kv_transfer_config",
+                 f"must be a JSON object, got {type(value).__name__}")
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        unknown = sorted(set(value) - known - set(_KV_TRANSFER_UNUSED_KEYS))
+        _require(not unknown, "kv_transfer_config", f"has unknown keys {unknown}")
+        return cls(**{k: v for k, v in value.items() if k in known},
+                   unused={k: v for k, v in value.items() if k in _KV_TRANSFER_UNUSED_KEYS})
+
+
+def offloading_size(kv_offloading_size: float | None,
+                    kv_transfer_config: "str | dict | KVTransferConfig | None") -> float | None:
+    """The host KV tier's size in GiB from --kv-offloading-size or an OffloadingConnector's
+    --kv-transfer-config (one of the two)."""
+    config = KVTransferConfig.from_json(kv_transfer_config)
+    if config is None:
+        return kv_offloading_size
+    _require(kv_offloading_size is None, "kv_transfer_config",
+             "give either kv_offloading_size or an OffloadingConnector kv_transfer_config, "
+             "not both")
+    return config.offloading_size_gib()
+
+
 # --max-lora-rank's ceiling: the rank buffers of every projection are sized by it, per slot.
 MAX_LORA_RANK_LIMIT = 512
 # --max-loras's ceiling: each device slot holds one adapter's A and B for every projection.

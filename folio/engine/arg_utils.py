@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from folio.config import (KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS,
-                          normalize_kv_cache_dtype)
+                          normalize_kv_cache_dtype, offloading_size)
 from folio.pooling_params import CONVERTS, RUNNERS, TASK_ALIASES, PoolerConfig
 
 
@@ -46,6 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                         help="GiB of host memory for a second KV tier: prefix blocks evicted "
                              "from the device cache are kept there and copied back on a hit "
                              "instead of recomputed (needs prefix caching)")
+    parser.add_argument("--kv-transfer-config", default=None,
+                        help="vLLM's KV connector JSON; folio has OffloadingConnector "
+                             "(kv_role kv_both, kv_connector_extra_config.cpu_bytes_to_use): "
+                             "the host KV tier, as --kv-offloading-size")
     parser.add_argument("--kv-disk-path", default=None,
                         help="a directory for a disk KV tier below the host tier: blocks the "
                              "host tier evicts are kept there as files and survive a restart")
@@ -266,7 +270,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_size=offloading_size(getattr(args, "kv_offloading_size", None),
+                                           getattr(args, "kv_transfer_config", None)),
         kv_disk_path=getattr(args, "kv_disk_path", None),
         kv_disk_size=getattr(args, "kv_disk_size", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),

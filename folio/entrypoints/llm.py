@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                           RequestLimitsConfig, SchedulerConfig, SpeculativeConfig,
-                          StructuredOutputsConfig)
+                          StructuredOutputsConfig, offloading_size)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.entrypoints.pooling_api import PoolingAPI
@@ -40,6 +40,7 @@ class LLM(PoolingAPI):
                  distributed_executor_backend: str | None = None,
                  num_workers: int = 1,
                  kv_offloading_size: float | None = None,
+                 kv_transfer_config: dict | str | None = None,
                  kv_disk_path: str | None = None, kv_disk_size: float | None = None,
                  tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1,
@@ -80,7 +81,8 @@ class LLM(PoolingAPI):
                               hf_overrides=hf_overrides, enable_sleep_mode=enable_sleep_mode),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              kv_offloading_size=kv_offloading_size,
+                              kv_offloading_size=offloading_size(kv_offloading_size,
+                                                                 kv_transfer_config),
                               kv_disk_path=kv_disk_path, kv_disk_size=kv_disk_size,
                               cache_dtype=kv_cache_dtype,
                               calculate_kv_scales=calculate_kv_scales,

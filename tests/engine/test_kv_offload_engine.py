@@ -161,3 +161,11 @@ def test_a_tiny_host_pool_spills_only_written_slots(tiny_model_dir, tmp_path) ->
     again, stats = answers(prompts[:1], **tiers)
     assert again[0][0] == want[0][0]
     assert stats.kv_disk_read_blocks == 6 and again[0][1] == 6 * BLOCK
+
+
+def test_vllms_kv_transfer_config_turns_the_host_tier_on() -> None:
+    llm = _make(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 26}})
+    tier = llm.llm_engine.engine_core.scheduler.host_tier
+    assert tier is not None and tier.num_host_blocks == (1 << 26) // 737280   # SmolLM2 fp32
+    llm.llm_engine.shutdown()
