@@ -563,6 +563,15 @@ class Scheduler:
         """Preemption by recompute: drop the request's blocks; it rejoins the waiting queue and
         later recomputes its tokens, mostly from the prefix cache."""
         self.running.remove(request)
+        if self.host_tier is not None:
+            # With the host tier the preemption is a swap for the full blocks: they stay
+            # cached, go to the host when the device evicts them, and load back on resume.
+            computed = request.num_computed_tokens
+            kept = min(computed // self.kv.block_size,
+                       len(request.block_hashes)) * self.kv.block_size
+            logger.info("preempted %s: %d of its %d computed tokens kept in full blocks "
+                        "(device, then host tier: a swap), %d recomputed on resume",
+                        request.request_id, kept, computed, computed - kept)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

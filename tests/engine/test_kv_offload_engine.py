@@ -110,7 +110,7 @@ def test_the_disk_tier_survives_a_restart_and_a_bad_file_is_a_miss(tmp_path, cap
     llm.llm_engine.shutdown()
 
 
-def test_preempted_requests_resume_from_the_host_tier() -> None:
+def test_preempted_requests_resume_from_the_host_tier(caplog) -> None:
     """Swap by way of the tier: a preempted request's full blocks stay cached, are saved to
     the host when the device pool evicts them, and load back when it resumes. Answers are
     those of the engine without the tier (recompute preemption)."""
@@ -126,8 +126,11 @@ def test_preempted_requests_resume_from_the_host_tier() -> None:
         llm.llm_engine.shutdown()
         return [list(o.outputs[0].token_ids) for o in outs], stats
 
+    import logging
     want, plain_stats = run()
-    got, stats = run(kv_offloading_size=0.05)
+    with caplog.at_level(logging.INFO, logger="folio.core.scheduler"):
+        got, stats = run(kv_offloading_size=0.05)
+    assert "(device, then host tier: a swap)" in caplog.text
     assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
     assert got == want
     assert stats.kv_offload_hit_blocks > 0
