@@ -368,6 +368,19 @@ class RequestLimitsConfig:
                      name, f"must be a positive int, got {value!r}")
 
 
+def _json_object(value: "str | dict", name: str) -> dict:
+    """A config given as the CLI's JSON text or as a dict (offline), as a dict; ValueError
+    naming `name` otherwise."""
+    if isinstance(value, str):
+        import json
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    _require(isinstance(value, dict), name, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model the worker runs (its own KV cache, beside the
 # target's); the others draft on the host, in the scheduler.
@@ -492,14 +505,7 @@ class SpeculativeConfig:
         keys are an error naming them."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        _require(isinstance(value, dict), "speculative_config",
-                 f"must be a JSON object, got {type(value).__name__}")
+        value = _json_object(value, "speculative_config")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - known)
         _require(not unknown, "speculative_config", f"has unknown keys {unknown}; known: "
@@ -561,14 +567,7 @@ class KVTransferConfig:
     def from_json(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            import json
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        _require(isinstance(value, dict), "kv_transfer_config",
-                 f"must be a JSON object, got {type(value).__name__}")
+        value = _json_object(value, "kv_transfer_config")
         known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
         unknown = sorted(set(value) - known - set(_KV_TRANSFER_UNUSED_KEYS))
         _require(not unknown, "kv_transfer_config", f"has unknown keys {unknown}")
