@@ -198,11 +198,14 @@ class DecoderLM(nn.Module):
         return hidden
 
     def norm_dtype(self) -> torch.dtype:
-        """The activations' dtype (a later stage has no embedding to read it from)."""
-        for param in self.parameters():
-            if param.is_floating_point() and param.dtype != torch.float32:
-                return param.dtype
-        return torch.float32
+        """The activations' dtype (a later stage has no embedding to read it from); found
+        once, not per step (the weights keep their dtype)."""
+        dtype = self.__dict__.get("_act_dtype")
+        if dtype is None:
+            dtype = next((p.dtype for p in self.parameters()
+                          if p.is_floating_point() and p.dtype != torch.float32), torch.float32)
+            self.__dict__["_act_dtype"] = dtype
+        return dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None:

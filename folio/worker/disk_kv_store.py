@@ -72,7 +72,7 @@ class DiskKVStore:
             try:
                 os.unlink(tmp)
             except OSError:
-                pass
+                pass      # never created: nothing to clean up
 
     def read(self, block_hash: bytes, slot: int) -> bool:
         """The block's file into host slot `slot`; False (and the file deleted) when it is
@@ -114,4 +114,4 @@ class DiskKVStore:
         try:
             os.unlink(self._path(block_hash))
         except OSError:
-            pass
+            pass      # already gone: what deleting wants

@@ -126,6 +126,7 @@ class Worker:
         self.tp = tp
         self.pp = pp
         self._steps_since_load = 0   # expert parallelism's load report (execute_model_async)
+        self._moe_blocks: list | None = None
         pp.communicate = False   # start-up runs (profiling, warm-up) are each stage's own
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, hf_config, self.device)
@@ -589,8 +590,10 @@ class Worker:
         calls it at the same step)."""
         import torch.distributed as dist
         mine = torch.zeros((), dtype=torch.int64, device=self.device)
-        for module in self.model.modules():
-            load = getattr(module, "expert_load", None)
+        if self._moe_blocks is None:   # found once: this runs every step on the CPU
+            self._moe_blocks = [m for m in self.model.modules() if hasattr(m, "expert_load")]
+        for module in self._moe_blocks:
+            load = module.expert_load
             if load is not None:
                 mine += load.sum()
                 load.zero_()
