@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -42,4 +42,11 @@ editing2)  # after the async-while-resting change: batch 64 both orders, batch 1
   step 120 edit_off $EDIT --output-len 384 --num-iters 5
   step 120 edit_ngram $EDIT --output-len 384 --num-iters 5 --speculative-config "$NGRAM"
   step 120 edit_suffix $EDIT --output-len 384 --num-iters 5 --speculative-config "$SUFFIX" ;;
+b64)  # batch 64 only (fits one call): off, ngram, suffix, off again
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 140 b64_off $B64
+  step 140 b64_ngram $B64 --speculative-config "$NGRAM"
+  step 140 b64_suffix $B64 --speculative-config "$SUFFIX"
+  step 140 b64_off2 $B64 ;;
 esac
