@@ -513,39 +513,63 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-# --kv-transfer-config's connectors folio has (vLLM's names): OffloadingConnector is the
-# host KV tier (folio/core/kv_offload.py). The disaggregated-prefill ones are not built yet.
-KV_CONNECTORS = ("OffloadingConnector",)
+# --kv-transfer-config's connectors folio has: OffloadingConnector (vLLM's name) is the host
+# KV tier (folio/core/kv_offload.py); P2pConnector moves a prompt's KV from a prefill server
+# to a decode server (disaggregated prefill, folio/core/kv_p2p.py), over ZMQ between the two
+# workers' processes.
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+P2P_CONNECTOR = "P2pConnector"
+KV_CONNECTORS = (OFFLOADING_CONNECTOR, P2P_CONNECTOR)
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # vLLM's other KVTransferConfig keys: accepted (a config written for vLLM parses), unused by
 # the connectors folio has.
 _KV_TRANSFER_UNUSED_KEYS = ("engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank",
-                            "kv_parallel_size", "kv_ip", "kv_port", "kv_connector_module_path",
+                            "kv_parallel_size", "kv_connector_module_path",
                             "kv_load_failure_policy")
+# P2pConnector's kv_connector_extra_config keys and their defaults: seconds a consumer waits
+# for a transfer before it computes the prompt itself; seconds a producer keeps a finished
+# prompt's blocks for a consumer that never comes; the hosts a consumer pulls from (the
+# kv_transfer_params of a request name one, so a client cannot make the server connect
+# anywhere else; default: kv_ip's).
+P2P_DEFAULTS = {"transfer_timeout": 30.0, "hold_timeout": 120.0, "producer_hosts": None}
 
 
 @dataclass
 class KVTransferConfig:
-    """vLLM's --kv-transfer-config JSON: {"kv_connector": "OffloadingConnector", "kv_role":
-    "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": N}} keeps evicted prefix
-    blocks in N bytes of host memory, as --kv-offloading-size N/2^30 does."""
+    """vLLM's --kv-transfer-config JSON.
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+    {"cpu_bytes_to_use": N}} keeps evicted prefix blocks in N bytes of host memory, as
+    --kv-offloading-size N/2^30 does.
+
+    {"kv_connector": "P2pConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    "kv_ip": "127.0.0.1", "kv_port": P} serves (producer) or fetches (consumer) a prompt's KV
+    for disaggregated prefill: worker rank r of a producer listens on kv_ip:P+r (P = 0: a free
+    port); requests carry kv_transfer_params as vLLM's do."""
 
     kv_connector: str | None = None
     kv_role: str | None = None
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
     unused: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.kv_connector in KV_CONNECTORS, "kv_transfer_config.kv_connector",
-                 f"{self.kv_connector!r} is not built into folio; it has {list(KV_CONNECTORS)} "
-                 "(the host KV tier); disaggregated prefill connectors are not built yet")
+                 f"{self.kv_connector!r} is not built into folio; it has {list(KV_CONNECTORS)}")
         _require(self.kv_role in _KV_ROLES, "kv_transfer_config.kv_role",
                  f"must be one of {list(_KV_ROLES)}, got {self.kv_role!r}")
-        _require(self.kv_role == "kv_both", "kv_transfer_config.kv_role",
-                 f"{self.kv_connector} both saves and loads: kv_role must be 'kv_both'")
         extra = self.kv_connector_extra_config
         _require(isinstance(extra, dict), "kv_transfer_config.kv_connector_extra_config",
                  "must be a JSON object")
+        if self.kv_connector == P2P_CONNECTOR:
+            self._check_p2p(extra)
+        else:
+            self._check_offloading(extra)
+
+    def _check_offloading(self, extra: dict) -> None:
+        _require(self.kv_role == "kv_both", "kv_transfer_config.kv_role",
+                 f"{self.kv_connector} both saves and loads: kv_role must be 'kv_both'")
         known = {"cpu_bytes_to_use", "spec_name", "block_size"}
         unknown = sorted(set(extra) - known)
         _require(not unknown, "kv_transfer_config.kv_connector_extra_config",
@@ -559,6 +583,43 @@ class KVTransferConfig:
                  "kv_transfer_config.kv_connector_extra_config.cpu_bytes_to_use",
                  f"must be a positive int (bytes of host memory), got {size!r}")
 
+    def _check_p2p(self, extra: dict) -> None:
+        unknown = sorted(set(extra) - set(P2P_DEFAULTS))
+        _require(not unknown, "kv_transfer_config.kv_connector_extra_config",
+                 f"has keys folio's {self.kv_connector} does not read: {unknown}; it reads "
+                 f"{sorted(P2P_DEFAULTS)}")
+        _require(isinstance(self.kv_ip, str) and self.kv_ip, "kv_transfer_config.kv_ip",
+                 f"must be a host address, got {self.kv_ip!r}")
+        _require(isinstance(self.kv_port, int) and not isinstance(self.kv_port, bool)
+                 and 0 <= self.kv_port < 65536, "kv_transfer_config.kv_port",
+                 f"must be a port in [0, 65535] (0 = any free one), got {self.kv_port!r}")
+        for name in ("transfer_timeout", "hold_timeout"):
+            value = extra.get(name, P2P_DEFAULTS[name])
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                     and 0 < value <= 3600,
+                     f"kv_transfer_config.kv_connector_extra_config.{name}",
+                     f"must be seconds in (0, 3600], got {value!r}")
+        hosts = extra.get("producer_hosts")
+        _require(hosts is None or (isinstance(hosts, list) and hosts
+                                   and all(isinstance(h, str) and h for h in hosts)),
+                 "kv_transfer_config.kv_connector_extra_config.producer_hosts",
+                 f"must be a non-empty list of host addresses, got {hosts!r}")
+
+    def p2p_option(self, name: str):
+        """A P2pConnector extra-config value, or its default."""
+        value = self.kv_connector_extra_config.get(name, P2P_DEFAULTS[name])
+        if name == "producer_hosts" and value is None:
+            return [self.kv_ip]
+        return value
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
     def offloading_size_gib(self) -> float:
         """The host tier's size, as --kv-offloading-size takes it."""
         return self.kv_connector_extra_config["cpu_bytes_to_use"] / 2**30
@@ -568,7 +629,7 @@ class KVTransferConfig:
         if value is None or isinstance(value, KVTransferConfig):
             return value
         value = _json_object(value, "kv_transfer_config")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_ip", "kv_port"}
         unknown = sorted(set(value) - known - set(_KV_TRANSFER_UNUSED_KEYS))
         _require(not unknown, "kv_transfer_config", f"has unknown keys {unknown}")
         return cls(**{k: v for k, v in value.items() if k in known},
@@ -580,12 +641,19 @@ def offloading_size(kv_offloading_size: float | None,
     """The host KV tier's size in GiB from --kv-offloading-size or an OffloadingConnector's
     --kv-transfer-config (one of the two)."""
     config = KVTransferConfig.from_json(kv_transfer_config)
-    if config is None:
+    if config is None or config.kv_connector != OFFLOADING_CONNECTOR:
         return kv_offloading_size
     _require(kv_offloading_size is None, "kv_transfer_config",
              "give either kv_offloading_size or an OffloadingConnector kv_transfer_config, "
              "not both")
     return config.offloading_size_gib()
+
+
+def p2p_transfer(kv_transfer_config: "str | dict | KVTransferConfig | None"
+                 ) -> "KVTransferConfig | None":
+    """The P2pConnector config of --kv-transfer-config (disaggregated prefill), else None."""
+    config = KVTransferConfig.from_json(kv_transfer_config)
+    return config if config is not None and config.kv_connector == P2P_CONNECTOR else None
 
 
 # --max-lora-rank's ceiling: the rank buffers of every projection are sized by it, per slot.
@@ -682,6 +750,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # None = no LoRA adapters (--enable-lora sets one).
     lora: LoRAConfig | None = None
+    # Disaggregated prefill (a P2pConnector --kv-transfer-config); None = off.
+    kv_transfer: KVTransferConfig | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     disable_log_stats: bool = True
     # The pooling runner's model (set by the front end once the model is read; None =

@@ -63,6 +63,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Disaggregated prefill: on a prefill server's finished output, where a decode server
+    # fetches the prompt's KV (vLLM's RequestOutput.kv_transfer_params); None otherwise.
+    kv_transfer_params: dict | None = None
 
 
 # ---- pooling (vLLM's output types of LLM.encode / embed / classify / score / reward) ---------

@@ -39,6 +39,9 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # A pooling request's result (it finishes with it, no tokens).
     pooling_output: PooledData | None = None
+    # Disaggregated prefill: on a prefill server's finished request, where a decode server
+    # fetches its prompt's KV (vLLM's kv_transfer_params of the response).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +84,15 @@ class SchedulerStats:
     # The disk tier below it (--kv-disk-path), cumulative: blocks read back, files found bad.
     kv_disk_read_blocks: int = 0
     kv_disk_bad_blocks: int = 0
+    # Disaggregated prefill (P2pConnector; zeros when off), cumulative: a prefill server's
+    # prompts kept for decode servers and those fetched; a decode server's fetches done,
+    # the prompt tokens they brought (not computed here), and fetches that failed or were
+    # refused (computed instead).
+    kv_transfer_held_requests: int = 0
+    kv_transfer_sent_requests: int = 0
+    kv_transfer_received_requests: int = 0
+    kv_transfer_received_tokens: int = 0
+    kv_transfer_failed_requests: int = 0
     # LoRA adapters (names) of the running and the waiting requests, and the most a step may
     # run (vLLM's lora_requests_info gauge); 0 = LoRA off.
     running_lora_adapters: list[str] = field(default_factory=list)

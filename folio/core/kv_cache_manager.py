@@ -77,13 +77,16 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None, *,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_lookahead_tokens: int = 0,
+                       cache: bool = True) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
         after `new_computed_blocks`, prefix-cache hits being attached now), plus
         `num_lookahead_tokens` slots past them that a draft model writes its drafts into
         (not cached: their tokens are not known yet). Returns the newly allocated blocks, or
-        None when the pool cannot supply them (nothing is changed then)."""
-        if not new_computed_blocks:
+        None when the pool cannot supply them (nothing is changed then). `cache=False`: the
+        new tokens' K/V arrives from elsewhere later (a KV connector's fetch), so their blocks
+        are indexed only when the request is next given slots, after the fetch."""
+        if not new_computed_blocks and cache:
             # Fast path (every decode step of every running request): room in the last block.
             blocks = self.req_to_blocks.get(request.request_id)
             if blocks is not None:
@@ -114,7 +117,7 @@ class KVCacheManager:
         block_ids.extend(b.block_id for b in new_computed_blocks)
         block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+            self._cache_full_blocks(request, blocks, total_tokens if cache else num_computed)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:

@@ -34,6 +34,10 @@ class EngineCoreRequest:
     # Seconds its cached KV blocks stay pinned once it finishes (a stored response, which a
     # continuation reuses: folio/core/kv_pins.py); None = freed as usual.
     kv_pin_ttl: float | None = None
+    # Disaggregated prefill (vLLM's kv_transfer_params): {"do_remote_decode": true} on a
+    # prefill server; on a decode server, what the prefill server's answer carried (where its
+    # KV is). None = an ordinary request.
+    kv_transfer_params: dict | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,13 +46,16 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_GRAMMAR = 1
     RUNNING = 2
     PREEMPTED = 3
+    # Its prompt's KV is being fetched from a prefill server (disaggregated prefill); its
+    # blocks are allocated, and it is scheduled once the fetch is reported.
+    WAITING_FOR_REMOTE_KVS = 4
     # Everything from here on is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
     # Past its deadline, or waited longer than max_queue_time before its first step.
-    FINISHED_TIMEOUT = 8
+    FINISHED_TIMEOUT = 9
 
     @property
     def is_finished(self) -> bool:
@@ -104,6 +111,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         deadline: float | None = None,
         kv_pin_ttl: float | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -115,6 +123,10 @@ class Request:
         self.lora_request = lora_request
         self.deadline = deadline
         self.kv_pin_ttl = kv_pin_ttl
+        self.kv_transfer_params = kv_transfer_params
+        # Prompt tokens whose KV a connector supplied (fetched from a prefill server): they
+        # count as computed; 0 = none.
+        self.num_external_computed_tokens = 0
         # The adapter joins the first block's hash: the same prompt under two adapters (or
         # under one and the base model) has different KV and must not share blocks.
         if lora_request is not None:
@@ -168,7 +180,8 @@ class Request:
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                    pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
                    hash_blocks=hash_blocks, lora_request=req.lora_request,
-                   deadline=req.deadline, kv_pin_ttl=req.kv_pin_ttl)
+                   deadline=req.deadline, kv_pin_ttl=req.kv_pin_ttl,
+                   kv_transfer_params=req.kv_transfer_params)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from folio.core.kv_connector import KVConnectorScheduler
 from folio.core.kv_offload import HostKVTier
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
@@ -115,10 +116,15 @@ class ScheduledStep:
     def total_num_scheduled_tokens(self) -> int:
         return self.message.total_num_scheduled_tokens
 
+    # A KV connector has work on the workers to hear back about (transfers in flight): the
+    # step goes to them even when it runs no request.
+    polls: bool = False
+
     @property
     def is_empty(self) -> bool:
-        """Nothing to run and nothing to hear back (disk-tier reads report in the reply)."""
-        return not self.scheduled and not self.message.kv_disk_reads
+        """Nothing to run and nothing to hear back (disk-tier reads and KV transfers report in
+        the reply)."""
+        return not self.scheduled and not self.message.kv_disk_reads and not self.polls
 
 
 _FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
@@ -177,14 +183,17 @@ class Scheduler:
                  async_scheduling: bool = False, drafter: Drafter | None = None,
                  adaptive_draft_length: bool = True, max_loras: int = 0,
                  max_queue_time: float | None = None, pipelined: bool = False,
-                 host_tier: HostKVTier | None = None) -> None:
+                 host_tier: HostKVTier | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
         """`max_loras`: the most distinct LoRA adapters among running requests (the worker's
         device slots); 0 = LoRA off. `max_queue_time`: seconds a request may wait for its
         first step before it is finished with reason "timeout" (None = forever).
         `pipelined`: several steps are in flight at once (pipeline parallelism), each of other
         requests: a request whose sampled token is still in flight sits out the step.
         `host_tier`: the host-memory KV tier (--kv-offloading-size; None = off): evicted
-        prefix blocks are saved there and prompt blocks found there are loaded back."""
+        prefix blocks are saved there and prompt blocks found there are loaded back.
+        `connector`: a KV connector (folio/core/kv_connector.py; None = none) that supplies
+        prompts' KV from elsewhere or keeps finished requests' KV for others."""
         if pipelined and async_scheduling:
             raise ValueError("pipelined steps and async_scheduling exclude each other: a "
                              "request's token in flight makes it sit out, not run ahead")
@@ -193,6 +202,15 @@ class Scheduler:
                              "async_scheduling must be off")
         self.kv = kv_cache_manager
         self.host_tier = host_tier
+        self.connector = connector
+        if connector is not None and (host_tier is not None
+                                      or not isinstance(kv_cache_manager, KVCacheManager)):
+            raise ValueError("a KV connector runs with one full-attention KV cache group and "
+                             "without the host KV tier")
+        # Requests whose prompt KV the connector is loading (their blocks allocated), and
+        # finished requests whose blocks it keeps (a prefill server's, for a decode server).
+        self._remote_waiting: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}
         # Requests that have had their disk-tier blocks read once (a failed read is computed).
         self._disk_tried: set[str] = set()
         # One block's K/V bytes over the workers (the engine sets it), for the tier's byte
@@ -277,7 +295,12 @@ class Scheduler:
             self.draft_length.drop(request.request_id)
         if request.kv_pin_ttl and request.status in _PINNED_ON:
             self.kv.pin(request, time.monotonic() + request.kv_pin_ttl)
-        self.kv.free(request)
+        if self.connector is not None:
+            self.connector.forget(request.request_id)
+        # Blocks a load is writing into are freed when the load reports; blocks the
+        # connector keeps, when it lets them go.
+        if request.request_id not in self._remote_waiting and request.request_id not in self._held:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
@@ -286,7 +309,8 @@ class Scheduler:
         return bool(self._finished_since_last_step)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or any(
+            not r.is_finished for r in self._remote_waiting.values())
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -380,12 +404,26 @@ class Scheduler:
                     and len(running_loras) >= self.max_loras:
                 not_ready.append(self.waiting.pop())
                 continue
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            # Past the device prefix hit: blocks the host tier holds are loaded, not computed.
-            host_slots, num_looked_up = self._host_hits(request, len(hit_blocks))
-            if self._waits_for_disk(request, len(hit_blocks) + len(host_slots)):
-                not_ready.append(self.waiting.pop())   # its blocks are read from disk first
-                continue
+            if request.num_external_computed_tokens:
+                # Its prompt's KV was fetched into the blocks it holds: only the rest runs.
+                hit_blocks, num_hit_tokens = [], request.num_computed_tokens
+                host_slots, num_looked_up = [], 0
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                # Past the device prefix hit: blocks the host tier holds are loaded, not
+                # computed.
+                host_slots, num_looked_up = self._host_hits(request, len(hit_blocks))
+                if self._waits_for_disk(request, len(hit_blocks) + len(host_slots)):
+                    not_ready.append(self.waiting.pop())   # its blocks are read from disk first
+                    continue
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_hit_tokens)
+                    if load_async:
+                        if not self._start_remote_load(request, hit_blocks, num_hit_tokens,
+                                                       num_external):
+                            break
+                        continue
             num_loaded = len(host_slots) * self.kv.block_size
             num_hit_tokens += num_loaded
             num_new = request.num_tokens - num_hit_tokens
@@ -416,7 +454,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            if self.kv.enable_caching and not request.needs_every_prompt_token:
+            if request.num_external_computed_tokens:
+                request.num_external_computed_tokens = 0     # scheduled: the blocks are its own
+            elif self.kv.enable_caching and not request.needs_every_prompt_token:
                 self.kv.record_lookup(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -445,9 +485,65 @@ class Scheduler:
 
         step = ScheduledStep(items, self._message(items, preempted),
                              finished_req_ids=self._finished_since_last_step,
-                             preempted_req_ids=[r.request_id for r in preempted])
+                             preempted_req_ids=[r.request_id for r in preempted],
+                             polls=self.has_connector_work())
         self._finished_since_last_step = set()
         return step
+
+    def _start_remote_load(self, request: Request, hit_blocks: list, num_hit_tokens: int,
+                           num_external: int) -> bool:
+        """Allocate blocks for the prompt tokens the connector supplies after the device
+        prefix hit, and park the request until its load is reported. False when the pool
+        has no room (the request keeps its place)."""
+        while True:
+            # not indexed in the prefix cache until their K/V has arrived
+            new_blocks = self.kv.allocate_slots(request, num_external, hit_blocks, cache=False)
+            if new_blocks is not None or not self.kv.pins.release_oldest():
+                break
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit_tokens
+        self.connector.update_state_after_alloc(
+            request, list(self.kv.get_block_ids(request.request_id)[0]), num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote_waiting[request.request_id] = request
+        return True
+
+    def _finish_remote_loads(self, results: list[tuple[str, bool]]) -> None:
+        """Loads the workers finished: a request whose KV arrived is scheduled from its last
+        prompt token; one whose load failed computes its prompt (its blocks are dropped,
+        never indexed). Back at the front of the queue either way."""
+        for request_id, ok in results:
+            request = self._remote_waiting.pop(request_id, None)
+            if request is None:
+                continue
+            if request.is_finished:      # aborted while loading: its blocks are free now
+                self.kv.free(request)
+                continue
+            if ok:
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+                request.num_external_computed_tokens = request.num_computed_tokens
+            else:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.add_preempted(request)
+
+    def _connector_finished(self, request: Request) -> dict | None:
+        """A request finished with tokens: the connector may keep its blocks (freed when it
+        says) and gives the kv_transfer_params of its response."""
+        if self.connector is None:
+            return None
+        keep, params = self.connector.request_finished(
+            request, list(self.kv.get_block_ids(request.request_id)[0]))
+        if keep:
+            self._held[request.request_id] = request
+        return params
+
+    def has_connector_work(self) -> bool:
+        """The KV connector has transfers to tell the workers of or hear back about."""
+        return self.connector is not None and self.connector.has_pending_work()
 
     def _waits_for_disk(self, request: Request, num_hits: int) -> bool:
         """Whether the request's next prompt blocks are on the disk tier: their reads are
@@ -522,6 +618,9 @@ class Scheduler:
                 request.num_sent_tokens = len(tokens)
             request.num_sent_blocks = [len(ids) for ids in blocks]
         self._step_id += 1
+        if self.connector is not None:
+            self.connector.expired_holds(time.monotonic())
+        connector_meta = self.connector.build_connector_meta() if self.connector else {}
         return SchedulerOutput(
             step_id=self._step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -535,7 +634,8 @@ class Scheduler:
             **({} if tier_copies is None else dict(
                 kv_spills=tier_copies.spills, kv_saves=tier_copies.saves,
                 kv_disk_reads=tier_copies.disk_reads, kv_loads=tier_copies.loads,
-                kv_disk_deletes=tier_copies.disk_deletes)))
+                kv_disk_deletes=tier_copies.disk_deletes)),
+            **connector_meta)
 
     def _take_lora_removals(self) -> list[int]:
         """The removed adapters whose requests from before the removal have all finished,
@@ -596,6 +696,14 @@ class Scheduler:
             self._add_expert_load(runner_output.expert_load)
         if runner_output.kv_disk_read_results:
             self.host_tier.finish_disk_reads(runner_output.kv_disk_read_results)
+        if self.connector is not None and (runner_output.kv_transfer_sent
+                                           or runner_output.kv_transfer_received):
+            freed, loaded = self.connector.update_connector_output(runner_output)
+            for request_id in freed:
+                request = self._held.pop(request_id, None)
+                if request is not None:
+                    self.kv.free(request)
+            self._finish_remote_loads(loaded)
         if self.drafter is not None:
             self.drafter.receive(runner_output.draft_token_ids)
         # Drafts for the next step, unless the draft length rests at k = 0 (then making them
@@ -677,7 +785,8 @@ class Scheduler:
                 request_id, list(token_ids), logprobs[:len(token_ids)],
                 prompt_logprobs, _FINISH_REASON_OF.get(status) if is_finished else None,
                 request.stop_reason, max(request.num_cached_tokens, 0),
-                first_scheduled.get(request_id)))
+                first_scheduled.get(request_id),
+                kv_transfer_params=self._connector_finished(request) if is_finished else None))
             if is_finished:
                 finished.append(request)
         if finished:
@@ -827,7 +936,8 @@ class Scheduler:
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             expert_load_per_rank=list(self.expert_load_per_rank),
             **(self._lora_stats() if self.max_loras else {}),
-            **(self._host_tier_stats() if self.host_tier is not None else {}))
+            **(self._host_tier_stats() if self.host_tier is not None else {}),
+            **(self.connector.stats() if self.connector is not None else {}))
 
     def _host_tier_stats(self) -> dict:
         tier, size = self.host_tier, self.host_block_bytes

@@ -61,6 +61,25 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     resumed_from_preemption: bool = False
 
 
+class KVTransferHold(msgspec.Struct, array_like=True, gc=False):
+    """Disaggregated prefill, producer side: a finished prompt's blocks, kept for a consumer
+    to fetch under `transfer_id` (a random token it must present) until released."""
+    transfer_id: str
+    block_ids: list[int]
+
+
+class KVTransferLoad(msgspec.Struct, array_like=True, gc=False):
+    """Disaggregated prefill, consumer side: fetch the KV of `remote_block_ids` from the
+    producer's worker (rank r at host:port + r) into `local_block_ids`, in the background;
+    the result is reported as (req_id, ok) in a later step's output."""
+    req_id: str
+    transfer_id: str
+    host: str
+    port: int
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
 class SchedulerOutput(msgspec.Struct, gc=False):
     """One step. `num_scheduled_tokens` is in batch order: the order of the flat batch's
     requests. A request's last scheduled input may be the token the step before is still
@@ -99,6 +118,12 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     kv_disk_reads: list[tuple[bytes, int]] = []
     kv_loads: list[tuple[int, int]] = []
     kv_disk_deletes: list[bytes] = []
+    # Disaggregated prefill (folio/core/kv_p2p.py): prompts' blocks a producer now keeps for
+    # consumers, holds it drops (fetched, or their time ran out), and fetches a consumer
+    # starts.
+    kv_transfer_holds: list[KVTransferHold] = []
+    kv_transfer_releases: list[str] = []
+    kv_transfer_loads: list[KVTransferLoad] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
@@ -160,6 +185,11 @@ class ModelRunnerOutput(msgspec.Struct, gc=False):
     expert_load: list[int] | None = None
     # The disk KV tier's reads of this step: (block hash, whether the file was good).
     kv_disk_read_results: list[tuple[bytes, bool]] = []
+    # Disaggregated prefill: transfer ids a consumer has fetched (the producer may free
+    # their blocks), and fetches finished since the last report, (req_id, whether the KV
+    # arrived whole).
+    kv_transfer_sent: list[str] = []
+    kv_transfer_received: list[tuple[str, bool]] = []
 
 
 # How a worker gets a step's GrammarBitmask, once the step's forward pass is queued: in process

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from folio.config import (KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS,
-                          normalize_kv_cache_dtype, offloading_size)
+                          normalize_kv_cache_dtype, offloading_size,
+                          p2p_transfer)
 from folio.pooling_params import CONVERTS, RUNNERS, TASK_ALIASES, PoolerConfig
 
 
@@ -47,9 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                              "from the device cache are kept there and copied back on a hit "
                              "instead of recomputed (needs prefix caching)")
     parser.add_argument("--kv-transfer-config", default=None,
-                        help="vLLM's KV connector JSON; folio has OffloadingConnector "
-                             "(kv_role kv_both, kv_connector_extra_config.cpu_bytes_to_use): "
-                             "the host KV tier, as --kv-offloading-size")
+                        help="vLLM's KV connector JSON. OffloadingConnector (kv_role kv_both, "
+                             "kv_connector_extra_config.cpu_bytes_to_use): the host KV tier, "
+                             "as --kv-offloading-size. P2pConnector (kv_role kv_producer on a "
+                             "prefill server, kv_consumer on a decode server; kv_ip, kv_port): "
+                             "disaggregated prefill behind `folio router`")
     parser.add_argument("--kv-disk-path", default=None,
                         help="a directory for a disk KV tier below the host tier: blocks the "
                              "host tier evicts are kept there as files and survive a restart")
@@ -274,6 +277,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                                            getattr(args, "kv_transfer_config", None)),
         kv_disk_path=getattr(args, "kv_disk_path", None),
         kv_disk_size=getattr(args, "kv_disk_size", None),
+        # the host tier's connector became kv_offloading_size above; a P2pConnector stays
+        kv_transfer_config=p2p_transfer(getattr(args, "kv_transfer_config", None)),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
         num_gpu_blocks_override=args.num_gpu_blocks_override,

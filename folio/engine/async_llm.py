@@ -113,7 +113,7 @@ class AsyncLLM:
         try:
             self.model_info: ModelInfo = load_model_info(config)
             self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                            config.limits, config.lora)
+                                            config.limits, config.lora, config.kv_transfer)
             self.output_processor = OutputProcessor(self.model_info.tokenizer)
             self.ready = self._wait_ready(ready_timeout_s)
         except BaseException:
@@ -275,7 +275,8 @@ class AsyncLLM:
                        cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None,
                        deadline: float | None = None,
-                       kv_pin_ttl: float | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_pin_ttl: float | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs for one request (as params.output_kind says). `deadline`: a
         time.monotonic() value past which the engine finishes it with reason "timeout".
         `kv_pin_ttl`: seconds its KV blocks stay pinned in the prefix cache once it
@@ -287,7 +288,8 @@ class AsyncLLM:
         request_id, prepared = await self._prepare(
             request_id, functools.partial(self.preparer.prepare, prompt=prompt, params=params,
                                           priority=priority, cache_salt=cache_salt,
-                                          lora_request=lora_request))
+                                          lora_request=lora_request,
+                                          kv_transfer_params=kv_transfer_params))
         shed = self.admission.admit(request_id, priority, time.monotonic())
         if shed is not None:
             self._reject(shed, "shed for a request of better priority")

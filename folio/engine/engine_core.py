@@ -13,6 +13,7 @@ from typing import Any
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import make_kv_cache_manager
 from folio.core.kv_offload import DiskKVIndex, HostKVTier
+from folio.core.kv_p2p import P2PConnectorScheduler
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
@@ -88,7 +89,8 @@ class EngineCore:
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_queue_time=config.admission.max_queue_time,
             pipelined=config.parallel.pipeline_parallel_size > 1,
-            host_tier=_host_tier(config, self.executor))
+            host_tier=_host_tier(config, self.executor),
+            connector=_kv_connector(config, self.executor))
         self.scheduler.host_block_bytes = self.executor.host_block_bytes
         # Sleep mode: 0 awake, else the level slept at (requests wait).
         self.sleep_level = 0
@@ -258,6 +260,7 @@ class EngineCore:
         idle too: a step releases them)."""
         return (self.scheduler.has_finished_since_last_step()
                 or self.scheduler.has_lora_removals()
+                or self.scheduler.has_connector_work()
                 or self.scheduler.has_expired_pins(time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
@@ -333,6 +336,15 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+
+def _kv_connector(config: EngineConfig, executor) -> P2PConnectorScheduler | None:
+    """The scheduler's side of the P2pConnector (--kv-transfer-config: disaggregated
+    prefill); None without one."""
+    if config.kv_transfer is None:
+        return None
+    return P2PConnectorScheduler(config.kv_transfer, config.cache.block_size,
+                                 executor.kv_transfer_port)
 
 
 def _host_tier(config: EngineConfig, executor) -> HostKVTier | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from folio.config import EngineConfig, LoRAConfig, RequestLimitsConfig
+from folio.config import EngineConfig, KVTransferConfig, LoRAConfig, RequestLimitsConfig
 from folio.core.request import EngineCoreRequest
 from folio.engine.lora_checks import LoRAChecker
 from folio.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -194,8 +194,12 @@ def _child_seed(seed: int, index: int) -> int:
 class RequestPreparer:
     def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto",
                  limits: RequestLimitsConfig | None = None,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
+        """`kv_transfer`: the engine's P2pConnector config (disaggregated prefill), which
+        decides whether requests may carry kv_transfer_params."""
         self.info = info
+        self.kv_transfer = kv_transfer
         # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
         self.lora = LoRAChecker(lora, info.hf_config)
         self.structured_outputs_backend = structured_outputs_backend
@@ -207,7 +211,8 @@ class RequestPreparer:
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                 arrival_time: float | None = None, priority: int = 0,
                 cache_salt: str | None = None,
-                lora_request: LoRARequest | None = None) -> PreparedRequest:
+                lora_request: LoRARequest | None = None,
+                kv_transfer_params: dict | None = None) -> PreparedRequest:
         """Validate and tokenize. Raises ValueError naming the problem; changes no state (but
         remembers a checked adapter)."""
         if self.info.pooling is not None:
@@ -222,6 +227,8 @@ class RequestPreparer:
                              f"{priority.bit_length()} bits")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        if kv_transfer_params is not None:
+            self._check_kv_transfer_params(kv_transfer_params, params)
         # Bounds first: everything after this point costs time or memory in proportion to them.
         check_sampling_limits(params, self.limits)
         if lora_request is not None:
@@ -256,9 +263,30 @@ class RequestPreparer:
                 child_params.append(child)
         core_requests = [
             EngineCoreRequest(cid, processed.prompt_token_ids, p, list(self.info.eos_token_ids),
-                              arrival, priority, cache_salt, lora_request=lora_request)
+                              arrival, priority, cache_salt, lora_request=lora_request,
+                              kv_transfer_params=kv_transfer_params)
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
+
+    def _check_kv_transfer_params(self, kv_transfer_params, params: SamplingParams) -> None:
+        """A disaggregated-prefill request's kv_transfer_params: well formed, on an engine
+        with a P2pConnector of the matching role, one sequence."""
+        from folio.core.kv_p2p import parse_kv_transfer_params
+        parsed = parse_kv_transfer_params(kv_transfer_params)
+        transfer = self.kv_transfer
+        if transfer is None:
+            raise ValueError("kv_transfer_params: this engine has no KV connector for "
+                             "disaggregated prefill (start it with a P2pConnector "
+                             "--kv-transfer-config)")
+        if parsed.do_remote_decode and not transfer.is_producer:
+            raise ValueError("kv_transfer_params.do_remote_decode: this engine is a "
+                             f"{transfer.kv_role}, not a prefill server (kv_producer)")
+        if parsed.do_remote_prefill and not transfer.is_consumer:
+            raise ValueError("kv_transfer_params.do_remote_prefill: this engine is a "
+                             f"{transfer.kv_role}, not a decode server (kv_consumer)")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params: disaggregated prefill runs one sequence per "
+                             f"request (n=1), got n={params.n}")
 
     def prepare_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, *,
                         pair: str | None = None, arrival_time: float | None = None,

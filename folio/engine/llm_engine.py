@@ -24,7 +24,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config,
                                       self.model_info.tokenizer)
         self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                        config.limits, config.lora)
+                                        config.limits, config.lora, config.kv_transfer)
         self.preparer.kv_capacity_tokens = self.engine_core.kv_capacity_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -65,13 +65,15 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None,
+                    kv_transfer_params: dict | None = None) -> str:
         """Validate, tokenize and queue one request (`lora_request`: the LoRA adapter it runs
         with). Raises ValueError on bad input, with the engine untouched."""
         request_id = self._new_request_id(request_id)
         prepared = self.preparer.prepare(request_id, prompt, params, arrival_time=arrival_time,
                                          priority=priority, cache_salt=cache_salt,
-                                         lora_request=lora_request)
+                                         lora_request=lora_request,
+                                         kv_transfer_params=kv_transfer_params)
         self.output_processor.add_request(
             request_id, prepared.child_ids, prepared.prompt.prompt,
             prepared.prompt.prompt_token_ids, prepared.child_params,

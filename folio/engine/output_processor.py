@@ -58,6 +58,7 @@ class ParentState:
     children: list["ChildState"] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -191,6 +192,8 @@ class OutputProcessor:
             if out.first_scheduled_time is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = out.first_scheduled_time
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             if not out.new_token_ids:
                 if out.finish_reason is not None:
                     # Finished without a token (a grammar that failed to compile in the core).
@@ -247,7 +250,8 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=completions, finished=finished, metrics=parent.metrics,
-            num_cached_tokens=parent.num_cached_tokens)
+            num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params)
 
     def _completion(self, child: ChildState, delta: bool) -> CompletionOutput:
         finished = child.finish_reason is not None

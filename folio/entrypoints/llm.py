@@ -5,7 +5,8 @@ from typing import Any, Sequence
 
 from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                           RequestLimitsConfig, SchedulerConfig, SpeculativeConfig,
-                          StructuredOutputsConfig, offloading_size)
+                          StructuredOutputsConfig, offloading_size,
+                          p2p_transfer)
 from folio.engine.chat import apply_chat_template
 from folio.engine.llm_engine import LLMEngine
 from folio.entrypoints.pooling_api import PoolingAPI
@@ -104,6 +105,7 @@ class LLM(PoolingAPI):
             speculative=SpeculativeConfig.from_json(speculative_config),
             lora=_lora_config(enable_lora, lora_config, max_loras, max_lora_rank,
                               max_cpu_loras),
+            kv_transfer=p2p_transfer(kv_transfer_config),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

@@ -21,6 +21,7 @@ class Executor(Protocol):
     num_host_blocks: int  # blocks of the host KV tier's pool (0: none)
     host_block_bytes: int  # one block's K/V bytes on a worker (what a tier copy moves)
     disk_kv_hashes: list[bytes]   # the blocks the disk KV tier holds at start-up
+    kv_transfer_port: int  # where rank 0 serves prompts' KV (a P2pConnector producer; else 0)
     vocab_size: int       # the width of the model's logits
     timings: dict[str, float]  # seconds of each worker start-up stage
 

@@ -117,6 +117,7 @@ class MultiprocExecutor:
         self.num_host_blocks: int = min(info.num_host_blocks for info in infos)
         self.host_block_bytes: int = sum(info.host_block_bytes for info in infos)
         self.disk_kv_hashes: list[bytes] = first.disk_kv_hashes
+        self.kv_transfer_port: int = first.kv_transfer_port
         self.timings: dict[str, float] = dict(first.timings)
         logger.info("%d worker processes ready (%s)", self.num_workers, self.device_type)
 

@@ -79,6 +79,11 @@ class UniProcExecutor:
         return [] if worker is None or worker.disk_kv is None else worker.disk_kv.existing()
 
     @property
+    def kv_transfer_port(self) -> int:
+        worker = self.worker
+        return 0 if worker is None or worker.kv_p2p is None else worker.kv_p2p.port
+
+    @property
     def host_block_bytes(self) -> int:
         return 0 if self.worker is None else self.worker.host_block_bytes
 

@@ -81,6 +81,7 @@ class WorkerInfo(msgspec.Struct):
     num_host_blocks: int = 0
     host_block_bytes: int = 0
     disk_kv_hashes: list[bytes] = []
+    kv_transfer_port: int = 0
 
 
 def frame_int(value: int) -> bytes:
@@ -109,7 +110,8 @@ def run_worker(args: WorkerArgs) -> None:
             dict(worker.timings), worker.kv_cache_layout,
             0 if worker.host_kv is None else worker.host_kv.num_slots,
             worker.host_block_bytes,
-            [] if worker.disk_kv is None else worker.disk_kv.existing()))])
+            [] if worker.disk_kv is None else worker.disk_kv.existing(),
+            0 if worker.kv_p2p is None else worker.kv_p2p.port))])
         _serve(worker, args, inbox, outbox)
     except Exception as exc:
         detail = f"worker {args.rank}: {type(exc).__name__}: {exc}"

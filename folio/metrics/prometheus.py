@@ -206,6 +206,18 @@ class EngineMetrics:
             p + "kv_disk_bad_blocks", "Disk KV tier files found bad (computed instead).",
             labels, registry=reg).labels(model_name)
 
+        # --- disaggregated prefill (P2pConnector; zero when off) ---
+        self._c_transfer = {
+            name: Counter(p + f"kv_transfer_{name}", text, labels, registry=reg).labels(model_name)
+            for name, text in (
+                ("held_requests", "Prompts a prefill server kept for decode servers to fetch."),
+                ("sent_requests", "Prompts whose KV a decode server fetched from this server."),
+                ("received_requests", "Prompts whose KV this server fetched from a prefill "
+                 "server."),
+                ("received_tokens", "Prompt tokens whose KV was fetched, not computed."),
+                ("failed_requests", "KV fetches that failed or were refused (the prompt was "
+                 "computed instead)."))}
+
         # --- token throughput ---
         self._c_prompt_tokens = Counter(
             p + "prompt_tokens", "Number of prefill tokens processed.",
@@ -323,6 +335,9 @@ class EngineMetrics:
                 ("disk_reads", stats.kv_disk_read_blocks, self._c_disk_reads),
                 ("disk_bad", stats.kv_disk_bad_blocks, self._c_disk_bad)):
             self._inc_cumulative(f"{engine}:{key}", value, counter)
+        for name, counter in self._c_transfer.items():
+            self._inc_cumulative(f"{engine}:transfer_{name}", getattr(stats, f"kv_transfer_{name}"),
+                                 counter)
         for rank, count in enumerate(stats.expert_load_per_rank):
             self._inc_cumulative(f"{engine}:expert_load_{rank}", count,
                                  self._c_expert_load.labels(*label, str(rank)))

@@ -475,6 +475,9 @@ class PendingRunnerOutput:
         self.expert_load: list[int] | None = None
         # The disk KV tier's reads of this step (the worker sets them).
         self.kv_disk_read_results: list[tuple[bytes, bool]] = []
+        # Disaggregated prefill's transfers finished by this step (the worker sets them).
+        self.kv_transfer_sent: list[str] = []
+        self.kv_transfer_received: list[tuple[str, bool]] = []
         self._request_ids = request_ids or []
         self._pooled = pooled
         self._draft_token_ids = draft_token_ids or {}
@@ -526,6 +529,8 @@ class PendingRunnerOutput:
         output.failed_req_ids = self.failed_req_ids
         output.expert_load = self.expert_load
         output.kv_disk_read_results = self.kv_disk_read_results
+        output.kv_transfer_sent = self.kv_transfer_sent
+        output.kv_transfer_received = self.kv_transfer_received
         if self._pooled is not None:
             output.pooler_output = self._pooled.collect()
             self._pooled = None

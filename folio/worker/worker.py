@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -265,6 +266,11 @@ class Worker:
             self.disk_kv = DiskKVStore(cache.kv_disk_path, namespace, self.host_kv)
             logger.info("disk KV tier: %s (%d blocks there)", self.disk_kv.dir,
                         len(self.disk_kv.existing()))
+        # Disaggregated prefill (a P2pConnector --kv-transfer-config): serves finished
+        # prompts' KV to decode servers, or fetches it from prefill servers.
+        self.kv_p2p = None
+        if config.kv_transfer is not None:
+            self.kv_p2p = self._start_kv_p2p(config, source, layout, tp, pp)
         self.draft_kv_caches = [] if self.draft_spec is None else allocate_kv_caches(
             self.draft_spec, self.num_blocks, cache.block_size, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
@@ -557,6 +563,13 @@ class Worker:
         read_results = self._run_tier_copies(step) if self.host_kv is not None else []
         pending = self.runner.execute_model_async(step, grammar_bitmask)
         pending.kv_disk_read_results = read_results
+        if self.kv_p2p is not None:
+            self.kv_p2p.apply(step.kv_transfer_holds, step.kv_transfer_releases,
+                              step.kv_transfer_loads)
+            # A step with nothing to run is the engine polling for transfers: wait a little
+            # for one to finish rather than have the engine spin.
+            pending.kv_transfer_sent, pending.kv_transfer_received = self.kv_p2p.take_results(
+                wait=0.005 if not step.total_num_scheduled_tokens else 0.0)
         if self.tp.expert_parallel and self.tp.size > 1:
             self._steps_since_load += 1
             # every step on the CPU; on a GPU every EXPERT_LOAD_INTERVAL steps (reading the
@@ -565,6 +578,23 @@ class Worker:
                 pending.expert_load = self._gather_expert_load()
                 self._steps_since_load = 0
         return pending
+
+    def _start_kv_p2p(self, config, source, layout, tp, pp):
+        if tp.size > 1 or pp.size > 1:
+            raise ValueError("kv_transfer_config: the P2pConnector runs with one worker (no "
+                             "tensor or pipeline parallelism) yet")
+        if layout.num_groups > 1 or self.draft_spec is not None:
+            raise ValueError("kv_transfer_config: the P2pConnector runs with one "
+                             "full-attention KV cache group and no draft model's cache")
+        from folio.worker.disk_kv_store import namespace_of
+        from folio.worker.kv_p2p import P2PKVTransfer
+        # what a consumer checks before it takes a producer's bytes: the same model (by
+        # its file's name), dtype and layout
+        layout_id = namespace_of(os.path.basename(str(source.path).rstrip("/")),
+                                 repr(self.spec), str(self.kv_cache_dtype),
+                                 config.cache.block_size,
+                                 [tuple(c.shape[:1]) + tuple(c.shape[2:]) for c in self.kv_caches])
+        return P2PKVTransfer(config.kv_transfer, lambda: self.kv_caches, tp.rank, layout_id)
 
     def _run_tier_copies(self, step: SchedulerOutput) -> list[tuple[bytes, bool]]:
         """The KV tiers' work of a step, before its forward pass, in the order the scheduler

@@ -118,6 +118,7 @@ def build_engine_config(args: argparse.Namespace):
                                 enable_expert_parallel=kw["enable_expert_parallel"]),
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
         lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]),
+        kv_transfer=kw["kv_transfer_config"],
         admission=AdmissionConfig(max_waiting_requests=args.max_waiting_requests,
                                   max_queue_time=args.max_queue_time,
                                   sleep_mode_requests=args.sleep_mode_requests))

@@ -107,6 +107,9 @@ class _SamplingFields(OpenAIBaseModel):
     # structural_tag + options) and OpenAI's response_format.
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Disaggregated prefill (vLLM's): {"do_remote_decode": true} to a prefill server; the
+    # kv_transfer_params of its response to a decode server (folio router does both).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
 
 
 class CompletionResponse(OpenAIBaseModel):
-    _omit_if_none = frozenset({"structured_outputs_notice"})
+    _omit_if_none = frozenset({"structured_outputs_notice", "kv_transfer_params"})
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -161,6 +164,8 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     # folio: what a best_effort structured_outputs constraint left unenforced.
     structured_outputs_notice: str | None = None
+    # A prefill server's answer: where a decode server fetches the prompt's KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -287,7 +292,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
-    _omit_if_none = frozenset({"prompt_logprobs", "prompt_token_ids", "structured_outputs_notice"})
+    _omit_if_none = frozenset({"prompt_logprobs", "prompt_token_ids", "structured_outputs_notice",
+                               "kv_transfer_params"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -300,6 +306,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_token_ids: list[int] | None = None
     # folio: what a best_effort structured_outputs constraint left unenforced.
     structured_outputs_notice: str | None = None
+    # A prefill server's answer: where a decode server fetches the prompt's KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -72,6 +72,12 @@ class ServingBase:
             extra["deadline"] = deadline
         if kv_pin_ttl is not None:
             extra["kv_pin_ttl"] = kv_pin_ttl
+        kv_transfer_params = getattr(request, "kv_transfer_params", None)
+        if kv_transfer_params is not None:
+            if len(prompts) != 1:
+                raise OpenAIError("kv_transfer_params: disaggregated prefill runs one prompt "
+                                  "per request", param="kv_transfer_params")
+            extra["kv_transfer_params"] = kv_transfer_params
         streams = [self._count_lora(self.engine.generate(prompt, p, rid,
                                                          priority=request.priority,
                                                          cache_salt=request.cache_salt, **extra),

@@ -270,7 +270,8 @@ class OpenAIServingChat(ServingBase):
             usage=make_usage(len(prompt_ids), completion_tokens, output.num_cached_tokens),
             prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs)
                              if request.prompt_logprobs is not None else None),
-            prompt_token_ids=prompt_ids if request.return_token_ids else None)
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
+            kv_transfer_params=output.kv_transfer_params)
 
     async def _stream(self, request: ChatCompletionRequest, response_id: str, model_name: str,
                       created: int, prompt_ids: list[int], params: SamplingParams,

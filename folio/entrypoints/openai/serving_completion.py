@@ -223,7 +223,9 @@ class OpenAIServingCompletion(ServingBase):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=response_id, created=created, model=model_name,
                                   choices=choices,
-                                  usage=make_usage(prompt_tokens, completion_tokens, cached))
+                                  usage=make_usage(prompt_tokens, completion_tokens, cached),
+                                  kv_transfer_params=(finals[0].kv_transfer_params
+                                                      if len(finals) == 1 else None))
 
     async def _stream(self, request: CompletionRequest, response_id: str, model_name: str,
                       created: int, prompts: Sequence[_Prompt], params: Sequence[SamplingParams],
