@@ -139,8 +139,9 @@ class P2PConnectorScheduler:
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        # (a request that needs every prompt position's logits computes them all)
         if (params is None or not self.config.is_consumer or request.num_output_tokens
-                or request.request_id in self._failed):
+                or request.needs_every_prompt_token or request.request_id in self._failed):
             return 0, False
         try:
             parsed = parse_kv_transfer_params(params)

@@ -63,9 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
 
     def _serve(args: argparse.Namespace) -> int:
+        if args.role == "router":
+            from folio.entrypoints.disagg_router import run_router
+            return run_router(args)
         from folio.entrypoints.openai.api_server import serve as run_server
         return run_server(args)
     serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="the front of disaggregated prefill: prompts to "
+                            "prefill servers, generation to decode servers (default "
+                            "127.0.0.1:8000)", formatter_class=FolioHelpFormatter)
+    from folio.entrypoints.disagg_router import add_router_args
+
+    def _router(args: argparse.Namespace) -> int:
+        from folio.entrypoints.disagg_router import run_router
+        return run_router(args)
+    add_router_args(router)
+    router.set_defaults(func=_router)
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)",
                           formatter_class=FolioHelpFormatter)
@@ -112,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from folio.model.default_model import DefaultModelNotInstalled
     try:

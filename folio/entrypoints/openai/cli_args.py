@@ -27,6 +27,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every route but /health, /ping, "
                              "/version; browsers on the web console log in with HTTP Basic, "
                              "the key as the password (default: $FOLIO_API_KEY)")
+    parser.add_argument("--role", choices=("engine", "router"), default="engine",
+                        help="engine: serve a model; router: the front of disaggregated "
+                             "prefill (--prefill URL... --decode URL...), as `folio router`")
+    from folio.entrypoints.disagg_router import add_router_args
+    add_router_args(parser, with_address=False)
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: 'auto' (the model's generation_config.json), "
                              "'folio' (none), or a directory holding a generation_config.json")
