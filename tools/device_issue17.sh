@@ -42,6 +42,12 @@ editing2)  # after the async-while-resting change: batch 64 both orders, batch 1
   step 120 edit_off $EDIT --output-len 384 --num-iters 5
   step 120 edit_ngram $EDIT --output-len 384 --num-iters 5 --speculative-config "$NGRAM"
   step 120 edit_suffix $EDIT --output-len 384 --num-iters 5 --speculative-config "$SUFFIX" ;;
+probe)  # batch 64, ngram: each step's time (plain / verify), the draft-length decisions
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="--model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  STEP_PATTERN="latency:|decode:|steps|verify|plain|\(|proposals|Error|error"
+  step 200 probe_ngram python3 tools/gpu_spec_probe.py -- $B64 --speculative-config "$NGRAM"
+  step 100 b64_off python3 -m folio.bench.latency $B64 ;;
 b64)  # batch 64 only (fits one call): off, ngram, suffix, off again
   cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
   B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"

@@ -5,7 +5,7 @@
 #   bench: the seed's case at the Llama-3-8B shape: TTFT of a 1,600-token prefix as a device
 #          hit, from the host tier, recomputed (targets: host <= 1.6x device, <= 0.4x recompute)
 set -uo pipefail
-STEP_PATTERN="TTFT|passed|failed|Error|error"
+STEP_PATTERN="TTFT|ITL|P/D|passed|failed|Error|error"
 . tools/device_common.sh
 case "${PART:-tests}" in
 tests)
@@ -18,4 +18,13 @@ bench)
       --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
       --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
       --output-json "$OUT/kv_tiers_llama8b.json" ;;
+disagg)
+  # prefill and decode as two servers on the one GPU (each 0.42 of its memory), 8k-token
+  # prompts arriving while 16 requests decode; the single server gets the same share
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
+  step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$M" \
+      --server-args "--dtype bfloat16 --max-model-len 9216 --gpu-memory-utilization 0.42" \
+      --num-decoders 16 --decode-input-len 128 --decode-output-len 384 --num-long 6 \
+      --long-input-len 8192 --long-output-len 8 --long-interval 1.0 \
+      --output-json "$OUT/disagg_llama8b.json" ;;
 esac

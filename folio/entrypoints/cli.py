@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.bench import kv_tiers as kv_tiers_bench
     kv_tiers_bench.add_cli_args(kv_tiers)
     kv_tiers.set_defaults(func=lambda a: (kv_tiers_bench.run(a), 0)[1])
+    disagg = bench_sub.add_parser("disagg", help="disaggregated prefill vs one server: decoders' "
+                                  "ITL while long prompts arrive", formatter_class=FolioHelpFormatter)
+    from folio.bench import disagg as disagg_bench
+    disagg_bench.add_cli_args(disagg)
+    disagg.set_defaults(func=lambda a: (disagg_bench.run(a), 0)[1])
     serve_bench = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT/TPOT/ITL",
                                         formatter_class=FolioHelpFormatter)
     # serve_peers: bench serve's flags plus --peer / --launch (servers started here).

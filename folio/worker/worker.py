@@ -601,6 +601,8 @@ class Worker:
         relies on: spills, saves, disk reads, loads, then deletes. Returns each read's
         result."""
         disk = self.disk_kv
+        if step.kv_spills or step.kv_disk_reads:
+            self.host_kv.sync()     # the CPU reads and writes host slots saved asynchronously
         for slot, block_hash in step.kv_spills:
             disk.spill(slot, block_hash)
         if step.kv_saves:

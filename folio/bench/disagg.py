@@ -1,0 +1,154 @@
+"""`folio bench disagg`: does disaggregated prefill protect decoding from long prompts?
+
+Runs one workload twice: against a single `folio serve`, then against `folio router` in front
+of a prefill server (kv_producer) and a decode server (kv_consumer), all started here (on one
+GPU the two share it: give each --gpu-memory-utilization in --server-args). The workload:
+`--num-decoders` streaming requests of short prompts and long outputs start together; while
+they decode, `--num-long` prompts of `--long-input-len` tokens arrive every `--long-interval`
+seconds. Reported: the decoders' inter-token latency (median, p99) and the whole run's output
+throughput, each P/D figure over the single server's (the issue's targets: p99 ITL <= 0.5x,
+throughput within 10 %).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from folio.bench.serve import BenchRequest, RequestResult, build_payload, send_request
+from folio.bench.server_process import ServerProcess, free_port
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="the model (default: folio's default)")
+    parser.add_argument("--server-args", default="",
+                        help="extra `folio serve` arguments for every server (one string)")
+    parser.add_argument("--num-decoders", type=int, default=16)
+    parser.add_argument("--decode-input-len", type=int, default=128)
+    parser.add_argument("--decode-output-len", type=int, default=512)
+    parser.add_argument("--num-long", type=int, default=8)
+    parser.add_argument("--long-input-len", type=int, default=8192)
+    parser.add_argument("--long-output-len", type=int, default=8)
+    parser.add_argument("--long-interval", type=float, default=1.0,
+                        help="seconds between long prompts' arrivals")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    rng = random.Random(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 20000) for _ in range(n)]
+    decoders = [BenchRequest(ids(args.decode_input_len), args.decode_input_len,
+                             args.decode_output_len) for _ in range(args.num_decoders)]
+    longs = [BenchRequest(ids(args.long_input_len), args.long_input_len, args.long_output_len)
+             for _ in range(args.num_long)]
+    return decoders, longs
+
+
+async def _workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+    decoders, longs = _requests(args)
+    endpoint = url + "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        start = time.perf_counter()
+
+        def send(request: BenchRequest):
+            payload = build_payload(request, model, chat=False, temperature=0.0, ignore_eos=True)
+            return send_request(session, endpoint, {}, payload, False, 1800.0,
+                                request.prompt_len, start)
+
+        async def long_after(i: int, request: BenchRequest) -> RequestResult:
+            await asyncio.sleep(0.5 + i * args.long_interval)
+            return await send(request)
+        decode_tasks = [asyncio.create_task(send(r)) for r in decoders]
+        long_tasks = [asyncio.create_task(long_after(i, r)) for i, r in enumerate(longs)]
+        decoded = await asyncio.gather(*decode_tasks)
+        long_done = await asyncio.gather(*long_tasks)
+        duration = time.perf_counter() - start
+    failed = [r.error for r in decoded + long_done if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    itl = sorted(x for r in decoded for x in r.itl)
+    tokens = sum(r.output_tokens for r in decoded + long_done)
+    return {"itl_median_ms": 1e3 * statistics.median(itl),
+            "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
+            "long_ttft_median_ms": 1e3 * statistics.median(r.ttft for r in long_done),
+            "output_tokens": tokens, "duration_s": duration,
+            "output_throughput": tokens / duration}
+
+
+def _serve_cmd(args: argparse.Namespace, port: int, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "folio.entrypoints.cli", "serve"]
+    if args.model:
+        cmd.append(args.model)
+    return cmd + ["--port", str(port), *args.server_args.split(), *extra]
+
+
+class _Started:
+    """`with _Started(...)`: a server started and ready, stopped on leaving."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, logs: str, timeout: float) -> None:
+        self.server = ServerProcess(name, cmd, log_path=os.path.join(logs, f"{name}.log"))
+        self.url = f"http://127.0.0.1:{port}"
+        self.timeout = timeout
+
+    def __enter__(self) -> "_Started":
+        self.server.start()
+        try:
+            self.server.wait_ready(self.url + "/health", self.timeout)
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    logs = tempfile.mkdtemp(prefix="folio-bench-disagg-")
+    report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
+                                       if not callable(v)}, "logs": logs}
+    port = free_port()
+    with _Started("single", _serve_cmd(args, port, []), port, logs, args.ready_timeout) as single:
+        report["single"] = asyncio.run(_workload(single.url, args))
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
+
+    def p2p(role: str) -> list[str]:
+        return ["--kv-transfer-config", json.dumps({"kv_connector": "P2pConnector",
+                                                    "kv_role": role})]
+    with _Started("prefill", _serve_cmd(args, p_port, p2p("kv_producer")), p_port, logs,
+                args.ready_timeout), \
+            _Started("decode", _serve_cmd(args, d_port, p2p("kv_consumer")), d_port, logs,
+                   args.ready_timeout), \
+            _Started("router", [sys.executable, "-m", "folio.entrypoints.cli", "router",
+                              "--port", str(r_port), "--prefill", f"http://127.0.0.1:{p_port}",
+                              "--decode", f"http://127.0.0.1:{d_port}"], r_port, logs,
+                     60) as router:
+        report["disagg"] = asyncio.run(_workload(router.url, args))
+    single, disagg = report["single"], report["disagg"]
+    report["itl_p99_ratio"] = disagg["itl_p99_ms"] / single["itl_p99_ms"]
+    report["throughput_ratio"] = disagg["output_throughput"] / single["output_throughput"]
+    for name in ("single", "disagg"):
+        r = report[name]
+        print(f"{name:7s}: ITL median {r['itl_median_ms']:.2f} ms, p99 {r['itl_p99_ms']:.2f} ms; "
+              f"long prompts' TTFT median {r['long_ttft_median_ms']:.1f} ms; output "
+              f"{r['output_throughput']:.1f} tok/s over {r['duration_s']:.1f} s")
+    print(f"P/D over single: p99 ITL {report['itl_p99_ratio']:.2f}x (target <= 0.5x), "
+          f"throughput {report['throughput_ratio']:.2f}x (target >= 0.9x)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
