@@ -48,6 +48,12 @@ probe)  # batch 64, ngram: each step's time (plain / verify), the draft-length d
   STEP_PATTERN="latency:|decode:|steps|verify|plain|\(|proposals|Error|error"
   step 200 probe_ngram python3 tools/gpu_spec_probe.py -- $B64 --speculative-config "$NGRAM"
   step 100 b64_off python3 -m folio.bench.latency $B64 ;;
+b64again)  # as b64, the GGUF already joined by an earlier call of this warm machine
+  B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 140 b64_off $B64
+  step 140 b64_ngram $B64 --speculative-config "$NGRAM"
+  step 140 b64_suffix $B64 --speculative-config "$SUFFIX"
+  step 140 b64_off2 $B64 ;;
 b64)  # batch 64 only (fits one call): off, ngram, suffix, off again
   cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
   B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"

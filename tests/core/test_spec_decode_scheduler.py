@@ -570,3 +570,25 @@ def test_logprobs_rows_of_a_verify_step_go_to_their_tokens() -> None:
         logprobs=lists))
     assert out[0].new_token_ids == [7, 9]
     assert [lp.token_id for lp in out[0].new_logprobs] == [7, 9]
+
+
+def test_a_rare_stall_does_not_move_a_step_cost():
+    """A bucket's cost is the median of its recent steps: one 40 ms stall among 2 ms plain
+    steps (seen on the H200 at batch 64) leaves the cost at 2 ms, so speculation whose verify
+    steps cost 4x for 3x the tokens stays off."""
+    from folio.core.spec.policy import AdaptiveDraftLength, StepCostCurve
+    curve = StepCostCurve(stale_after=1000)
+    for i in range(14):
+        curve.observe(64, 0.002, i)
+    curve.observe(64, 0.040, 14)
+    assert curve.cost(64) == pytest.approx(0.002)
+    policy = AdaptiveDraftLength()
+    for _ in range(10):
+        policy.observe_step(64, 0.002, verify=False)
+        policy.observe_step(320, 0.008, verify=True)
+    policy.observe_step(64, 0.040, verify=False)
+    drafting = {f"r{i}": 4 for i in range(64)}
+    for rid in drafting:
+        for _ in range(5):
+            policy.observe_acceptance(rid, 4, 2)     # about 3 tokens a verify step
+    assert policy.choose(drafting, 0) == 0
