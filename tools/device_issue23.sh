@@ -19,11 +19,11 @@ bench)
       --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
       --output-json "$OUT/kv_tiers_llama8b.json" ;;
 disagg)
-  # prefill and decode as two servers on the one GPU (each 0.42 of its memory), 8k-token
-  # prompts arriving while 16 requests decode; the single server gets the same share
+  # prefill and decode as two servers on the one GPU (each 24 GiB of KV cache), 8k-token
+  # prompts arriving while 16 requests decode; the single server gets the same cache
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$M" \
-      --server-args "--dtype bfloat16 --max-model-len 9216 --gpu-memory-utilization 0.42" \
+      --server-args "--dtype bfloat16 --max-model-len 9216 --kv-cache-memory-bytes 25769803776" \
       --num-decoders 16 --decode-input-len 128 --decode-output-len 256 --num-long 5 \
       --long-input-len 8192 --long-output-len 8 --long-interval 1.0 \
       --output-json "$OUT/disagg_llama8b.json" ;;

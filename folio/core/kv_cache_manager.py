@@ -159,10 +159,21 @@ class KVCacheManager:
         return blocks
 
     def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.req_to_block_ids.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.free_key(request.request_id)
+
+    def free_key(self, key: str) -> None:
+        """Free the blocks held under `key` (a request id, or the key `rekey` moved them to)."""
+        blocks = self.req_to_blocks.pop(key, [])
+        self.req_to_block_ids.pop(key, None)
+        self.num_cached_blocks.pop(key, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def rekey(self, request_id: str, key: str) -> None:
+        """Hold a finished request's blocks under `key` instead of its id, so the id may be
+        used again while they are still in use (a KV transfer reading or writing them)."""
+        for table in (self.req_to_blocks, self.req_to_block_ids, self.num_cached_blocks):
+            if request_id in table:
+                table[key] = table.pop(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids, one list per KV cache group: the live lists (they grow as

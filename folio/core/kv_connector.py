@@ -29,21 +29,22 @@ class KVConnectorScheduler(Protocol):
         arrive asynchronously: the request then waits until the load is reported)."""
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+                                 num_external_tokens: int, key: str) -> None:
         """The request's blocks (all of them, in order) are allocated; the connector's
-        tokens go into those after its `num_computed_tokens`."""
+        tokens go into those after its `num_computed_tokens`. The load is reported under
+        `key` (unique: a request id may be used again meanwhile)."""
 
     def build_connector_meta(self) -> dict:
         """This step's work for the workers, as SchedulerOutput fields."""
 
     def update_connector_output(self, output: ModelRunnerOutput
                                 ) -> tuple[list[str], list[tuple[str, bool]]]:
-        """A step's report: (request ids whose held blocks may be freed now, loads finished
-        as (request id, ok))."""
+        """A step's report: (keys of held blocks that may be freed now, loads finished as
+        (key, ok))."""
 
-    def request_finished(self, request: Request, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int], key: str
                          ) -> tuple[bool, dict | None]:
-        """(keep the request's blocks until `update_connector_output` frees them, the
+        """(keep the request's blocks until `update_connector_output` frees `key`, the
         kv_transfer_params of its response)."""
 
     def expired_holds(self, now: float) -> None:

@@ -123,12 +123,13 @@ class P2PConnectorScheduler:
         self.hold_timeout = float(config.p2p_option("hold_timeout"))
         self.engine_id = secrets.token_hex(8)
         self.stats_ = P2PStats()
-        # producer: transfer id -> (request id, expiry); request id -> transfer id
+        # producer: transfer id -> (the scheduler's key of the held blocks, expiry)
         self._holds: dict[str, tuple[str, float]] = {}
         self._releasing: set[str] = set()
-        # consumer: requests whose fetch is in flight -> the tokens it brings; requests whose
-        # fetch failed or whose params were wrong (computed, never fetched again)
-        self._loading: dict[str, int] = {}
+        # consumer: fetches in flight (by the scheduler's key) -> (request id, the tokens it
+        # brings); requests whose fetch failed or whose params were wrong (computed, never
+        # fetched again)
+        self._loading: dict[str, tuple[str, int]] = {}
         self._failed: set[str] = set()
         self._step_holds: list[KVTransferHold] = []
         self._step_releases: list[str] = []
@@ -174,7 +175,7 @@ class P2PConnectorScheduler:
         return 0, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+                                 num_external_tokens: int, key: str) -> None:
         if not num_external_tokens:
             return
         parsed = parse_kv_transfer_params(request.kv_transfer_params)
@@ -182,13 +183,13 @@ class P2PConnectorScheduler:
         first = request.num_computed_tokens // bs        # device prefix hits are whole blocks
         last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
         self._step_loads.append(KVTransferLoad(
-            request.request_id, parsed.remote_transfer_id, parsed.remote_host,
+            key, parsed.remote_transfer_id, parsed.remote_host,
             parsed.remote_port, parsed.remote_block_ids[first:last], list(block_ids[first:last])))
-        self._loading[request.request_id] = num_external_tokens
+        self._loading[key] = (request.request_id, num_external_tokens)
 
     # ---- the producer -------------------------------------------------------------------
 
-    def request_finished(self, request: Request, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int], key: str
                          ) -> tuple[bool, dict | None]:
         self._failed.discard(request.request_id)
         params = request.kv_transfer_params
@@ -201,7 +202,7 @@ class P2PConnectorScheduler:
         if len(block_ids) < num_blocks:
             return False, None
         transfer_id = secrets.token_hex(16)
-        self._holds[transfer_id] = (request.request_id, time.monotonic() + self.hold_timeout)
+        self._holds[transfer_id] = (key, time.monotonic() + self.hold_timeout)
         self._step_holds.append(KVTransferHold(transfer_id, list(block_ids[:num_blocks])))
         self.stats_.held_requests += 1
         return True, {
@@ -215,10 +216,10 @@ class P2PConnectorScheduler:
             "remote_block_size": self.block_size}
 
     def expired_holds(self, now: float) -> None:
-        for transfer_id, (request_id, expiry) in self._holds.items():
+        for transfer_id, (key, expiry) in self._holds.items():
             if now >= expiry and transfer_id not in self._releasing:
                 logger.warning("request %s: no decode server fetched its KV in %g s; its "
-                               "blocks are freed", request_id, self.hold_timeout)
+                               "blocks are freed", key, self.hold_timeout)
                 self._releasing.add(transfer_id)
                 self._step_releases.append(transfer_id)
 
@@ -245,17 +246,18 @@ class P2PConnectorScheduler:
                 self.stats_.sent_requests += 1
             freed.append(held[0])
         finished = []
-        for request_id, ok in output.kv_transfer_received:
-            num_tokens = self._loading.pop(request_id, None)
-            if num_tokens is None:
+        for key, ok in output.kv_transfer_received:
+            loading = self._loading.pop(key, None)
+            if loading is None:
                 continue
+            request_id, num_tokens = loading
             if ok:
                 self.stats_.received_requests += 1
                 self.stats_.received_tokens += num_tokens
             else:
                 self._failed.add(request_id)
                 self.stats_.failed_requests += 1
-            finished.append((request_id, ok))
+            finished.append((key, ok))
         return freed, finished
 
     def forget(self, request_id: str) -> None:

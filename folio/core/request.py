@@ -127,6 +127,8 @@ class Request:
         # Prompt tokens whose KV a connector supplied (fetched from a prefill server): they
         # count as computed; 0 = none.
         self.num_external_computed_tokens = 0
+        # While a connector loads its KV: the key its blocks and the load are known by.
+        self.kv_load_key: str | None = None
         # The adapter joins the first block's hash: the same prompt under two adapters (or
         # under one and the base model) has different KV and must not share blocks.
         if lora_request is not None:

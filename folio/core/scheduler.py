@@ -209,8 +209,11 @@ class Scheduler:
                              "without the host KV tier")
         # Requests whose prompt KV the connector is loading (their blocks allocated), and
         # finished requests whose blocks it keeps (a prefill server's, for a decode server).
+        # Both by a key of their own (`_owner_key`), not the request id: a client may use an
+        # id again (a retry) while these blocks are still being read or written.
         self._remote_waiting: dict[str, Request] = {}
-        self._held: dict[str, Request] = {}
+        self._held: set[str] = set()
+        self._num_owner_keys = 0
         # Requests that have had their disk-tier blocks read once (a failed read is computed).
         self._disk_tried: set[str] = set()
         # One block's K/V bytes over the workers (the engine sets it), for the tier's byte
@@ -297,9 +300,12 @@ class Scheduler:
             self.kv.pin(request, time.monotonic() + request.kv_pin_ttl)
         if self.connector is not None:
             self.connector.forget(request.request_id)
-        # Blocks a load is writing into are freed when the load reports; blocks the
-        # connector keeps, when it lets them go.
-        if request.request_id not in self._remote_waiting and request.request_id not in self._held:
+        # Blocks a load is writing into are freed when the load reports (kept under the
+        # load's key, so the id may be used again); blocks the connector keeps were moved to
+        # their own key already.
+        if request.kv_load_key is not None:
+            self.kv.rekey(request.request_id, request.kv_load_key)
+        else:
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._first_scheduled.pop(request.request_id, None)
@@ -504,22 +510,29 @@ class Scheduler:
             return False
         self.waiting.pop()
         request.num_computed_tokens = num_hit_tokens
+        key = self._owner_key(request)
         self.connector.update_state_after_alloc(
-            request, list(self.kv.get_block_ids(request.request_id)[0]), num_external)
+            request, list(self.kv.get_block_ids(request.request_id)[0]), num_external, key)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote_waiting[request.request_id] = request
+        request.kv_load_key = key
+        self._remote_waiting[key] = request
         return True
+
+    def _owner_key(self, request: Request) -> str:
+        self._num_owner_keys += 1
+        return f"{request.request_id}#{self._num_owner_keys}"
 
     def _finish_remote_loads(self, results: list[tuple[str, bool]]) -> None:
         """Loads the workers finished: a request whose KV arrived is scheduled from its last
         prompt token; one whose load failed computes its prompt (its blocks are dropped,
         never indexed). Back at the front of the queue either way."""
-        for request_id, ok in results:
-            request = self._remote_waiting.pop(request_id, None)
+        for key, ok in results:
+            request = self._remote_waiting.pop(key, None)
             if request is None:
                 continue
+            request.kv_load_key = None
             if request.is_finished:      # aborted while loading: its blocks are free now
-                self.kv.free(request)
+                self.kv.free_key(key)
                 continue
             if ok:
                 request.num_computed_tokens = request.num_prompt_tokens - 1
@@ -535,10 +548,12 @@ class Scheduler:
         says) and gives the kv_transfer_params of its response."""
         if self.connector is None:
             return None
+        key = self._owner_key(request)
         keep, params = self.connector.request_finished(
-            request, list(self.kv.get_block_ids(request.request_id)[0]))
+            request, list(self.kv.get_block_ids(request.request_id)[0]), key)
         if keep:
-            self._held[request.request_id] = request
+            self.kv.rekey(request.request_id, key)    # freed (free_key) when the connector says
+            self._held.add(key)
         return params
 
     def has_connector_work(self) -> bool:
@@ -699,10 +714,10 @@ class Scheduler:
         if self.connector is not None and (runner_output.kv_transfer_sent
                                            or runner_output.kv_transfer_received):
             freed, loaded = self.connector.update_connector_output(runner_output)
-            for request_id in freed:
-                request = self._held.pop(request_id, None)
-                if request is not None:
-                    self.kv.free(request)
+            for key in freed:
+                if key in self._held:
+                    self._held.discard(key)
+                    self.kv.free_key(key)
             self._finish_remote_loads(loaded)
         if self.drafter is not None:
             self.drafter.receive(runner_output.draft_token_ids)

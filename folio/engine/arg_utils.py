@@ -58,6 +58,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                              "host tier evicts are kept there as files and survive a restart")
     parser.add_argument("--kv-disk-size", type=float, default=None,
                         help="GiB the disk KV tier may use (with --kv-disk-path)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on a GPU: the share of its memory this engine may use (weights, "
+                             "activations and the KV cache; memory other processes hold is "
+                             "counted against it); two servers on one GPU: give each "
+                             "--kv-cache-memory-bytes instead")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="memory for the KV cache on CPU (default: min(4 GiB, a quarter of free memory))")
     parser.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype,
@@ -273,6 +278,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         kv_offloading_size=offloading_size(getattr(args, "kv_offloading_size", None),
                                            getattr(args, "kv_transfer_config", None)),
         kv_disk_path=getattr(args, "kv_disk_path", None),

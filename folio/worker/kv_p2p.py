@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 _MAX_FETCHES = 4
 # How often the producer's thread wakes to look at parked fetches and whether to stop.
 _POLL_MS = 50
+# Fetches a producer keeps waiting for their hold at once; more are refused (anyone who can
+# reach the port can send fetches).
+_MAX_PARKED = 4096
 
 
 class _FetchRequest(msgspec.Struct, array_like=True):
@@ -152,17 +155,21 @@ class P2PKVTransfer:
         try:
             while not self._closed:
                 if poller.poll(_POLL_MS):
-                    peer, payload = socket.recv_multipart()
+                    frames = socket.recv_multipart()
                     try:
+                        peer, payload = frames      # a DEALER's one frame, after its identity
                         request = msgspec.msgpack.decode(payload, type=_FetchRequest)
-                    except msgspec.DecodeError:
-                        continue     # not a fetch: ignored, the peer times out
+                    except (ValueError, msgspec.DecodeError):
+                        continue     # not a fetch: ignored (the sender times out)
                     if request.op == "done":
                         self._done(request.transfer_id)
                     elif not self._reply(socket, peer, request):
                         # The hold may come with the next step (the consumer can be quicker
                         # than the producer's step loop): wait for it, up to the timeout.
-                        parked.append((time.monotonic() + self._timeout, peer, request))
+                        if len(parked) >= _MAX_PARKED:
+                            self._send_error(socket, peer, "too many fetches waiting")
+                        else:
+                            parked.append((time.monotonic() + self._timeout, peer, request))
                 if parked:
                     now = time.monotonic()
                     still = []

@@ -99,6 +99,7 @@ def build_engine_config(args: argparse.Namespace):
                           enable_sleep_mode=kw["enable_sleep_mode"]),
         cache=CacheConfig(block_size=kw["block_size"], enable_prefix_caching=kw["enable_prefix_caching"],
                           kv_cache_memory_bytes=kw["kv_cache_memory_bytes"],
+                          gpu_memory_utilization=kw["gpu_memory_utilization"],
                           kv_offloading_size=kw["kv_offloading_size"],
                           kv_disk_path=kw["kv_disk_path"], kv_disk_size=kw["kv_disk_size"],
                           cache_dtype=kw["kv_cache_dtype"],
