@@ -23,8 +23,8 @@ disagg)
   # prompts arriving while 16 requests decode; the single server gets the same cache
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$M" \
-      --server-args "--dtype bfloat16 --max-model-len 9216 --kv-cache-memory-bytes 25769803776" \
+      --server-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory-bytes 25769803776" \
       --num-decoders 16 --decode-input-len 128 --decode-output-len 256 --num-long 5 \
-      --long-input-len 8192 --long-output-len 8 --long-interval 1.0 \
+      --long-input-len 7936 --long-output-len 8 --long-interval 1.0 \
       --output-json "$OUT/disagg_llama8b.json" ;;
 esac
