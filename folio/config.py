@@ -519,7 +519,10 @@ class SpeculativeConfig:
 # workers' processes.
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 P2P_CONNECTOR = "P2pConnector"
-KV_CONNECTORS = (OFFLOADING_CONNECTOR, P2P_CONNECTOR)
+# vLLM's disaggregated-prefill connectors: a config written for vLLM runs folio's P2pConnector
+# (the same kv_role and kv_transfer_params flow; folio's transport, which the log names).
+P2P_ALIASES = ("P2pNcclConnector", "NixlConnector")
+KV_CONNECTORS = (OFFLOADING_CONNECTOR, P2P_CONNECTOR, *P2P_ALIASES)
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # vLLM's other KVTransferConfig keys: accepted (a config written for vLLM parses), unused by
 # the connectors folio has.
@@ -553,6 +556,8 @@ class KVTransferConfig:
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
     unused: dict = field(default_factory=dict)
+    # The vLLM connector name given, when folio runs its own in its place (P2P_ALIASES).
+    alias_of: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_connector in KV_CONNECTORS, "kv_transfer_config.kv_connector",
@@ -562,6 +567,14 @@ class KVTransferConfig:
         extra = self.kv_connector_extra_config
         _require(isinstance(extra, dict), "kv_transfer_config.kv_connector_extra_config",
                  "must be a JSON object")
+        if self.kv_connector in P2P_ALIASES:
+            # vLLM's own transport settings (proxy_ip, send_type, ...) mean nothing here
+            self.unused.update({f"kv_connector_extra_config.{k}": extra[k]
+                                for k in set(extra) - set(P2P_DEFAULTS)})
+            extra = self.kv_connector_extra_config = {k: v for k, v in extra.items()
+                                                      if k in P2P_DEFAULTS}
+            self.alias_of = self.kv_connector
+            self.kv_connector = P2P_CONNECTOR
         if self.kv_connector == P2P_CONNECTOR:
             self._check_p2p(extra)
         else:

@@ -97,6 +97,10 @@ class P2PKVTransfer:
             self._server.start()
             logger.info("KV transfer (producer): rank %d serves on %s:%d", rank,
                         config.kv_ip, self.port)
+        if config.alias_of is not None:
+            logger.info("kv_connector %s: folio runs its P2pConnector in its place (the same "
+                        "roles and kv_transfer_params; transport: ZMQ through host memory)",
+                        config.alias_of)
         if config.is_consumer:
             self._fetches = ThreadPoolExecutor(_MAX_FETCHES, thread_name_prefix="folio-kv-p2p")
 

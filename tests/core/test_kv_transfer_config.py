@@ -21,7 +21,7 @@ def test_offloading_connector_is_the_host_tier() -> None:
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"kv_connector": "NixlConnector"}, "kv_transfer_config.kv_connector"),
+    ({"kv_connector": "LMCacheConnectorV1"}, "kv_transfer_config.kv_connector"),
     ({"kv_role": "kv_producer"}, "kv_transfer_config.kv_role"),
     ({"kv_role": "both"}, "kv_transfer_config.kv_role"),
     ({"kv_connector_extra_config": {}}, "cpu_bytes_to_use"),
@@ -41,3 +41,18 @@ def test_one_way_to_size_the_tier() -> None:
         offloading_size(1.0, OFFLOAD)
     with pytest.raises(ValueError, match="valid JSON"):
         offloading_size(None, "{nope")
+
+
+def test_vllm_p2p_connector_names_run_folios_p2p_connector() -> None:
+    """A disaggregated-prefill config written for vLLM (P2pNcclConnector, NixlConnector) runs
+    folio's P2pConnector; vLLM's own transport settings are kept aside, unused."""
+    config = KVTransferConfig.from_json({
+        "kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "kv_port": 21001,
+        "kv_connector_extra_config": {"proxy_ip": "127.0.0.1", "send_type": "PUT_ASYNC"}})
+    assert (config.kv_connector, config.alias_of, config.kv_port) == \
+        ("P2pConnector", "P2pNcclConnector", 21001)
+    assert config.is_producer and not config.is_consumer
+    assert config.unused == {"kv_connector_extra_config.proxy_ip": "127.0.0.1",
+                             "kv_connector_extra_config.send_type": "PUT_ASYNC"}
+    nixl = KVTransferConfig.from_json({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    assert nixl.kv_connector == "P2pConnector" and nixl.is_producer and nixl.is_consumer
