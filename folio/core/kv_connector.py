@@ -11,8 +11,10 @@ finishes, the connector may keep its blocks for a while (a producer's prompt, un
 consumer has fetched it) and adds what a client needs to the response (kv_transfer_params).
 
 The names follow vLLM's KVConnectorBase_V1 scheduler methods, so that a reader who knows
-those knows these. Implementations: `P2PConnectorScheduler` (folio/core/kv_p2p.py,
-disaggregated prefill).
+those knows these. Implementations: `OffloadingConnectorScheduler` (folio/core/kv_offload.py: the host
+and disk tiers, loads within the step), `P2PConnectorScheduler` (folio/core/kv_p2p.py:
+disaggregated prefill, loads in the background). A connector may also take the device pool's
+evicted blocks (`on_block_evicted(block_hash, block_id)`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ class KVConnectorScheduler(Protocol):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """(prompt tokens past `num_computed_tokens` the connector can supply, whether they
-        arrive asynchronously: the request then waits until the load is reported)."""
+        arrive asynchronously: the request then waits until the load is reported). None
+        tokens: not known yet (the request waits its turn and is asked again next step).
+        Synchronous tokens are loaded within the step that computes the rest."""
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int, key: str) -> None:
@@ -49,6 +53,12 @@ class KVConnectorScheduler(Protocol):
 
     def expired_holds(self, now: float) -> None:
         """Give up holds past their time (released in the next step's message)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone for good (finished or aborted)."""
+
+    def reset(self) -> None:
+        """The prefix cache was reset (what the connector keeps of it goes too)."""
 
     def has_pending_work(self) -> bool:
         """A step must reach the workers (holds, releases or loads to tell them, results to

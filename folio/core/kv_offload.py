@@ -276,3 +276,108 @@ class HostKVTier:
         self.slot_of.clear()
         busy = set(self._reading.values())
         self._free_slots = [s for s in range(self.num_host_blocks - 1, -1, -1) if s not in busy]
+
+
+class OffloadingConnectorScheduler:
+    """The host tier (and the disk tier below it) as the scheduler's KV connector (vLLM's
+    OffloadingConnector; the protocol is folio/core/kv_connector.py).
+
+    Its tokens arrive within the step that needs them (a load runs before the forward
+    pass), so it never parks a request; a request whose blocks are on disk waits a step
+    (None tokens: asked again) while the workers read them into host slots."""
+
+    # Preempted requests' full blocks stay cached and go to the host tier when the device
+    # evicts them: preemption is a swap for them (the scheduler logs it so).
+    keeps_evicted_blocks = True
+
+    def __init__(self, tier: HostKVTier, block_size: int, block_bytes: int = 0) -> None:
+        """`block_bytes`: one block's K/V bytes over the workers (the byte counters)."""
+        self.tier = tier
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        # request id -> (host slots found past its device prefix hit, blocks looked up),
+        # from the lookup to the allocation
+        self._lookups: dict[str, tuple[list[int], int]] = {}
+        # requests that have had their disk-tier blocks read once (a failed read is computed)
+        self._disk_tried: set[str] = set()
+
+    def on_block_evicted(self, block_hash: BlockHash, block_id: int) -> None:
+        self.tier.on_evict(block_hash, block_id)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if request.needs_every_prompt_token:
+            return 0, False
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        max_blocks = (request.num_tokens - 1) // bs      # one token is always computed
+        wanted = request.block_hashes[first:max_blocks]
+        slots = self.tier.lookup(wanted)
+        self._lookups[request.request_id] = (slots, len(wanted))
+        if self._waits_for_disk(request, first + len(slots), max_blocks):
+            return None, False
+        return len(slots) * bs, False
+
+    def _waits_for_disk(self, request, num_hits: int, max_blocks: int) -> bool:
+        """Whether the request's next prompt blocks are on the disk tier: their reads are
+        asked for (this step) or still in flight, and the request waits for them. Blocks on
+        disk are read once: after a read fails or the pool has no room, it computes them."""
+        tier = self.tier
+        if tier.disk is None:
+            return False
+        wanted = tier.disk_hits(request.block_hashes[num_hits:max_blocks])
+        if not wanted:
+            return False
+        if any(tier.is_reading(h) for h in wanted):
+            return True
+        if request.request_id in self._disk_tried:
+            return False
+        self._disk_tried.add(request.request_id)
+        return tier.read_from_disk(wanted) > 0
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int,
+                                 key: str) -> None:
+        slots, looked_up = self._lookups.pop(request.request_id, ([], 0))
+        if num_external_tokens and slots:
+            # the first new blocks take the host tier's copies, before the forward pass
+            first = request.num_computed_tokens // self.block_size
+            n = len(slots)
+            self.tier.load(slots, block_ids[first:first + n], request.block_hashes[first:first + n])
+        self.tier.count_lookup(len(slots) if num_external_tokens else 0, looked_up)
+
+    def build_connector_meta(self) -> dict:
+        copies = self.tier.take_step_copies()
+        return dict(kv_spills=copies.spills, kv_saves=copies.saves,
+                    kv_disk_reads=copies.disk_reads, kv_loads=copies.loads,
+                    kv_disk_deletes=copies.disk_deletes)
+
+    def update_connector_output(self, output) -> tuple[list[str], list[tuple[str, bool]]]:
+        if output.kv_disk_read_results:
+            self.tier.finish_disk_reads(output.kv_disk_read_results)
+        return [], []
+
+    def request_finished(self, request, block_ids: list[int], key: str
+                         ) -> tuple[bool, dict | None]:
+        return False, None
+
+    def expired_holds(self, now: float) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
+        self._disk_tried.discard(request_id)
+
+    def has_pending_work(self) -> bool:
+        return False     # a disk read reports in the reply of the step that asks for it
+
+    def reset(self) -> None:
+        self.tier.reset()
+
+    def stats(self) -> dict:
+        tier, size = self.tier, self.block_bytes
+        return dict(kv_offload_usage=tier.usage, kv_offload_hit_blocks=tier.stats.hit_blocks,
+                    kv_offload_miss_blocks=tier.stats.missed_blocks,
+                    kv_offload_saved_bytes=tier.stats.saved_blocks * size,
+                    kv_offload_loaded_bytes=tier.stats.loaded_blocks * size,
+                    kv_disk_read_blocks=tier.stats.disk_read_blocks,
+                    kv_disk_bad_blocks=tier.stats.disk_bad_blocks)

@@ -264,6 +264,9 @@ class P2PConnectorScheduler:
         """The request is gone for good (finished, its blocks freed)."""
         self._failed.discard(request_id)
 
+    def reset(self) -> None:
+        """The prefix cache was reset: nothing of this connector's lives there."""
+
     def has_pending_work(self) -> bool:
         return bool(self._holds or self._loading or self._step_holds or self._step_releases
                     or self._step_loads)

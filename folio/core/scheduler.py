@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 from folio.core.kv_connector import KVConnectorScheduler
-from folio.core.kv_offload import HostKVTier
+from folio.core.kv_offload import HostKVTier, OffloadingConnectorScheduler
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
@@ -190,10 +190,10 @@ class Scheduler:
         first step before it is finished with reason "timeout" (None = forever).
         `pipelined`: several steps are in flight at once (pipeline parallelism), each of other
         requests: a request whose sampled token is still in flight sits out the step.
-        `host_tier`: the host-memory KV tier (--kv-offloading-size; None = off): evicted
-        prefix blocks are saved there and prompt blocks found there are loaded back.
         `connector`: a KV connector (folio/core/kv_connector.py; None = none) that supplies
-        prompts' KV from elsewhere or keeps finished requests' KV for others."""
+        prompts' KV from elsewhere (the host and disk tiers, a prefill server) or keeps
+        finished requests' KV for others. `host_tier`: the host-memory KV tier
+        (--kv-offloading-size), run as its connector (OffloadingConnectorScheduler)."""
         if pipelined and async_scheduling:
             raise ValueError("pipelined steps and async_scheduling exclude each other: a "
                              "request's token in flight makes it sit out, not run ahead")
@@ -201,12 +201,21 @@ class Scheduler:
             raise ValueError("a draft model's drafts come with each step's output: "
                              "async_scheduling must be off")
         self.kv = kv_cache_manager
-        self.host_tier = host_tier
+        if host_tier is not None:
+            if connector is not None:
+                raise ValueError("one KV connector at a time: the host KV tier or another")
+            connector = OffloadingConnectorScheduler(host_tier, kv_cache_manager.block_size)
         self.connector = connector
-        if connector is not None and (host_tier is not None
-                                      or not isinstance(kv_cache_manager, KVCacheManager)):
-            raise ValueError("a KV connector runs with one full-attention KV cache group and "
-                             "without the host KV tier")
+        # The host tier, when the connector is it (its stats and contents, for tests).
+        self.host_tier = getattr(connector, "tier", None)
+        if connector is not None and not isinstance(kv_cache_manager, KVCacheManager):
+            raise ValueError("a KV connector (the host KV tier, disaggregated prefill) runs "
+                             "with one full-attention KV cache group")
+        if hasattr(connector, "on_block_evicted"):
+            if not kv_cache_manager.enable_caching:
+                raise ValueError("the host KV tier (kv_offloading_size) needs prefix caching")
+            # evicted prefix blocks go to the tier
+            kv_cache_manager.block_pool.on_evict = connector.on_block_evicted
         # Requests whose prompt KV the connector is loading (their blocks allocated), and
         # finished requests whose blocks it keeps (a prefill server's, for a decode server).
         # Both by a key of their own (`_owner_key`), not the request id: a client may use an
@@ -214,16 +223,6 @@ class Scheduler:
         self._remote_waiting: dict[str, Request] = {}
         self._held: set[str] = set()
         self._num_owner_keys = 0
-        # Requests that have had their disk-tier blocks read once (a failed read is computed).
-        self._disk_tried: set[str] = set()
-        # One block's K/V bytes over the workers (the engine sets it), for the tier's byte
-        # counts.
-        self.host_block_bytes = 0
-        if host_tier is not None:
-            if not isinstance(kv_cache_manager, KVCacheManager) or not kv_cache_manager.enable_caching:
-                raise ValueError("the host KV tier (kv_offloading_size) needs prefix caching "
-                                 "and one full-attention KV cache group")
-            kv_cache_manager.block_pool.on_evict = host_tier.on_evict
         # Speculative decoding: proposes each running request's draft tokens after its
         # tokens are updated (None = off).
         self.drafter = drafter
@@ -292,7 +291,6 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         if request.deadline is not None and request.request_id in self.requests:
             self._num_deadlines -= 1
-        self._disk_tried.discard(request.request_id)
         if self.drafter is not None:
             self.drafter.drop(request)
             self.draft_length.drop(request.request_id)
@@ -410,27 +408,24 @@ class Scheduler:
                     and len(running_loras) >= self.max_loras:
                 not_ready.append(self.waiting.pop())
                 continue
+            num_loaded = 0     # past the device prefix hit: tokens the connector supplies
             if request.num_external_computed_tokens:
                 # Its prompt's KV was fetched into the blocks it holds: only the rest runs.
                 hit_blocks, num_hit_tokens = [], request.num_computed_tokens
-                host_slots, num_looked_up = [], 0
             else:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-                # Past the device prefix hit: blocks the host tier holds are loaded, not
-                # computed.
-                host_slots, num_looked_up = self._host_hits(request, len(hit_blocks))
-                if self._waits_for_disk(request, len(hit_blocks) + len(host_slots)):
-                    not_ready.append(self.waiting.pop())   # its blocks are read from disk first
-                    continue
                 if self.connector is not None:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    num_loaded, load_async = self.connector.get_num_new_matched_tokens(
                         request, num_hit_tokens)
+                    if num_loaded is None:
+                        not_ready.append(self.waiting.pop())   # asked again next step
+                        continue
                     if load_async:
                         if not self._start_remote_load(request, hit_blocks, num_hit_tokens,
-                                                       num_external):
+                                                       num_loaded):
                             break
                         continue
-            num_loaded = len(host_slots) * self.kv.block_size
+            num_device_hits = num_hit_tokens
             num_hit_tokens += num_loaded
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -448,14 +443,12 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
-            if host_slots:
-                # the first new blocks take the host tier's copies, before the forward pass
-                first = len(hit_blocks)
-                hashes = request.block_hashes[first:first + len(host_slots)]
-                self.host_tier.load(host_slots, [b.block_id for b in new_blocks[:len(host_slots)]],
-                                    hashes)
-            if self.host_tier is not None:
-                self.host_tier.count_lookup(len(host_slots), num_looked_up)
+            if self.connector is not None and not request.num_external_computed_tokens:
+                # (its tokens go into the blocks after the device prefix hit, this step)
+                request.num_computed_tokens = num_device_hits
+                self.connector.update_state_after_alloc(
+                    request, self.kv.get_block_ids(request.request_id)[0], num_loaded,
+                    request.request_id)
             resumed = request.status == RequestStatus.PREEMPTED
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -560,39 +553,11 @@ class Scheduler:
         """The KV connector has transfers to tell the workers of or hear back about."""
         return self.connector is not None and self.connector.has_pending_work()
 
-    def _waits_for_disk(self, request: Request, num_hits: int) -> bool:
-        """Whether the request's next prompt blocks are on the disk tier: their reads are
-        asked for (this step) or still in flight, and the request waits for them. Blocks on
-        disk are read once: after a read fails or the pool has no room, it computes them."""
-        tier = self.host_tier
-        if tier is None or tier.disk is None or request.needs_every_prompt_token:
-            return False
-        max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        wanted = tier.disk_hits(request.block_hashes[num_hits:max_blocks])
-        if not wanted:
-            return False
-        if any(tier.is_reading(h) for h in wanted):
-            return True
-        if request.request_id in self._disk_tried:
-            return False
-        self._disk_tried.add(request.request_id)
-        return tier.read_from_disk(wanted) > 0
-
-    def _host_hits(self, request: Request, num_device_hits: int) -> tuple[list[int], int]:
-        """(host slots of the prompt blocks after the device prefix hit that the host tier
-        holds, how many blocks were looked up); ([], 0) without a tier."""
-        if self.host_tier is None or request.needs_every_prompt_token:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.kv.block_size   # one token computed
-        wanted = request.block_hashes[num_device_hits:max_blocks]
-        return self.host_tier.lookup(wanted), len(wanted)
-
     def _message(self, items: list[ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
         """The step as the workers get it: new requests whole, the others as diffs since they
         were last sent. Every list is a copy: the request's own lists go on changing."""
         # First: a new request of this step may send a removed adapter again.
         removed_loras = self._take_lora_removals()
-        tier_copies = self.host_tier.take_step_copies() if self.host_tier is not None else None
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
@@ -645,12 +610,7 @@ class Scheduler:
             has_grammar=any(item.samples and item.request.structured_output is not None
                             for item in items),
             scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling,
-            removed_lora_ids=removed_loras,
-            **({} if tier_copies is None else dict(
-                kv_spills=tier_copies.spills, kv_saves=tier_copies.saves,
-                kv_disk_reads=tier_copies.disk_reads, kv_loads=tier_copies.loads,
-                kv_disk_deletes=tier_copies.disk_deletes)),
-            **connector_meta)
+            removed_lora_ids=removed_loras, **connector_meta)
 
     def _take_lora_removals(self) -> list[int]:
         """The removed adapters whose requests from before the removal have all finished,
@@ -678,7 +638,7 @@ class Scheduler:
         """Preemption by recompute: drop the request's blocks; it rejoins the waiting queue and
         later recomputes its tokens, mostly from the prefix cache."""
         self.running.remove(request)
-        if self.host_tier is not None:
+        if getattr(self.connector, "keeps_evicted_blocks", False):
             # With the host tier the preemption is a swap for the full blocks: they stay
             # cached, go to the host when the device evicts them, and load back on resume.
             computed = request.num_computed_tokens
@@ -709,10 +669,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if runner_output.expert_load is not None:
             self._add_expert_load(runner_output.expert_load)
-        if runner_output.kv_disk_read_results:
-            self.host_tier.finish_disk_reads(runner_output.kv_disk_read_results)
-        if self.connector is not None and (runner_output.kv_transfer_sent
-                                           or runner_output.kv_transfer_received):
+        if self.connector is not None:
             freed, loaded = self.connector.update_connector_output(runner_output)
             for key in freed:
                 if key in self._held:
@@ -915,8 +872,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         done = self.kv.reset_prefix_cache()
-        if done and self.host_tier is not None:
-            self.host_tier.reset()
+        if done and self.connector is not None:
+            self.connector.reset()
         return done
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -951,17 +908,7 @@ class Scheduler:
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             expert_load_per_rank=list(self.expert_load_per_rank),
             **(self._lora_stats() if self.max_loras else {}),
-            **(self._host_tier_stats() if self.host_tier is not None else {}),
             **(self.connector.stats() if self.connector is not None else {}))
-
-    def _host_tier_stats(self) -> dict:
-        tier, size = self.host_tier, self.host_block_bytes
-        return dict(kv_offload_usage=tier.usage, kv_offload_hit_blocks=tier.stats.hit_blocks,
-                    kv_offload_miss_blocks=tier.stats.missed_blocks,
-                    kv_offload_saved_bytes=tier.stats.saved_blocks * size,
-                    kv_offload_loaded_bytes=tier.stats.loaded_blocks * size,
-                    kv_disk_read_blocks=tier.stats.disk_read_blocks,
-                    kv_disk_bad_blocks=tier.stats.disk_bad_blocks)
 
     def _add_expert_load(self, load: list[int]) -> None:
         """A worker's report of each rank's expert load since its last one (expert

@@ -12,7 +12,8 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import make_kv_cache_manager
-from folio.core.kv_offload import DiskKVIndex, HostKVTier
+from folio.core.kv_connector import KVConnectorScheduler
+from folio.core.kv_offload import DiskKVIndex, HostKVTier, OffloadingConnectorScheduler
 from folio.core.kv_p2p import P2PConnectorScheduler
 from folio.core.request import EngineCoreRequest, Request, RequestStatus
 from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
@@ -89,9 +90,7 @@ class EngineCore:
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_queue_time=config.admission.max_queue_time,
             pipelined=config.parallel.pipeline_parallel_size > 1,
-            host_tier=_host_tier(config, self.executor),
             connector=_kv_connector(config, self.executor))
-        self.scheduler.host_block_bytes = self.executor.host_block_bytes
         # Sleep mode: 0 awake, else the level slept at (requests wait).
         self.sleep_level = 0
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
@@ -338,9 +337,17 @@ class EngineCore:
         return self.scheduler.stats()
 
 
-def _kv_connector(config: EngineConfig, executor) -> P2PConnectorScheduler | None:
-    """The scheduler's side of the P2pConnector (--kv-transfer-config: disaggregated
-    prefill); None without one."""
+def _kv_connector(config: EngineConfig, executor) -> KVConnectorScheduler | None:
+    """The scheduler's side of the KV connector: the host (and disk) tier
+    (--kv-offloading-size, or an OffloadingConnector --kv-transfer-config), or the
+    P2pConnector of disaggregated prefill; None without one."""
+    tier = _host_tier(config, executor)
+    if tier is not None and config.kv_transfer is not None:
+        raise ValueError("kv_transfer_config: one KV connector at a time (the host KV tier "
+                         "or disaggregated prefill's P2pConnector)")
+    if tier is not None:
+        return OffloadingConnectorScheduler(tier, config.cache.block_size,
+                                            executor.host_block_bytes)
     if config.kv_transfer is None:
         return None
     return P2PConnectorScheduler(config.kv_transfer, config.cache.block_size,
