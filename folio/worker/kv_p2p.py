@@ -106,6 +106,18 @@ class P2PKVTransfer:
 
     # ---- the step's part (the worker's main thread) --------------------------------------
 
+    def start_load_kv(self, step, kv_caches: list[torch.Tensor]) -> None:
+        """KVConnectorWorker (folio/worker/kv_connector.py): the step's holds, releases and
+        fetches."""
+        self.apply(step.kv_transfer_holds, step.kv_transfer_releases, step.kv_transfer_loads)
+
+    def get_finished(self, step, pending) -> None:
+        """KVConnectorWorker: transfers finished so far into the step's output. A step with
+        nothing to run is the engine polling for them: wait a little for one rather than
+        have the engine spin."""
+        pending.kv_transfer_sent, pending.kv_transfer_received = self.take_results(
+            wait=0.005 if not step.total_num_scheduled_tokens else 0.0)
+
     def apply(self, holds: list[KVTransferHold], releases: list[str],
               loads: list[KVTransferLoad]) -> None:
         """A step's transfer work: new holds, released ones (reported as sent once no read

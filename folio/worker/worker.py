@@ -22,6 +22,7 @@ from folio.model.loader import load_model, resolve_dtype
 from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.tensor_parallel import SINGLE, TPGroup
 from folio.worker.host_kv_pool import HostKVPool
+from folio.worker.kv_connector import KVConnectorWorker, TierConnectorWorker
 from folio.worker.kv_cache import (allocate_kv_caches, bytes_per_block, determine_num_blocks,
                                    gpu_kv_cache_bytes, resolve_cache_dtype)
 from folio.worker.model_runner import ModelRunner, PendingRunnerOutput
@@ -271,6 +272,9 @@ class Worker:
         self.kv_p2p = None
         if config.kv_transfer is not None:
             self.kv_p2p = self._start_kv_p2p(config, source, layout, tp, pp)
+        # The KV connector (one at a time): the tiers' copies, or disaggregated prefill's.
+        self.kv_connector: KVConnectorWorker | None = self.kv_p2p if self.host_kv is None \
+            else TierConnectorWorker(self.host_kv, self.disk_kv)
         self.draft_kv_caches = [] if self.draft_spec is None else allocate_kv_caches(
             self.draft_spec, self.num_blocks, cache.block_size, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda":
@@ -560,16 +564,12 @@ class Worker:
 
     def execute_model_async(self, step: SchedulerOutput,
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
-        read_results = self._run_tier_copies(step) if self.host_kv is not None else []
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(step, self.kv_caches)
         pending = self.runner.execute_model_async(step, grammar_bitmask)
-        pending.kv_disk_read_results = read_results
-        if self.kv_p2p is not None:
-            self.kv_p2p.apply(step.kv_transfer_holds, step.kv_transfer_releases,
-                              step.kv_transfer_loads)
-            # A step with nothing to run is the engine polling for transfers: wait a little
-            # for one to finish rather than have the engine spin.
-            pending.kv_transfer_sent, pending.kv_transfer_received = self.kv_p2p.take_results(
-                wait=0.005 if not step.total_num_scheduled_tokens else 0.0)
+        if connector is not None:
+            connector.get_finished(step, pending)
         if self.tp.expert_parallel and self.tp.size > 1:
             self._steps_since_load += 1
             # every step on the CPU; on a GPU every EXPERT_LOAD_INTERVAL steps (reading the
@@ -595,25 +595,6 @@ class Worker:
                                  config.cache.block_size,
                                  [tuple(c.shape[:1]) + tuple(c.shape[2:]) for c in self.kv_caches])
         return P2PKVTransfer(config.kv_transfer, lambda: self.kv_caches, tp.rank, layout_id)
-
-    def _run_tier_copies(self, step: SchedulerOutput) -> list[tuple[bytes, bool]]:
-        """The KV tiers' work of a step, before its forward pass, in the order the scheduler
-        relies on: spills, saves, disk reads, loads, then deletes. Returns each read's
-        result."""
-        disk = self.disk_kv
-        if step.kv_spills or step.kv_disk_reads:
-            self.host_kv.sync()     # the CPU reads and writes host slots saved asynchronously
-        for slot, block_hash in step.kv_spills:
-            disk.spill(slot, block_hash)
-        if step.kv_saves:
-            self.host_kv.apply(self.kv_caches, step.kv_saves, [])
-        results = [(block_hash, disk.read(block_hash, slot))
-                   for block_hash, slot in step.kv_disk_reads]
-        if step.kv_loads:
-            self.host_kv.apply(self.kv_caches, [], step.kv_loads)
-        for block_hash in step.kv_disk_deletes:
-            disk.delete(block_hash)
-        return results
 
     @torch.inference_mode()
     def _gather_expert_load(self) -> list[int]:
