@@ -681,6 +681,9 @@ class Scheduler:
         # Drafts for the next step, unless the draft length rests at k = 0 (then making them
         # would only cost the host).
         propose = self.drafter is not None and self.draft_length.wants_proposals()
+        if self.drafter is not None:
+            # (a resting drafter skips what only future drafts would use)
+            self.drafter.active = propose
         # One token per request per step, or with drafts the accepted ones and one more.
         sampled = {rid: tokens for rid, tokens in
                    zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}

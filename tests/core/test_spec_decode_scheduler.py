@@ -592,3 +592,24 @@ def test_a_rare_stall_does_not_move_a_step_cost():
         for _ in range(5):
             policy.observe_acceptance(rid, 4, 2)     # about 3 tokens a verify step
     assert policy.choose(drafting, 0) == 0
+
+
+def test_a_resting_suffix_drafter_skips_indexing_finished_outputs():
+    """Finished outputs teach the suffix drafter's shared index only while drafts are being
+    made: indexing costs max_depth updates per token, wasted while the draft length rests."""
+    from folio.core.spec.drafter import SuffixDrafter
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+    drafter = SuffixDrafter(config)
+    params = SamplingParams(max_tokens=8)
+    done = Request("a", [1, 2, 3], params, block_size=4, max_model_len=64)
+    for t in [7, 8, 9, 10, 11]:
+        done.append_output_token(t)
+    drafter.active = False
+    drafter.drop(done)
+    assert drafter.proposer._shared == {}
+    drafter.active = True
+    drafter.drop(done)
+    assert drafter.proposer._shared
+    # and a new request continuing those tokens is drafted from them
+    fresh = Request("b", [5, 7, 8, 9], params, block_size=4, max_model_len=64)
+    assert drafter.propose(fresh)[:2] == [10, 11]
