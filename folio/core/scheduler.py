@@ -680,7 +680,8 @@ class Scheduler:
             self.drafter.receive(runner_output.draft_token_ids)
         # Drafts for the next step, unless the draft length rests at k = 0 (then making them
         # would only cost the host).
-        propose = self.drafter is not None and self.draft_length.wants_proposals()
+        propose = self.drafter is not None and self.draft_length.wants_proposals(
+            len(self.running))
         if self.drafter is not None:
             # (a resting drafter skips what only future drafts would use)
             self.drafter.active = propose

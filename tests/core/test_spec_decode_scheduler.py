@@ -401,7 +401,8 @@ def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
         if confirm.choose({"b": 4}, 30) > 0:
             waits.append(since)
             since = 0
-    assert waits[:3] == [16, 32, 64] and waits[-2:] == [1024, 1024]
+    m = AdaptiveDraftLength.MIN_PROBE_AFTER
+    assert waits[:3] == [m, 2 * m, 4 * m] and waits[-2:] == [1024, 1024]
 
 
 def test_verify_steps_dearer_than_plain_ones_turn_drafting_off() -> None:
@@ -613,3 +614,17 @@ def test_a_resting_suffix_drafter_skips_indexing_finished_outputs():
     # and a new request continuing those tokens is drafted from them
     fresh = Request("b", [5, 7, 8, 9], params, block_size=4, max_model_len=64)
     assert drafter.propose(fresh)[:2] == [10, 11]
+
+
+def test_resting_ends_when_the_batch_halves():
+    """A k = 0 verdict at a large batch is judged again once the batch has halved (the
+    drafts may pay at the smaller one), not only at the next probe."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    for _ in range(10):
+        policy.observe_step(64, 0.002, verify=False)
+        policy.observe_step(320, 0.012, verify=True)
+    drafting = {f"r{i}": 4 for i in range(64)}
+    assert policy.choose(drafting, 0) == 0
+    assert not policy.wants_proposals(64) and not policy.wants_proposals(40)
+    assert policy.wants_proposals(32)

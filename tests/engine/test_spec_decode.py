@@ -186,7 +186,7 @@ class _Resting:
     def will_draft(self, drafting, other_tokens) -> bool:
         return False
 
-    def wants_proposals(self) -> bool:
+    def wants_proposals(self, batch_size=None) -> bool:
         return False
 
     def choose(self, drafting, other_tokens) -> int:

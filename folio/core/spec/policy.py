@@ -104,7 +104,7 @@ class AdaptiveDraftLength:
     # A request's acceptance rate before its first verify step (optimistic, so it is tried).
     PRIOR_ACCEPTANCE = 0.7
     _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
-    MIN_PROBE_AFTER = 16
+    MIN_PROBE_AFTER = 32
     MAX_PROBE_AFTER = 1024
 
     # A bucket not timed for this many steps is stale: its next time replaces it outright.
@@ -122,10 +122,16 @@ class AdaptiveDraftLength:
         # costs the host more than the step it would speed up; they are made again for a
         # probe and for the verdict right after it.
         self._resting = False
+        self._rest_batch = 0     # the step's requests at the last k = 0 verdict
         self._judge_next = False
 
-    def wants_proposals(self) -> bool:
-        """Whether the drafter should propose after this step (for the next one)."""
+    def wants_proposals(self, batch_size: int | None = None) -> bool:
+        """Whether the drafter should propose after this step (for the next one).
+        `batch_size`: the requests decoding now; resting ends when it has halved since the
+        k = 0 verdict (speculation may pay at the smaller batch: judge it again, rather than
+        wait for the next probe)."""
+        if batch_size is not None and self._resting and 2 * batch_size <= self._rest_batch:
+            return True
         return (not self._resting or self._judge_next
                 or self._steps_without_drafts + 1 >= self.probe_after)
 
@@ -178,6 +184,7 @@ class AdaptiveDraftLength:
         else:
             self._steps_without_drafts += 1
             self._resting = True
+            self._rest_batch = len(drafting) + other_tokens
         return k
 
     def _plan(self, drafting: dict[str, int], other_tokens: int) -> tuple[int, bool]:
@@ -230,7 +237,7 @@ class FixedDraftLength:
     def will_draft(self, drafting: dict[str, int], other_tokens: int) -> bool:
         return bool(drafting)
 
-    def wants_proposals(self) -> bool:
+    def wants_proposals(self, batch_size: int | None = None) -> bool:
         return True
 
     def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
