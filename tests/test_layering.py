@@ -42,6 +42,7 @@ LAYER_OF = {
     "folio.model.lora.weights": "model",
     "folio.model.lora.projection": "model",
     "folio.core": "core",                   # scheduler, KV cache manager, requests
+    "folio.multimodal": "multimodal",       # media fetched and decoded for requests
     # The data types every layer shares.
     "folio.config": "shared",
     "folio.sampling_params": "shared",
@@ -56,13 +57,14 @@ LAYER_OF = {
 MAY_IMPORT = {
     "facade": {"shared"},  # the heavier public names resolve lazily, by name (folio._LAZY)
     "entrypoints": {"facade", "bench", "engine", "metrics", "structured_output", "model_info",
-                    "core", "shared"},
+                    "multimodal", "core", "shared"},
     # At the entrypoints' level (the CLI registers its commands, it shares their help format),
     # and it reports what the layers below measure (the worker's start-up stages, the model's
     # roofline), so it may read any of them.
     "bench": {"facade", "entrypoints", "engine", "executor", "worker", "model",
               "structured_output", "metrics", "model_info", "core", "shared"},
-    "engine": {"executor", "structured_output", "metrics", "model_info", "core", "shared"},
+    "engine": {"executor", "structured_output", "metrics", "model_info", "multimodal", "core",
+               "shared"},
     "metrics": {"core", "shared"},
     "executor": {"worker", "model_info", "core", "shared"},
     "worker": {"model", "structured_output", "model_info", "core", "shared"},
@@ -70,11 +72,12 @@ MAY_IMPORT = {
     "model": {"model_info", "shared"},
     "model_info": {"shared"},
     "core": {"shared"},
+    "multimodal": {"shared"},
     "shared": set(),
 }
 
 # Layers that never import torch: the core, and what the API process runs.
-TORCH_FREE = {"facade", "metrics", "model_info", "core", "shared"}
+TORCH_FREE = {"facade", "metrics", "model_info", "multimodal", "core", "shared"}
 TORCH_MODULES = ("torch", "triton", "safetensors.torch")
 
 # Imports the table forbids that are allowed anyway, each only inside a function, and why.
