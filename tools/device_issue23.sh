@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
-#   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart)
+#   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
+#          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
 #   bench: the seed's case at the Llama-3-8B shape: TTFT of a 1,600-token prefix as a device
 #          hit, from the host tier, recomputed (targets: host <= 1.6x device, <= 0.4x recompute)
 set -uo pipefail
@@ -10,7 +11,7 @@ STEP_PATTERN="TTFT|ITL|P/D|passed|failed|Error|error"
 case "${PART:-tests}" in
 tests)
   step 400 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
-      tests/gpu/test_gpu_kv_tiers.py ;;
+      tests/gpu/test_gpu_kv_tiers.py tests/gpu/test_gpu_disagg.py ;;
 bench)
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it
