@@ -53,6 +53,7 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     remote_tokens_hash: str | None = None
     remote_block_size: int | None = None
+    remote_engine_id: str = ""
 
 
 def parse_kv_transfer_params(value) -> KVTransferParams:
@@ -92,6 +93,11 @@ def parse_kv_transfer_params(value) -> KVTransferParams:
         raise ValueError(f"{name}.remote_block_ids must be a list of 1 to {MAX_REMOTE_BLOCKS} "
                          "block ids (ints >= 0)")
     out.remote_block_ids = blocks
+    engine = value.get("remote_engine_id")
+    if engine is not None and (not isinstance(engine, str) or len(engine) > 128):
+        raise ValueError(f"{name}.remote_engine_id must be a string of at most 128 "
+                         f"characters, got {engine!r}")
+    out.remote_engine_id = engine or ""
     for key in ("remote_transfer_id", "remote_tokens_hash"):
         text = value.get(key)
         if not isinstance(text, str) or not 0 < len(text) <= 128:
@@ -184,7 +190,8 @@ class P2PConnectorScheduler:
         last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
         self._step_loads.append(KVTransferLoad(
             key, parsed.remote_transfer_id, parsed.remote_host,
-            parsed.remote_port, parsed.remote_block_ids[first:last], list(block_ids[first:last])))
+            parsed.remote_port, parsed.remote_block_ids[first:last], list(block_ids[first:last]),
+            parsed.remote_engine_id))
         self._loading[key] = (request.request_id, num_external_tokens)
 
     # ---- the producer -------------------------------------------------------------------

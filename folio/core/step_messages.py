@@ -78,6 +78,9 @@ class KVTransferLoad(msgspec.Struct, array_like=True, gc=False):
     port: int
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    # The producer's engine id (a restart changes it): what a consumer keys the producer's
+    # mapped GPU memory by (CUDA IPC).
+    remote_engine_id: str = ""
 
 
 class SchedulerOutput(msgspec.Struct, gc=False):

@@ -32,6 +32,7 @@ import zmq
 
 from folio.config import KVTransferConfig
 from folio.core.step_messages import KVTransferHold, KVTransferLoad
+from folio.worker.cuda_ipc import IpcTensor, export_tensors, import_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,16 @@ _POLL_MS = 50
 # Fetches a producer keeps waiting for their hold at once; more are refused (anyone who can
 # reach the port can send fetches).
 _MAX_PARKED = 4096
+# The producer's answer to a "handles" request whose transfer id it does not hold (yet).
+_NOT_HELD = "transfer not held"
 
 
 class _FetchRequest(msgspec.Struct, array_like=True):
-    op: str                      # "get" or "done"
+    op: str                      # "get", "done" or "handles" (CUDA IPC)
     transfer_id: str
     block_ids: list[int] = []
+    # "get" over CUDA IPC: check the hold, send no bytes (the consumer copies on the GPU)
+    ipc: bool = False
 
 
 class _FetchReply(msgspec.Struct, array_like=True):
@@ -57,6 +62,8 @@ class _FetchReply(msgspec.Struct, array_like=True):
     # per layer: the dtype's name and the shape of the blocks sent, [planes, n, ...]
     dtypes: list[str] = []
     shapes: list[list[int]] = []
+    # "handles": the cache tensors' CUDA IPC handles
+    ipc: list[IpcTensor] = []
 
 
 class P2PKVTransfer:
@@ -71,6 +78,10 @@ class P2PKVTransfer:
         self._layout_id = layout_id
         self._timeout = float(config.p2p_option("transfer_timeout"))
         self._allowed_hosts = set(config.p2p_option("producer_hosts"))
+        # CUDA IPC: (host, port, producer engine id) -> its cache tensors mapped here, or
+        # None when that failed (then bytes through host memory)
+        self._ipc: dict[tuple[str, int, str], list[torch.Tensor] | None] = {}
+        self._ipc_lock = threading.Lock()
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
         self._holds: dict[str, list[int]] = {}
@@ -179,6 +190,8 @@ class P2PKVTransfer:
                         continue     # not a fetch: ignored (the sender times out)
                     if request.op == "done":
                         self._done(request.transfer_id)
+                    elif request.op == "handles":
+                        self._send_handles(socket, peer, request.transfer_id)
                     elif not self._reply(socket, peer, request):
                         # The hold may come with the next step (the consumer can be quicker
                         # than the producer's step loop): wait for it, up to the timeout.
@@ -211,6 +224,10 @@ class P2PKVTransfer:
             if not set(request.block_ids) <= set(held):
                 self._send_error(socket, peer, "asked for blocks the transfer does not hold")
                 return True
+            if request.ipc:      # the consumer reads the blocks itself, on the GPU
+                socket.send_multipart([peer, msgspec.msgpack.encode(
+                    _FetchReply(True, layout_id=self._layout_id))])
+                return True
             try:
                 frames, dtypes, shapes = self._read_blocks(request.block_ids)
             except Exception as exc:          # noqa: BLE001 - a failed read fails the fetch
@@ -233,6 +250,28 @@ class P2PKVTransfer:
                 dtypes.append(str(cache.dtype).removeprefix("torch."))
                 shapes.append(list(blocks.shape))
         return frames, dtypes, shapes
+
+    def _send_handles(self, socket: zmq.Socket, peer: bytes, transfer_id: str) -> None:
+        """The cache tensors' CUDA IPC handles, to a consumer that presents a transfer id
+        held now (it got a prefill answer). The handles map the whole cache: processes on
+        this host that may reach the port are trusted as far as that (kv_ip is loopback
+        unless the operator says otherwise)."""
+        with self._lock:
+            held = transfer_id in self._holds
+        if not held:
+            self._send_error(socket, peer, _NOT_HELD)
+            return
+        caches = self._kv_caches()
+        if self._stream is None:
+            self._send_error(socket, peer, "the producer's KV cache is not on a GPU")
+            return
+        try:
+            handles = export_tensors(caches)
+        except Exception as exc:       # noqa: BLE001 - the consumer falls back to bytes
+            self._send_error(socket, peer, f"no CUDA IPC: {exc}")
+            return
+        socket.send_multipart([peer, msgspec.msgpack.encode(
+            _FetchReply(True, layout_id=self._layout_id, ipc=handles))])
 
     def _done(self, transfer_id: str) -> None:
         with self._lock:
@@ -271,20 +310,77 @@ class P2PKVTransfer:
         socket.setsockopt(zmq.LINGER, 1000)      # let "done" leave before the socket closes
         try:
             socket.connect(f"tcp://{load.host}:{load.port + self._rank}")
-            socket.send(msgspec.msgpack.encode(
-                _FetchRequest("get", load.transfer_id, list(load.remote_block_ids))))
-            if not socket.poll(int(self._timeout * 1000)):
-                raise TimeoutError(f"no answer from {load.host}:{load.port + self._rank} in "
-                                   f"{self._timeout:g} s")
-            frames = socket.recv_multipart(copy=False)
+            remote = self._remote_caches(socket, load)
+            socket.send(msgspec.msgpack.encode(_FetchRequest(
+                "get", load.transfer_id, list(load.remote_block_ids), ipc=remote is not None)))
+            frames = self._answer(socket, load)
             header = msgspec.msgpack.decode(frames[0].buffer, type=_FetchReply)
             if not header.ok:
                 raise ValueError(f"the producer refused: {header.error}")
-            self._write_blocks(header, frames[1:], load.local_block_ids)
+            if remote is not None:
+                self._copy_on_gpu(remote, load)
+            else:
+                self._write_blocks(header, frames[1:], load.local_block_ids)
             socket.send(msgspec.msgpack.encode(_FetchRequest("done", load.transfer_id)))
         finally:
             socket.close()
         return True
+
+    def _answer(self, socket: zmq.Socket, load: KVTransferLoad) -> list:
+        if not socket.poll(int(self._timeout * 1000)):
+            raise TimeoutError(f"no answer from {load.host}:{load.port + self._rank} in "
+                               f"{self._timeout:g} s")
+        return socket.recv_multipart(copy=False)
+
+    def _remote_caches(self, socket: zmq.Socket, load: KVTransferLoad
+                       ) -> list[torch.Tensor] | None:
+        """The producer's cache tensors mapped here (CUDA IPC), when both caches are on
+        GPUs of this host; None otherwise, or when mapping failed once (the bytes then go
+        through host memory). Asked once per producer engine."""
+        if self._stream is None or not load.remote_engine_id \
+                or not ipaddress_is_loopback(load.host):
+            return None
+        key = (load.host, load.port + self._rank, load.remote_engine_id)
+        with self._ipc_lock:
+            if key in self._ipc:
+                return self._ipc[key]
+            tensors = None
+            try:
+                socket.send(msgspec.msgpack.encode(_FetchRequest("handles", load.transfer_id)))
+                header = msgspec.msgpack.decode(self._answer(socket, load)[0].buffer,
+                                                type=_FetchReply)
+                if header.error == _NOT_HELD:
+                    return None        # its hold is not announced yet: asked again next time
+                if not header.ok or header.layout_id != self._layout_id:
+                    raise ValueError(header.error or "another model, dtype or KV layout")
+                tensors = import_tensors(header.ipc)
+                caches = self._kv_caches()
+                if len(tensors) != len(caches) or any(
+                        t.dtype != c.dtype or t.shape[0] != c.shape[0]
+                        or t.shape[2:] != c.shape[2:] for t, c in zip(tensors, caches)):
+                    raise ValueError("the producer's cache tensors do not match this one's")
+                logger.info("KV transfer: CUDA IPC with the producer at %s:%d", key[0], key[1])
+            except TimeoutError:
+                raise
+            except Exception as exc:      # noqa: BLE001 - the bytes go through the host
+                logger.info("KV transfer: no CUDA IPC with %s:%d (%s); through host memory",
+                            key[0], key[1], exc)
+                tensors = None
+            self._ipc[key] = tensors
+            return tensors
+
+    def _copy_on_gpu(self, remote: list[torch.Tensor], load: KVTransferLoad) -> None:
+        caches = self._kv_caches()
+        device = caches[0].device
+        local = torch.tensor(load.local_block_ids, dtype=torch.int64, device=device)
+        with torch.inference_mode(), _on_stream(self._stream):
+            theirs = torch.tensor(load.remote_block_ids, dtype=torch.int64,
+                                  device=remote[0].device)
+            for cache, source in zip(caches, remote):
+                if max(load.remote_block_ids) >= source.shape[1]:
+                    raise ValueError("remote block ids past the producer's cache")
+                cache.index_copy_(1, local, source.index_select(1, theirs).to(device))
+            self._stream.synchronize()
 
     def _write_blocks(self, header: _FetchReply, frames: list, block_ids: list[int]) -> None:
         if header.layout_id != self._layout_id:
@@ -322,3 +418,14 @@ class _on_stream:
     def __exit__(self, *exc) -> None:
         if self._context is not None:
             self._context.__exit__(*exc)
+
+
+def ipaddress_is_loopback(host: str) -> bool:
+    """Whether `host` is this machine (CUDA IPC needs the producer on the same host)."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -164,3 +164,29 @@ def test_a_stray_multi_frame_message_does_not_stop_the_server(make_pair) -> None
     consumer.apply([], [], [_load(producer, [3], [0])])
     assert _results(consumer, received=1)[1] == [("r1", True)]
     assert torch.equal(ccache[0][:, 0], pcache[0][:, 3])
+
+
+def test_cuda_ipc_handles_need_a_held_transfer_and_a_gpu(make_pair) -> None:
+    """A "handles" request (CUDA IPC) is answered only for a transfer held now, and a
+    producer whose cache is not on a GPU refuses it (the consumer then fetches bytes)."""
+    import msgspec
+    import zmq
+
+    from folio.worker.kv_p2p import ipaddress_is_loopback
+    producer, _, _, _ = make_pair()
+    producer.apply([KVTransferHold("t1", [1, 2])], [], [])
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(f"tcp://127.0.0.1:{producer.port}")
+    try:
+        for transfer_id, error in (("nope", "transfer not held"),
+                                   ("t1", "not on a GPU")):
+            socket.send(msgspec.msgpack.encode(["handles", transfer_id, [], False]))
+            assert socket.poll(5000)
+            ok, message = msgspec.msgpack.decode(socket.recv())[:2]
+            assert not ok and error in message
+    finally:
+        socket.close(0)
+    assert ipaddress_is_loopback("127.0.0.1") and ipaddress_is_loopback("::1")
+    assert ipaddress_is_loopback("localhost") and not ipaddress_is_loopback("10.0.0.2")
+    assert not ipaddress_is_loopback("example.com")
