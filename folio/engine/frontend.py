@@ -246,6 +246,7 @@ class RequestPreparer:
             # tokens (e.g. Qwen's <tool_call>), which would break patterns and lengths.
             params.spaces_between_special_tokens = False
         processed = self.input_processor.process(prompt, params)
+        self._check_no_image_tokens(processed.prompt_token_ids)
         check_kv_fit(len(processed.prompt_token_ids), params, self.info.max_model_len,
                      self.kv_capacity_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -267,6 +268,14 @@ class RequestPreparer:
                               kv_transfer_params=kv_transfer_params)
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
+
+    def _check_no_image_tokens(self, token_ids: list[int]) -> None:
+        """A vision-language model's image placeholder token stands for an image's features:
+        in a prompt without images it would be read as an ordinary embedding."""
+        vision = getattr(self.info.hf_config, "vision_language", None)
+        if vision is not None and vision["image_token_index"] in token_ids:
+            raise ValueError(f"prompt holds the image placeholder token (id "
+                             f"{vision['image_token_index']}) but no image")
 
     def _check_kv_transfer_params(self, kv_transfer_params, params: SamplingParams) -> None:
         """A disaggregated-prefill request's kv_transfer_params: well formed, on an engine

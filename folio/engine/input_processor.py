@@ -155,6 +155,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt, truncating)
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                # never dropped silently: the answer would ignore the image
+                raise ValueError("multi_modal_data: image inputs are not supported yet (the "
+                                 "vision encoders exist; the engine does not run them)")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list):

@@ -155,4 +155,6 @@ def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
         except Exception as exc:
             raise ValueError(f"could not read the model config in {source.path!r}: {exc}"
                              ) from exc
-    return cached_config(["hf_dir", os.path.abspath(source.path), digest], build), None
+    from folio.model.families import decoder_config
+    return decoder_config(cached_config(["hf_dir", os.path.abspath(source.path), digest],
+                                        build)), None

@@ -433,6 +433,62 @@ def _sequence_classifier(arch: str) -> Callable[[Any], ArchSpec] | None:
     return None
 
 
+# Vision-language models (issue 24): a vision encoder in front of one of the decoders above.
+# The decoder paths read the text config (`decoder_config`); the vision part is described in
+# its `vision_language` attribute.
+VISION_LANGUAGE_ARCHS = {"LlavaForConditionalGeneration": "llava"}
+_DECODER_ARCH_OF_TEXT_MODEL = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM"}
+
+
+def decoder_config(cfg: Any) -> Any:
+    """The config every decoder path reads: a vision-language model's text config (its
+    architecture named as the decoder family's, and `vision_language` set to what the vision
+    part needs: the kind, the image token, the vision config and the projector's settings);
+    any other config as it is."""
+    architectures = getattr(cfg, "architectures", None) or []
+    kind = next((VISION_LANGUAGE_ARCHS[a] for a in architectures
+                 if a in VISION_LANGUAGE_ARCHS), None)
+    if kind is None:
+        return cfg
+    text = cfg.text_config
+    arch = _DECODER_ARCH_OF_TEXT_MODEL.get(getattr(text, "model_type", None))
+    if arch is None:
+        raise ValueError(f"{architectures[0]} with a {getattr(text, 'model_type', '?')} "
+                         f"decoder is not supported; decoders: "
+                         f"{sorted(_DECODER_ARCH_OF_TEXT_MODEL)}")
+    text.architectures = [arch]
+    text.vision_language = {
+        "kind": kind, "architecture": architectures[0],
+        "image_token_index": cfg.image_token_index,
+        "vision_feature_layer": cfg.vision_feature_layer,
+        "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
+        "projector_hidden_act": getattr(cfg, "projector_hidden_act", "gelu"),
+        "multimodal_projector_bias": getattr(cfg, "multimodal_projector_bias", True),
+        "vision_config": cfg.vision_config}
+    return text
+
+
+# A vision-language checkpoint's names for its decoder's weights -> the decoder's own names
+# (transformers 5's layout and the older llava-hf one); its vision weights are not the
+# decoder's.
+_DECODER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                    "multi_modal_projector.")
+
+
+def decoder_weight_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as its decoder names it; None for the
+    vision tower's and the projector's (loaded apart)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _DECODER_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
+
+
 def arch_spec_from_hf_config(cfg: Any) -> ArchSpec:
     architectures = getattr(cfg, "architectures", None) or []
     for arch in architectures:

@@ -16,7 +16,7 @@ from folio.model.attention import get_attention_backend
 from folio.model.attention.fp8 import is_fp8
 from folio.model.decoder import DecoderLM, MissingLayer, make_rotaries
 from folio.model.discovery import ModelSource
-from folio.model.families import ArchSpec, arch_spec_from_hf_config
+from folio.model.families import ArchSpec, arch_spec_from_hf_config, decoder_weight_name
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
 from folio.model.pipeline_parallel import WHOLE, PPStage
 from folio.model.quant.scheme import CHECKPOINT_METHODS, parse_quant_config
@@ -54,7 +54,24 @@ def iter_checkpoint_weights(source: ModelSource, lazy: bool = False
         from folio.model.gguf_loader import read_gguf
         yield from read_gguf(source.path).state_dict.items()
         return
-    path = source.path
+    for name, tensor in _checkpoint_files(source.path, lazy):
+        yield name, tensor
+
+
+def iter_decoder_weights(source: ModelSource, hf_config: Any, lazy: bool = False
+                         ) -> Iterator[tuple[str, Any]]:
+    """The decoder's tensors, under the decoder's names: a vision-language checkpoint's text
+    weights renamed, its vision weights left out; any other checkpoint's as they are."""
+    if getattr(hf_config, "vision_language", None) is None:
+        yield from iter_checkpoint_weights(source, lazy)
+        return
+    for name, tensor in iter_checkpoint_weights(source, lazy):
+        local = decoder_weight_name(name)
+        if local is not None:
+            yield local, tensor
+
+
+def _checkpoint_files(path: str, lazy: bool) -> Iterator[tuple[str, Any]]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -157,7 +174,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         if tp.size > 1:
             plan_shards(model, full_spec, tp)
         model = model.to(dtype=dtype).to_empty(device=device)
-        model.load_weights(iter_checkpoint_weights(source, lazy=True))
+        model.load_weights(iter_decoder_weights(source, hf_config, lazy=True))
         install_rotaries(model, hf_config, device, max_model_len)
         model.eval()
         return model, spec
@@ -181,15 +198,16 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
             for name, matrix in ckpt.quantized.items() if name not in consumed]
         model.load_weights(float_weights, preloaded=consumed)
     elif quantization == "int8":
-        model = int8_install.load_int8(model, iter_checkpoint_weights(source), dtype, device)
+        model = int8_install.load_int8(model, iter_decoder_weights(source, hf_config), dtype,
+                                       device)
     elif quantization in CHECKPOINT_METHODS:
         from folio.model.quant.checkpoint_install import load_quantized
         config = parse_quant_config(hf_config, quantization)
-        model = load_quantized(model, config, iter_checkpoint_weights(source), dtype, device,
+        model = load_quantized(model, config, iter_decoder_weights(source, hf_config), dtype, device,
                                kernel_config)
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
-        model.load_weights(iter_checkpoint_weights(source))  # copy_ casts each tensor
+        model.load_weights(iter_decoder_weights(source, hf_config))  # copy_ casts each tensor
     install_rotaries(model, hf_config, device, max_model_len)
     model.eval()
     return model, spec
