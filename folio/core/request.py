@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.core.block_hash import BlockHash, hash_block_tokens
+from folio.core.mm_inputs import ImageInputData
 from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class EngineCoreRequest:
     # prefill server; on a decode server, what the prefill server's answer carried (where its
     # KV is). None = an ordinary request.
     kv_transfer_params: dict | None = None
+    # Its images (a vision-language model); None = none.
+    mm_inputs: list[ImageInputData] | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -112,6 +115,7 @@ class Request:
         deadline: float | None = None,
         kv_pin_ttl: float | None = None,
         kv_transfer_params: dict | None = None,
+        mm_inputs: list[ImageInputData] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -124,6 +128,13 @@ class Request:
         self.deadline = deadline
         self.kv_pin_ttl = kv_pin_ttl
         self.kv_transfer_params = kv_transfer_params
+        self.mm_inputs = mm_inputs
+        # The images join the first block's hash (so every block of the prompt): two prompts
+        # with the same text and different images never share KV. (Coarser than needed: a
+        # text prefix before the first image is not shared across images either.)
+        if mm_inputs:
+            extra_hash_keys = tuple(extra_hash_keys) + tuple(
+                "image:" + m.content_hash for m in mm_inputs)
         # Prompt tokens whose KV a connector supplied (fetched from a prefill server): they
         # count as computed; 0 = none.
         self.num_external_computed_tokens = 0
@@ -183,7 +194,7 @@ class Request:
                    pooling_params=req.pooling_params, token_type_ids=req.token_type_ids,
                    hash_blocks=hash_blocks, lora_request=req.lora_request,
                    deadline=req.deadline, kv_pin_ttl=req.kv_pin_ttl,
-                   kv_transfer_params=req.kv_transfer_params)
+                   kv_transfer_params=req.kv_transfer_params, mm_inputs=req.mm_inputs)
 
     # Ordering for the priority policy: lower priority value first, then earlier arrival.
     def sort_key(self) -> tuple[int, float, str]:

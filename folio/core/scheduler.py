@@ -582,7 +582,7 @@ class Scheduler:
                     rid, request.prompt_token_ids, request.sampling_params,
                     list(request.eos_token_ids), [list(ids) for ids in blocks],
                     item.num_computed_tokens, request.pooling_params, request.token_type_ids,
-                    request.lora_request))
+                    request.lora_request, request.mm_inputs))
                 if request.lora_request is not None:
                     self._sent_loras.add(request.lora_int_id)
                 # The prompt is all a new request has (its output starts empty).

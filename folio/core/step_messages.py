@@ -15,6 +15,7 @@ from typing import Callable
 
 import msgspec
 
+from folio.core.mm_inputs import ImageInputData
 from folio.lora.request import LoRARequest
 from folio.pooling_params import PoolingParams
 from folio.sampling_params import SamplingParams
@@ -41,6 +42,9 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     # The LoRA adapter it runs with (None = the base model); the worker loads it from
     # lora_path into a device slot before the step, keyed by lora_int_id.
     lora_request: LoRARequest | None = None
+    # Its images (a vision-language model): their features replace the embeddings of their
+    # placeholder tokens in the steps that run those tokens.
+    mm_inputs: list[ImageInputData] | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from folio.config import EngineConfig, KVTransferConfig, LoRAConfig, RequestLimitsConfig
+from folio.core.mm_inputs import ImageInputData
 from folio.core.request import EngineCoreRequest
 from folio.engine.lora_checks import LoRAChecker
 from folio.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -200,6 +201,10 @@ class RequestPreparer:
         decides whether requests may carry kv_transfer_params."""
         self.info = info
         self.kv_transfer = kv_transfer
+        # A vision-language model's prompt processor, made on first use; the images one
+        # prompt may carry.
+        self._images = None
+        self.max_images = 4
         # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
         self.lora = LoRAChecker(lora, info.hf_config)
         self.structured_outputs_backend = structured_outputs_backend
@@ -245,8 +250,12 @@ class RequestPreparer:
             # The text must be what the grammar matched: no spaces inserted around added
             # tokens (e.g. Qwen's <tool_call>), which would break patterns and lengths.
             params.spaces_between_special_tokens = False
+        mm_inputs = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            prompt, mm_inputs = self._process_images(prompt)
         processed = self.input_processor.process(prompt, params)
-        self._check_no_image_tokens(processed.prompt_token_ids)
+        if mm_inputs is None:
+            self._check_no_image_tokens(processed.prompt_token_ids)
         check_kv_fit(len(processed.prompt_token_ids), params, self.info.max_model_len,
                      self.kv_capacity_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -265,9 +274,37 @@ class RequestPreparer:
         core_requests = [
             EngineCoreRequest(cid, processed.prompt_token_ids, p, list(self.info.eos_token_ids),
                               arrival, priority, cache_salt, lora_request=lora_request,
-                              kv_transfer_params=kv_transfer_params)
+                              kv_transfer_params=kv_transfer_params, mm_inputs=mm_inputs)
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
+
+    def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
+        """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}):
+        its text through the model's processor (the image placeholders expanded), as token
+        ids, and its images as the engine carries them."""
+        vision = getattr(self.info.hf_config, "vision_language", None)
+        if vision is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be {'image': an image or a list of "
+                             "images}")
+        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        if not all(hasattr(image, "convert") and hasattr(image, "size") for image in images):
+            raise ValueError("multi_modal_data.image must be PIL images")
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with "
+                             "one image placeholder per image)")
+        if self._images is None:
+            from folio.multimodal.processing import ImagePromptProcessor
+            self._images = ImagePromptProcessor.from_pretrained(
+                self.info.source.path, vision["image_token_index"], self.max_images)
+        token_ids, inputs = self._images.process(text, [image.convert("RGB")
+                                                        for image in images])
+        mm = [ImageInputData(i.content_hash, i.offset, i.length, list(i.pixel_values.shape),
+                             i.pixel_values.astype("<f4").tobytes()) for i in inputs]
+        return {"prompt": text, "prompt_token_ids": token_ids}, mm
 
     def _check_no_image_tokens(self, token_ids: list[int]) -> None:
         """A vision-language model's image placeholder token stands for an image's features:

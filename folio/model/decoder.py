@@ -168,16 +168,16 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor | None:
+                metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """Flat batch in, final hidden states out ([T, hidden]); logits are computed only for
         the rows that need them (compute_logits). `kv_caches`: this stage's layers' caches.
-        A pipeline stage before the last sends its residual stream on and returns None."""
+        `inputs_embeds`: the input embeddings when they are not all the tokens' (an image's
+        features at its placeholder tokens; `embed`). A pipeline stage before the last sends
+        its residual stream on and returns None."""
         pp = self.pp
         if pp.is_first:
-            hidden = self.embed_tokens(input_ids)
-            if self.spec.embed_scale != 1.0:
-                # Gemma: the scale rounded to the activations' dtype first, as transformers does
-                hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         else:
             hidden, residual = pp.receive(input_ids.shape[0], self.spec.hidden_size,
@@ -195,6 +195,14 @@ class DecoderLM(nn.Module):
             pp.send(hidden, residual)
             return None
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings."""
+        hidden = self.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:
+            # Gemma: the scale rounded to the activations' dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
         return hidden
 
     def norm_dtype(self) -> torch.dtype:

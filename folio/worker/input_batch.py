@@ -23,7 +23,8 @@ class RequestState:
     """One request as the worker knows it (its tokens live in its batch row while it has one)."""
 
     __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
-                 "parked_tokens", "pooling_params", "token_type_ids", "lora_request")
+                 "parked_tokens", "pooling_params", "token_type_ids", "lora_request",
+                 "mm_inputs")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
@@ -40,6 +41,8 @@ class RequestState:
                                else np.asarray(new.token_type_ids, dtype=np.int64))
         # Its LoRA adapter (None: the base model).
         self.lora_request = new.lora_request
+        # Its images (None: none): their features go in at their placeholder tokens.
+        self.mm_inputs = new.mm_inputs
 
 
 class InputBatch:

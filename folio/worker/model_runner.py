@@ -14,6 +14,7 @@ from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor, to_host_async
 from folio.worker.flat_batch import StepBuffers, build_flat_batch
+from folio.worker.image_embeds import ImageEmbedder
 from folio.worker.input_batch import InputBatch
 from folio.worker.sampler import (LogprobsTensors, RowLogprobs, Sampler, SamplingState,
                                   token_logprobs_tensors)
@@ -69,6 +70,8 @@ class ModelRunner:
         self.lora: LoRAManager | None = None
         # An encoder takes its tokens' segment ids (BERT's token types) beside the ids.
         self.takes_token_types = bool(getattr(model.spec, "is_encoder", False))
+        # A vision-language model's image embeddings (worker/image_embeds.py); None = text.
+        self.images: ImageEmbedder | None = None
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -228,6 +231,11 @@ class ModelRunner:
         if self.calculate_kv_scales:
             graphs = mixed = None  # the scales are set eagerly; the graphs only read them
         eager_inputs = None
+        # a step that runs image placeholder tokens takes input embeddings: eager
+        image_spans = (self.images.spans(step, self.input_batch.requests)
+                       if self.images is not None else None)
+        if image_spans:
+            graphs = mixed = None
         if graphs is not None and graphs.can_run(step):
             hidden, query_start_loc = graphs.run(step, batch, self._prev_rows,
                                                  self._fill_pending_inputs)
@@ -241,6 +249,10 @@ class ModelRunner:
             if self.takes_token_types:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta,
                                     token_type_ids=self._token_types(step, input_ids.device))
+            elif image_spans:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta,
+                                    inputs_embeds=self.images.embeds(self.model, input_ids,
+                                                                     image_spans))
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             query_start_loc = meta.query_start_loc

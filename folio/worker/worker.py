@@ -189,6 +189,8 @@ class Worker:
             sched = config.scheduler
             self.lora = LoRAManager(self.model, self.spec, config.lora, self.dtype, self.device,
                                     max(sched.max_num_batched_tokens, sched.max_num_seqs))
+        # A vision-language model's image encoder (None for a text model).
+        self.vision_encoder = self._load_vision_encoder(source, hf_config)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,
@@ -427,6 +429,25 @@ class Worker:
         del runner, scratch
         return num_blocks * bytes_per_block(self.kv_spec, cache.block_size, self.kv_cache_dtype)
 
+    def _load_vision_encoder(self, source, hf_config):
+        vision = getattr(hf_config, "vision_language", None)
+        if vision is None:
+            return None
+        if self.tp.size > 1 or self.pp.size > 1:
+            raise ValueError("vision-language models run on one worker (no tensor or "
+                             "pipeline parallelism) yet")
+        from folio.model.loader import iter_checkpoint_weights
+        from folio.model.vision.clip_vision import (ClipVisionSpec, LlavaVisionEncoder,
+                                                    load_llava_vision)
+        encoder = LlavaVisionEncoder(
+            ClipVisionSpec.from_hf(vision["vision_config"]), self.spec.hidden_size,
+            vision["vision_feature_layer"], vision["vision_feature_select_strategy"],
+            vision["projector_hidden_act"], vision["multimodal_projector_bias"])
+        missing = load_llava_vision(encoder, iter_checkpoint_weights(source))
+        if missing:
+            raise ValueError(f"the checkpoint lacks the vision encoder's {missing[:3]}")
+        return encoder.to(self.device, self.dtype).eval()
+
     def _new_runner(self, kv_caches: list[torch.Tensor],
                     calculate_kv_scales: bool = False) -> ModelRunner:
         sched = self.config.scheduler
@@ -440,6 +461,9 @@ class Worker:
             from folio.worker.pooling import PoolingRunner
             runner.pooling = PoolingRunner(self.model.pooler, self.config.pooling.pooling_type)
         runner.lora = self.lora
+        if self.vision_encoder is not None:
+            from folio.worker.image_embeds import ImageEmbedder
+            runner.images = ImageEmbedder(self.vision_encoder, self.device)
         return runner
 
     def _capture_decode_graphs(self):

@@ -1,0 +1,14 @@
+"""An image of a prompt as the engine carries it (issue 24): where its placeholder tokens
+are, its content hash (the encoder-output cache and the prefix cache key by it), and the
+processor's pixel values (float32, little-endian bytes: compact on the wire). Torch-free."""
+from __future__ import annotations
+
+import msgspec
+
+
+class ImageInputData(msgspec.Struct, array_like=True, gc=False):
+    content_hash: str
+    offset: int          # its first placeholder token in the prompt
+    length: int          # its placeholder tokens (= the encoder's features for it)
+    shape: list[int]     # of the pixel values
+    pixel_values: bytes
