@@ -62,10 +62,13 @@ def iter_decoder_weights(source: ModelSource, hf_config: Any, lazy: bool = False
                          ) -> Iterator[tuple[str, Any]]:
     """The decoder's tensors, under the decoder's names: a vision-language checkpoint's text
     weights renamed, its vision weights left out; any other checkpoint's as they are."""
+    # (called as the loaders always called it: tests stand in for it with one argument)
+    weights = iter_checkpoint_weights(source, lazy=True) if lazy else \
+        iter_checkpoint_weights(source)
     if getattr(hf_config, "vision_language", None) is None:
-        yield from iter_checkpoint_weights(source, lazy)
+        yield from weights
         return
-    for name, tensor in iter_checkpoint_weights(source, lazy):
+    for name, tensor in weights:
         local = decoder_weight_name(name)
         if local is not None:
             yield local, tensor
