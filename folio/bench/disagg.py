@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -96,25 +97,14 @@ def _serve_cmd(args: argparse.Namespace, port: int, extra: list[str]) -> list[st
     return cmd + ["--port", str(port), *args.server_args.split(), *extra]
 
 
-class _Started:
-    """`with _Started(...)`: a server started and ready, stopped on leaving."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, logs: str, timeout: float) -> None:
-        self.server = ServerProcess(name, cmd, log_path=os.path.join(logs, f"{name}.log"))
-        self.url = f"http://127.0.0.1:{port}"
-        self.timeout = timeout
-
-    def __enter__(self) -> "_Started":
-        self.server.start()
-        try:
-            self.server.wait_ready(self.url + "/health", self.timeout)
-        except BaseException:
-            self.server.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.stop()
+def _start(stack: contextlib.ExitStack, name: str, cmd: list[str], port: int, logs: str,
+           timeout: float) -> str:
+    """Start a server in `stack` (stopped when it closes), wait until it is ready; its URL."""
+    server = stack.enter_context(ServerProcess(name, cmd,
+                                               log_path=os.path.join(logs, f"{name}.log")))
+    url = f"http://127.0.0.1:{port}"
+    server.wait_ready(url + "/health", timeout)
+    return url
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,22 +112,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
                                        if not callable(v)}, "logs": logs}
     port = free_port()
-    with _Started("single", _serve_cmd(args, port, []), port, logs, args.ready_timeout) as single:
-        report["single"] = asyncio.run(_workload(single.url, args))
+    with contextlib.ExitStack() as stack:
+        url = _start(stack, "single", _serve_cmd(args, port, []), port, logs, args.ready_timeout)
+        report["single"] = asyncio.run(_workload(url, args))
     p_port, d_port, r_port = free_port(), free_port(), free_port()
 
     def p2p(role: str) -> list[str]:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "P2pConnector",
                                                     "kv_role": role})]
-    with _Started("prefill", _serve_cmd(args, p_port, p2p("kv_producer")), p_port, logs,
-                args.ready_timeout), \
-            _Started("decode", _serve_cmd(args, d_port, p2p("kv_consumer")), d_port, logs,
-                   args.ready_timeout), \
-            _Started("router", [sys.executable, "-m", "folio.entrypoints.cli", "router",
-                              "--port", str(r_port), "--prefill", f"http://127.0.0.1:{p_port}",
-                              "--decode", f"http://127.0.0.1:{d_port}"], r_port, logs,
-                     60) as router:
-        report["disagg"] = asyncio.run(_workload(router.url, args))
+    with contextlib.ExitStack() as stack:
+        prefill = _start(stack, "prefill", _serve_cmd(args, p_port, p2p("kv_producer")), p_port,
+                         logs, args.ready_timeout)
+        decode = _start(stack, "decode", _serve_cmd(args, d_port, p2p("kv_consumer")), d_port,
+                        logs, args.ready_timeout)
+        router = _start(stack, "router", [sys.executable, "-m", "folio.entrypoints.cli",
+                                          "router", "--port", str(r_port), "--prefill", prefill,
+                                          "--decode", decode], r_port, logs, 60)
+        report["disagg"] = asyncio.run(_workload(router, args))
     single, disagg = report["single"], report["disagg"]
     report["itl_p99_ratio"] = disagg["itl_p99_ms"] / single["itl_p99_ms"]
     report["throughput_ratio"] = disagg["output_throughput"] / single["output_throughput"]

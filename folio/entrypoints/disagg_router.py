@@ -102,9 +102,6 @@ class Router:
         self.prefill = _Pool(config.prefill_urls)
         self.decode = _Pool(config.decode_urls)
         self._session: aiohttp.ClientSession | None = None
-        # counters for /metrics-less checks (tests, logs): requests split, sent straight to
-        # decode, and those whose prefill failed and were computed on the decode side
-        self.counts = {"split": 0, "direct": 0, "prefill_failed": 0}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
@@ -162,9 +159,6 @@ class Router:
                 return early
             if params is not None:
                 decode_body = dict(body, kv_transfer_params=params)
-                self.counts["split"] += 1
-        else:
-            self.counts["direct"] += 1
         return await self._run_decode(request, decode_body)
 
     async def _run_prefill(self, path: str, body: dict
@@ -189,7 +183,6 @@ class Router:
                                        "with a kv_producer --kv-transfer-config?)")
                 return params, None
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
-            self.counts["prefill_failed"] += 1
             logger.warning("prefill server %s failed (%s); the decode server computes the "
                            "prompt", url, exc or type(exc).__name__)
             return None, None

@@ -233,7 +233,7 @@ class _PinnedResolver:
                  "proto": 0, "flags": socket.AI_NUMERICHOST} for a in self.addresses]
 
     async def close(self) -> None:
-        pass
+        """Nothing to close: it holds no resolver of its own."""
 
 
 async def _read_bounded(resp, limit: int) -> bytes:

@@ -152,7 +152,7 @@ class P2PKVTransfer:
     def take_results(self, wait: float = 0.0) -> tuple[list[str], list[tuple[str, bool]]]:
         """(transfer ids fetched or released, fetches finished) since the last call; with
         `wait`, up to that many seconds for one when there is none yet and work is pending."""
-        if wait and not self._sent and not self._received and (self._in_flight or self._holds):
+        if wait and not self._sent and not self._received and self.busy:
             self._event.wait(wait)
         with self._lock:
             sent, self._sent = self._sent, []
