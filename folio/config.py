@@ -752,6 +752,103 @@ class AdmissionConfig:
 
 
 @dataclass
+class MediaFetchConfig:
+    """How the images a request names by URL are fetched (folio/multimodal/media_fetch.py):
+    safe by default (no private or loopback addresses, bounded size, time and pixels)."""
+    # Only these hosts (and their subdomains) are fetched; they may resolve to private
+    # addresses (the operator named them). None = any public host.
+    allowed_media_domains: list[str] | None = None
+    allow_private_media_urls: bool = False
+    # file:// URLs are read only under this directory (None = refused).
+    allowed_local_media_path: str | None = None
+    max_media_bytes: int = 20 * 2**20
+    timeout: float = 10.0
+    max_redirects: int = 5
+    max_image_pixels: int = 64 * 2**20
+    max_concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_media_bytes", "max_redirects", "max_image_pixels", "max_concurrency"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (
+                    0 if name == "max_redirects" else 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 600:
+            raise ValueError(f"media timeout must be seconds in (0, 600], got {self.timeout!r}")
+        if self.allowed_media_domains is not None:
+            self.allowed_media_domains = [d.lower().strip(".") for d in self.allowed_media_domains
+                                          if d.strip(".")]
+        if self.allowed_local_media_path is not None:
+            self.allowed_local_media_path = os.path.realpath(self.allowed_local_media_path)
+
+
+# Modalities --limit-mm-per-prompt names; the models here take images only.
+MM_MODALITIES = ("image", "video", "audio")
+# Images one prompt may carry unless --limit-mm-per-prompt says otherwise: each costs an
+# encoder pass and hundreds of tokens, so the default is a bound, not vLLM's 999.
+DEFAULT_IMAGES_PER_PROMPT = 4
+MAX_ITEMS_PER_PROMPT = 64
+
+
+@dataclass
+class MultiModalConfig:
+    """A vision-language model's inputs: how many items of each modality one prompt may
+    carry (--limit-mm-per-prompt), the HF processor's settings (--mm-processor-kwargs, e.g.
+    Qwen2-VL's min_pixels / max_pixels), and how URLs are fetched."""
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    mm_processor_kwargs: dict | None = None
+    media: MediaFetchConfig = field(default_factory=MediaFetchConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limit_mm_per_prompt, dict):
+            raise ValueError("limit_mm_per_prompt must be a JSON object like {\"image\": 2}")
+        for name, value in self.limit_mm_per_prompt.items():
+            _require(name in MM_MODALITIES, "limit_mm_per_prompt",
+                     f"names modalities {list(MM_MODALITIES)}, got {name!r}")
+            _require(isinstance(value, int) and not isinstance(value, bool)
+                     and 0 <= value <= MAX_ITEMS_PER_PROMPT, f"limit_mm_per_prompt.{name}",
+                     f"must be an int in [0, {MAX_ITEMS_PER_PROMPT}], got {value!r}")
+        _require(self.mm_processor_kwargs is None or isinstance(self.mm_processor_kwargs, dict),
+                 "mm_processor_kwargs", "must be a JSON object")
+
+    def limit(self, modality: str) -> int:
+        """Items of `modality` one prompt may carry."""
+        default = DEFAULT_IMAGES_PER_PROMPT if modality == "image" else 0
+        return self.limit_mm_per_prompt.get(modality, default)
+
+
+def multimodal_config(limit_mm_per_prompt: dict | str | None = None,
+                      mm_processor_kwargs: dict | str | None = None, *,
+                      allowed_local_media_path: str | None = None,
+                      allowed_media_domains: list[str] | None = None,
+                      allow_private_media_urls: bool = False,
+                      max_media_bytes: int | None = None,
+                      media_fetch_timeout: float | None = None,
+                      max_image_pixels: int | None = None) -> MultiModalConfig:
+    """MultiModalConfig from vLLM's argument names (the JSON flags as text or dicts); None
+    leaves a field at its default."""
+    import json
+
+    def parsed(name: str, value: dict | str | None) -> dict | None:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"{name} is not valid JSON ({exc}): {value!r}") from None
+        return value
+
+    media = {k: v for k, v in dict(allowed_local_media_path=allowed_local_media_path,
+                                   allowed_media_domains=allowed_media_domains,
+                                   max_media_bytes=max_media_bytes,
+                                   timeout=media_fetch_timeout,
+                                   max_image_pixels=max_image_pixels).items() if v is not None}
+    return MultiModalConfig(
+        limit_mm_per_prompt=parsed("limit_mm_per_prompt", limit_mm_per_prompt) or {},
+        mm_processor_kwargs=parsed("mm_processor_kwargs", mm_processor_kwargs),
+        media=MediaFetchConfig(allow_private_media_urls=allow_private_media_urls, **media))
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -766,6 +863,8 @@ class EngineConfig:
     # Disaggregated prefill (a P2pConnector --kv-transfer-config); None = off.
     kv_transfer: KVTransferConfig | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # A vision-language model's inputs (limits per prompt, processor settings, fetching).
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     disable_log_stats: bool = True
     # The pooling runner's model (set by the front end once the model is read; None =
     # the generate runner).

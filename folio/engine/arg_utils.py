@@ -140,6 +140,42 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     _add_pooling_args(parser)
     _add_lora_args(parser)
     _add_limit_args(parser)
+    _add_multimodal_args(parser)
+
+
+# Engine keyword arguments of the multimodal flags (folio.config.multimodal_config's).
+_MULTIMODAL_FLAGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path",
+                     "allowed_media_domains", "allow_private_media_urls", "max_media_bytes",
+                     "media_fetch_timeout", "max_image_pixels")
+
+
+def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
+    from folio.config import MediaFetchConfig
+    parser.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                        help='a vision-language model\'s inputs per prompt, as JSON per '
+                             'modality: {"image": 2} (default: 4 images; more get HTTP 400)')
+    parser.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                        help='the model\'s image processor settings, as JSON: Qwen2-VL\'s '
+                             '{"min_pixels": 3136, "max_pixels": 1003520}, CLIP\'s '
+                             '{"do_center_crop": false} (default: the processor\'s own)')
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="file:// image URLs are read only under DIR (default: refused)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                        help="image URLs are fetched only from these hosts and their "
+                             "subdomains, which may resolve to private addresses (default: "
+                             "any host resolving to public addresses only)")
+    parser.add_argument("--allow-private-media-urls", action="store_true",
+                        help="let image URLs reach loopback, private, link-local and reserved "
+                             "addresses (refused by default: a server fetching URLs for its "
+                             "clients must not reach its own network)")
+    parser.add_argument("--max-media-bytes", type=int, default=MediaFetchConfig.max_media_bytes,
+                        help="largest image download or data: URL, in bytes")
+    parser.add_argument("--media-fetch-timeout", type=float, default=MediaFetchConfig.timeout,
+                        help="seconds one image URL may take to fetch, redirects included")
+    parser.add_argument("--max-image-pixels", type=int,
+                        default=MediaFetchConfig.max_image_pixels,
+                        help="largest image (width x height) decoded; a larger one (a "
+                             "decompression bomb) is refused from its header")
 
 
 def _add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -310,7 +346,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
         hf_overrides=getattr(args, "hf_overrides", None),
-        lora_config=lora_config_from_args(args))
+        lora_config=lora_config_from_args(args),
+        multimodal_config={name: getattr(args, name) for name in _MULTIMODAL_FLAGS
+                           if hasattr(args, name)})
 
 
 def lora_config_from_args(args: argparse.Namespace) -> dict | None:

@@ -113,7 +113,8 @@ class AsyncLLM:
         try:
             self.model_info: ModelInfo = load_model_info(config)
             self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                            config.limits, config.lora, config.kv_transfer)
+                                            config.limits, config.lora, config.kv_transfer,
+                                            config.multimodal)
             self.output_processor = OutputProcessor(self.model_info.tokenizer)
             self.ready = self._wait_ready(ready_timeout_s)
         except BaseException:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from folio.config import EngineConfig, KVTransferConfig, LoRAConfig, RequestLimitsConfig
+from folio.config import (EngineConfig, KVTransferConfig, LoRAConfig, MultiModalConfig,
+                          RequestLimitsConfig)
 from folio.core.mm_inputs import ImageInputData
 from folio.core.request import EngineCoreRequest
 from folio.engine.lora_checks import LoRAChecker
@@ -196,15 +197,16 @@ class RequestPreparer:
     def __init__(self, info: ModelInfo, structured_outputs_backend: str = "auto",
                  limits: RequestLimitsConfig | None = None,
                  lora: LoRAConfig | None = None,
-                 kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_transfer: KVTransferConfig | None = None,
+                 multimodal: MultiModalConfig | None = None) -> None:
         """`kv_transfer`: the engine's P2pConnector config (disaggregated prefill), which
-        decides whether requests may carry kv_transfer_params."""
+        decides whether requests may carry kv_transfer_params. `multimodal`: a
+        vision-language model's limits per prompt and processor settings."""
         self.info = info
         self.kv_transfer = kv_transfer
-        # A vision-language model's prompt processor, made on first use; the images one
-        # prompt may carry.
+        self.multimodal = multimodal or MultiModalConfig()
+        # A vision-language model's prompt processor, made on first use.
         self._images = None
-        self.max_images = 4
         # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
         self.lora = LoRAChecker(lora, info.hf_config)
         self.structured_outputs_backend = structured_outputs_backend
@@ -278,30 +280,48 @@ class RequestPreparer:
             for cid, p in zip(child_ids, child_params)]
         return PreparedRequest(request_id, processed, child_ids, child_params, core_requests)
 
-    def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
-        """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}):
-        its text through the model's processor (the image placeholders expanded), as token
-        ids, and its images as the engine carries them."""
+    @property
+    def image_processor(self):
+        """A vision-language model's prompt processor (None for a text model), made on first
+        use: its HF processor with --mm-processor-kwargs and the images allowed per prompt."""
         vision = getattr(self.info.hf_config, "vision_language", None)
         if vision is None:
+            return None
+        if self._images is None:
+            from folio.multimodal.processing import ImagePromptProcessor
+            self._images = ImagePromptProcessor.from_pretrained(
+                self.info.source.path, vision["image_token_index"],
+                self.multimodal.limit("image"), self.multimodal.mm_processor_kwargs)
+        return self._images
+
+    def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
+        """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}) and
+        its text as 'prompt' (through the model's processor, placeholders expanded) or as
+        'prompt_token_ids' (a chat template's tokens: one image token per image, expanded
+        here): the token ids, and the images as the engine carries them."""
+        processor = self.image_processor
+        if processor is None:
             raise ValueError("multi_modal_data: this model takes text only")
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ValueError("multi_modal_data must be {'image': an image or a list of "
-                             "images}")
+                             "images} (this model takes images only)")
         images = data["image"] if isinstance(data["image"], list) else [data["image"]]
         if not all(hasattr(image, "convert") and hasattr(image, "size") for image in images):
             raise ValueError("multi_modal_data.image must be PIL images")
+        images = [image.convert("RGB") for image in images]
         text = prompt.get("prompt")
-        if not isinstance(text, str):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            token_ids, inputs = processor.process_tokens(ids, images)
+        elif isinstance(text, str):
+            token_ids, inputs = processor.process(text, images)
+        else:
             raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with "
-                             "one image placeholder per image)")
-        if self._images is None:
-            from folio.multimodal.processing import ImagePromptProcessor
-            self._images = ImagePromptProcessor.from_pretrained(
-                self.info.source.path, vision["image_token_index"], self.max_images)
-        token_ids, inputs = self._images.process(text, [image.convert("RGB")
-                                                        for image in images])
+                             "one image placeholder per image) or 'prompt_token_ids'")
         mm = [ImageInputData(i.content_hash, i.offset, i.length, list(i.pixel_values.shape),
                              i.pixel_values.astype("<f4").tobytes()) for i in inputs]
         return {"prompt": text, "prompt_token_ids": token_ids}, mm

@@ -24,7 +24,8 @@ class LLMEngine:
         self.engine_core = EngineCore(config, self.model_info.source, self.model_info.hf_config,
                                       self.model_info.tokenizer)
         self.preparer = RequestPreparer(self.model_info, config.structured_outputs.backend,
-                                        config.limits, config.lora, config.kv_transfer)
+                                        config.limits, config.lora, config.kv_transfer,
+                                        config.multimodal)
         self.preparer.kv_capacity_tokens = self.engine_core.kv_capacity_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -5,9 +5,9 @@ from typing import Any, Sequence
 
 from folio.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                           RequestLimitsConfig, SchedulerConfig, SpeculativeConfig,
-                          StructuredOutputsConfig, offloading_size,
+                          StructuredOutputsConfig, multimodal_config, offloading_size,
                           p2p_transfer)
-from folio.engine.chat import apply_chat_template
+from folio.engine.chat import render_chat
 from folio.engine.llm_engine import LLMEngine
 from folio.entrypoints.pooling_api import PoolingAPI
 from folio.lora.request import LoRARequest
@@ -55,11 +55,19 @@ class LLM(PoolingAPI):
                  enable_sleep_mode: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None,
-                 lora_config: LoRAConfig | dict | None = None) -> None:
+                 lora_config: LoRAConfig | dict | None = None,
+                 limit_mm_per_prompt: dict | None = None,
+                 mm_processor_kwargs: dict | None = None,
+                 allowed_local_media_path: str | None = None,
+                 allowed_media_domains: list[str] | None = None,
+                 allow_private_media_urls: bool = False) -> None:
         """`enable_lora` (or a `lora_config`): requests may run with a LoRA adapter
         (`lora_request=LoRARequest(name, id, path)` on generate / chat); up to `max_loras`
         adapters of rank up to `max_lora_rank` in one batch, `max_cpu_loras` kept in host
-        memory."""
+        memory. A vision-language model: `limit_mm_per_prompt` ({"image": n}),
+        `mm_processor_kwargs` (the image processor's settings); chat image URLs are fetched
+        under `allowed_local_media_path` (file://), `allowed_media_domains` and
+        `allow_private_media_urls`, as the server's flags of those names."""
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -106,6 +114,10 @@ class LLM(PoolingAPI):
             lora=_lora_config(enable_lora, lora_config, max_loras, max_lora_rank,
                               max_cpu_loras),
             kv_transfer=p2p_transfer(kv_transfer_config),
+            multimodal=multimodal_config(limit_mm_per_prompt, mm_processor_kwargs,
+                                         allowed_local_media_path=allowed_local_media_path,
+                                         allowed_media_domains=allowed_media_domains,
+                                         allow_private_media_urls=allow_private_media_urls),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0
@@ -166,25 +178,43 @@ class LLM(PoolingAPI):
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {role, content}) or a list of them."""
+        """messages: one conversation (a list of {role, content}) or a list of them. On a
+        vision-language model, content parts may be images: {"type": "image_url",
+        "image_url": {"url": ...}} (data:, http(s) and file: URLs, fetched under the
+        media settings) or {"type": "image_pil", "image_pil": a PIL image}."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a conversation or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        processor = self.llm_engine.preparer.image_processor
         prompts = []
         for conversation in conversations:
-            text = apply_chat_template(
+            rendered = render_chat(
                 tokenizer, conversation, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools,
-                chat_template_kwargs=chat_template_kwargs)
+                chat_template_kwargs=chat_template_kwargs,
+                image_placeholder=None if processor is None else processor.image_token,
+                max_images=None if processor is None else processor.max_images)
             # The template already holds the special tokens (BOS and so on).
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            ids = tokenizer.encode(rendered.text, add_special_tokens=False)
+            prompt = {"prompt": rendered.text, "prompt_token_ids": ids}
+            if rendered.images:
+                prompt["multi_modal_data"] = {"image": self._load_images(rendered.images)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _load_images(self, refs: list) -> list:
+        """A chat's images, URLs fetched under the engine's media settings (the same checks
+        as the server's)."""
+        import asyncio
+
+        from folio.multimodal.media_fetch import MediaFetcher
+        fetcher = MediaFetcher(self.llm_engine.config.multimodal.media)
+        return asyncio.run(fetcher.load_images(refs))
 
     def _expand(self, name: str, value: Any, count: int, default: Any = ...) -> list:
         if value is None and default is ...:

@@ -34,6 +34,11 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from folio.config import MediaFetchConfig
+
+__all__ = ["MediaFetchConfig", "MediaFetchError", "MediaFetcher", "FetchedImage", "ImageRef",
+           "decode_image", "is_public_address"]
+
 # The formats decoded; anything else is refused before decoding.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _CONTENT_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
@@ -45,35 +50,6 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 class MediaFetchError(ValueError):
     """A media URL refused or that could not be fetched; the message names why."""
-
-
-@dataclass
-class MediaFetchConfig:
-    # Only these hosts (and their subdomains) are fetched; they may resolve to private
-    # addresses (the operator named them). None = any public host.
-    allowed_media_domains: list[str] | None = None
-    allow_private_media_urls: bool = False
-    # file:// URLs are read only under this directory (None = refused).
-    allowed_local_media_path: str | None = None
-    max_media_bytes: int = 20 * 2**20
-    timeout: float = 10.0
-    max_redirects: int = 5
-    max_image_pixels: int = 64 * 2**20
-    max_concurrency: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("max_media_bytes", "max_redirects", "max_image_pixels", "max_concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (
-                    0 if name == "max_redirects" else 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 600:
-            raise ValueError(f"media timeout must be seconds in (0, 600], got {self.timeout!r}")
-        if self.allowed_media_domains is not None:
-            self.allowed_media_domains = [d.lower().strip(".") for d in self.allowed_media_domains
-                                          if d.strip(".")]
-        if self.allowed_local_media_path is not None:
-            self.allowed_local_media_path = os.path.realpath(self.allowed_local_media_path)
 
 
 def is_public_address(address: str) -> bool:
@@ -105,6 +81,14 @@ class FetchedImage:
     image: object
     source: str
     num_bytes: int
+
+
+@dataclass
+class ImageRef:
+    """An image a request names: a URL to fetch (http(s), data:, file:) or, offline, the
+    image itself (a PIL image)."""
+    url: str | None = None
+    image: object = None
 
 
 @dataclass
@@ -174,6 +158,19 @@ class MediaFetcher:
             image = await asyncio.get_running_loop().run_in_executor(
                 None, decode_image, data, self.config.max_image_pixels)
             return FetchedImage(image, url if scheme != "data" else "data:", len(data))
+
+    async def load_images(self, refs: list[ImageRef]) -> list[object]:
+        """The RGB PIL images `refs` name, fetched concurrently (at most max_concurrency at
+        once); the first refusal is raised once all have settled."""
+        async def one(ref: ImageRef):
+            if ref.image is not None:
+                return ref.image.convert("RGB")
+            return (await self.fetch_image(ref.url)).image
+        results = await asyncio.gather(*(one(r) for r in refs), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
 
     async def _download(self, url: str) -> bytes:
         import aiohttp

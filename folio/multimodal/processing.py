@@ -9,14 +9,16 @@ Torch-free: the processors' PIL/numpy path (as the API process runs it).
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-# Images one prompt may carry unless --limit-mm-per-prompt says otherwise (vLLM's default
-# for images is 1; a bound either way: each image costs an encoder pass and its tokens).
-DEFAULT_IMAGES_PER_PROMPT = 1
+from folio.config import DEFAULT_IMAGES_PER_PROMPT
+
+# Images whose processor output is remembered (see ImagePromptProcessor._run_one).
+_RECENT_IMAGES = 16
 
 
 @dataclass
@@ -61,34 +63,58 @@ class ImagePromptProcessor:
     placeholders, and images, in; token ids and one ImageInput per image out."""
 
     def __init__(self, processor: Any, image_token_id: int,
-                 max_images: int = DEFAULT_IMAGES_PER_PROMPT) -> None:
+                 max_images: int = DEFAULT_IMAGES_PER_PROMPT,
+                 processor_kwargs: dict | None = None) -> None:
+        """`processor_kwargs` (--mm-processor-kwargs): the image processor's settings for
+        every call (Qwen2-VL's min_pixels / max_pixels, CLIP's do_center_crop...); a name
+        the image processor does not have is refused here, not ignored."""
         self.processor = processor
         self.image_token_id = image_token_id
         self.max_images = max_images
+        self.processor_kwargs = dict(processor_kwargs or {})
+        self._recent: OrderedDict[str, dict] = OrderedDict()
+        images = getattr(processor, "image_processor", None)
+        unknown = [k for k in self.processor_kwargs if not hasattr(images, k)]
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: {unknown} are not settings of this model's "
+                             f"image processor ({type(images).__name__})")
 
     @classmethod
     def from_pretrained(cls, path: str, image_token_id: int,
-                        max_images: int = DEFAULT_IMAGES_PER_PROMPT) -> "ImagePromptProcessor":
+                        max_images: int = DEFAULT_IMAGES_PER_PROMPT,
+                        processor_kwargs: dict | None = None) -> "ImagePromptProcessor":
         from transformers import AutoProcessor
-        return cls(AutoProcessor.from_pretrained(path), image_token_id, max_images)
+        return cls(AutoProcessor.from_pretrained(path), image_token_id, max_images,
+                   processor_kwargs)
 
     @property
     def image_token(self) -> str:
         return self.processor.image_token
+
+    def _check_count(self, count: int) -> None:
+        if count > self.max_images:
+            raise ValueError(f"multi_modal_data: {count} images, more than the "
+                             f"{self.max_images} allowed per prompt (--limit-mm-per-prompt)")
+
+    def _run(self, text: str, images: list[Any], add_special_tokens: bool = True) -> dict:
+        try:
+            return self.processor(text=[text], images=images or None, return_tensors="np",
+                                  add_special_tokens=add_special_tokens,
+                                  **self.processor_kwargs)
+        except (ValueError, TypeError, OSError) as exc:
+            raise ValueError(f"the model's processor refused the image: {exc}") from None
 
     def process(self, prompt: str, images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
         """(token ids, images) of a prompt whose text holds one image placeholder (the
         processor's image_token) per image, in order. ValueError naming the problem for a
         placeholder count that does not match, or more images than allowed."""
         images = list(images)
-        if len(images) > self.max_images:
-            raise ValueError(f"multi_modal_data: {len(images)} images, more than the "
-                             f"{self.max_images} allowed per prompt (--limit-mm-per-prompt)")
+        self._check_count(len(images))
         found = prompt.count(self.image_token)
         if found != len(images):
             raise ValueError(f"prompt has {found} image placeholder(s) {self.image_token!r} "
                              f"for {len(images)} image(s)")
-        out = self.processor(text=[prompt], images=images or None, return_tensors="np")
+        out = self._run(prompt, images)
         token_ids = [int(t) for t in out["input_ids"][0]]
         runs = placeholder_runs(token_ids, self.image_token_id)
         if len(runs) != len(images):
@@ -96,9 +122,57 @@ class ImagePromptProcessor:
                              f"{len(images)} image(s)")
         if not images:
             return token_ids, []
+        return token_ids, self._inputs(images, runs, out)
+
+    def process_tokens(self, token_ids: Sequence[int], images: Sequence[Any]
+                       ) -> tuple[list[int], list[ImageInput]]:
+        """(token ids, images) of a tokenized prompt (a chat template's, whose special tokens
+        are already in place) holding one image token per image: each expanded to the
+        image's tokens as the processor expands it (the processor run on the placeholder
+        alone, per image: the same pixel values and the same count as on the whole text)."""
+        images = list(images)
+        self._check_count(len(images))
+        runs = placeholder_runs(token_ids, self.image_token_id)
+        if len(runs) != len(images):
+            raise ValueError(f"prompt has {len(runs)} image placeholder(s) "
+                             f"{self.image_token!r} for {len(images)} image(s)")
+        out_ids: list[int] = []
+        inputs: list[ImageInput] = []
+        position = 0
+        for image, (offset, length) in zip(images, runs):
+            one = self._run_one(image)
+            expanded = [int(t) for t in one["input_ids"][0]]
+            [(first, count)] = placeholder_runs(expanded, self.image_token_id)
+            if length not in (1, count):
+                raise ValueError(f"an image placeholder run of {length} tokens: one token per "
+                                 f"image, or the image's {count}")
+            out_ids += token_ids[position:offset]
+            [entry] = self._inputs([image], [(len(out_ids) + first, count)], one)
+            out_ids += expanded
+            inputs.append(entry)
+            position = offset + length
+        out_ids += token_ids[position:]
+        return out_ids, inputs
+
+    def _run_one(self, image: Any) -> dict:
+        """The processor on the placeholder and one image, remembered by the image's content
+        for a while: the server expands a chat's placeholders to size its output budget, and
+        the engine's preparation then reads the same result."""
+        key = image_content_hash(image)
+        out = self._recent.get(key)
+        if out is None:
+            out = self._run(self.image_token, [image], add_special_tokens=False)
+            self._recent[key] = out
+            while len(self._recent) > _RECENT_IMAGES:
+                self._recent.popitem(last=False)
+        else:
+            self._recent.move_to_end(key)
+        return out
+
+    @staticmethod
+    def _inputs(images: list[Any], runs: list[tuple[int, int]], out: dict) -> list[ImageInput]:
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         grids = out.get("image_grid_thw")
-        inputs = []
         if grids is not None:
             # Qwen2-VL: the images' patches are concatenated; each takes t*h*w of them
             grids = [tuple(int(x) for x in g) for g in np.asarray(grids)]
@@ -107,7 +181,6 @@ class ImagePromptProcessor:
         else:
             per_image = list(pixels)
             grids = [None] * len(images)
-        for image, (offset, length), values, grid in zip(images, runs, per_image, grids):
-            inputs.append(ImageInput(image_content_hash(image), offset, length,
-                                     np.ascontiguousarray(values), grid))
-        return token_ids, inputs
+        return [ImageInput(image_content_hash(image), offset, length,
+                           np.ascontiguousarray(values), grid)
+                for image, (offset, length), values, grid in zip(images, runs, per_image, grids)]

@@ -1,10 +1,13 @@
 """The input embeddings of a step whose tokens include image placeholders (a vision-language
 model, issue 24): the tokens' embeddings, with each image's features written over its
-placeholder tokens. Features are computed once per image content (the encoder-output cache,
-keyed by the image's hash, bounded in entries) and sliced when chunked prefill splits an
-image's tokens over steps."""
+placeholder tokens. The step's images not yet encoded run through the encoder together, in
+batches of at most `max_batch` (the batch the start-up memory profile measured, so the
+encoder never peaks above what the KV cache was sized around). Features are kept per image
+content (the encoder-output cache, keyed by the image's hash, bounded in entries) and sliced
+when chunked prefill splits an image's tokens over steps."""
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -17,14 +20,24 @@ from folio.core.step_messages import SchedulerOutput
 ENCODER_CACHE_ENTRIES = 64
 
 
+def max_encoder_batch(max_step_tokens: int, tokens_per_image: int, images_per_prompt: int,
+                      max_num_seqs: int) -> int:
+    """Images encoded in one pass: as many as one step's token budget holds whole (at least
+    one), and never more than the step's requests may carry."""
+    by_tokens = max(1, math.ceil(max_step_tokens / max(1, tokens_per_image)))
+    return max(1, min(by_tokens, max(1, images_per_prompt) * max_num_seqs))
+
+
 class ImageEmbedder:
-    def __init__(self, encoder: torch.nn.Module, device: torch.device,
+    def __init__(self, encoder: torch.nn.Module, device: torch.device, max_batch: int = 1,
                  max_entries: int = ENCODER_CACHE_ENTRIES) -> None:
         self.encoder = encoder
         self.device = device
+        self.max_batch = max_batch
         self.max_entries = max_entries
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_encoded = 0      # images run through the encoder (for tests and logs)
+        self.num_passes = 0       # encoder passes (batches)
 
     def spans(self, step: SchedulerOutput, requests) -> list[tuple[int, object, int, int]]:
         """(flat row of the overlap's first token, image, first feature, feature count) for
@@ -44,27 +57,72 @@ class ImageEmbedder:
             row += n
         return out
 
-    def features(self, image) -> torch.Tensor:
-        cached = self._cache.get(image.content_hash)
-        if cached is not None:
-            self._cache.move_to_end(image.content_hash)
-            return cached
+    def _pixels(self, image) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(image.pixel_values, dtype="<f4").reshape(
+            image.shape).copy())
+
+    def _encode(self, images: list) -> dict[str, torch.Tensor]:
+        """Features of `images` (distinct contents), encoded in batches of equal pixel shape
+        and at most max_batch."""
         dtype = next(self.encoder.parameters()).dtype
-        pixels = torch.from_numpy(np.frombuffer(image.pixel_values, dtype="<f4").reshape(
-            image.shape).copy()).to(self.device, dtype)
-        features = self.encoder(pixels[None])[0]
-        if features.shape[0] != image.length:
-            raise ValueError(f"the image encoder made {features.shape[0]} features for "
-                             f"{image.length} placeholder tokens")
-        self.num_encoded += 1
-        self._cache[image.content_hash] = features
-        while len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
-        return features
+        by_shape: dict[tuple, list] = {}
+        for image in images:
+            by_shape.setdefault(tuple(image.shape), []).append(image)
+        out: dict[str, torch.Tensor] = {}
+        for group in by_shape.values():
+            for i in range(0, len(group), self.max_batch):
+                batch = group[i:i + self.max_batch]
+                pixels = torch.stack([self._pixels(image) for image in batch])
+                features = self.encoder(pixels.to(self.device, dtype))
+                self.num_passes += 1
+                for image, feature in zip(batch, features):
+                    if feature.shape[0] != image.length:
+                        raise ValueError(f"the image encoder made {feature.shape[0]} features "
+                                         f"for {image.length} placeholder tokens")
+                    out[image.content_hash] = feature
+        self.num_encoded += len(out)
+        return out
+
+    def features(self, spans: list[tuple[int, object, int, int]]) -> dict[str, torch.Tensor]:
+        """Each span's image features by content hash: from the cache, or encoded now (all
+        of the step's new images together)."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, object] = {}
+        for _, image, _, _ in spans:
+            key = image.content_hash
+            if key in found or key in missing:
+                continue
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                found[key] = cached
+            else:
+                missing[key] = image
+        if missing:
+            encoded = self._encode(list(missing.values()))
+            found.update(encoded)
+            self._cache.update(encoded)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return found
 
     def embeds(self, model, input_ids: torch.Tensor,
                spans: list[tuple[int, object, int, int]]) -> torch.Tensor:
         hidden = model.embed(input_ids)
+        features = self.features(spans)
         for row, image, first, count in spans:
-            hidden[row:row + count] = self.features(image)[first:first + count].to(hidden.dtype)
+            hidden[row:row + count] = features[image.content_hash][first:first + count].to(
+                hidden.dtype)
         return hidden
+
+    def profile(self) -> torch.Tensor:
+        """The encoder on a full batch of blank images (start-up memory profiling), and a
+        full encoder-output cache's worth of features: to be held while the decoder's
+        profile pass runs, as a step holds them."""
+        dtype = next(self.encoder.parameters()).dtype
+        pixels = torch.zeros((self.max_batch, *self.encoder.pixel_shape), dtype=dtype,
+                             device=self.device)
+        features = self.encoder(pixels)
+        cache = features.new_empty((max(0, self.max_entries - self.max_batch),
+                                    *features.shape[1:]))
+        return torch.cat([features, cache]) if len(cache) else features

@@ -76,11 +76,13 @@ def determine_num_blocks(spec: ArchSpec, *, block_size: int, dtype: torch.dtype,
     needed = (layout.blocks_per_sequence(max_model_len, block_size, max_step_tokens)
               + layout.num_reserved_blocks)
     if num_blocks < needed:
+        missing = (needed - num_blocks) * per_block
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than "
-            f"one sequence of max_model_len={max_model_len} needs ({needed} blocks); lower "
-            f"max_model_len or give the cache more memory (kv_cache_memory_bytes / "
-            f"num_gpu_blocks_override)")
+            f"one sequence of max_model_len={max_model_len} needs ({needed} blocks): "
+            f"{missing / 2**20:.1f} MiB missing; lower max_model_len or give the cache more "
+            f"memory (--gpu-memory-utilization, --kv-cache-memory-bytes, "
+            f"--num-gpu-blocks-override)")
     return num_blocks
 
 
@@ -117,16 +119,32 @@ def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def kv_budget_message(total: int, utilization: float, peak: int, outside_torch: int,
+                      detail: str = "") -> str:
+    """The start-up refusal when the KV cache would get no memory: how much is missing, and
+    the flags that change it."""
+    allowed = int(total * utilization)
+    missing = peak + outside_torch - allowed
+    return (f"the KV cache gets no memory: gpu_memory_utilization={utilization} of "
+            f"{total / 2**30:.1f} GiB allows {allowed / 2**30:.2f} GiB, and the model's "
+            f"forward pass peaks at {peak / 2**30:.2f} GiB{detail} with "
+            f"{outside_torch / 2**30:.2f} GiB held outside torch: {missing / 2**30:.2f} GiB "
+            "missing before any KV cache. Raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens or --max-num-seqs, or use a smaller model or dtype")
+
+
 def gpu_kv_cache_bytes(run_profile: Callable[[], int], device: torch.device,
-                       utilization: float, activation_bytes: int | None = None
-                       ) -> tuple[int, int]:
+                       utilization: float, activation_bytes: int | None = None,
+                       peak_detail: Callable[[], str] | None = None) -> tuple[int, int]:
     """Memory the KV cache may take on a GPU: `utilization` of the card, less the peak the
-    model reaches in a forward pass at the largest batch (weights + activations, measured by
-    `run_profile`, which returns bytes of scratch it allocated that the real run will not
-    hold), less memory held outside torch's allocator (CUDA context, other processes).
+    model reaches in a forward pass at the largest batch (weights + activations, and a
+    vision-language model's encoder at its largest image batch, measured by `run_profile`,
+    which returns bytes of scratch it allocated that the real run will not hold), less
+    memory held outside torch's allocator (CUDA context, other processes).
     `activation_bytes`: the peak above what is allocated now, from an earlier identical start
-    (worker/profile_cache.py); the pass is then not run. Returns (budget, the peak above what
-    was allocated before the pass: the figure to keep)."""
+    (worker/profile_cache.py); the pass is then not run. `peak_detail`: what the refusal
+    says of the peak's parts. Returns (budget, the peak above what was allocated before the
+    pass: the figure to keep)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     resident = torch.cuda.memory_allocated(device)
@@ -145,9 +163,6 @@ def gpu_kv_cache_bytes(run_profile: Callable[[], int], device: torch.device,
                 "%.2f GiB -> KV cache %.2f GiB", total / 2**30, utilization, peak / 2**30,
                 outside_torch / 2**30, max(budget, 0) / 2**30)
     if budget <= 0:
-        raise ValueError(
-            f"the model does not fit: its forward pass peaks at {peak / 2**30:.2f} GiB, leaving "
-            f"nothing for the KV cache within gpu_memory_utilization={utilization} of "
-            f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, "
-            "or use a smaller model/dtype")
+        raise ValueError(kv_budget_message(total, utilization, peak, outside_torch,
+                                           peak_detail() if peak_detail else ""))
     return budget, activation_bytes

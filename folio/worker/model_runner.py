@@ -72,6 +72,7 @@ class ModelRunner:
         self.takes_token_types = bool(getattr(model.spec, "is_encoder", False))
         # A vision-language model's image embeddings (worker/image_embeds.py); None = text.
         self.images: ImageEmbedder | None = None
+        self.encoder_profile_bytes: int | None = None   # set by a CUDA profile run
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -188,7 +189,11 @@ class ModelRunner:
             block_tables=torch.arange(num_blocks, device=self.device)[None, :], block_size=bs)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
+        # A vision-language model's encoder at its largest batch, its output held through
+        # the decoder's pass as a real step holds it.
+        held = self._profile_images() if self.images is not None else None
         hidden = self.model(ids, positions, self.kv_caches, meta)
+        del held
         if self.pooling is not None or hidden is None:
             return   # no logits, no sampling (the pooler's heads are small; a pipeline
             #          stage before the last has none)
@@ -197,6 +202,19 @@ class ModelRunner:
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * num_seqs
         self.sampler(logits, [SamplingState(p) for p in params],
                      SamplingColumns.from_params(params))
+
+    def _profile_images(self) -> torch.Tensor:
+        """The image encoder's profile pass; on CUDA its own peak above what was allocated
+        before it is kept in `encoder_profile_bytes` (for the start-up message)."""
+        if self.device.type != "cuda":
+            return self.images.profile()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        held = self.images.profile()
+        torch.cuda.synchronize(self.device)
+        self.encoder_profile_bytes = torch.cuda.max_memory_allocated(self.device) - before
+        return held
 
     def execute_model(self, step: SchedulerOutput,
                       grammar_bitmask: GrammarBitmaskFn | None = None) -> ModelRunnerOutput:

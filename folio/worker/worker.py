@@ -191,6 +191,8 @@ class Worker:
                                     max(sched.max_num_batched_tokens, sched.max_num_seqs))
         # A vision-language model's image encoder (None for a text model).
         self.vision_encoder = self._load_vision_encoder(source, hf_config)
+        # (images, bytes) of the encoder's pass in the memory profile, once measured.
+        self.encoder_profile: tuple[int, int] | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
         # Speculative decoding's draft model (None without one): loaded like the target,
@@ -217,7 +219,8 @@ class Worker:
                                             profile_cache.gpu_name(self.device))
             stored = profile_cache.load_activation_bytes(key)
             kv_bytes, measured = gpu_kv_cache_bytes(self._profile_run, self.device,
-                                                    cache.gpu_memory_utilization, stored)
+                                                    cache.gpu_memory_utilization, stored,
+                                                    self._peak_detail)
             if stored is None:
                 profile_cache.store_activation_bytes(key, measured)
             else:
@@ -426,8 +429,22 @@ class Worker:
                                      self.kv_cache_dtype, self.device)
         runner = self._new_runner(scratch)
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
+        if runner.encoder_profile_bytes is not None:
+            self.encoder_profile = (runner.images.max_batch, runner.encoder_profile_bytes)
         del runner, scratch
         return num_blocks * bytes_per_block(self.kv_spec, cache.block_size, self.kv_cache_dtype)
+
+    def _peak_detail(self) -> str:
+        """What the start-up message says of the peak's parts and the flags that lower it
+        (a vision-language model's encoder batch among them)."""
+        if self.vision_encoder is None:
+            return ""
+        if self.encoder_profile is None:
+            return " (the vision encoder's batch included)"
+        images, peak = self.encoder_profile
+        return (f" (the vision encoder's {peak / 2**30:.2f} GiB for a batch of {images} "
+                "images included; lower --limit-mm-per-prompt or --max-num-batched-tokens "
+                "to shrink it)")
 
     def _load_vision_encoder(self, source, hf_config):
         vision = getattr(hf_config, "vision_language", None)
@@ -462,8 +479,10 @@ class Worker:
             runner.pooling = PoolingRunner(self.model.pooler, self.config.pooling.pooling_type)
         runner.lora = self.lora
         if self.vision_encoder is not None:
-            from folio.worker.image_embeds import ImageEmbedder
-            runner.images = ImageEmbedder(self.vision_encoder, self.device)
+            from folio.worker.image_embeds import ImageEmbedder, max_encoder_batch
+            runner.images = ImageEmbedder(self.vision_encoder, self.device, max_encoder_batch(
+                sched.max_num_batched_tokens, self.vision_encoder.tokens_per_image,
+                self.config.multimodal.limit("image"), sched.max_num_seqs))
         return runner
 
     def _capture_decode_graphs(self):

@@ -85,7 +85,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def build_engine_config(args: argparse.Namespace):
     from folio.config import (AdmissionConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                               ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                              StructuredOutputsConfig)
+                              StructuredOutputsConfig, multimodal_config)
     from folio.engine.arg_utils import engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
@@ -125,6 +125,7 @@ def build_engine_config(args: argparse.Namespace):
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
         lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]),
         kv_transfer=kw["kv_transfer_config"],
+        multimodal=multimodal_config(**kw["multimodal_config"]),
         admission=AdmissionConfig(max_waiting_requests=args.max_waiting_requests,
                                   max_queue_time=args.max_queue_time,
                                   sleep_mode_requests=args.sleep_mode_requests))

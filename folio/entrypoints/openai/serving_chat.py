@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from folio.engine.chat import apply_chat_template
+from folio.engine.chat import RenderedChat, render_chat
 from folio.engine.input_processor import encode_prompt
 from folio.entrypoints.openai.request_checks import check_constraint_sizes
 from folio.entrypoints.openai.protocol import (
@@ -63,6 +63,8 @@ class OpenAIServingChat(ServingBase):
         # --reasoning-parser: splits thinking text from the answer (KeyError names the choices).
         self.reasoning_parser_cls = (get_reasoning_parser(reasoning_parser)
                                      if reasoning_parser else None)
+        # Fetches the images chats name by URL (made on the first such request).
+        self._media: Any = None
 
     def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         choice = request.tool_choice
@@ -145,14 +147,25 @@ class OpenAIServingChat(ServingBase):
 
     # ---- request -> engine inputs -------------------------------------------------------
 
-    def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    @property
+    def _image_processor(self) -> Any:
+        """A vision-language model's prompt processor; None for a text model (and for the
+        stand-in engines of tests)."""
+        return getattr(getattr(self.engine, "preparer", None), "image_processor", None)
+
+    def _render(self, request: ChatCompletionRequest) -> tuple[RenderedChat, list[int]]:
+        """The chat template's text (one image placeholder per image part, on a model that
+        takes images) and its token ids (placeholders not yet expanded)."""
+        processor = self._image_processor
         try:
-            text = apply_chat_template(
+            rendered = render_chat(
                 self.tokenizer, request.messages,
                 chat_template=request.chat_template or self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                tools=request.tools or None, chat_template_kwargs=request.chat_template_kwargs)
+                tools=request.tools or None, chat_template_kwargs=request.chat_template_kwargs,
+                image_placeholder=None if processor is None else processor.image_token,
+                max_images=None if processor is None else processor.max_images)
         except ValueError as exc:
             no_template = "no chat template" in str(exc)
             raise to_openai_error(exc, known_params=_REQUEST_FIELDS,
@@ -160,13 +173,13 @@ class OpenAIServingChat(ServingBase):
                                   else "messages") from exc
         # The template already spells out BOS etc.; do not add them twice.
         try:
-            ids = encode_prompt(self.tokenizer, text, self.engine.max_model_len,
+            ids = encode_prompt(self.tokenizer, rendered.text, self.engine.max_model_len,
                                 add_special_tokens=False,
                                 truncating=request.truncate_prompt_tokens is not None)
         except ValueError as exc:
             raise OpenAIError(str(exc).replace("prompt", "messages", 1), param="messages",
                               code="context_length_exceeded") from exc
-        return text, ids
+        return rendered, ids
 
     def _build_params(self, request: ChatCompletionRequest, prompt_len: int,
                       ctx: ConstraintContext) -> SamplingParams:
@@ -187,13 +200,57 @@ class OpenAIServingChat(ServingBase):
     def _prepare(self, request: ChatCompletionRequest, ctx: ConstraintContext
                  ) -> tuple[str, list[int], SamplingParams]:
         """Template, tokenize, truncate, build the SamplingParams (on the preprocessing
-        thread: this is the part whose cost grows with the request)."""
-        text, token_ids = self._render(request)
-        truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens,
-                                    self.engine.max_model_len)
-        if len(truncated) != len(token_ids):
-            token_ids, text = truncated, self.tokenizer.decode(truncated)
-        return text, token_ids, self._build_params(request, len(token_ids), ctx)
+        thread: this is the part whose cost grows with the request). Text only: the
+        Messages and Responses routes, whose translations refuse image blocks."""
+        rendered, token_ids = self._render(request)
+        if rendered.images:
+            raise OpenAIError("images are taken by /v1/chat/completions", param="messages")
+        prompt, token_ids, params = self._finish_prompt(request, ctx, rendered.text,
+                                                        token_ids, None)
+        return prompt["prompt"], token_ids, params
+
+    def _finish_prompt(self, request: ChatCompletionRequest, ctx: ConstraintContext,
+                       text: str, token_ids: list[int], images: list | None
+                       ) -> tuple[dict, list[int], SamplingParams]:
+        """The engine's prompt, its token ids (each image's placeholder expanded to the
+        image's tokens, so max_tokens and usage count them) and the SamplingParams."""
+        prompt: dict = {"prompt": text}
+        if images:
+            if request.truncate_prompt_tokens is not None:
+                raise OpenAIError("truncate_prompt_tokens would cut images' tokens apart; it "
+                                  "is not taken with images", param="truncate_prompt_tokens")
+            try:
+                token_ids, _ = self._image_processor.process_tokens(
+                    token_ids, images)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param="messages") from exc
+            if len(token_ids) >= self.engine.max_model_len:
+                raise OpenAIError(f"the messages' {len(token_ids)} tokens (images' included) "
+                                  f"leave no room for output in the {self.engine.max_model_len} "
+                                  "of this model's context", param="messages",
+                                  code="context_length_exceeded")
+            prompt["multi_modal_data"] = {"image": images}
+        else:
+            truncated = truncate_prompt(token_ids, request.truncate_prompt_tokens,
+                                        self.engine.max_model_len)
+            if len(truncated) != len(token_ids):
+                token_ids, prompt["prompt"] = truncated, self.tokenizer.decode(truncated)
+        prompt["prompt_token_ids"] = token_ids
+        return prompt, token_ids, self._build_params(request, len(token_ids), ctx)
+
+    async def _load_images(self, refs: list) -> list:
+        """The images a chat names, fetched off the event loop's critical path (aiohttp,
+        decoding on a thread) under the server's media rules; a 400 naming the reason for
+        a refused URL."""
+        if self._media is None:
+            from folio.multimodal.media_fetch import MediaFetcher
+            config = getattr(self.engine, "config", None)
+            self._media = (MediaFetcher(config.multimodal.media) if config is not None
+                           else MediaFetcher())
+        try:
+            return await self._media.load_images(refs)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from exc
 
     # ---- handler ----------------------------------------------------------------------
 
@@ -207,12 +264,14 @@ class OpenAIServingChat(ServingBase):
         response_id = with_prefix("chatcmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
         ctx = constraint_context(self.engine)
-        text, token_ids, params = await self.run_blocking(self._prepare, request, ctx)
+        rendered, token_ids = await self.run_blocking(self._render, request)
+        images = await self._load_images(rendered.images) if rendered.images else None
+        prompt, token_ids, params = await self.run_blocking(
+            self._finish_prompt, request, ctx, rendered.text, token_ids, images)
         error_kwargs = self._error_kwargs(request)
         created = int(time.time())
-        streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
-                                     [params], [response_id], request, is_disconnected,
-                                     lora_request)
+        streams = self.start_streams([prompt], [params], [response_id], request,
+                                     is_disconnected, lora_request)
         if request.stream:
             first = await self.first_output(streams, error_kwargs)
             return self._stream(request, response_id, model_name, created, token_ids, params,

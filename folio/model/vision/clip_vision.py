@@ -145,6 +145,11 @@ class LlavaVisionEncoder(nn.Module):
     def tokens_per_image(self) -> int:
         return self.spec.num_patches + (1 if self.select_strategy == "full" else 0)
 
+    @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        """One image's pixel values as the processor makes them: [channels, H, W]."""
+        return (self.spec.num_channels, self.spec.image_size, self.spec.image_size)
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         hidden = self.pre_layrnorm(self.embeddings(pixel_values))
