@@ -205,8 +205,9 @@ class RequestPreparer:
         self.info = info
         self.kv_transfer = kv_transfer
         self.multimodal = multimodal or MultiModalConfig()
-        # A vision-language model's prompt processor, made on first use.
-        self._images = None
+        # A vision-language model's prompt processor (made now: a bad --mm-processor-kwargs
+        # fails at start-up, not on the first image).
+        self._images = self._make_image_processor()
         # LoRA adapters' checks (a LoRARequest refused with a ValueError when LoRA is off).
         self.lora = LoRAChecker(lora, info.hf_config)
         self.structured_outputs_backend = structured_outputs_backend
@@ -282,17 +283,19 @@ class RequestPreparer:
 
     @property
     def image_processor(self):
-        """A vision-language model's prompt processor (None for a text model), made on first
-        use: its HF processor with --mm-processor-kwargs and the images allowed per prompt."""
+        """A vision-language model's prompt processor; None for a text model."""
+        return self._images
+
+    def _make_image_processor(self):
+        """The model's HF processor with --mm-processor-kwargs and the images allowed per
+        prompt (None for a text model)."""
         vision = getattr(self.info.hf_config, "vision_language", None)
         if vision is None:
             return None
-        if self._images is None:
-            from folio.multimodal.processing import ImagePromptProcessor
-            self._images = ImagePromptProcessor.from_pretrained(
-                self.info.source.path, vision["image_token_index"],
-                self.multimodal.limit("image"), self.multimodal.mm_processor_kwargs)
-        return self._images
+        from folio.multimodal.processing import ImagePromptProcessor
+        return ImagePromptProcessor.from_pretrained(
+            self.info.source.path, vision["image_token_index"], self.multimodal.limit("image"),
+            self.multimodal.mm_processor_kwargs)
 
     def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
         """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}) and

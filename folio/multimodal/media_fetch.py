@@ -94,7 +94,8 @@ class ImageRef:
 @dataclass
 class MediaFetcher:
     config: MediaFetchConfig = field(default_factory=MediaFetchConfig)
-    resolver: Resolver = system_resolver
+    # None: system_resolver, looked up when used (so a test can stand in for the DNS).
+    resolver: Resolver | None = None
 
     def __post_init__(self) -> None:
         self._slots: asyncio.Semaphore | None = None
@@ -123,7 +124,7 @@ class MediaFetcher:
             addresses = [host]
         except ValueError:
             try:
-                addresses = await self.resolver(host, port)
+                addresses = await (self.resolver or system_resolver)(host, port)
             except OSError as exc:
                 raise MediaFetchError(f"media URL host {host!r} does not resolve: {exc}") from None
         if not addresses:

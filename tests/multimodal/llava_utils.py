@@ -13,13 +13,19 @@ PATCH = 14
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
 
 
-def build_tiny_llava(out: str, seed: int = 11) -> str:
-    from transformers import (AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig,
-                              LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+def build_tiny_llava(out: str, seed: int = 11, tokenizer: str | None = None) -> str:
+    """A tiny random LLaVA-1.5-style model (CLIP tower, projector, Llama decoder) and its
+    processor, saved to `out`; the tokenizer is the default model's (or `tokenizer`'s) with
+    an <image> token added."""
+    from transformers import (AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+    try:
+        from transformers import CLIPImageProcessorPil     # transformers >= 5.2x
+    except ImportError:
+        from transformers import CLIPImageProcessor as CLIPImageProcessorPil
 
     from folio.model.default_model import default_model_path
-    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok = AutoTokenizer.from_pretrained(tokenizer or default_model_path())
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_token_id = tok.convert_tokens_to_ids("<image>")
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,

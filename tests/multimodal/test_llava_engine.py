@@ -93,3 +93,102 @@ def test_an_image_split_over_prefill_chunks(llava) -> None:
     assert list(out.outputs[0].token_ids) == hf_llava_greedy(model_dir, prompt, [image], 8)
     assert small.llm_engine.engine_core.executor.worker.runner.images.num_encoded == 1
     small.llm_engine.shutdown()
+
+
+def test_chat_with_images_matches_transformers(llava, tmp_path) -> None:
+    """LLM.chat with image parts (a PIL image, a data: URL, a file: URL under the allowed
+    directory): the template's <image> expanded to the image's tokens, the answer equal to
+    transformers' on the rendered prompt; file: URLs elsewhere, and more images than the
+    limit, refused."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from folio.engine.chat import render_chat
+    model_dir, llm = llava
+    image = Image.frombytes("RGB", (50, 70), bytes(range(250)) * 42)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    question = {"type": "text", "text": "What is it?"}
+    params = SamplingParams(temperature=0, max_tokens=10)
+    by_pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                           question]}]
+    by_url = [{"role": "user", "content": [{"type": "image_url",
+                                            "image_url": {"url": data_url}}, question]}]
+    outs = llm.chat([by_pil, by_url], params, use_tqdm=False)
+    text = render_chat(llm.get_tokenizer(), by_pil, image_placeholder="<image>").text
+    expected = hf_llava_greedy(model_dir, text, [image], 10)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected, expected]
+    (tmp_path / "pic.png").write_bytes(png.getvalue())
+    by_file = [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": (tmp_path / "pic.png").as_uri()}}, question]}]
+    with pytest.raises(ValueError, match="allowed-local-media-path"):
+        llm.chat(by_file, params, use_tqdm=False)
+    five = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}] * 5}]
+    with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+        llm.chat(five, params, use_tqdm=False)
+
+
+def test_a_steps_new_images_are_encoded_in_one_batch(llava) -> None:
+    from PIL import Image
+    model_dir, llm = llava
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    images = [Image.frombytes("RGB", (40 + i, 40), bytes([i * 30 + 7]) * (40 + i) * 120)
+              for i in range(3)]
+    passes, encoded = runner.images.num_passes, runner.images.num_encoded
+    prompt = "USER: <image> what is this? ASSISTANT:"
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images],
+                        SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert runner.images.num_encoded - encoded == 3
+    assert runner.images.num_passes - passes == 1
+    for image, out in zip(images, outs):
+        assert list(out.outputs[0].token_ids) == hf_llava_greedy(model_dir, prompt, [image], 4)
+
+
+def test_limits_and_processor_settings(llava, tmp_path) -> None:
+    """--limit-mm-per-prompt and --mm-processor-kwargs offline; a file: URL inside
+    allowed_local_media_path is read."""
+
+    from PIL import Image
+    model_dir, _ = llava
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        LLM(model_dir, dtype="float32", device="cpu", max_model_len=256,
+            mm_processor_kwargs={"no_such_setting": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(model_dir, dtype="float32", device="cpu", limit_mm_per_prompt={"image": -1})
+    image = Image.frombytes("RGB", (30, 30), bytes(range(90)) * 30)
+    (tmp_path / "pic.png").write_bytes(_png_bytes(image))
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=256,
+              limit_mm_per_prompt={"image": 1}, mm_processor_kwargs={"do_normalize": False},
+              allowed_local_media_path=str(tmp_path))
+    try:
+        two = {"prompt": "<image> <image>", "multi_modal_data": {"image": [image, image]}}
+        with pytest.raises(ValueError, match="1 allowed"):
+            llm.generate(two, use_tqdm=False)
+        chat = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": (tmp_path / "pic.png").as_uri()}},
+            {"type": "text", "text": "hi"}]}]
+        out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+        # the reference: transformers with the processor's normalization off
+        import torch
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        from folio.engine.chat import render_chat
+        text = render_chat(llm.get_tokenizer(), chat, image_placeholder="<image>").text
+        processor = AutoProcessor.from_pretrained(model_dir)
+        model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        inputs = processor(text=[text], images=[image], return_tensors="pt", do_normalize=False)
+        with torch.no_grad():
+            ref = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1]:].tolist()
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _png_bytes(image) -> bytes:
+    import io
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
