@@ -39,7 +39,7 @@ from folio.bench.datasets import sample_random_requests, special_token_ids
 from folio.bench.plot_support import add_plot_arg
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-DATASETS = ("random", "file")
+DATASETS = ("random", "file", "random-mm")
 # The metrics the report summarises (vLLM's names); every one is reported in milliseconds.
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {
@@ -61,6 +61,8 @@ class BenchRequest:
     prompt: str | list[int]
     prompt_len: int | None     # None when no tokenizer was used: the server's usage says
     output_len: int
+    # Images sent with a chat prompt (data URLs; --dataset random-mm).
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +151,8 @@ def build_requests(args: argparse.Namespace, tokenizer: Any, chat: bool) -> list
     changes the length anyway). File prompts are sent as text."""
     in_range = length_range(args.random_input_len, args.random_range_ratio)
     out_range = length_range(args.random_output_len, args.random_range_ratio)
+    if args.dataset == "random-mm":
+        return _image_requests(args, tokenizer, in_range, out_range)
     if args.dataset == "random":
         if tokenizer is None:
             raise ValueError("the random dataset needs a tokenizer (--tokenizer)")
@@ -173,6 +177,25 @@ def build_requests(args: argparse.Namespace, tokenizer: Any, chat: bool) -> list
         requests.append(BenchRequest(prompt=row["prompt"], prompt_len=prompt_len,
                                      output_len=row.get("output_len", out_len)))
     return requests
+
+
+def _image_requests(args: argparse.Namespace, tokenizer: Any, in_range: tuple[int, int],
+                    out_range: tuple[int, int], seed_offset: int = 0) -> list[BenchRequest]:
+    """Random text prompts, each with --random-mm-images-per-request distinct images (random
+    pixels, or --mm-image-dir's); `seed_offset` changes the texts only."""
+    from folio.bench.image_dataset import folder_image_urls, parse_size, random_image_urls
+    if tokenizer is None:
+        raise ValueError("the random-mm dataset needs a tokenizer (--tokenizer)")
+    samples = sample_random_requests(
+        args.num_prompts, in_range, out_range, len(tokenizer), seed=args.seed + seed_offset,
+        exclude_token_ids=special_token_ids(tokenizer))
+    per = args.random_mm_images_per_request
+    count = args.num_prompts * per
+    urls = (folder_image_urls(args.mm_image_dir, count) if args.mm_image_dir
+            else random_image_urls(count, parse_size(args.random_mm_image_size), args.seed))
+    return [BenchRequest(prompt=tokenizer.decode(s.prompt_token_ids), prompt_len=None,
+                         output_len=s.expected_output_len, images=urls[i * per:(i + 1) * per])
+            for i, s in enumerate(samples)]
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -241,7 +264,11 @@ def build_payload(request: BenchRequest, model: str, chat: bool, temperature: fl
         # vLLM's extra field (generate exactly max_tokens); sent only when asked, since strict
         # OpenAI-compatible servers reject unknown fields.
         payload["ignore_eos"] = True
-    if chat:
+    if chat and request.images:
+        from folio.bench.image_dataset import chat_content
+        payload["messages"] = [{"role": "user",
+                                "content": chat_content(request.prompt, request.images)}]
+    elif chat:
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         payload["prompt"] = request.prompt
@@ -594,10 +621,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS,
                       default="random",
-                      help="random: random-token prompts; file: prompts read from --dataset-path")
+                      help="random: random-token prompts; file: prompts read from --dataset-path; "
+                           "random-mm: random text with images, to a chat endpoint, sent twice "
+                           "(the second pass's images come from the encoder cache: TTFT "
+                           "reported with and without it)")
     data.add_argument("--dataset-path", default=None,
                       help="--dataset file: one prompt per line, or JSONL with a 'prompt' field")
     data.add_argument("--num-prompts", type=int, default=100, help="number of requests")
+    data.add_argument("--random-mm-images-per-request", type=int, default=1,
+                      help="--dataset random-mm: images per chat request")
+    data.add_argument("--random-mm-image-size", default="336x336", metavar="WxH",
+                      help="--dataset random-mm: size of the generated random-pixel images")
+    data.add_argument("--mm-image-dir", default=None, metavar="DIR",
+                      help="--dataset random-mm: send this folder's images (PNG, JPEG, WebP) "
+                           "instead of generated ones")
     data.add_argument("--random-input-len", type=int, default=256,
                       help="prompt tokens of a random request")
     data.add_argument("--random-output-len", type=int, default=128,
@@ -642,6 +679,12 @@ def _validate(args: argparse.Namespace) -> None:
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     arrival_offsets(1, args.request_rate, args.burstiness)   # validates rate and burstiness
+    if args.dataset == "random-mm":
+        if not is_chat_endpoint(args.endpoint):
+            raise ValueError("--dataset random-mm sends images: use --endpoint "
+                             "/v1/chat/completions")
+        if not 1 <= args.random_mm_images_per_request <= 64:
+            raise ValueError("--random-mm-images-per-request must be in [1, 64]")
 
 
 def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
@@ -653,9 +696,27 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
 
     results, duration, model, peak = asyncio.run(benchmark(args, requests))
     report = build_report(args, requests, results, duration, model, peak, percentiles)
+    if args.dataset == "random-mm":
+        # The same images with other texts: each image is in the server's encoder cache
+        # (if it holds them all), no prefix is shared with the first pass.
+        warm_requests = _image_requests(args, _tokenizer_of(args, tokenizer),
+                                        length_range(args.random_input_len,
+                                                     args.random_range_ratio),
+                                        length_range(args.random_output_len,
+                                                     args.random_range_ratio), seed_offset=1)
+        warm, warm_duration, _, _ = asyncio.run(benchmark(args, warm_requests, model))
+        report["encoder_cache"] = {
+            "images_per_request": args.random_mm_images_per_request,
+            "without": _ttft_summary(results, duration, percentiles),
+            "with": _ttft_summary(warm, warm_duration, percentiles)}
 
     if not args.quiet:
         print_report({**report, "request_rate": float(args.request_rate)}, percentiles)
+        if "encoder_cache" in report:
+            cache = report["encoder_cache"]
+            for label, key in (("without", "without"), ("with", "with")):
+                print(f"{'TTFT ' + label + ' the encoder cache (median ms):':<50} "
+                      f"{cache[key]['median_ttft_ms']:.2f}")
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
@@ -665,14 +726,26 @@ def run(args: argparse.Namespace, *, tokenizer: Any = None) -> dict[str, Any]:
     return report
 
 
+def _tokenizer_of(args: argparse.Namespace, tokenizer: Any) -> Any:
+    return tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer)
+
+
+def _ttft_summary(results: Sequence[RequestResult], duration: float,
+                  percentiles: Sequence[float]) -> dict[str, Any]:
+    """One pass's TTFT figures and its failures (random-mm's encoder-cache comparison)."""
+    metrics = compute_metrics(results, duration, percentiles)
+    return {k: v for k, v in metrics.items() if k.endswith("_ttft_ms")
+            or k in ("completed", "failed", "total_input_tokens")}
+
+
 def prepare_requests(args: argparse.Namespace, tokenizer: Any = None) -> list[BenchRequest]:
     """The run's requests (also each value's of `folio bench sweep serve`): --ignore-eos
     resolved (on for random data), the tokenizer loaded when needed (random data or an
     explicit path; `tokenizer` overrides it)."""
     chat = is_chat_endpoint(args.endpoint)
     if args.ignore_eos is None:
-        args.ignore_eos = args.dataset == "random"
-    if tokenizer is None and (args.dataset == "random" or args.tokenizer):
+        args.ignore_eos = args.dataset in ("random", "random-mm")
+    if tokenizer is None and (args.dataset in ("random", "random-mm") or args.tokenizer):
         tokenizer = load_tokenizer(args.tokenizer)
     return build_requests(args, tokenizer, chat)
 

@@ -202,3 +202,35 @@ def test_allowed_hosts_redirects_bounds_and_local_files(model_dir, tmp_path) -> 
         assert two.status_code == 200, two.text
         assert two.json()["usage"]["prompt_tokens"] > 2 * TOKENS_PER_IMAGE
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_bench_serve_with_images_reports_ttft_with_and_without_the_encoder_cache(
+        model_dir, tmp_path) -> None:
+    """`folio bench serve --dataset random-mm` against the server: both passes complete, and
+    the report carries TTFT without the encoder cache (first sight of each image) and with
+    it (the same images, other texts)."""
+    import argparse
+
+    from folio.bench.serve import add_cli_args, run
+    with RemoteServer([model_dir, *_ARGS]) as server:
+        parser = argparse.ArgumentParser()
+        add_cli_args(parser)
+        out = tmp_path / "mm.json"
+        args = parser.parse_args([
+            "--base-url", server.url, "--endpoint", "/v1/chat/completions",
+            "--dataset", "random-mm", "--num-prompts", "4", "--random-input-len", "8",
+            "--random-output-len", "4", "--random-mm-image-size", "64x48",
+            "--random-mm-images-per-request", "2", "--tokenizer", model_dir,
+            "--disable-tqdm", "--quiet", "--output-json", str(out)])
+        report = run(args)
+        cache = report["encoder_cache"]
+        assert report["completed"] == 4 and report["failed"] == 0, report["errors"]
+        assert cache["without"]["completed"] == cache["with"]["completed"] == 4
+        assert cache["with"]["median_ttft_ms"] > 0 and cache["without"]["median_ttft_ms"] > 0
+        # each request's two images' tokens are counted in the server's usage
+        assert cache["without"]["total_input_tokens"] > 4 * 2 * TOKENS_PER_IMAGE
+        assert json.loads(out.read_text())["encoder_cache"]["images_per_request"] == 2
+        bad = parser.parse_args(["--base-url", server.url, "--dataset", "random-mm",
+                                 "--tokenizer", model_dir])
+        with pytest.raises(ValueError, match="chat/completions"):
+            run(bad)
