@@ -12,3 +12,6 @@ class ImageInputData(msgspec.Struct, array_like=True, gc=False):
     length: int          # its placeholder tokens (= the encoder's features for it)
     shape: list[int]     # of the pixel values
     pixel_values: bytes
+    # Qwen2-VL: the image's patch grid [t, h, w] (the encoder's input layout and the
+    # M-RoPE positions of its tokens); None for fixed-size encoders (LLaVA).
+    grid_thw: list[int] | None = None

@@ -295,7 +295,7 @@ class RequestPreparer:
         from folio.multimodal.processing import ImagePromptProcessor
         return ImagePromptProcessor.from_pretrained(
             self.info.source.path, vision["image_token_index"], self.multimodal.limit("image"),
-            self.multimodal.mm_processor_kwargs)
+            self.multimodal.mm_processor_kwargs, kind=vision["kind"])
 
     def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
         """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}) and
@@ -326,7 +326,9 @@ class RequestPreparer:
             raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with "
                              "one image placeholder per image) or 'prompt_token_ids'")
         mm = [ImageInputData(i.content_hash, i.offset, i.length, list(i.pixel_values.shape),
-                             i.pixel_values.astype("<f4").tobytes()) for i in inputs]
+                             i.pixel_values.astype("<f4").tobytes(),
+                             None if i.grid_thw is None else list(i.grid_thw))
+              for i in inputs]
         return {"prompt": text, "prompt_token_ids": token_ids}, mm
 
     def _check_no_image_tokens(self, token_ids: list[int]) -> None:

@@ -194,7 +194,7 @@ class LLM(PoolingAPI):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
-                image_placeholder=None if processor is None else processor.image_token,
+                image_placeholder=None if processor is None else processor.chat_placeholder,
                 max_images=None if processor is None else processor.max_images)
             # The template already holds the special tokens (BOS and so on).
             ids = tokenizer.encode(rendered.text, add_special_tokens=False)

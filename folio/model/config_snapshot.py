@@ -90,6 +90,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         items = {str(k): _plain(v) for k, v in value.items()}
         return _MISSING if any(v is _MISSING for v in items.values()) else items
+    if isinstance(value, type):     # a class (e.g. a config's sub_configs map): not data
+        return _MISSING
     if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
         return str(value).removeprefix("torch.")
     if hasattr(value, "to_dict") and hasattr(type(value), "model_type"):   # a sub-config

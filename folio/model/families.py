@@ -436,9 +436,10 @@ def _sequence_classifier(arch: str) -> Callable[[Any], ArchSpec] | None:
 # Vision-language models (issue 24): a vision encoder in front of one of the decoders above.
 # The decoder paths read the text config (`decoder_config`); the vision part is described in
 # its `vision_language` attribute.
-VISION_LANGUAGE_ARCHS = {"LlavaForConditionalGeneration": "llava"}
+VISION_LANGUAGE_ARCHS = {"LlavaForConditionalGeneration": "llava",
+                         "Qwen2VLForConditionalGeneration": "qwen2_vl"}
 _DECODER_ARCH_OF_TEXT_MODEL = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM"}
+                               "qwen2": "Qwen2ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM"}
 
 
 def decoder_config(cfg: Any) -> Any:
@@ -458,14 +459,24 @@ def decoder_config(cfg: Any) -> Any:
                          f"decoder is not supported; decoders: "
                          f"{sorted(_DECODER_ARCH_OF_TEXT_MODEL)}")
     text.architectures = [arch]
-    text.vision_language = {
-        "kind": kind, "architecture": architectures[0],
-        "image_token_index": cfg.image_token_index,
-        "vision_feature_layer": cfg.vision_feature_layer,
-        "vision_feature_select_strategy": cfg.vision_feature_select_strategy,
-        "projector_hidden_act": getattr(cfg, "projector_hidden_act", "gelu"),
-        "multimodal_projector_bias": getattr(cfg, "multimodal_projector_bias", True),
-        "vision_config": cfg.vision_config}
+    vision = {"kind": kind, "architecture": architectures[0],
+              "vision_config": cfg.vision_config}
+    if kind == "llava":
+        vision.update(
+            image_token_index=cfg.image_token_index,
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+            projector_hidden_act=getattr(cfg, "projector_hidden_act", "gelu"),
+            multimodal_projector_bias=getattr(cfg, "multimodal_projector_bias", True))
+    else:
+        # Qwen2-VL: images between <|vision_start|> and <|vision_end|>; positions in three
+        # rows (M-RoPE: time, height, width) over sections of the rotary frequencies
+        vision.update(
+            image_token_index=cfg.image_token_id,
+            vision_start_token_id=cfg.vision_start_token_id,
+            vision_end_token_id=getattr(cfg, "vision_end_token_id", None),
+            spatial_merge_size=cfg.vision_config.spatial_merge_size)
+    text.vision_language = vision
     return text
 
 
@@ -475,7 +486,7 @@ def decoder_config(cfg: Any) -> Any:
 _DECODER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                      ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                    "multi_modal_projector.")
+                    "multi_modal_projector.", "model.visual.", "visual.")
 
 
 def decoder_weight_name(name: str) -> str | None:

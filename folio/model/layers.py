@@ -113,6 +113,32 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * found.attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * found.attention_scaling, persistent=False)
+        # M-RoPE (Qwen2-VL): positions come in three rows (time, height, width), and each
+        # section of the frequencies turns by its own row; the column -> row map
+        section = params.get("mrope_section")
+        self.register_buffer("mrope_rows", None, persistent=False)
+        if section:
+            rows = [i % 3 for i, width in enumerate(section) for _ in range(int(width))]
+            if len(rows) != rotary_dim // 2:
+                raise ValueError(f"mrope_section {section} does not cover the "
+                                 f"{rotary_dim // 2} rotary frequencies")
+            self.register_buffer("mrope_rows", torch.tensor(rows + rows), persistent=False)
+
+    def _forward_mrope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       q_norm: "RMSNorm | None", k_norm: "RMSNorm | None"):
+        if self.mrope_rows is None:
+            raise ValueError("positions in three rows need an M-RoPE model (mrope_section)")
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        rows = self.mrope_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, rows)[0].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].gather(0, rows)[0].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+        q_rot = q[..., :r] * cos + self._rotate_half(q[..., :r]) * sin
+        k_rot = k[..., :r] * cos + self._rotate_half(k[..., :r]) * sin
+        if r == q.shape[-1]:
+            return q_rot, k_rot
+        return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +148,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         """q [T, H, D], k [T, KVH, D]. With q_norm/k_norm (Qwen3), each head is normalized
-        before rotation (one fused launch on CUDA)."""
+        before rotation (one fused launch on CUDA). `positions`: [T], or [3, T] for M-RoPE
+        (a step with images' tokens; each frequency section reads its row)."""
+        if positions.dim() == 2:
+            return self._forward_mrope(positions, q, k, q_norm, k_norm)
         if fused_kernels_on(q, self.kernels):
             from folio.model.kernels.rotary import apply_rotary
             pdl = self.kernels.pdl_on

@@ -74,7 +74,8 @@ class ImagePromptProcessor:
         self.processor_kwargs = dict(processor_kwargs or {})
         self._recent: OrderedDict[str, dict] = OrderedDict()
         images = getattr(processor, "image_processor", None)
-        unknown = [k for k in self.processor_kwargs if not hasattr(images, k)]
+        known = getattr(processor, "call_kwargs", ())
+        unknown = [k for k in self.processor_kwargs if not hasattr(images, k) and k not in known]
         if unknown:
             raise ValueError(f"mm_processor_kwargs: {unknown} are not settings of this model's "
                              f"image processor ({type(images).__name__})")
@@ -82,14 +83,27 @@ class ImagePromptProcessor:
     @classmethod
     def from_pretrained(cls, path: str, image_token_id: int,
                         max_images: int = DEFAULT_IMAGES_PER_PROMPT,
-                        processor_kwargs: dict | None = None) -> "ImagePromptProcessor":
-        from transformers import AutoProcessor
-        return cls(AutoProcessor.from_pretrained(path), image_token_id, max_images,
-                   processor_kwargs)
+                        processor_kwargs: dict | None = None,
+                        kind: str = "llava") -> "ImagePromptProcessor":
+        """`kind`: the model's (families.VISION_LANGUAGE_ARCHS): Qwen2-VL's processor is
+        Qwen2VLProcessorAdapter (transformers' own loads a video processor that needs
+        torchvision), any other the model's AutoProcessor."""
+        if kind == "qwen2_vl":
+            processor = Qwen2VLProcessorAdapter.from_pretrained(path)
+        else:
+            from transformers import AutoProcessor
+            processor = AutoProcessor.from_pretrained(path)
+        return cls(processor, image_token_id, max_images, processor_kwargs)
 
     @property
     def image_token(self) -> str:
         return self.processor.image_token
+
+    @property
+    def chat_placeholder(self) -> str:
+        """What a chat's image part becomes in the template's text (Qwen2-VL wraps the
+        image token in <|vision_start|> ... <|vision_end|>)."""
+        return getattr(self.processor, "chat_placeholder", self.image_token)
 
     def _check_count(self, count: int) -> None:
         if count > self.max_images:
@@ -184,3 +198,59 @@ class ImagePromptProcessor:
         return [ImageInput(image_content_hash(image), offset, length,
                            np.ascontiguousarray(values), grid)
                 for image, (offset, length), values, grid in zip(images, runs, per_image, grids)]
+
+
+class Qwen2VLProcessorAdapter:
+    """Qwen2-VL's processor for images, as transformers' Qwen2VLProcessor computes it: the
+    model's own image processor (resize to multiples of 28 within min/max pixels,
+    normalize, patch; its PIL backend) for the pixel values and patch grids, and each
+    <|image_pad|> in the text expanded to grid t*h*w / merge^2 image tokens. Called like an
+    HF processor (text, images, return_tensors, add_special_tokens)."""
+
+    image_token = "<|image_pad|>"
+    chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    # --mm-processor-kwargs names beside the image processor's attributes (vLLM's and
+    # Qwen's documented min/max pixels)
+    call_kwargs = ("min_pixels", "max_pixels")
+
+    def __init__(self, image_processor: Any, tokenizer: Any) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Qwen2VLProcessorAdapter":
+        from transformers import AutoTokenizer
+        try:
+            from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+        except ImportError:          # transformers before the PIL backends
+            from transformers import Qwen2VLImageProcessor as ImageProcessor
+        return cls(ImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+
+    def __call__(self, text: list[str], images: list | None = None, return_tensors: str = "np",
+                 add_special_tokens: bool = True, **kwargs: Any) -> dict:
+        out: dict = {}
+        text = list(text)
+        if images:
+            size = kwargs.pop("size", None)
+            lo, hi = kwargs.pop("min_pixels", None), kwargs.pop("max_pixels", None)
+            if lo is not None or hi is not None:
+                current = self.image_processor.size
+                size = {"shortest_edge": lo if lo is not None else current["shortest_edge"],
+                        "longest_edge": hi if hi is not None else current["longest_edge"]}
+            if size is not None:
+                kwargs["size"] = size
+            pixels = self.image_processor(images=images, return_tensors="np", **kwargs)
+            out["pixel_values"] = pixels["pixel_values"]
+            out["image_grid_thw"] = pixels["image_grid_thw"]
+            merge = self.image_processor.merge_size ** 2
+            counts = iter(int(np.prod(g)) // merge for g in pixels["image_grid_thw"])
+            marker = "\0image\0"
+            expanded = []
+            for piece in text:
+                while self.image_token in piece:
+                    piece = piece.replace(self.image_token, marker * next(counts), 1)
+                expanded.append(piece.replace(marker, self.image_token))
+            text = expanded
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        out["input_ids"] = np.asarray(ids, dtype=np.int64)
+        return out

@@ -1,8 +1,9 @@
 """The input embeddings of a step whose tokens include image placeholders (a vision-language
 model, issue 24): the tokens' embeddings, with each image's features written over its
 placeholder tokens. The step's images not yet encoded run through the encoder together, in
-batches of at most `max_batch` (the batch the start-up memory profile measured, so the
-encoder never peaks above what the KV cache was sized around). Features are kept per image
+passes of at most `max_pass_tokens` features (one image at least: the pass the start-up
+memory profile measured, so the encoder never peaks above what the KV cache was sized
+around). Features are kept per image
 content (the encoder-output cache, keyed by the image's hash, bounded in entries) and sliced
 when chunked prefill splits an image's tokens over steps."""
 from __future__ import annotations
@@ -20,20 +21,22 @@ from folio.core.step_messages import SchedulerOutput
 ENCODER_CACHE_ENTRIES = 64
 
 
-def max_encoder_batch(max_step_tokens: int, tokens_per_image: int, images_per_prompt: int,
-                      max_num_seqs: int) -> int:
-    """Images encoded in one pass: as many as one step's token budget holds whole (at least
-    one), and never more than the step's requests may carry."""
-    by_tokens = max(1, math.ceil(max_step_tokens / max(1, tokens_per_image)))
-    return max(1, min(by_tokens, max(1, images_per_prompt) * max_num_seqs))
+def max_encoder_tokens(max_step_tokens: int, largest_image_tokens: int,
+                       images_per_prompt: int, max_num_seqs: int) -> int:
+    """Features one encoder pass makes at most: the whole images one step's token budget
+    holds (at least one of the largest), and never more than the step's requests may
+    carry."""
+    largest = max(1, largest_image_tokens)
+    by_tokens = max(1, math.ceil(max_step_tokens / largest))
+    return largest * max(1, min(by_tokens, max(1, images_per_prompt) * max_num_seqs))
 
 
 class ImageEmbedder:
-    def __init__(self, encoder: torch.nn.Module, device: torch.device, max_batch: int = 1,
-                 max_entries: int = ENCODER_CACHE_ENTRIES) -> None:
+    def __init__(self, encoder: torch.nn.Module, device: torch.device,
+                 max_pass_tokens: int = 1, max_entries: int = ENCODER_CACHE_ENTRIES) -> None:
         self.encoder = encoder
         self.device = device
-        self.max_batch = max_batch
+        self.max_pass_tokens = max_pass_tokens
         self.max_entries = max_entries
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_encoded = 0      # images run through the encoder (for tests and logs)
@@ -62,24 +65,27 @@ class ImageEmbedder:
             image.shape).copy())
 
     def _encode(self, images: list) -> dict[str, torch.Tensor]:
-        """Features of `images` (distinct contents), encoded in batches of equal pixel shape
-        and at most max_batch."""
+        """Features of `images` (distinct contents), in passes of at most max_pass_tokens
+        features (one image at least)."""
         dtype = next(self.encoder.parameters()).dtype
-        by_shape: dict[tuple, list] = {}
-        for image in images:
-            by_shape.setdefault(tuple(image.shape), []).append(image)
         out: dict[str, torch.Tensor] = {}
-        for group in by_shape.values():
-            for i in range(0, len(group), self.max_batch):
-                batch = group[i:i + self.max_batch]
-                pixels = torch.stack([self._pixels(image) for image in batch])
-                features = self.encoder(pixels.to(self.device, dtype))
-                self.num_passes += 1
-                for image, feature in zip(batch, features):
-                    if feature.shape[0] != image.length:
-                        raise ValueError(f"the image encoder made {feature.shape[0]} features "
-                                         f"for {image.length} placeholder tokens")
-                    out[image.content_hash] = feature
+        passes: list[list] = [[]]
+        tokens = 0
+        for image in images:
+            if passes[-1] and tokens + image.length > self.max_pass_tokens:
+                passes.append([])
+                tokens = 0
+            passes[-1].append(image)
+            tokens += image.length
+        for batch in passes:
+            pixels = [self._pixels(image).to(self.device, dtype) for image in batch]
+            features = self.encoder.encode_batch(pixels, [image.grid_thw for image in batch])
+            self.num_passes += 1
+            for image, feature in zip(batch, features):
+                if feature.shape[0] != image.length:
+                    raise ValueError(f"the image encoder made {feature.shape[0]} features "
+                                     f"for {image.length} placeholder tokens")
+                out[image.content_hash] = feature
         self.num_encoded += len(out)
         return out
 
@@ -116,13 +122,11 @@ class ImageEmbedder:
         return hidden
 
     def profile(self) -> torch.Tensor:
-        """The encoder on a full batch of blank images (start-up memory profiling), and a
-        full encoder-output cache's worth of features: to be held while the decoder's
+        """The encoder on its largest pass of blank images (start-up memory profiling), and
+        a full encoder-output cache's worth of features: to be held while the decoder's
         profile pass runs, as a step holds them."""
-        dtype = next(self.encoder.parameters()).dtype
-        pixels = torch.zeros((self.max_batch, *self.encoder.pixel_shape), dtype=dtype,
-                             device=self.device)
-        features = self.encoder(pixels)
-        cache = features.new_empty((max(0, self.max_entries - self.max_batch),
-                                    *features.shape[1:]))
-        return torch.cat([features, cache]) if len(cache) else features
+        pixels, grids = self.encoder.profile_batch(self.max_pass_tokens)
+        features = torch.cat(self.encoder.encode_batch(pixels, grids))
+        largest = self.encoder.largest_image_tokens
+        cache = features.new_empty((self.max_entries * largest, features.shape[-1]))
+        return torch.cat([features, cache])

@@ -24,7 +24,7 @@ class RequestState:
 
     __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
                  "parked_tokens", "pooling_params", "token_type_ids", "lora_request",
-                 "mm_inputs")
+                 "mm_inputs", "mrope")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
@@ -43,6 +43,9 @@ class RequestState:
         self.lora_request = new.lora_request
         # Its images (None: none): their features go in at their placeholder tokens.
         self.mm_inputs = new.mm_inputs
+        # M-RoPE models: its prompt's positions in three rows and the offset of the tokens
+        # after them (ModelRunner._mrope_positions fills it on first use).
+        self.mrope: tuple[np.ndarray, int] | None = None
 
 
 class InputBatch:

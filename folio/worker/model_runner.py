@@ -73,6 +73,9 @@ class ModelRunner:
         # A vision-language model's image embeddings (worker/image_embeds.py); None = text.
         self.images: ImageEmbedder | None = None
         self.encoder_profile_bytes: int | None = None   # set by a CUDA profile run
+        # An M-RoPE model's (Qwen2-VL's) spatial merge size: requests with images take
+        # positions in three rows (multimodal/mrope.py); None = plain positions.
+        self.mrope_merge: int | None = None
 
     def _eager_inputs(self, step: SchedulerOutput):
         buf = self._eager_buffers
@@ -203,6 +206,33 @@ class ModelRunner:
         self.sampler(logits, [SamplingState(p) for p in params],
                      SamplingColumns.from_params(params))
 
+    def _mrope_positions(self, step: SchedulerOutput) -> torch.Tensor | None:
+        """[3, T] positions of the step's tokens when one of its requests has images on an
+        M-RoPE model (its prompt's from the table, its later tokens offset by the table's
+        delta; other requests' rows alike); None when no request needs them."""
+        from folio.multimodal.mrope import mrope_positions
+        requests = self.input_batch.requests
+        chunks = []
+        needed = False
+        for rid, n in step.num_scheduled_tokens.items():
+            state = requests[rid]
+            index = np.arange(state.num_computed_tokens, state.num_computed_tokens + n)
+            if not state.mm_inputs:
+                chunks.append(np.broadcast_to(index, (3, n)))
+                continue
+            needed = True
+            if state.mrope is None:
+                state.mrope = mrope_positions(
+                    state.num_prompt_tokens,
+                    [(m.offset, m.length, m.grid_thw) for m in state.mm_inputs],
+                    self.mrope_merge)
+            table, delta = state.mrope
+            inside = np.minimum(index, table.shape[1] - 1)
+            chunks.append(np.where(index < table.shape[1], table[:, inside], index + delta))
+        if not needed:
+            return None
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(chunks, axis=1)))
+
     def _profile_images(self) -> torch.Tensor:
         """The image encoder's profile pass; on CUDA its own peak above what was allocated
         before it is kept in `encoder_profile_bytes` (for the start-up message)."""
@@ -252,7 +282,8 @@ class ModelRunner:
         # a step that runs image placeholder tokens takes input embeddings: eager
         image_spans = (self.images.spans(step, self.input_batch.requests)
                        if self.images is not None else None)
-        if image_spans:
+        mrope = self._mrope_positions(step) if self.mrope_merge is not None else None
+        if image_spans or mrope is not None:
             graphs = mixed = None
         if graphs is not None and graphs.can_run(step):
             hidden, query_start_loc = graphs.run(step, batch, self._prev_rows,
@@ -262,6 +293,8 @@ class ModelRunner:
                                                 self._fill_pending_inputs)
         else:
             eager_inputs = input_ids, positions, meta = self._eager_inputs(step)
+            if mrope is not None:
+                positions = mrope.to(positions.device, non_blocking=self._pin)
             meta.calculate_kv_scales = self.calculate_kv_scales
             self.calculate_kv_scales = False   # once
             if self.takes_token_types:

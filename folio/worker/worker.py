@@ -190,8 +190,9 @@ class Worker:
             self.lora = LoRAManager(self.model, self.spec, config.lora, self.dtype, self.device,
                                     max(sched.max_num_batched_tokens, sched.max_num_seqs))
         # A vision-language model's image encoder (None for a text model).
+        self.hf_config_vision = getattr(hf_config, "vision_language", None)
         self.vision_encoder = self._load_vision_encoder(source, hf_config)
-        # (images, bytes) of the encoder's pass in the memory profile, once measured.
+        # (image tokens, bytes) of the encoder's pass in the memory profile, once measured.
         self.encoder_profile: tuple[int, int] | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # weight copies still in flight belong here
@@ -430,7 +431,7 @@ class Worker:
         runner = self._new_runner(scratch)
         runner.profile_run(num_tokens, self.config.scheduler.max_num_seqs)
         if runner.encoder_profile_bytes is not None:
-            self.encoder_profile = (runner.images.max_batch, runner.encoder_profile_bytes)
+            self.encoder_profile = (runner.images.max_pass_tokens, runner.encoder_profile_bytes)
         del runner, scratch
         return num_blocks * bytes_per_block(self.kv_spec, cache.block_size, self.kv_cache_dtype)
 
@@ -441,10 +442,10 @@ class Worker:
             return ""
         if self.encoder_profile is None:
             return " (the vision encoder's batch included)"
-        images, peak = self.encoder_profile
-        return (f" (the vision encoder's {peak / 2**30:.2f} GiB for a batch of {images} "
-                "images included; lower --limit-mm-per-prompt or --max-num-batched-tokens "
-                "to shrink it)")
+        tokens, peak = self.encoder_profile
+        return (f" (the vision encoder's {peak / 2**30:.2f} GiB for a pass of {tokens} image "
+                "tokens included; lower --limit-mm-per-prompt, --max-num-batched-tokens or "
+                "the processor's max_pixels to shrink it)")
 
     def _load_vision_encoder(self, source, hf_config):
         vision = getattr(hf_config, "vision_language", None)
@@ -454,15 +455,10 @@ class Worker:
             raise ValueError("vision-language models run on one worker (no tensor or "
                              "pipeline parallelism) yet")
         from folio.model.loader import iter_checkpoint_weights
-        from folio.model.vision.clip_vision import (ClipVisionSpec, LlavaVisionEncoder,
-                                                    load_llava_vision)
-        encoder = LlavaVisionEncoder(
-            ClipVisionSpec.from_hf(vision["vision_config"]), self.spec.hidden_size,
-            vision["vision_feature_layer"], vision["vision_feature_select_strategy"],
-            vision["projector_hidden_act"], vision["multimodal_projector_bias"])
-        missing = load_llava_vision(encoder, iter_checkpoint_weights(source))
-        if missing:
-            raise ValueError(f"the checkpoint lacks the vision encoder's {missing[:3]}")
+        from folio.model.vision import build_vision_encoder
+        encoder = build_vision_encoder(vision, self.spec.hidden_size, source.path,
+                                       iter_checkpoint_weights(source),
+                                       self.config.multimodal.mm_processor_kwargs)
         return encoder.to(self.device, self.dtype).eval()
 
     def _new_runner(self, kv_caches: list[torch.Tensor],
@@ -479,10 +475,13 @@ class Worker:
             runner.pooling = PoolingRunner(self.model.pooler, self.config.pooling.pooling_type)
         runner.lora = self.lora
         if self.vision_encoder is not None:
-            from folio.worker.image_embeds import ImageEmbedder, max_encoder_batch
-            runner.images = ImageEmbedder(self.vision_encoder, self.device, max_encoder_batch(
-                sched.max_num_batched_tokens, self.vision_encoder.tokens_per_image,
+            from folio.worker.image_embeds import ImageEmbedder, max_encoder_tokens
+            runner.images = ImageEmbedder(self.vision_encoder, self.device, max_encoder_tokens(
+                sched.max_num_batched_tokens, self.vision_encoder.largest_image_tokens,
                 self.config.multimodal.limit("image"), sched.max_num_seqs))
+            vision = self.hf_config_vision
+            if vision["kind"] == "qwen2_vl":
+                runner.mrope_merge = vision["spatial_merge_size"]
         return runner
 
     def _capture_decode_graphs(self):

@@ -36,16 +36,16 @@ def _image(seed: int, size=(64, 48)):
 
 def test_images_on_cuda_match_transformers_and_the_encoder_is_profiled(model_dir) -> None:
     from folio import LLM, SamplingParams
-    from folio.worker.image_embeds import max_encoder_batch
+    from folio.worker.image_embeds import max_encoder_tokens
     llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=256,
               gpu_memory_utilization=0.5, limit_mm_per_prompt={"image": 2})
     try:
         worker = llm.llm_engine.engine_core.executor.worker
-        images, peak = worker.encoder_profile
+        tokens, peak = worker.encoder_profile
         sched = llm.llm_engine.config.scheduler
-        assert images == max_encoder_batch(sched.max_num_batched_tokens,
-                                           worker.vision_encoder.tokens_per_image, 2,
-                                           sched.max_num_seqs)
+        assert tokens == max_encoder_tokens(sched.max_num_batched_tokens,
+                                            worker.vision_encoder.largest_image_tokens, 2,
+                                            sched.max_num_seqs)
         assert peak > 0
         a, b = _image(1), _image(2, (30, 90))
         cases = [("USER: <image> what is this? ASSISTANT:", [a]),

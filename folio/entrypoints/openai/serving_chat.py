@@ -164,7 +164,7 @@ class OpenAIServingChat(ServingBase):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=request.tools or None, chat_template_kwargs=request.chat_template_kwargs,
-                image_placeholder=None if processor is None else processor.image_token,
+                image_placeholder=None if processor is None else processor.chat_placeholder,
                 max_images=None if processor is None else processor.max_images)
         except ValueError as exc:
             no_template = "no chat template" in str(exc)

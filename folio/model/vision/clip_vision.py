@@ -146,9 +146,28 @@ class LlavaVisionEncoder(nn.Module):
         return self.spec.num_patches + (1 if self.select_strategy == "full" else 0)
 
     @property
-    def pixel_shape(self) -> tuple[int, int, int]:
-        """One image's pixel values as the processor makes them: [channels, H, W]."""
-        return (self.spec.num_channels, self.spec.image_size, self.spec.image_size)
+    def largest_image_tokens(self) -> int:
+        return self.tokens_per_image        # every image is resized to one size
+
+    def encode_batch(self, pixels: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
+        """Each image's features; images of one pixel shape run as one batch."""
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, p in enumerate(pixels):
+            by_shape.setdefault(tuple(p.shape), []).append(i)
+        for indices in by_shape.values():
+            features = self(torch.stack([pixels[i] for i in indices]))
+            for i, feature in zip(indices, features):
+                out[i] = feature
+        return out
+
+    def profile_batch(self, tokens: int) -> tuple[list[torch.Tensor], list]:
+        """Blank images, `tokens` features in all (at least one), for the memory profile."""
+        weight = self.linear_1.weight
+        count = max(1, tokens // self.tokens_per_image)
+        shape = (self.spec.num_channels, self.spec.image_size, self.spec.image_size)
+        return [torch.zeros(shape, dtype=weight.dtype, device=weight.device)] * count, \
+            [None] * count
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Qwen2-VL's vision transformer (issue 24): an image's patches (each a temporal pair of
+14 x 14 RGB squares, flattened by the processor) -> one feature per 2 x 2 block of patches, in
+the decoder's hidden size.
+
+Patches are embedded by a linear map (the checkpoint's Conv3d, whose kernel equals its
+stride, is one); each block adds 2D rotary positions (the patch's row on the first quarter
+of each head's frequencies, its column on the second) to bidirectional attention that sees
+only its own image's patches; the merger concatenates each 2 x 2 block (the processor lays
+patches out block by block) and projects it. Images of any size batch together: their
+patches are concatenated, attention runs per image. Parameter names follow transformers'
+Qwen2VisionTransformerPretrainedModel, so checkpoints load by name (`load_qwen2_vision`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from folio.model.vision.clip_vision import _activation
+
+
+@dataclass(frozen=True)
+class Qwen2VisionSpec:
+    depth: int
+    embed_dim: int
+    out_hidden_size: int        # the decoder's hidden size (the merger's output)
+    num_heads: int
+    mlp_ratio: float
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10000.0
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "Qwen2VisionSpec":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        return cls(cfg.depth, cfg.embed_dim, cfg.hidden_size, cfg.num_heads, cfg.mlp_ratio,
+                   cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
+                   getattr(cfg, "in_channels", getattr(cfg, "in_chans", 3)), cfg.hidden_act,
+                   float(rope.get("rope_theta", 10000.0)))
+
+
+def patch_positions(grid: Sequence[int], merge: int) -> torch.Tensor:
+    """[patches, 2] (row, column) of an image's patches in the processor's order: frames,
+    then merge x merge blocks row-major, then the patches of a block row-major."""
+    t, h, w = grid
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+    rows = rows.permute(0, 2, 1, 3).reshape(-1)
+    cols = cols.permute(0, 2, 1, 3).reshape(-1)
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: Qwen2VisionSpec) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim)
+        self.proj = nn.Linear(spec.embed_dim, spec.embed_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                lengths: list[int]) -> torch.Tensor:
+        n, d = x.shape
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, d // self.num_heads).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = []
+        start = 0
+        for length in lengths:                     # each image sees only its own patches
+            part = slice(start, start + length)
+            out.append(F.scaled_dot_product_attention(
+                q[part].transpose(0, 1), k[part].transpose(0, 1),
+                v[part].transpose(0, 1)).transpose(0, 1))
+            start += length
+        return self.proj(torch.cat(out).reshape(n, d))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, halves rotated, computed in float32 as transformers does."""
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(dtype)
+
+
+class _Block(nn.Module):
+    def __init__(self, spec: Qwen2VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(spec.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(spec.embed_dim, eps=1e-6)
+        self.attn = _Attention(spec)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(spec.embed_dim, int(spec.embed_dim * spec.mlp_ratio))
+        self.mlp.fc2 = nn.Linear(int(spec.embed_dim * spec.mlp_ratio), spec.embed_dim)
+        self.act = _activation(spec.hidden_act)
+
+    def forward(self, x, cos, sin, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+
+
+class Qwen2VisionEncoder(nn.Module):
+    """Patches [patches, patch_dim] of one or more images (their grids [t, h, w] in
+    patches) -> features [patches / merge^2, decoder hidden]."""
+
+    def __init__(self, spec: Qwen2VisionSpec, largest_patches: int = 16384) -> None:
+        """`largest_patches`: the most patches the processor makes of one image (its
+        max_pixels / 14^2), for the memory profile."""
+        super().__init__()
+        self.spec = spec
+        merge = spec.spatial_merge_size ** 2
+        self.largest_image_tokens = max(1, largest_patches // merge)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(spec.patch_dim, spec.embed_dim, bias=False)
+        self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
+        merged = spec.embed_dim * spec.spatial_merge_size ** 2
+        self.merger = nn.Module()
+        self.merger.ln_q = nn.LayerNorm(spec.embed_dim, eps=1e-6)
+        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(),
+                                        nn.Linear(merged, spec.out_hidden_size))
+        head_dim = spec.embed_dim // spec.num_heads
+        quarter = head_dim // 2
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32)
+                                              / quarter))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def tokens_for_grid(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.spec.spatial_merge_size ** 2
+
+    def _rotary(self, grids: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
+        positions = torch.cat([patch_positions(g, self.spec.spatial_merge_size) for g in grids])
+        freqs = positions.to(device, torch.float32)[..., None] * self.inv_freq  # [n, 2, q/2]
+        freqs = freqs.flatten(1)                                              # rows, cols
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # [n, 1, head]
+        return emb.cos(), emb.sin()
+
+    @torch.inference_mode()
+    def forward(self, patches: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        x = self.patch_embed.proj(patches.to(self.patch_embed.proj.weight.dtype))
+        cos, sin = self._rotary(grids, x.device)
+        lengths = [t * h * w for t, h, w in grids]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        merged = self.merger.ln_q(x).view(-1, self.merger.mlp[0].in_features)
+        return self.merger.mlp(merged)
+
+    def encode_batch(self, pixels: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
+        """Each image's features; the images run as one concatenated batch."""
+        features = self(torch.cat(pixels), grids)
+        return list(features.split([self.tokens_for_grid(g) for g in grids]))
+
+    def profile_batch(self, tokens: int) -> tuple[list[torch.Tensor], list]:
+        """Blank images of the largest size, `tokens` features in all (at least one image),
+        for the start-up memory profile."""
+        merge = self.spec.spatial_merge_size
+        side = max(1, int(self.largest_image_tokens ** 0.5))       # merged tokens per side
+        grid = [1, side * merge, side * merge]
+        count = max(1, tokens // (side * side))
+        weight = self.patch_embed.proj.weight
+        pixels = torch.zeros(side * side * merge * merge, self.spec.patch_dim,
+                             dtype=weight.dtype, device=weight.device)
+        return [pixels] * count, [grid] * count
+
+
+_VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_qwen2_vision(encoder: Qwen2VisionEncoder,
+                      tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy the vision transformer's weights from a Qwen2-VL checkpoint's (name, tensor)
+    pairs (other names skipped; the patch embedding's Conv3d kernel flattened to the linear
+    map it is). Returns the parameters not found."""
+    own = dict(encoder.named_parameters())
+    found = set()
+    for name, tensor in tensors:
+        prefix = next((p for p in _VISUAL_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        local = name[len(prefix):]
+        if local not in own:
+            continue
+        param = own[local]
+        if local == "patch_embed.proj.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        found.add(local)
+    return sorted(set(own) - found)

@@ -1,0 +1,80 @@
+"""A tiny random Qwen2-VL (vision transformer with 2D rotary positions and a 2 x 2 patch
+merger, M-RoPE Qwen2 decoder) saved from transformers' config, with its image processor and
+the default model's tokenizer (Qwen2-VL's vision tokens added); and transformers' greedy
+answer for it, the reference folio is checked against."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# The processor's bounds: images resized to 4 .. 64 merged tokens.
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
+
+
+def build_tiny_qwen2_vl(out: str, seed: int = 7, tokenizer: str | None = None) -> str:
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    try:
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+
+    from folio.model.default_model import default_model_path
+    tok = AutoTokenizer.from_pretrained(tokenizer or default_model_path())
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                         max_position_embeddings=512, rope_theta=10000.0,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
+        video_token_id=video, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(out)
+    ImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+                   ).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def hf_qwen2_vl_greedy(model_dir: str, prompt: str, images: list[Any], max_new_tokens: int,
+                       add_special_tokens: bool = True) -> list[int]:
+    """transformers' greedy continuation of `prompt` (one IMAGE per image) and `images`:
+    the processor's pixel values, each <|image_pad|> expanded to the image's grid as
+    Qwen2VLProcessor does, the model's own M-RoPE positions."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    try:
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir,
+                                                            dtype=torch.float32).eval()
+    kwargs: dict[str, Any] = {}
+    if images:
+        pixels = ImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+        pieces = prompt.split("<|image_pad|>")
+        prompt = pieces[0] + "".join("<|image_pad|>" * next(counts) + p for p in pieces[1:])
+        kwargs = {"pixel_values": pixels["pixel_values"],
+                  "image_grid_thw": pixels["image_grid_thw"]}
+    ids = torch.tensor([tok(prompt, add_special_tokens=add_special_tokens)["input_ids"]])
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    kwargs["mm_token_type_ids"] = (ids == image_id).int()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def random_image(seed: int, size: tuple[int, int]):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
