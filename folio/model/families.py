@@ -437,9 +437,11 @@ def _sequence_classifier(arch: str) -> Callable[[Any], ArchSpec] | None:
 # The decoder paths read the text config (`decoder_config`); the vision part is described in
 # its `vision_language` attribute.
 VISION_LANGUAGE_ARCHS = {"LlavaForConditionalGeneration": "llava",
-                         "Qwen2VLForConditionalGeneration": "qwen2_vl"}
+                         "Qwen2VLForConditionalGeneration": "qwen2_vl",
+                         "Qwen2_5_VLForConditionalGeneration": "qwen2_vl"}
 _DECODER_ARCH_OF_TEXT_MODEL = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM"}
+                               "qwen2": "Qwen2ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+                               "qwen2_5_vl_text": "Qwen2ForCausalLM"}
 
 
 def decoder_config(cfg: Any) -> Any:
@@ -469,7 +471,8 @@ def decoder_config(cfg: Any) -> Any:
             projector_hidden_act=getattr(cfg, "projector_hidden_act", "gelu"),
             multimodal_projector_bias=getattr(cfg, "multimodal_projector_bias", True))
     else:
-        # Qwen2-VL: images between <|vision_start|> and <|vision_end|>; positions in three
+        # Qwen2-VL and Qwen2.5-VL (the same prompts and positions; their vision
+        # transformers differ): images between <|vision_start|> and <|vision_end|>; positions in three
         # rows (M-RoPE: time, height, width) over sections of the rotary frequencies
         vision.update(
             image_token_index=cfg.image_token_id,

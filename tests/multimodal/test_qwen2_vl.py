@@ -172,3 +172,44 @@ def test_max_pixels_from_mm_processor_kwargs(model_dir) -> None:
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         ImagePromptProcessor.from_pretrained(model_dir, image_token, kind="qwen2_vl",
                                              processor_kwargs={"max_pixelz": 1})
+
+
+def test_qwen2_5_vl_window_attention_and_answers_match_transformers(tmp_path) -> None:
+    """Qwen2.5-VL: the vision transformer with window attention (edge windows included:
+    grids whose merged sides are not multiples of the window) equals transformers', and so
+    do greedy answers with one and two images."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from folio.model.vision.qwen2_vision import (Qwen2VisionEncoder, Qwen2VisionSpec,
+                                                 load_qwen2_vision)
+    from qwen2vl_utils import build_tiny_qwen2_5_vl
+    model_dir = build_tiny_qwen2_5_vl(str(tmp_path / "tiny_qwen2_5_vl"))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
+    spec = Qwen2VisionSpec.from_hf(model.config.vision_config)
+    assert spec.qwen2_5 and spec.fullatt_block_indexes == (1,)
+    encoder = Qwen2VisionEncoder(spec).eval()
+    assert load_qwen2_vision(encoder, load_file(f"{model_dir}/model.safetensors").items()) == []
+    processor = _hf_processor(model_dir)
+    images = [random_image(1, (170, 120)), random_image(2, (90, 250)), random_image(3, (60, 60))]
+    pixels = processor.image_processor(images=images, return_tensors="pt")
+    grids = pixels["image_grid_thw"]
+    assert any((g[1] // 2) % 2 or (g[2] // 2) % 2 for g in grids.tolist())   # edge windows
+    with torch.no_grad():
+        ref = model.model.get_image_features(pixels["pixel_values"], grids,
+                                             return_dict=True).pooler_output
+    ref = torch.cat(list(ref)) if isinstance(ref, (list, tuple)) else ref
+    torch.testing.assert_close(encoder(pixels["pixel_values"], grids.tolist()), ref,
+                               rtol=1e-5, atol=1e-5)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=384)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12)
+        cases = [(f"Look {IMAGE} what?", images[:1]), (f"C {IMAGE} and {IMAGE} now", images[1:])]
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": ims}}
+                             for p, ims in cases], params, use_tqdm=False)
+        for (prompt, ims), out in zip(cases, outs):
+            assert list(out.outputs[0].token_ids) == hf_qwen2_vl_greedy(model_dir, prompt,
+                                                                         ims, 12)
+    finally:
+        llm.llm_engine.shutdown()

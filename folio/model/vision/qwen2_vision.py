@@ -1,14 +1,19 @@
-"""Qwen2-VL's vision transformer (issue 24): an image's patches (each a temporal pair of
-14 x 14 RGB squares, flattened by the processor) -> one feature per 2 x 2 block of patches, in
-the decoder's hidden size.
+"""Qwen2-VL's and Qwen2.5-VL's vision transformers (issue 24): an image's patches (each a
+temporal pair of 14 x 14 RGB squares, flattened by the processor) -> one feature per 2 x 2
+block of patches, in the decoder's hidden size.
 
 Patches are embedded by a linear map (the checkpoint's Conv3d, whose kernel equals its
 stride, is one); each block adds 2D rotary positions (the patch's row on the first quarter
 of each head's frequencies, its column on the second) to bidirectional attention that sees
 only its own image's patches; the merger concatenates each 2 x 2 block (the processor lays
 patches out block by block) and projects it. Images of any size batch together: their
-patches are concatenated, attention runs per image. Parameter names follow transformers'
-Qwen2VisionTransformerPretrainedModel, so checkpoints load by name (`load_qwen2_vision`).
+patches are concatenated, attention runs per image (per frame pair of a video).
+
+Qwen2.5-VL differs in the blocks (RMSNorm, a gated SiLU MLP) and in window attention: all
+blocks but `fullatt_block_indexes` attend within windows of `window_size` pixels (whole 2 x 2
+blocks); the patches are reordered window by window before the blocks and the merged
+features put back in the image's order after the merger. Parameter names follow
+transformers' vision models, so checkpoints load by name (`load_qwen2_vision`).
 """
 from __future__ import annotations
 
@@ -28,13 +33,17 @@ class Qwen2VisionSpec:
     embed_dim: int
     out_hidden_size: int        # the decoder's hidden size (the merger's output)
     num_heads: int
-    mlp_ratio: float
+    mlp_hidden: int
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     in_channels: int = 3
     hidden_act: str = "quick_gelu"
     rope_theta: float = 10000.0
+    # Qwen2.5-VL: RMSNorm and a gated MLP; window attention except in these blocks
+    qwen2_5: bool = False
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
@@ -43,10 +52,17 @@ class Qwen2VisionSpec:
     @classmethod
     def from_hf(cls, cfg: Any) -> "Qwen2VisionSpec":
         rope = getattr(cfg, "rope_parameters", None) or {}
-        return cls(cfg.depth, cfg.embed_dim, cfg.hidden_size, cfg.num_heads, cfg.mlp_ratio,
-                   cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size,
-                   getattr(cfg, "in_channels", getattr(cfg, "in_chans", 3)), cfg.hidden_act,
-                   float(rope.get("rope_theta", 10000.0)))
+        common = dict(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+                      spatial_merge_size=cfg.spatial_merge_size,
+                      in_channels=getattr(cfg, "in_channels", getattr(cfg, "in_chans", 3)),
+                      hidden_act=cfg.hidden_act,
+                      rope_theta=float(rope.get("rope_theta", 10000.0)))
+        if hasattr(cfg, "fullatt_block_indexes"):           # Qwen2.5-VL
+            return cls(cfg.depth, cfg.hidden_size, cfg.out_hidden_size, cfg.num_heads,
+                       cfg.intermediate_size, qwen2_5=True, window_size=cfg.window_size,
+                       fullatt_block_indexes=tuple(cfg.fullatt_block_indexes), **common)
+        return cls(cfg.depth, cfg.embed_dim, cfg.hidden_size, cfg.num_heads,
+                   int(cfg.embed_dim * cfg.mlp_ratio), **common)
 
 
 def patch_positions(grid: Sequence[int], merge: int) -> torch.Tensor:
@@ -92,20 +108,68 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos + rotated * sin).to(dtype)
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _norm(spec: Qwen2VisionSpec, dim: int) -> nn.Module:
+    return _RMSNorm(dim) if spec.qwen2_5 else nn.LayerNorm(dim, eps=1e-6)
+
+
 class _Block(nn.Module):
     def __init__(self, spec: Qwen2VisionSpec) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(spec.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(spec.embed_dim, eps=1e-6)
+        self.norm1 = _norm(spec, spec.embed_dim)
+        self.norm2 = _norm(spec, spec.embed_dim)
         self.attn = _Attention(spec)
         self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(spec.embed_dim, int(spec.embed_dim * spec.mlp_ratio))
-        self.mlp.fc2 = nn.Linear(int(spec.embed_dim * spec.mlp_ratio), spec.embed_dim)
-        self.act = _activation(spec.hidden_act)
+        self.gated = spec.qwen2_5
+        if self.gated:
+            self.mlp.gate_proj = nn.Linear(spec.embed_dim, spec.mlp_hidden)
+            self.mlp.up_proj = nn.Linear(spec.embed_dim, spec.mlp_hidden)
+            self.mlp.down_proj = nn.Linear(spec.mlp_hidden, spec.embed_dim)
+            self.act = F.silu if spec.hidden_act == "silu" else _activation(spec.hidden_act)
+        else:
+            self.mlp.fc1 = nn.Linear(spec.embed_dim, spec.mlp_hidden)
+            self.mlp.fc2 = nn.Linear(spec.mlp_hidden, spec.embed_dim)
+            self.act = _activation(spec.hidden_act)
 
     def forward(self, x, cos, sin, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+        h = self.norm2(x)
+        if self.gated:
+            return x + self.mlp.down_proj(self.act(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(h)))
+
+
+def window_order(grids: Sequence[Sequence[int]], merge: int, window: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: (the merged tokens' order, window by window: frames, then
+    windows row-major, then tokens row-major inside a window; the windows' lengths in
+    patches). `window`: a window's side in merged tokens; edge windows are smaller."""
+    order: list[torch.Tensor] = []
+    lengths: list[int] = []
+    base = 0
+    for t, h, w in grids:
+        lh, lw = h // merge, w // merge
+        index = torch.arange(t * lh * lw).view(t, lh, lw)
+        for frame in range(t):
+            for r in range(0, lh, window):
+                for c in range(0, lw, window):
+                    block = index[frame, r:r + window, c:c + window].reshape(-1)
+                    order.append(block + base)
+                    lengths.append(len(block) * merge * merge)
+        base += t * lh * lw
+    return torch.cat(order), lengths
 
 
 class Qwen2VisionEncoder(nn.Module):
@@ -124,7 +188,7 @@ class Qwen2VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
         merged = spec.embed_dim * spec.spatial_merge_size ** 2
         self.merger = nn.Module()
-        self.merger.ln_q = nn.LayerNorm(spec.embed_dim, eps=1e-6)
+        self.merger.ln_q = _norm(spec, spec.embed_dim)
         self.merger.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(),
                                         nn.Linear(merged, spec.out_hidden_size))
         head_dim = spec.embed_dim // spec.num_heads
@@ -146,13 +210,29 @@ class Qwen2VisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, patches: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        spec = self.spec
         x = self.patch_embed.proj(patches.to(self.patch_embed.proj.weight.dtype))
         cos, sin = self._rotary(grids, x.device)
-        lengths = [t * h * w for t, h, w in grids]
-        for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+        # full attention: each frame (pair) of each image alone
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        windows, order = frames, None
+        if spec.qwen2_5:
+            unit = spec.spatial_merge_size ** 2
+            side = spec.window_size // spec.spatial_merge_size // spec.patch_size
+            order, windows = window_order(grids, spec.spatial_merge_size, side)
+            order = order.to(x.device)
+
+            def permute(y: torch.Tensor) -> torch.Tensor:
+                return y.reshape(-1, unit, *y.shape[1:])[order].reshape(y.shape)
+            x, cos, sin = permute(x), permute(cos), permute(sin)
+        for i, block in enumerate(self.blocks):
+            full = not spec.qwen2_5 or i in spec.fullatt_block_indexes
+            x = block(x, cos, sin, frames if full else windows)
         merged = self.merger.ln_q(x).view(-1, self.merger.mlp[0].in_features)
-        return self.merger.mlp(merged)
+        out = self.merger.mlp(merged)
+        if order is not None:
+            out = out[torch.argsort(order)]
+        return out
 
     def encode_batch(self, pixels: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
         """Each image's features; the images run as one concatenated batch."""
