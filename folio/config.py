@@ -785,7 +785,8 @@ class MediaFetchConfig:
 # Modalities --limit-mm-per-prompt names; the models here take images only.
 MM_MODALITIES = ("image", "video", "audio")
 # Images one prompt may carry unless --limit-mm-per-prompt says otherwise: each costs an
-# encoder pass and hundreds of tokens, so the default is a bound, not vLLM's 999.
+# encoder pass and hundreds of tokens, so the default is a bound, not vLLM's 999 (videos:
+# one, on the models that take them).
 DEFAULT_IMAGES_PER_PROMPT = 4
 MAX_ITEMS_PER_PROMPT = 64
 
@@ -813,7 +814,7 @@ class MultiModalConfig:
 
     def limit(self, modality: str) -> int:
         """Items of `modality` one prompt may carry."""
-        default = DEFAULT_IMAGES_PER_PROMPT if modality == "image" else 0
+        default = {"image": DEFAULT_IMAGES_PER_PROMPT, "video": 1}.get(modality, 0)
         return self.limit_mm_per_prompt.get(modality, default)
 
 

@@ -295,7 +295,8 @@ class RequestPreparer:
         from folio.multimodal.processing import ImagePromptProcessor
         return ImagePromptProcessor.from_pretrained(
             self.info.source.path, vision["image_token_index"], self.multimodal.limit("image"),
-            self.multimodal.mm_processor_kwargs, kind=vision["kind"])
+            self.multimodal.mm_processor_kwargs, kind=vision["kind"],
+            max_videos=self.multimodal.limit("video"))
 
     def _process_images(self, prompt: dict) -> tuple[dict, list[ImageInputData]]:
         """A prompt dict with multi_modal_data ({"image": a PIL image or a list of them}) and
@@ -306,28 +307,41 @@ class RequestPreparer:
         if processor is None:
             raise ValueError("multi_modal_data: this model takes text only")
         data = prompt["multi_modal_data"]
-        if not isinstance(data, dict) or set(data) - {"image"}:
+        if not isinstance(data, dict) or not data or set(data) - {"image", "video"}:
             raise ValueError("multi_modal_data must be {'image': an image or a list of "
-                             "images} (this model takes images only)")
-        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+                             "images, 'video': a list of frames or a list of such lists}")
+        images = data.get("image", [])
+        images = images if isinstance(images, list) else [images]
         if not all(hasattr(image, "convert") and hasattr(image, "size") for image in images):
             raise ValueError("multi_modal_data.image must be PIL images")
         images = [image.convert("RGB") for image in images]
+        videos = data.get("video", [])
+        if videos and not isinstance(videos, list):
+            raise ValueError("multi_modal_data.video must be a list of PIL frames (or a list "
+                             "of such lists)")
+        if videos and not isinstance(videos[0], list):
+            videos = [videos]                              # one video
+        if videos and processor.video_token_id is None:
+            raise ValueError("multi_modal_data.video: this model takes no video")
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of ints")
-            token_ids, inputs = processor.process_tokens(ids, images)
+            token_ids, inputs = processor.process_tokens(ids, images, videos)
+        elif isinstance(text, str) and videos:
+            token_ids, inputs = processor.process_tokens(processor.tokenize(text), images,
+                                                         videos)
         elif isinstance(text, str):
             token_ids, inputs = processor.process(text, images)
         else:
             raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with "
-                             "one image placeholder per image) or 'prompt_token_ids'")
+                             "one placeholder per image or video) or 'prompt_token_ids'")
         mm = [ImageInputData(i.content_hash, i.offset, i.length, list(i.pixel_values.shape),
                              i.pixel_values.astype("<f4").tobytes(),
-                             None if i.grid_thw is None else list(i.grid_thw))
+                             None if i.grid_thw is None else list(i.grid_thw),
+                             float(i.time_interval))
               for i in inputs]
         return {"prompt": text, "prompt_token_ids": token_ids}, mm
 
@@ -335,9 +349,15 @@ class RequestPreparer:
         """A vision-language model's image placeholder token stands for an image's features:
         in a prompt without images it would be read as an ordinary embedding."""
         vision = getattr(self.info.hf_config, "vision_language", None)
-        if vision is not None and vision["image_token_index"] in token_ids:
+        if vision is None:
+            return
+        if vision["image_token_index"] in token_ids:
             raise ValueError(f"prompt holds the image placeholder token (id "
                              f"{vision['image_token_index']}) but no image")
+        video = self._images.video_token_id
+        if video is not None and video in token_ids:
+            raise ValueError(f"prompt holds the video placeholder token (id {video}) but no "
+                             "video")
 
     def _check_kv_transfer_params(self, kv_transfer_params, params: SamplingParams) -> None:
         """A disaggregated-prefill request's kv_transfer_params: well formed, on an engine

@@ -11,15 +11,17 @@ from typing import Sequence
 import numpy as np
 
 
-def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]]],
-                    merge: int) -> tuple[np.ndarray, int]:
-    """([3, prompt_len] int64 positions, delta) for a prompt whose images are (offset,
-    length, grid [t, h, w] in patches) each, in order; `merge`: the vision tower's spatial
-    merge size (a token covers merge x merge patches)."""
+def mrope_positions(prompt_len: int, images: Sequence[tuple], merge: int
+                    ) -> tuple[np.ndarray, int]:
+    """([3, prompt_len] int64 positions, delta) for a prompt whose images and videos are
+    (offset, length, grid [t, h, w] in patches[, time interval]) each; `merge`: the vision
+    tower's spatial merge size (a token covers merge x merge patches); the time interval
+    spaces a video's frame pairs (Qwen2.5-VL: tokens per second x seconds per pair)."""
     out = np.empty((3, prompt_len), dtype=np.int64)
     position = 0
     i = 0
-    for offset, length, grid in sorted(images, key=lambda image: image[0]):
+    for offset, length, grid, *rest in sorted(images, key=lambda image: image[0]):
+        interval = rest[0] if rest else 1.0
         out[:, i:offset] = position + np.arange(offset - i)
         position += offset - i
         t, h, w = (int(x) for x in grid)
@@ -27,7 +29,8 @@ def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[i
         if t * h * w != length:
             raise ValueError(f"an image of grid {list(grid)} has {t * h * w} tokens, not "
                              f"{length}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        times = (np.arange(t) * interval).astype(np.int64)
+        tt, hh, ww = np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")
         out[:, offset:offset + length] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) \
             + position
         position += max(h, w)

@@ -224,7 +224,8 @@ class ModelRunner:
             if state.mrope is None:
                 state.mrope = mrope_positions(
                     state.num_prompt_tokens,
-                    [(m.offset, m.length, m.grid_thw) for m in state.mm_inputs],
+                    [(m.offset, m.length, m.grid_thw, m.time_interval)
+                     for m in state.mm_inputs],
                     self.mrope_merge)
             table, delta = state.mrope
             inside = np.minimum(index, table.shape[1] - 1)

@@ -109,3 +109,31 @@ def build_tiny_qwen2_5_vl(out: str, seed: int = 9, tokenizer: str | None = None)
                    ).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def hf_qwen2_vl_video_greedy(model_dir: str, prompt: str, frames: list, max_new_tokens: int
+                             ) -> list[int]:
+    """transformers' greedy continuation of `prompt` (one VIDEO) with the video's frames:
+    the patches as folio's processor lays them out (transformers' video processor needs
+    torchvision, which this machine lacks), the model's own vision tower and M-RoPE."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from folio.multimodal.processing import Qwen2VLProcessorAdapter
+    adapter = Qwen2VLProcessorAdapter.from_pretrained(model_dir)
+    pixels, grid, _ = adapter.video_inputs(frames)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    count = int(np.prod(grid)) // 4
+    ids = torch.tensor([tok(prompt.replace("<|video_pad|>", "<|video_pad|>" * count))[
+        "input_ids"]])
+    video_id = tok.convert_tokens_to_ids("<|video_pad|>")
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             pixel_values_videos=torch.from_numpy(pixels),
+                             video_grid_thw=torch.tensor([grid]),
+                             mm_token_type_ids=(ids == video_id).int() * 2,
+                             max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()

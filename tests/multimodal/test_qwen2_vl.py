@@ -213,3 +213,32 @@ def test_qwen2_5_vl_window_attention_and_answers_match_transformers(tmp_path) ->
                                                                          ims, 12)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_video_frames_match_transformers(model_dir, llm, tmp_path) -> None:
+    """A video as a list of frames (an odd count: the last repeated to fill the pair), alone
+    and beside an image: the answers equal transformers' on the same patches; a video where
+    the model takes none, or a video placeholder without frames, is refused."""
+    from qwen2vl_utils import VIDEO, build_tiny_qwen2_5_vl, hf_qwen2_vl_video_greedy
+    frames = [random_image(10 + i, (84, 56)) for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    prompt = f"Watch {VIDEO} what happens?"
+    got = llm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params,
+                       use_tqdm=False)[0]
+    assert list(got.outputs[0].token_ids) == hf_qwen2_vl_video_greedy(model_dir, prompt,
+                                                                       frames, 12)
+    with pytest.raises(ValueError, match="video placeholder"):
+        llm.generate(prompt, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="video"):
+        llm.generate({"prompt": f"{VIDEO}", "multi_modal_data": {"video": [frames, frames]}},
+                     params, use_tqdm=False)
+    # Qwen2.5-VL: frame pairs spaced in M-RoPE time by tokens_per_second
+    model25 = build_tiny_qwen2_5_vl(str(tmp_path / "tiny_qwen2_5_vl_video"))
+    llm25 = LLM(model25, dtype="float32", device="cpu", max_model_len=384)
+    try:
+        got = llm25.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, params,
+                             use_tqdm=False)[0]
+        assert list(got.outputs[0].token_ids) == hf_qwen2_vl_video_greedy(model25, prompt,
+                                                                           frames, 12)
+    finally:
+        llm25.llm_engine.shutdown()
