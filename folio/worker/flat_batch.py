@@ -163,6 +163,11 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
     req_of = np.repeat(np.arange(B), counts)
     positions = starts[req_of] + (np.arange(T) - qsl[:-1][req_of])
     pos[:T] = positions
+    if B and any(s.position_offset for s in states):
+        # M-RoPE requests past their prompt: rotary positions run `position_offset` from
+        # the token index (KV slots still follow the index)
+        offsets = np.fromiter((s.position_offset for s in states), np.int64, B)
+        pos[:T] += offsets[req_of]
     widths = []
     for g, (g_bt, g_slots) in enumerate(zip(buf.group_bt, buf.group_slots)):
         width = int(batch.group_num_blocks[g][rows].max()) if B else 0

@@ -24,7 +24,7 @@ class RequestState:
 
     __slots__ = ("req_id", "num_prompt_tokens", "num_computed_tokens", "row", "sampling",
                  "parked_tokens", "pooling_params", "token_type_ids", "lora_request",
-                 "mm_inputs", "mrope")
+                 "mm_inputs", "mrope", "position_offset")
 
     def __init__(self, new: NewRequestData, generator: torch.Generator | None) -> None:
         self.req_id = new.req_id
@@ -46,6 +46,9 @@ class RequestState:
         # M-RoPE models: its prompt's positions in three rows and the offset of the tokens
         # after them (ModelRunner._mrope_positions fills it on first use).
         self.mrope: tuple[np.ndarray, int] | None = None
+        # Added to the rotary position of its tokens past the prompt (M-RoPE's delta: the
+        # prompt's images take fewer positions than tokens); 0 for every other request.
+        self.position_offset = 0
 
 
 class InputBatch:

@@ -207,9 +207,11 @@ class ModelRunner:
                      SamplingColumns.from_params(params))
 
     def _mrope_positions(self, step: SchedulerOutput) -> torch.Tensor | None:
-        """[3, T] positions of the step's tokens when one of its requests has images on an
-        M-RoPE model (its prompt's from the table, its later tokens offset by the table's
-        delta; other requests' rows alike); None when no request needs them."""
+        """[3, T] positions of the step's tokens when it runs prompt tokens of a request with
+        images on an M-RoPE model (its prompt's from the table, its later tokens offset by
+        the table's delta; other requests' rows alike); None otherwise: a request past its
+        prompt takes plain positions plus its `position_offset` (set here, with the table,
+        on its first prompt step), so its decode steps keep their CUDA graphs."""
         from folio.multimodal.mrope import mrope_positions
         requests = self.input_batch.requests
         chunks = []
@@ -220,14 +222,15 @@ class ModelRunner:
             if not state.mm_inputs:
                 chunks.append(np.broadcast_to(index, (3, n)))
                 continue
-            needed = True
             if state.mrope is None:
                 state.mrope = mrope_positions(
                     state.num_prompt_tokens,
                     [(m.offset, m.length, m.grid_thw, m.time_interval)
                      for m in state.mm_inputs],
                     self.mrope_merge)
+                state.position_offset = state.mrope[1]
             table, delta = state.mrope
+            needed = needed or state.num_computed_tokens < table.shape[1]
             inside = np.minimum(index, table.shape[1] - 1)
             chunks.append(np.where(index < table.shape[1], table[:, inside], index + delta))
         if not needed:

@@ -60,16 +60,16 @@ def test_images_match_transformers(llava) -> None:
         data = bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3))
         return Image.frombytes("RGB", size, data)
     a, b, c = image(1, (90, 60)), image(2, (40, 120)), image(3, (56, 56))
-    params = SamplingParams(temperature=0, max_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=32)
     cases = [("USER: <image> what is this? ASSISTANT:", [a]),
              ("USER: <image> what is this? ASSISTANT:", [c]),
              ("USER: <image> and <image>, compare. ASSISTANT:", [a, b])]
     outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": imgs}} for p, imgs in cases]
                         + ["Once upon a time"], params, use_tqdm=False)
     for (prompt, imgs), out in zip(cases, outs):
-        assert list(out.outputs[0].token_ids) == hf_llava_greedy(model_dir, prompt, imgs, 12)
+        assert list(out.outputs[0].token_ids) == hf_llava_greedy(model_dir, prompt, imgs, 32)
     assert list(outs[3].outputs[0].token_ids) == hf_llava_greedy(model_dir, "Once upon a time",
-                                                                 [], 12)
+                                                                 [], 32)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
     runner = llm.llm_engine.engine_core.executor.worker.runner
     encoded = runner.images.num_encoded
