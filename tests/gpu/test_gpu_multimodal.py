@@ -66,3 +66,34 @@ def test_a_kv_budget_of_nothing_fails_at_start_up(model_dir) -> None:
     message = str(info.value)
     assert "missing" in message and "GiB" in message, message
     assert "--gpu-memory-utilization" in message and "vision encoder" in message, message
+
+
+def test_qwen2_vl_on_cuda_matches_transformers(tmp_path) -> None:
+    """Qwen2-VL on CUDA: prompts with images and a video run eagerly (M-RoPE's three
+    position rows), their decode steps replay CUDA graphs with the requests' position
+    offsets; greedy answers equal transformers' (CPU, float32)."""
+    from folio import LLM, SamplingParams
+    from qwen2vl_utils import (IMAGE, VIDEO, build_tiny_qwen2_vl, hf_qwen2_vl_greedy,
+                               hf_qwen2_vl_video_greedy, random_image)
+    model_dir = build_tiny_qwen2_vl(str(tmp_path / "qwen2vl"),
+                                    tokenizer=os.environ.get("FOLIO_RANDOM_TOKENIZER"))
+    llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=384,
+              gpu_memory_utilization=0.3)
+    try:
+        a, b = random_image(1, (90, 60)), random_image(2, (50, 130))
+        frames = [random_image(10 + i, (84, 56)) for i in range(4)]
+        cases = [(f"Look {IMAGE} what is it?", {"image": [a]}),
+                 (f"Compare {IMAGE} and {IMAGE} now", {"image": [a, b]}),
+                 (f"Watch {VIDEO} what happens?", {"video": frames})]
+        outs = llm.generate([{"prompt": p, "multi_modal_data": d} for p, d in cases]
+                            + ["Once upon a time"],
+                            SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        for (prompt, data), out in zip(cases, outs):
+            expected = (hf_qwen2_vl_video_greedy(model_dir, prompt, data["video"], 24)
+                        if "video" in data else
+                        hf_qwen2_vl_greedy(model_dir, prompt, data["image"], 24))
+            assert list(out.outputs[0].token_ids) == expected, prompt
+        assert list(outs[3].outputs[0].token_ids) == hf_qwen2_vl_greedy(
+            model_dir, "Once upon a time", [], 24)
+    finally:
+        llm.llm_engine.shutdown()
