@@ -143,6 +143,20 @@ def test_openai_client_streams_a_base64_image_and_urls_are_fetched_safely(model_
         image_token = AutoConfig.from_pretrained(model_dir).image_token_index
         assert whole["prompt_token_ids"].count(image_token) == TOKENS_PER_IMAGE
 
+        # the Anthropic client's base64 image block: the same answer
+        import anthropic
+        claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        b64 = base64.b64encode(_png(picture)).decode()
+        reply = claude.messages.create(model=model_dir, max_tokens=8, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": b64}},
+                {"type": "text", "text": "What is in the picture?"}]}])
+        assert reply.content[0].text == text
+        # (Anthropic counts the prefix-cache hit apart: the same image, the same blocks)
+        assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens \
+            == usage.prompt_tokens
+
         # a loopback URL is refused by default, naming the reason
         refused = _post(server, _chat(site.url("/img.png")))
         assert refused.status_code == 400, refused.text
@@ -195,6 +209,12 @@ def test_allowed_hosts_redirects_bounds_and_local_files(model_dir, tmp_path) -> 
             bounded = _post(server, _chat(site.url(path)))
             assert time.monotonic() - start < 2.0
             assert bounded.status_code == 400 and reason in bounded.json()["error"]["message"]
+        # JPEG and WebP data URLs are decoded too
+        for fmt, mime in (("JPEG", "image/jpeg"), ("WEBP", "image/webp")):
+            out = io.BytesIO()
+            picture.save(out, format=fmt)
+            url = f"data:{mime};base64," + base64.b64encode(out.getvalue()).decode()
+            assert _post(server, _chat(url)).status_code == 200, fmt
         # the limit from --limit-mm-per-prompt
         three = _post(server, _chat(_data_url(picture), images=3))
         assert three.status_code == 400 and "2 allowed" in three.json()["error"]["message"]

@@ -26,7 +26,8 @@ class TextBlockParam(AnthropicBaseModel):
 
 
 class ImageBlockParam(AnthropicBaseModel):
-    # Accepted by the parser only to be refused by name: the models here take text only.
+    # A user turn's image (base64 or URL source): a vision-language model takes it as the
+    # chat API's image_url part; elsewhere it is refused by name.
     type: Literal["image"]
     source: dict[str, Any] | None = None
 

@@ -27,13 +27,30 @@ _UNSUPPORTED_BLOCKS = {"image", "document"}
 
 def _refuse_media(block: Any, where: str) -> None:
     if block.type in _UNSUPPORTED_BLOCKS:
-        raise OpenAIError(f"{where}: {block.type} blocks are not supported; this server's "
-                          "models take text only", param=where)
+        raise OpenAIError(f"{where}: {block.type} blocks are not supported here (images: in "
+                          "a user turn, on a vision-language model)", param=where)
 
 
-def _text_parts(blocks: Sequence[TextBlockParam]) -> list[dict[str, str]]:
-    # The chat machinery joins text parts with "\n" (folio.engine.chat).
-    return [{"type": "text", "text": b.text} for b in blocks]
+def _text_parts(blocks: Sequence[Any]) -> list[dict[str, Any]]:
+    # The chat machinery joins text parts with "\n" (folio.engine.chat); an image block
+    # becomes the chat API's image_url part (a vision-language model takes it, a text
+    # model refuses it by name).
+    return [{"type": "text", "text": b.text} if b.type == "text" else _image_part(b)
+            for b in blocks]
+
+
+def _image_part(block: Any) -> dict[str, Any]:
+    """An image block's source (base64 with its media_type, or a URL) as an image_url part."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type', '')};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise OpenAIError("image block source must be {\"type\": \"base64\", \"media_type\": "
+                          "..., \"data\": ...} or {\"type\": \"url\", \"url\": ...}",
+                          param="messages")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool_result_content(content: Any, where: str) -> Any:
@@ -46,7 +63,7 @@ def _tool_result_content(content: Any, where: str) -> Any:
     return _text_parts(content)
 
 
-def _user_messages(message: MessageParam, i: int) -> list[dict[str, Any]]:
+def _user_messages(message: MessageParam, i: int, takes_images: bool) -> list[dict[str, Any]]:
     """One user turn: its text as a user message, each tool_result as a tool message, in
     the order the blocks came."""
     if isinstance(message.content, str):
@@ -55,8 +72,9 @@ def _user_messages(message: MessageParam, i: int) -> list[dict[str, Any]]:
     texts: list[TextBlockParam] = []
     for j, block in enumerate(message.content):
         where = f"messages[{i}].content[{j}]"
-        _refuse_media(block, where)
-        if block.type == "text":
+        if block.type != "image" or not takes_images:
+            _refuse_media(block, where)
+        if block.type in ("text", "image"):
             texts.append(block)
         elif block.type == "tool_result":
             if texts:
@@ -99,15 +117,17 @@ def _assistant_message(message: MessageParam, i: int) -> dict[str, Any]:
     return out
 
 
-def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template's messages."""
+def chat_messages(request: CountTokensRequest, takes_images: bool = False
+                  ) -> list[dict[str, Any]]:
+    """The conversation as the chat template's messages; `takes_images`: the model is a
+    vision-language one (a user turn's image blocks become image_url parts)."""
     out: list[dict[str, Any]] = []
     if request.system:
         system = request.system if isinstance(request.system, str) else _text_parts(request.system)
         out.append({"role": "system", "content": system})
     for i, message in enumerate(request.messages):
         if message.role == "user":
-            out.extend(_user_messages(message, i))
+            out.extend(_user_messages(message, i, takes_images))
         else:
             out.append(_assistant_message(message, i))
     return out
@@ -166,16 +186,17 @@ def _check_thinking(request: CountTokensRequest) -> None:
                           param="tool_choice")
 
 
-def to_chat_request(request: CountTokensRequest, thinking_kwargs: Sequence[str]
-                    ) -> ChatCompletionRequest:
+def to_chat_request(request: CountTokensRequest, thinking_kwargs: Sequence[str],
+                    takes_images: bool = False) -> ChatCompletionRequest:
     """The chat request the machinery runs. `thinking_kwargs`: the chat_template_kwargs that
-    switch the served model's thinking on or off (its reasoning format's)."""
+    switch the served model's thinking on or off (its reasoning format's); `takes_images`:
+    the served model is a vision-language one."""
     _check_thinking(request)
     if isinstance(request, MessagesRequest) and isinstance(request.output_config, dict) \
             and request.output_config.get("format") is not None:
         raise OpenAIError("output_config.format (structured output) is not supported on "
                           "/v1/messages; use tools with tool_choice", param="output_config.format")
-    messages = chat_messages(request)
+    messages = chat_messages(request, takes_images)
     last = request.messages[-1]
     prefill = last.role == "assistant"
     if prefill and messages[-1].get("tool_calls"):

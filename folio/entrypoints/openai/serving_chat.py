@@ -201,7 +201,7 @@ class OpenAIServingChat(ServingBase):
                  ) -> tuple[str, list[int], SamplingParams]:
         """Template, tokenize, truncate, build the SamplingParams (on the preprocessing
         thread: this is the part whose cost grows with the request). Text only: the
-        Messages and Responses routes, whose translations refuse image blocks."""
+        Responses route, whose translation refuses image items."""
         rendered, token_ids = self._render(request)
         if rendered.images:
             raise OpenAIError("images are taken by /v1/chat/completions", param="messages")
@@ -238,6 +238,15 @@ class OpenAIServingChat(ServingBase):
         prompt["prompt_token_ids"] = token_ids
         return prompt, token_ids, self._build_params(request, len(token_ids), ctx)
 
+    async def _engine_prompt(self, request: ChatCompletionRequest, ctx: ConstraintContext
+                             ) -> tuple[dict, list[int], SamplingParams]:
+        """The engine's prompt, its token ids and the SamplingParams: rendered on the
+        preprocessing thread, its images fetched on the event loop, then expanded."""
+        rendered, token_ids = await self.run_blocking(self._render, request)
+        images = await self._load_images(rendered.images) if rendered.images else None
+        return await self.run_blocking(self._finish_prompt, request, ctx, rendered.text,
+                                       token_ids, images)
+
     async def _load_images(self, refs: list) -> list:
         """The images a chat names, fetched off the event loop's critical path (aiohttp,
         decoding on a thread) under the server's media rules; a 400 naming the reason for
@@ -264,10 +273,7 @@ class OpenAIServingChat(ServingBase):
         response_id = with_prefix("chatcmpl-", request.request_id or request_id)
         check_constraint_sizes(request, self.limits)
         ctx = constraint_context(self.engine)
-        rendered, token_ids = await self.run_blocking(self._render, request)
-        images = await self._load_images(rendered.images) if rendered.images else None
-        prompt, token_ids, params = await self.run_blocking(
-            self._finish_prompt, request, ctx, rendered.text, token_ids, images)
+        prompt, token_ids, params = await self._engine_prompt(request, ctx)
         error_kwargs = self._error_kwargs(request)
         created = int(time.time())
         streams = self.start_streams([prompt], [params], [response_id], request,

@@ -33,7 +33,8 @@ class AnthropicServingMessages(OpenAIServingChat):
     """The chat handler, answering in Anthropic's shapes (same constructor arguments)."""
 
     def _chat_request(self, request: CountTokensRequest) -> ChatCompletionRequest:
-        chat_request = to_chat_request(request, self._thinking_kwargs())
+        chat_request = to_chat_request(request, self._thinking_kwargs(),
+                                       takes_images=self._image_processor is not None)
         check_constraint_sizes(chat_request, self.limits)  # tools count, schema size/depth
         return chat_request
 
@@ -65,12 +66,11 @@ class AnthropicServingMessages(OpenAIServingChat):
         chat_request = self._chat_request(request)
         self._check_unsupported(chat_request)
         ctx = constraint_context(self.engine)
-        text, token_ids, params = await self.run_blocking(self._prepare, chat_request, ctx)
+        prompt, token_ids, params = await self._engine_prompt(chat_request, ctx)
         message_id = "msg_" + (request_id.removeprefix("msg-") or uuid.uuid4().hex)
         error_kwargs = self._error_kwargs(chat_request)
-        streams = self.start_streams([{"prompt_token_ids": token_ids, "prompt": text}],
-                                     [params], [message_id], chat_request, is_disconnected,
-                                     lora_request)
+        streams = self.start_streams([prompt], [params], [message_id], chat_request,
+                                     is_disconnected, lora_request)
         if request.stream:
             first = await self.first_output(streams, error_kwargs)
             return self._stream(request, chat_request, message_id, model_name, len(token_ids),
