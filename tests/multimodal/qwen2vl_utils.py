@@ -15,33 +15,50 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
 
 
-def build_tiny_qwen2_vl(out: str, seed: int = 7, tokenizer: str | None = None) -> str:
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _build(out: str, qwen2_5: bool, vision: dict, seed: int, tokenizer: str | None) -> str:
+    """A tiny random Qwen2-VL (or Qwen2.5-VL) with the default model's tokenizer (the vision
+    tokens added) and an image processor bounded to MIN_PIXELS .. MAX_PIXELS, saved to `out`."""
+    import transformers
+    from transformers import AutoTokenizer
     try:
         from transformers import Qwen2VLImageProcessorPil as ImageProcessor
     except ImportError:
         from transformers import Qwen2VLImageProcessor as ImageProcessor
 
     from folio.model.default_model import default_model_path
+    prefix = "Qwen2_5_VL" if qwen2_5 else "Qwen2VL"
     tok = AutoTokenizer.from_pretrained(tokenizer or default_model_path())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
-    config = Qwen2VLConfig(
+    config = getattr(transformers, f"{prefix}Config")(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
                          max_position_embeddings=512, rope_theta=10000.0,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        vision_config=dict(num_heads=4, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, **vision),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
         video_token_id=video, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(out)
+    getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval().save_pretrained(out)
     ImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
                    ).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def build_tiny_qwen2_vl(out: str, seed: int = 7, tokenizer: str | None = None) -> str:
+    return _build(out, False, dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2),
+                  seed, tokenizer)
+
+
+def build_tiny_qwen2_5_vl(out: str, seed: int = 9, tokenizer: str | None = None) -> str:
+    """RMSNorm and gated-MLP vision blocks, window attention over 2 x 2 merged tokens (56 px)
+    in block 0, full attention in block 1."""
+    return _build(out, True, dict(depth=2, hidden_size=32, out_hidden_size=64,
+                                  intermediate_size=48, window_size=56,
+                                  fullatt_block_indexes=[1]), seed, tokenizer)
 
 
 def hf_qwen2_vl_greedy(model_dir: str, prompt: str, images: list[Any], max_new_tokens: int,
@@ -78,37 +95,6 @@ def random_image(seed: int, size: tuple[int, int]):
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
-
-def build_tiny_qwen2_5_vl(out: str, seed: int = 9, tokenizer: str | None = None) -> str:
-    """As build_tiny_qwen2_vl, a Qwen2.5-VL: RMSNorm and gated-MLP vision blocks, window
-    attention over 2 x 2 merged tokens (56 px) in block 0, full attention in block 1."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    try:
-        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor as ImageProcessor
-
-    from folio.model.default_model import default_model_path
-    tok = AutoTokenizer.from_pretrained(tokenizer or default_model_path())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                         max_position_embeddings=512, rope_theta=10000.0,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
-        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48,
-                           num_heads=4, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
-        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
-        video_token_id=video, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).eval().save_pretrained(out)
-    ImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-                   ).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model.vision.weights import load_by_name
+
 
 @dataclass(frozen=True)
 class ClipVisionSpec:
@@ -203,25 +205,12 @@ def load_llava_vision(encoder: LlavaVisionEncoder,
     """Copy the tower's and the projector's weights from a LLaVA checkpoint's (name,
     tensor) pairs; names of other parts are skipped, and so are the tower's layers past the
     feature layer and its post-layernorm (never run). Returns the parameters not found."""
-    own = dict(encoder.named_parameters())
-    found = set()
-    for name, tensor in tensors:
-        local = None
+    def local(name: str) -> str | None:
         for prefix in _TOWER_PREFIXES:
             if name.startswith(prefix):
-                local = name[len(prefix):].replace("encoder.layers.", "layers.")
-                break
+                return name[len(prefix):].replace("encoder.layers.", "layers.")
         for prefix in _PROJECTOR_PREFIXES:
             if name.startswith(prefix):
-                local = name[len(prefix):]
-                break
-        if local is None or local not in own:
-            continue
-        param = own[local]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
-        found.add(local)
-    return sorted(set(own) - found)
+                return name[len(prefix):]
+        return None
+    return load_by_name(encoder, tensors, local)

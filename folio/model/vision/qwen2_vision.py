@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model.layers import RMSNorm
 from folio.model.vision.clip_vision import _activation
+from folio.model.vision.weights import load_by_name
 
 
 @dataclass(frozen=True)
@@ -108,21 +110,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos + rotated * sin).to(dtype)
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def _norm(spec: Qwen2VisionSpec, dim: int) -> nn.Module:
-    return _RMSNorm(dim) if spec.qwen2_5 else nn.LayerNorm(dim, eps=1e-6)
+    return RMSNorm(dim, eps=1e-6) if spec.qwen2_5 else nn.LayerNorm(dim, eps=1e-6)
 
 
 class _Block(nn.Module):
@@ -260,22 +249,12 @@ def load_qwen2_vision(encoder: Qwen2VisionEncoder,
     """Copy the vision transformer's weights from a Qwen2-VL checkpoint's (name, tensor)
     pairs (other names skipped; the patch embedding's Conv3d kernel flattened to the linear
     map it is). Returns the parameters not found."""
-    own = dict(encoder.named_parameters())
-    found = set()
-    for name, tensor in tensors:
+    def local(name: str) -> str | None:
         prefix = next((p for p in _VISUAL_PREFIXES if name.startswith(p)), None)
-        if prefix is None:
-            continue
-        local = name[len(prefix):]
-        if local not in own:
-            continue
-        param = own[local]
-        if local == "patch_embed.proj.weight":
-            tensor = tensor.reshape(tensor.shape[0], -1)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
-        found.add(local)
-    return sorted(set(own) - found)
+        return None if prefix is None else name[len(prefix):]
+
+    def flatten_conv(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == "patch_embed.proj.weight":
+            return tensor.reshape(tensor.shape[0], -1)
+        return tensor
+    return load_by_name(encoder, tensors, local, flatten_conv)
