@@ -151,7 +151,7 @@ _MULTIMODAL_FLAGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_loca
 
 def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
     from folio.config import MediaFetchConfig
-    parser.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+    parser.add_argument("--limit-mm-per-prompt", type=_modality_counts, default=None,
                         help='a vision-language model\'s inputs per prompt, as JSON per '
                              'modality: {"image": 2} (default: 4 images; more get HTTP 400)')
     parser.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
@@ -246,6 +246,20 @@ def _add_pooling_args(parser: argparse.ArgumentParser) -> None:
                         help="JSON object set on the model's transformers config after it is "
                              "read, e.g. a decoder reranker's {\"architectures\": [...], "
                              "\"classifier_from_token\": [\"no\", \"yes\"]} (default: none)")
+
+
+def _modality_counts(value: str) -> dict:
+    """--limit-mm-per-prompt: JSON ({"image": 2}), or vLLM's older image=2,video=1."""
+    if value.lstrip().startswith("{"):
+        return _json_object(value)
+    out = {}
+    for item in value.split(","):
+        name, sep, count = item.partition("=")
+        if not (sep and name.strip() and count.strip().isdigit()):
+            raise argparse.ArgumentTypeError(f"expected JSON or modality=count[,...], got "
+                                             f"{value!r}")
+        out[name.strip()] = int(count)
+    return out
 
 
 def _json_object(value: str) -> dict:
