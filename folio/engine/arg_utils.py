@@ -143,8 +143,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     _add_multimodal_args(parser)
 
 
-# Engine keyword arguments of the multimodal flags (folio.config.multimodal_config's).
-_MULTIMODAL_FLAGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path",
+# Engine keyword arguments of the multimodal flags (LLM's, and folio.config.multimodal_config's).
+MULTIMODAL_FLAGS = ("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path",
                      "allowed_media_domains", "allow_private_media_urls", "max_media_bytes",
                      "media_fetch_timeout", "max_image_pixels")
 
@@ -361,8 +361,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         task=getattr(args, "task", None), pooler_config=getattr(args, "pooler_config", None),
         hf_overrides=getattr(args, "hf_overrides", None),
         lora_config=lora_config_from_args(args),
-        multimodal_config={name: getattr(args, name) for name in _MULTIMODAL_FLAGS
-                           if hasattr(args, name)})
+        **{name: getattr(args, name) for name in MULTIMODAL_FLAGS if hasattr(args, name)})
 
 
 def lora_config_from_args(args: argparse.Namespace) -> dict | None:

@@ -60,7 +60,10 @@ class LLM(PoolingAPI):
                  mm_processor_kwargs: dict | None = None,
                  allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None,
-                 allow_private_media_urls: bool = False) -> None:
+                 allow_private_media_urls: bool = False,
+                 max_media_bytes: int | None = None,
+                 media_fetch_timeout: float | None = None,
+                 max_image_pixels: int | None = None) -> None:
         """`enable_lora` (or a `lora_config`): requests may run with a LoRA adapter
         (`lora_request=LoRARequest(name, id, path)` on generate / chat); up to `max_loras`
         adapters of rank up to `max_lora_rank` in one batch, `max_cpu_loras` kept in host
@@ -117,7 +120,10 @@ class LLM(PoolingAPI):
             multimodal=multimodal_config(limit_mm_per_prompt, mm_processor_kwargs,
                                          allowed_local_media_path=allowed_local_media_path,
                                          allowed_media_domains=allowed_media_domains,
-                                         allow_private_media_urls=allow_private_media_urls),
+                                         allow_private_media_urls=allow_private_media_urls,
+                                         max_media_bytes=max_media_bytes,
+                                         media_fetch_timeout=media_fetch_timeout,
+                                         max_image_pixels=max_image_pixels),
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0

@@ -74,7 +74,7 @@ class ModelRunner:
         self.images: ImageEmbedder | None = None
         self.encoder_profile_bytes: int | None = None   # set by a CUDA profile run
         # An M-RoPE model's (Qwen2-VL's) spatial merge size: requests with images take
-        # positions in three rows (multimodal/mrope.py); None = plain positions.
+        # positions in three rows (model/mrope.py); None = plain positions.
         self.mrope_merge: int | None = None
 
     def _eager_inputs(self, step: SchedulerOutput):
@@ -212,7 +212,7 @@ class ModelRunner:
         the table's delta; other requests' rows alike); None otherwise: a request past its
         prompt takes plain positions plus its `position_offset` (set here, with the table,
         on its first prompt step), so its decode steps keep their CUDA graphs."""
-        from folio.multimodal.mrope import mrope_positions
+        from folio.model.mrope import mrope_positions
         requests = self.input_batch.requests
         chunks = []
         needed = False

@@ -78,7 +78,7 @@ def test_vision_encoder_and_positions_match_transformers(model_dir) -> None:
 
     from folio.model.vision.qwen2_vision import (Qwen2VisionEncoder, Qwen2VisionSpec,
                                                  load_qwen2_vision)
-    from folio.multimodal.mrope import mrope_positions
+    from folio.model.mrope import mrope_positions
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir,
                                                             dtype=torch.float32).eval()
     encoder = Qwen2VisionEncoder(Qwen2VisionSpec.from_hf(model.config.vision_config)).eval()

@@ -86,7 +86,7 @@ def build_engine_config(args: argparse.Namespace):
     from folio.config import (AdmissionConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                               ParallelConfig, SchedulerConfig, SpeculativeConfig,
                               StructuredOutputsConfig, multimodal_config)
-    from folio.engine.arg_utils import engine_kwargs_from_args
+    from folio.engine.arg_utils import MULTIMODAL_FLAGS, engine_kwargs_from_args
     kw = engine_kwargs_from_args(args)
     return EngineConfig(
         model=ModelConfig(model=kw["model"], tokenizer=kw["tokenizer"], dtype=kw["dtype"],
@@ -125,7 +125,8 @@ def build_engine_config(args: argparse.Namespace):
         speculative=SpeculativeConfig.from_json(kw["speculative_config"]),
         lora=None if kw["lora_config"] is None else LoRAConfig(**kw["lora_config"]),
         kv_transfer=kw["kv_transfer_config"],
-        multimodal=multimodal_config(**kw["multimodal_config"]),
+        multimodal=multimodal_config(**{name: kw[name] for name in MULTIMODAL_FLAGS
+                                        if name in kw}),
         admission=AdmissionConfig(max_waiting_requests=args.max_waiting_requests,
                                   max_queue_time=args.max_queue_time,
                                   sleep_mode_requests=args.sleep_mode_requests))
