@@ -84,6 +84,10 @@ class SchedulerStats:
     # The disk tier below it (--kv-disk-path), cumulative: blocks read back, files found bad.
     kv_disk_read_blocks: int = 0
     kv_disk_bad_blocks: int = 0
+    # Preemptions with the host tier, cumulative: swapped (full blocks kept for the tier)
+    # and left to recompute (priced cheaper, or no room).
+    kv_swap_preemptions: int = 0
+    kv_recompute_preemptions: int = 0
     # Disaggregated prefill (P2pConnector; zeros when off), cumulative: a prefill server's
     # prompts kept for decode servers and those fetched; a decode server's fetches done,
     # the prompt tokens they brought (not computed here), and fetches that failed or were

@@ -140,15 +140,36 @@ class HostKVTier:
         # Disk reads in flight: hash -> the host slot it is read into (kept from eviction
         # until the workers report the read).
         self._reading: dict[BlockHash, int] = {}
+        # Blocks not saved on eviction (preempted requests left to recompute): hash -> how
+        # many such requests hold it.
+        self._skipped: dict[BlockHash, int] = {}
         self.stats = HostTierStats()
 
     @property
     def usage(self) -> float:
         return len(self.slot_of) / self.num_host_blocks
 
+    def skip_saving(self, hashes: list[BlockHash]) -> None:
+        """Blocks whose eviction saves nothing (a preempted request left to recompute)."""
+        for h in hashes:
+            self._skipped[h] = self._skipped.get(h, 0) + 1
+
+    def save_again(self, hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            n = self._skipped.get(h, 0) - 1
+            if n > 0:
+                self._skipped[h] = n
+            else:
+                self._skipped.pop(h, None)
+
+    def free_slots(self) -> list[int]:
+        return self._free_slots
+
     def on_evict(self, block_hash: BlockHash, block_id: int) -> None:
         """The device pool evicted cached block `block_id`: keep its K/V in a host slot
-        (already there: it only counts as used again)."""
+        (already there: it only counts as used again), unless it is skipped."""
+        if block_hash in self._skipped:
+            return
         if block_hash in self.slot_of:
             self.policy.touch(block_hash)
             return
@@ -278,6 +299,59 @@ class HostKVTier:
         self._free_slots = [s for s in range(self.num_host_blocks - 1, -1, -1) if s not in busy]
 
 
+class SwapPricing:
+    """Preemption by swap or by recompute (issue 23, item 5): what bringing a preempted
+    request's full blocks back from the host tier would cost, against computing their tokens
+    again, from the steps' measured times.
+
+    Steps that load nothing price a token of compute (an EMA of seconds per token over steps
+    of at least MIN_TOKENS tokens, where the weights' reading no longer dominates); steps
+    that load host blocks price a block's load by what they took above their tokens' compute.
+    Before both are measured a request swaps when it has at least PRIOR_MIN_BLOCKS full
+    blocks (a long prompt). Either way the tier must have room: free slots, or at most a
+    quarter of the pool (one request never flushes the tier)."""
+
+    MIN_TOKENS = 64
+    PRIOR_MIN_BLOCKS = 4
+    _EMA = 0.2
+
+    def __init__(self) -> None:
+        self.compute_s_per_token: float | None = None
+        self.load_s_per_block: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self._EMA) * old + self._EMA * new
+
+    def observe_step(self, num_tokens: int, loaded_blocks: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if loaded_blocks == 0:
+            if num_tokens >= self.MIN_TOKENS:
+                self.compute_s_per_token = self._ema(self.compute_s_per_token,
+                                                     seconds / num_tokens)
+        elif self.compute_s_per_token is not None:
+            above = max(0.0, seconds - self.compute_s_per_token * num_tokens)
+            self.load_s_per_block = self._ema(self.load_s_per_block, above / loaded_blocks)
+
+    def choose(self, num_blocks: int, block_size: int, free_slots: int, pool_slots: int
+               ) -> tuple[bool, str]:
+        """(swap?, the reason, with the estimates) for a request with `num_blocks` full
+        blocks computed."""
+        if num_blocks == 0:
+            return False, "no full block to keep"
+        if num_blocks > free_slots and 4 * num_blocks > pool_slots:
+            return False, (f"the host tier has {free_slots} free of {pool_slots} slots for "
+                           f"{num_blocks} blocks")
+        if self.compute_s_per_token is None or self.load_s_per_block is None:
+            swap = num_blocks >= self.PRIOR_MIN_BLOCKS
+            return swap, (f"{num_blocks} blocks, costs not measured yet: "
+                          f"{'a long prompt' if swap else 'a short one'}")
+        recompute = self.compute_s_per_token * num_blocks * block_size
+        load = self.load_s_per_block * num_blocks
+        return load < recompute, (f"{num_blocks} blocks: load {load * 1e3:.2f} ms vs "
+                                  f"recompute {recompute * 1e3:.2f} ms")
+
+
 class OffloadingConnectorScheduler:
     """The host tier (and the disk tier below it) as the scheduler's KV connector (vLLM's
     OffloadingConnector; the protocol is folio/core/kv_connector.py).
@@ -300,9 +374,35 @@ class OffloadingConnectorScheduler:
         self._lookups: dict[str, tuple[list[int], int]] = {}
         # requests that have had their disk-tier blocks read once (a failed read is computed)
         self._disk_tried: set[str] = set()
+        # preemption: swap (keep the blocks in the host tier when the device evicts them)
+        # or recompute (their eviction saves nothing), priced from the measured steps
+        self.pricing = SwapPricing()
+        # request id -> hashes of its blocks that the tier does not save (recompute)
+        self._not_saved: dict[str, list[BlockHash]] = {}
+        self.swap_preemptions = 0
+        self.recompute_preemptions = 0
 
     def on_block_evicted(self, block_hash: BlockHash, block_id: int) -> None:
         self.tier.on_evict(block_hash, block_id)
+
+    def on_preempt(self, request, num_full_blocks: int) -> tuple[bool, str]:
+        """A running request is preempted with `num_full_blocks` computed full blocks: swap
+        them (the tier keeps them when the device evicts them; they load back on resume) or
+        leave them to be recomputed. Returns (swap?, why)."""
+        tier = self.tier
+        swap, why = self.pricing.choose(num_full_blocks, self.block_size,
+                                        len(tier.free_slots()), tier.num_host_blocks)
+        if swap:
+            self.swap_preemptions += 1
+        else:
+            self.recompute_preemptions += 1
+            hashes = list(request.block_hashes[:num_full_blocks])
+            self._not_saved[request.request_id] = hashes
+            tier.skip_saving(hashes)
+        return swap, why
+
+    def observe_step(self, num_tokens: int, loaded_blocks: int, seconds: float) -> None:
+        self.pricing.observe_step(num_tokens, loaded_blocks, seconds)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -337,6 +437,9 @@ class OffloadingConnectorScheduler:
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int,
                                  key: str) -> None:
+        skipped = self._not_saved.pop(request.request_id, None)
+        if skipped:
+            self.tier.save_again(skipped)    # resumed: its blocks are ordinary ones again
         slots, looked_up = self._lookups.pop(request.request_id, ([], 0))
         if num_external_tokens and slots:
             # the first new blocks take the host tier's copies, before the forward pass
@@ -366,6 +469,9 @@ class OffloadingConnectorScheduler:
     def forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
         self._disk_tried.discard(request_id)
+        skipped = self._not_saved.pop(request_id, None)
+        if skipped:
+            self.tier.save_again(skipped)
 
     def has_pending_work(self) -> bool:
         return False     # a disk read reports in the reply of the step that asks for it
@@ -380,4 +486,6 @@ class OffloadingConnectorScheduler:
                     kv_offload_saved_bytes=tier.stats.saved_blocks * size,
                     kv_offload_loaded_bytes=tier.stats.loaded_blocks * size,
                     kv_disk_read_blocks=tier.stats.disk_read_blocks,
-                    kv_disk_bad_blocks=tier.stats.disk_bad_blocks)
+                    kv_disk_bad_blocks=tier.stats.disk_bad_blocks,
+                    kv_swap_preemptions=self.swap_preemptions,
+                    kv_recompute_preemptions=self.recompute_preemptions)

@@ -639,14 +639,18 @@ class Scheduler:
         later recomputes its tokens, mostly from the prefix cache."""
         self.running.remove(request)
         if getattr(self.connector, "keeps_evicted_blocks", False):
-            # With the host tier the preemption is a swap for the full blocks: they stay
-            # cached, go to the host when the device evicts them, and load back on resume.
+            # With the host tier the preemption may be a swap for the full blocks: they stay
+            # cached, go to the host when the device evicts them, and load back on resume;
+            # or, where loading them would cost more than computing them (a short prompt,
+            # a full tier), a recompute: their eviction saves nothing.
             computed = request.num_computed_tokens
-            kept = min(computed // self.kv.block_size,
-                       len(request.block_hashes)) * self.kv.block_size
-            logger.info("preempted %s: %d of its %d computed tokens kept in full blocks "
-                        "(device, then host tier: a swap), %d recomputed on resume",
-                        request.request_id, kept, computed, computed - kept)
+            blocks = min(computed // self.kv.block_size, len(request.block_hashes))
+            swap, why = self.connector.on_preempt(request, blocks)
+            kept = blocks * self.kv.block_size if swap else 0
+            logger.info("preempted %s: %s (%s); %d of its %d computed tokens kept in full "
+                        "blocks%s, %d recomputed on resume", request.request_id,
+                        "swap" if swap else "recompute", why, kept, computed,
+                        " (device, then host tier: a swap)" if swap else "", computed - kept)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -818,11 +822,21 @@ class Scheduler:
             return False
         return self.draft_length.will_draft(*self._decoding_drafts())
 
-    def observe_step_time(self, num_tokens: int, seconds: float, verify: bool) -> None:
-        """A step's wall time (`verify`: it carried drafts): the cost model the adaptive
-        draft length decides by."""
+    @property
+    def prices_swaps(self) -> bool:
+        """Whether the connector prices preemption by swap from the steps' times (the host
+        tier): the engine then reports each step's time."""
+        return hasattr(self.connector, "observe_step")
+
+    def observe_step_time(self, num_tokens: int, seconds: float, verify: bool,
+                          loaded_blocks: int = 0) -> None:
+        """A step's wall time (`verify`: it carried drafts; `loaded_blocks`: host-tier blocks
+        it loaded): the cost models the adaptive draft length and swap pricing decide by."""
         if self.draft_length is not None:
             self.draft_length.observe_step(num_tokens, seconds, verify)
+        observe = getattr(self.connector, "observe_step", None)
+        if observe is not None:
+            observe(num_tokens, loaded_blocks, seconds)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params

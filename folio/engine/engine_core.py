@@ -99,8 +99,10 @@ class EngineCore:
         # other requests (the scheduler leaves out those with a token still in flight).
         self._max_in_flight = config.parallel.pipeline_parallel_size
         self._pipeline: deque[tuple[ScheduledStep, PendingOutput]] = deque()
-        # Speculative decoding sizes its drafts from measured step times.
-        self._time_steps = drafter is not None and config.speculative.adaptive_draft_length
+        # Speculative decoding sizes its drafts from measured step times, and the host tier
+        # prices preemption by swap from them.
+        self._time_steps = ((drafter is not None and config.speculative.adaptive_draft_length)
+                            or self.scheduler.prices_swaps)
         # Set to a StepTimes to have each step's parts timed (benchmarks).
         self.step_times: StepTimes | None = None
         # The tokenizer is only needed for grammars; without one it is loaded on first use.
@@ -183,7 +185,8 @@ class EngineCore:
             # scheduling to the end of this call (overlapped: the wait for the step before
             # it; a step left in flight with none before it has no time yet)
             self.scheduler.observe_step_time(step.total_num_scheduled_tokens,
-                                             time.perf_counter() - step_start, verify)
+                                             time.perf_counter() - step_start, verify,
+                                             len(step.message.kv_loads))
         return outputs
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:

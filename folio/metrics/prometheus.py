@@ -198,6 +198,14 @@ class EngineMetrics:
         self._c_offload_loaded = Counter(
             p + "kv_offload_loaded_bytes", "KV bytes copied from the host tier to the device.",
             labels, registry=reg).labels(model_name)
+        self._c_swap_preemptions = Counter(
+            p + "kv_swap_preemptions", "Preemptions whose full blocks were kept for the host "
+            "KV tier (a swap: priced cheaper than recomputing them).",
+            labels, registry=reg).labels(model_name)
+        self._c_recompute_preemptions = Counter(
+            p + "kv_recompute_preemptions", "Preemptions with the host KV tier left to "
+            "recompute (priced cheaper than a swap, or no room in the tier).",
+            labels, registry=reg).labels(model_name)
 
         self._c_disk_reads = Counter(
             p + "kv_disk_read_blocks", "Blocks read back from the disk KV tier.",
@@ -332,6 +340,9 @@ class EngineMetrics:
                 ("offload_misses", stats.kv_offload_miss_blocks, self._c_offload_misses),
                 ("offload_saved", stats.kv_offload_saved_bytes, self._c_offload_saved),
                 ("offload_loaded", stats.kv_offload_loaded_bytes, self._c_offload_loaded),
+                ("swap_preemptions", stats.kv_swap_preemptions, self._c_swap_preemptions),
+                ("recompute_preemptions", stats.kv_recompute_preemptions,
+                 self._c_recompute_preemptions),
                 ("disk_reads", stats.kv_disk_read_blocks, self._c_disk_reads),
                 ("disk_bad", stats.kv_disk_bad_blocks, self._c_disk_bad)):
             self._inc_cumulative(f"{engine}:{key}", value, counter)

@@ -154,3 +154,39 @@ def test_a_slot_saved_this_step_is_not_spilled_in_the_same_step() -> None:
     tier.on_evict("c", 3)                # the next step a slot gives way, spilled first
     copies = tier.take_step_copies()
     assert copies.spills == [(0, "a")] and copies.saves == [(3, 0)]
+
+
+def test_swap_pricing_from_measured_steps() -> None:
+    """Swap or recompute: before measurements, by the prompt's length; then by the load's
+    measured cost against the recompute's; never into a tier without room."""
+    from folio.core.kv_offload import SwapPricing
+    p = SwapPricing()
+    assert p.choose(8, 16, free_slots=100, pool_slots=100)[0] is True      # long: swap
+    assert p.choose(2, 16, free_slots=100, pool_slots=100)[0] is False     # short
+    assert p.choose(0, 16, free_slots=100, pool_slots=100)[0] is False
+    swap, why = p.choose(40, 16, free_slots=10, pool_slots=100)            # no room
+    assert swap is False and "10 free of 100" in why
+    # a 512-token step took 51.2 ms: 0.1 ms per token; a 16-token step loading 8 blocks
+    # took 1.6 + 4 ms: 0.5 ms per block (a block's recompute: 1.6 ms)
+    p.observe_step(512, 0, 0.0512)
+    p.observe_step(16, 8, 0.0016 + 0.004)
+    assert abs(p.compute_s_per_token - 1e-4) < 1e-9
+    assert abs(p.load_s_per_block - 5e-4) < 1e-9
+    swap, why = p.choose(2, 16, free_slots=100, pool_slots=100)
+    assert swap is True and "load 1.00 ms vs recompute 3.20 ms" in why
+    # loads slower than compute (a slow host link): recompute
+    for _ in range(30):
+        p.observe_step(16, 1, 0.0016 + 0.01)
+    assert p.choose(8, 16, free_slots=100, pool_slots=100)[0] is False
+
+
+def test_blocks_left_to_recompute_are_not_saved_until_resumed() -> None:
+    from folio.core.kv_offload import HostKVTier
+    tier = HostKVTier(num_host_blocks=4)
+    tier.skip_saving(["a", "b"])
+    tier.on_evict("a", 3)
+    tier.on_evict("c", 5)
+    assert "a" not in tier.slot_of and "c" in tier.slot_of
+    tier.save_again(["a", "b"])
+    tier.on_evict("a", 3)
+    assert "a" in tier.slot_of

@@ -172,3 +172,39 @@ def test_vllms_kv_transfer_config_turns_the_host_tier_on() -> None:
     tier = llm.llm_engine.engine_core.scheduler.host_tier
     assert tier is not None and tier.num_host_blocks == (1 << 26) // 737280   # SmolLM2 fp32
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_swap_and_recompute_preemption_give_the_same_answers(swap, monkeypatch, caplog) -> None:
+    """Preemption priced either way (forced here): a swap keeps the preempted request's full
+    blocks for the host tier, a recompute leaves them unsaved; the answers are those of the
+    engine without the tier, the choice is counted and logged with its reason."""
+    import logging
+
+    from folio.core.kv_offload import SwapPricing
+    monkeypatch.setattr(SwapPricing, "choose",
+                        lambda self, n, bs, free, pool: (swap, "forced by the test"))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
+                  max_model_len=128, num_gpu_blocks_override=14, max_num_seqs=4, device="cpu",
+                  **kw)
+        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:49]} for p in _token_prompts(llm)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.engine_core.scheduler.stats()
+        llm.llm_engine.shutdown()
+        return [list(o.outputs[0].token_ids) for o in outs], stats
+
+    want, _ = run()
+    with caplog.at_level(logging.INFO, logger="folio.core.scheduler"):
+        got, stats = run(kv_offloading_size=0.05)
+    assert got == want
+    assert stats.num_preemptions > 0
+    assert "forced by the test" in caplog.text
+    if swap:
+        assert stats.kv_swap_preemptions > 0 and stats.kv_recompute_preemptions == 0
+        assert "preempted" in caplog.text and ": swap (" in caplog.text
+    else:
+        assert stats.kv_recompute_preemptions > 0 and stats.kv_swap_preemptions == 0
+        assert ": recompute (" in caplog.text

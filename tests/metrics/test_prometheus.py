@@ -202,7 +202,11 @@ def test_kv_tier_metrics(m: EngineMetrics) -> None:
                                              kv_offload_miss_blocks=2,
                                              kv_offload_saved_bytes=4096,
                                              kv_offload_loaded_bytes=2048,
-                                             kv_disk_read_blocks=3, kv_disk_bad_blocks=1))
+                                             kv_disk_read_blocks=3, kv_disk_bad_blocks=1,
+                                             kv_swap_preemptions=5,
+                                             kv_recompute_preemptions=2))
+    assert val(m, "folio:kv_swap_preemptions_total") == 5
+    assert val(m, "folio:kv_recompute_preemptions_total") == 2
     assert val(m, "folio:kv_offload_usage_perc") == 0.25
     assert val(m, "folio:kv_offload_hit_blocks_total") == 8
     assert val(m, "folio:kv_offload_miss_blocks_total") == 2
