@@ -48,6 +48,12 @@ probe)  # batch 64, ngram: each step's time (plain / verify), the draft-length d
   STEP_PATTERN="latency:|decode:|steps|verify|plain|\(|proposals|Error|error"
   step 200 probe_ngram python3 tools/gpu_spec_probe.py -- $B64 --speculative-config "$NGRAM"
   step 100 b64_off python3 -m folio.bench.latency $B64 ;;
+probe_suffix)  # batch 64, suffix: each step's time and the draft-length decisions
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="--model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  STEP_PATTERN="latency:|decode:|steps|verify|plain|\(|proposals|Error|error"
+  step 200 probe_suffix python3 tools/gpu_spec_probe.py -- $B64 --speculative-config "$SUFFIX"
+  grep -A1 "the last 140" $OUT/probe_suffix.log | cut -c1-3000 ;;
 b64again)  # as b64, the GGUF already joined by an earlier call of this warm machine
   B64="python3 -m folio.bench.latency --model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
   step 140 b64_off $B64

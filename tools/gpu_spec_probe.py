@@ -24,9 +24,9 @@ propose_s = [0.0, 0]
 _observe = Scheduler.observe_step_time
 
 
-def observe(self, num_tokens, seconds, verify):
+def observe(self, num_tokens, seconds, verify, *rest):
     steps.append((num_tokens, seconds, verify))
-    return _observe(self, num_tokens, seconds, verify)
+    return _observe(self, num_tokens, seconds, verify, *rest)
 
 
 _choose = AdaptiveDraftLength.choose
@@ -67,6 +67,8 @@ for (v, b), times in sorted(by.items()):
     print(f"  {'verify' if v else 'plain '} tokens>={b:5d}: {len(times):5d} steps, median "
           f"{statistics.median(times):7.2f} ms, mean {statistics.fmean(times):7.2f} ms, max "
           f"{max(times):7.2f} ms")
+print("the last 140 steps (v = verify, p = plain; tokens:ms):")
+print("  " + " ".join(f"{'v' if v else 'p'}{n}:{sec * 1e3:.1f}" for n, sec, v in steps[-140:]))
 print("draft length decisions (batch, k, resting): count")
 for key, count in sorted(choices.items()):
     print(f"  {key}: {count}")
