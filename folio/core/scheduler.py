@@ -689,6 +689,8 @@ class Scheduler:
         if self.drafter is not None:
             # (a resting drafter skips what only future drafts would use)
             self.drafter.active = propose
+            if propose:
+                self.drafter.begin_proposals()
         # One token per request per step, or with drafts the accepted ones and one more.
         sampled = {rid: tokens for rid, tokens in
                    zip(runner_output.req_ids, runner_output.sampled_token_ids) if tokens}

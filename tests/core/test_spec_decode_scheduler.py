@@ -531,18 +531,24 @@ def test_suffix_learns_from_other_requests_outputs_and_forgets_the_oldest() -> N
     p = SuffixProposer(max_depth=6, max_cached_requests=2, max_spec_factor=3.0,
                        min_token_prob=0.4)
     p.finish("x", [10, 11, 12, 13, 14, 15])
+    # queued until indexed (the drafter indexes a few per step of proposals)
+    assert p.propose("b", [7, 8, 10, 11], 8) == []
+    p.index_pending()
     # two context tokens match: up to 6 drafted, along the most frequent continuations
     assert p.propose("b", [7, 8, 10, 11], 8) == [12, 13, 14, 15]
     # two outputs disagree after 11 (12 twice, 20 once): 12 has 2/3 >= 0.4
     p.finish("y", [10, 11, 20])
+    p.index_pending(1)
     assert p.propose("c", [10, 11], 1) == [12]
     # a continuation below the frequency bar stops the draft
     strict = SuffixProposer(max_depth=6, min_token_prob=0.9, max_spec_factor=4.0)
     strict.finish("x", [10, 11, 12])
     strict.finish("y", [10, 11, 20])
+    strict.index_pending()
     assert strict.propose("c", [5, 10, 11], 4) == []
     # past the cache size the oldest request's counts leave the index
     p.finish("z", [30, 31])
+    p.index_pending()
     assert p.propose("d", [9, 10, 11], 3) == [20]
 
 
@@ -554,6 +560,7 @@ def test_the_suffix_drafter_feeds_finished_outputs_to_the_shared_index() -> None
     for t in (40, 41, 42, 43):
         done.append_output_token(t)
     d.drop(done)
+    d.begin_proposals()        # a step of proposals indexes a finished request's outputs
     fresh = Request("b", [5, 40, 41], SamplingParams(), (EOS,), block_size=BS, max_model_len=64)
     assert d.propose(fresh) == [42, 43]
 
@@ -610,9 +617,11 @@ def test_a_resting_suffix_drafter_skips_indexing_finished_outputs():
     assert drafter.proposer._shared == {} and not drafter.proposer._pending
     drafter.active = True
     drafter.drop(done)
-    # queued, and indexed only when a proposal reads the shared index (a step that
-    # finishes many requests does not pay for their indexing)
+    # queued, and indexed by the steps of proposals, one per step (a step that finishes
+    # many requests does not pay for their indexing)
     assert drafter.proposer._pending and drafter.proposer._shared == {}
+    drafter.begin_proposals()
+    assert drafter.proposer._shared and not drafter.proposer._pending
     # and a new request continuing those tokens is drafted from them
     fresh = Request("b", [5, 7, 8, 9], params, block_size=4, max_model_len=64)
     assert drafter.propose(fresh)[:2] == [10, 11]
@@ -629,4 +638,10 @@ def test_resting_ends_when_the_batch_halves():
     drafting = {f"r{i}": 4 for i in range(64)}
     assert policy.choose(drafting, 0) == 0
     assert not policy.wants_proposals(64) and not policy.wants_proposals(40)
-    assert policy.wants_proposals(32)
+    # a batch finishing together passes through half in a few steps: not judged again
+    for _ in range(policy.HALVED_STEPS - 1):
+        assert not policy.wants_proposals(32)
+    assert not policy.wants_proposals(40)        # back above half: the count starts over
+    for _ in range(policy.HALVED_STEPS - 1):
+        assert not policy.wants_proposals(30)
+    assert policy.wants_proposals(30)

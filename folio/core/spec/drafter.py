@@ -28,6 +28,9 @@ class HostDrafter:
     def receive(self, drafts: dict[str, list[int]]) -> None:
         """Host drafters make their own drafts."""
 
+    def begin_proposals(self) -> None:
+        """A step's proposals are about to be made (once per step that makes them)."""
+
 
 class NgramDrafter(HostDrafter):
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -48,6 +51,13 @@ class SuffixDrafter(HostDrafter):
                                        config.suffix_decoding_max_cached_requests,
                                        config.suffix_decoding_max_spec_factor,
                                        config.suffix_decoding_min_token_prob)
+
+    # Finished requests' outputs moved into the shared index per step of proposals: their
+    # indexing (~1 ms per 64-token output) spread over steps, not all in one.
+    INDEXED_PER_STEP = 1
+
+    def begin_proposals(self) -> None:
+        self.proposer.index_pending(self.INDEXED_PER_STEP)
 
     def propose(self, request: Request) -> list[int]:
         return self.proposer.propose(request.request_id, request.all_token_ids, self.k)
@@ -72,6 +82,9 @@ class WorkerDrafts:
 
     def receive(self, drafts: dict[str, list[int]]) -> None:
         self._drafts = drafts
+
+    def begin_proposals(self) -> None:
+        """The worker made this step's drafts already."""
 
     def propose(self, request: Request) -> list[int]:
         return list(self._drafts.get(request.request_id, ()))[:self.k]

@@ -106,6 +106,7 @@ class AdaptiveDraftLength:
     _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
     MIN_PROBE_AFTER = 32
     MAX_PROBE_AFTER = 1024
+    HALVED_STEPS = 16
 
     # A bucket not timed for this many steps is stale: its next time replaces it outright.
     STALE_AFTER_STEPS = 64
@@ -123,15 +124,21 @@ class AdaptiveDraftLength:
         # probe and for the verdict right after it.
         self._resting = False
         self._rest_batch = 0     # the step's requests at the last k = 0 verdict
+        self._halved_steps = 0   # consecutive steps at half that batch or less
         self._judge_next = False
 
     def wants_proposals(self, batch_size: int | None = None) -> bool:
         """Whether the drafter should propose after this step (for the next one).
-        `batch_size`: the requests decoding now; resting ends when it has halved since the
-        k = 0 verdict (speculation may pay at the smaller batch: judge it again, rather than
-        wait for the next probe)."""
-        if batch_size is not None and self._resting and 2 * batch_size <= self._rest_batch:
-            return True
+        `batch_size`: the requests decoding now (given once per step); resting ends when it
+        has stayed at half the k = 0 verdict's batch or less for HALVED_STEPS steps
+        (speculation may pay at the smaller batch: judge it again, rather than wait for the
+        next probe; a batch finishing together passes through half in a few steps, and
+        drafting for those last steps costs more than it gains)."""
+        if batch_size is not None:
+            halved = self._resting and 2 * batch_size <= self._rest_batch
+            self._halved_steps = self._halved_steps + 1 if halved else 0
+            if self._halved_steps >= self.HALVED_STEPS:
+                return True
         return (not self._resting or self._judge_next
                 or self._steps_without_drafts + 1 >= self.probe_after)
 
