@@ -110,26 +110,28 @@ def test_the_disk_tier_survives_a_restart_and_a_bad_file_is_a_miss(tmp_path, cap
     llm.llm_engine.shutdown()
 
 
+def _preempting_run(**kw):
+    """Four 49-token prompts, 40 tokens each, in a 14-block pool: requests are preempted.
+    (answers, scheduler stats)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
+              max_model_len=128, num_gpu_blocks_override=14, max_num_seqs=4, device="cpu", **kw)
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][:49]} for p in _token_prompts(llm)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.engine_core.scheduler.stats()
+    llm.llm_engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
 def test_preempted_requests_resume_from_the_host_tier(caplog) -> None:
     """Swap by way of the tier: a preempted request's full blocks stay cached, are saved to
     the host when the device pool evicts them, and load back when it resumes. Answers are
     those of the engine without the tier (recompute preemption)."""
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-    def run(**kw):
-        llm = LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
-                  max_model_len=128, num_gpu_blocks_override=14, max_num_seqs=4, device="cpu",
-                  **kw)
-        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:49]} for p in _token_prompts(llm)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.llm_engine.engine_core.scheduler.stats()
-        llm.llm_engine.shutdown()
-        return [list(o.outputs[0].token_ids) for o in outs], stats
 
     import logging
-    want, plain_stats = run()
+    want, plain_stats = _preempting_run()
     with caplog.at_level(logging.INFO, logger="folio.core.scheduler"):
-        got, stats = run(kv_offloading_size=0.05)
+        got, stats = _preempting_run(kv_offloading_size=0.05)
     assert "(device, then host tier: a swap)" in caplog.text
     assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
     assert got == want
@@ -184,21 +186,10 @@ def test_swap_and_recompute_preemption_give_the_same_answers(swap, monkeypatch, 
     from folio.core.kv_offload import SwapPricing
     monkeypatch.setattr(SwapPricing, "choose",
                         lambda self, n, bs, free, pool: (swap, "forced by the test"))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
-    def run(**kw):
-        llm = LLM(default_model_path(), dtype="float32", kv_cache_dtype="float32",
-                  max_model_len=128, num_gpu_blocks_override=14, max_num_seqs=4, device="cpu",
-                  **kw)
-        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:49]} for p in _token_prompts(llm)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.llm_engine.engine_core.scheduler.stats()
-        llm.llm_engine.shutdown()
-        return [list(o.outputs[0].token_ids) for o in outs], stats
-
-    want, _ = run()
+    want, _ = _preempting_run()
     with caplog.at_level(logging.INFO, logger="folio.core.scheduler"):
-        got, stats = run(kv_offloading_size=0.05)
+        got, stats = _preempting_run(kv_offloading_size=0.05)
     assert got == want
     assert stats.num_preemptions > 0
     assert "forced by the test" in caplog.text
