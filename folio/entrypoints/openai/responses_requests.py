@@ -44,8 +44,9 @@ def _text(parts: str | Sequence[ContentPart], where: str) -> str:
         elif part.type == "refusal":
             texts.append(part.refusal)
         else:
-            raise OpenAIError(f"{where}.content[{k}]: {part.type} parts are not supported; this "
-                              "server's models take text only", param=f"{where}.content[{k}]")
+            raise OpenAIError(f"{where}.content[{k}]: {part.type} parts are not supported on "
+                              "/v1/responses (images: /v1/chat/completions or /v1/messages, "
+                              "on a vision-language model)", param=f"{where}.content[{k}]")
     return "\n".join(texts)
 
 
