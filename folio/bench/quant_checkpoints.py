@@ -233,7 +233,11 @@ class _CtGrid:
     to `dtype`, the weight's (the dtype llm-compressor stores it in)."""
 
     def __init__(self, args: Any, dtype: torch.dtype) -> None:
-        from compressed_tensors.quantization.utils import calculate_range
+        try:
+            from compressed_tensors.quantization.utils import calculate_range
+        except ImportError:
+            raise SystemExit("writing compressed-tensors checkpoints needs the quant-tools "
+                             "extra: pip install 'folio[quant-tools]'") from None
 
         self.args, self.dtype = args, dtype
         qmin, qmax = calculate_range(args, "cpu")

@@ -32,7 +32,12 @@ LONG_SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minIt
 def _suite() -> list[dict]:
     root = Path(__file__).resolve().parents[2] / "tests" / "structured_output"
     sys.path.insert(0, str(root))
-    from schema_suite import SCHEMAS  # type: ignore[import-not-found]
+    try:
+        from schema_suite import SCHEMAS  # type: ignore[import-not-found]
+    except ImportError:
+        raise SystemExit("the structured-output bench reads its schemas from the source "
+                         "checkout's tests/structured_output/schema_suite.py; run it from a "
+                         "git clone of folio") from None
     return [schema for _, _, schema in SCHEMAS]
 
 

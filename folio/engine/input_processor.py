@@ -156,9 +156,10 @@ class InputProcessor:
             return prompt, self._encode(prompt, truncating)
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data"):
-                # never dropped silently: the answer would ignore the image
-                raise ValueError("multi_modal_data: image inputs are not supported yet (the "
-                                 "vision encoders exist; the engine does not run them)")
+                # never dropped silently: the answer would ignore the image (RequestPreparer
+                # turns images into token ids and ImageInputData before this point)
+                raise ValueError("multi_modal_data: images are taken by the engine's request "
+                                 "preparation, not by the input processor alone")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list):

@@ -214,6 +214,11 @@ class ModelRunner:
         on its first prompt step), so its decode steps keep their CUDA graphs."""
         from folio.model.mrope import mrope_positions
         requests = self.input_batch.requests
+        # the common step (decodes, text prompts) builds nothing: one pass of checks
+        if not any(state.mm_inputs and (state.mrope is None
+                                        or state.num_computed_tokens < state.mrope[0].shape[1])
+                   for state in map(requests.__getitem__, step.num_scheduled_tokens)):
+            return None
         chunks = []
         needed = False
         for rid, n in step.num_scheduled_tokens.items():
