@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
+#   PART=s12a|s12b|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -10,6 +10,25 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
+s12b)  # session 12, second call: the FP8 product's GPU tests, the engine on FP8 checkpoints,
+       # then offline throughput bf16 against FP8 weights + FP8 KV cache (the product now
+       # serves 2-64 rows), and batch-1 decode of both
+  step 200 gpu_fp8_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "fp8_matmul or eight_bit or engine_fp8"
+  step 110 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
+  step 100 thr_fp8 $THR --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/thr_fp8.json"
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 100 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json" ;;
+s12a)  # session 12, first call: the Triton FP8 product at decode batch sizes (every config,
+       # W8A8 and W8A16, against torch._scaled_mm), where batch-1 FP8 decode spends its GPU
+       # time, the MoE layer (issue 18) with its one-program alignment; .smolA for issue 17
+  mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA 2>/dev/null
+  step 330 fp8mm python3 tools/gpu_sweep_fp8_mm.py --m 2,8,16,32,64,128,256 --json "$OUT/fp8mm.json"
+  grep -E "best|bf16|fp8-now|scaled-mm|quant|auto|WRONG|ERR" "$OUT/fp8mm.log" | cut -c1-90
+  step 130 prof_fp8_b1 python3 tools/gpu_profile_batch_kernels.py 1 128 128 --config llama3-8b --quantization fp8
+  head -45 "$OUT/prof_fp8_b1.log" | cut -c1-170
+  step 120 moe_layer python3 tools/gpu_bench_moe.py --out "$OUT/moe_layer.json"
+  grep -E "batch|fused" "$OUT/moe_layer.log" | cut -c1-200 | head -20 ;;
 first)  # the quantized linears' GPU tests, then batch-1 decode bf16 / FP8 / W4A16
   step 270 gpu_quant_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py

@@ -2,8 +2,9 @@
 shapes, and quantized checkpoints through the engine against transformers on the same weights
 dequantized. Skipped without a GPU; run through the device tool (docs/benchmarks.md).
 
-- FP8 W8A8: decode rows through the skinny GEMV (FP8 weight widened, W8A16), more rows through
-  per-token activation quantization (Triton) + torch._scaled_mm; INT8 W8A8 through
+- FP8 W8A8: one row through the skinny GEMV (FP8 weight widened, W8A16), 2-64 rows through
+  per-token activation quantization + folio's FP8 product (kernels/fp8_matmul.py), more rows
+  through torch._scaled_mm; INT8 W8A8 through
   torch._int_mm; W4A16 through the Triton kernel at decode and prefill row counts (with zero
   points, act-order, split-K shapes) and dequantize + cuBLAS past DEQUANT_MIN_ROWS.
 - The engine (CUDA graphs on) on compressed-tensors, AWQ, GPTQ and on-load FP8 checkpoints of
@@ -29,7 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("m", [1, 64, 333])
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 333])
 @pytest.mark.parametrize("act", ["fp8", "int8"])
 def test_eight_bit_linear_matches_reference(m: int, act: str) -> None:
     from folio.model.quant.eight_bit_linear import EightBitLinear
@@ -56,6 +57,39 @@ def test_eight_bit_linear_matches_reference(m: int, act: str) -> None:
             # and within the format's error of the float product
             full = x.float() @ w.t() + bias.float()
             assert _rel(out, full) < (0.06 if act == "fp8" else 0.02), (n, k)
+
+
+@pytest.mark.parametrize("m", [2, 9, 16, 33, 64])
+@pytest.mark.parametrize("a8", [True, False])
+def test_fp8_matmul_every_chosen_config(m: int, a8: bool) -> None:
+    """kernels/fp8_matmul.py at Llama-3-8B shapes: the chosen config, and split-K forced
+    (bit-equal twice: the partials are summed in split order), against the float64 product
+    of the same codes."""
+    from folio.model.kernels.act_quant import quantize_activations
+    from folio.model.kernels.fp8_matmul import fp8_matmul
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    torch.manual_seed(m)
+    for n, k in SHAPES:
+        q = quantize_fp8_per_channel(torch.randn(n, k, device=CUDA) * 0.02)
+        deq = q.codes.double() * q.scale.double()[:, None]
+        x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+        bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+        if a8:
+            xq, xs = quantize_activations(x, torch.float8_e4m3fn)
+            ref = (xq.double() * xs.double()) @ deq.t() + bias.double()
+            run = lambda c=None: fp8_matmul(xq, q.codes, q.scale, xs, bias,  # noqa: E731
+                                            out_dtype=torch.bfloat16, _config=c)
+        else:
+            ref = x.double() @ deq.t() + bias.double()
+            run = lambda c=None: fp8_matmul(x, q.codes, q.scale, bias=bias, _config=c)  # noqa: E731
+        out = run()
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert _rel(out, ref) < 1e-2, (n, k)
+        if m <= 64 and n <= 8192:
+            split = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4, num_warps=4,
+                         num_stages=4)
+            a, b = run(split), run(split)
+            assert torch.equal(a, b) and _rel(a, ref) < 1e-2, (n, k)
 
 
 def test_fp8_activation_quantization_matches_reference() -> None:

@@ -70,6 +70,13 @@ for _dt in ("int8", "float8_e4m3fn"):
         CASES.append(dict(name=f"gemv8_{_dt}_m{_m}", kind="gemv8", wdtype=_dt, M=_m, N=37,
                           K=96, bias=_m == 3))
     CASES.append(dict(name=f"gateup8_{_dt}", kind="gateup8", wdtype=_dt, M=2, N=24, K=64))
+# the FP8-weight product of decode batches (kernels/fp8_matmul.py): W8A16 and W8A8, ragged
+# rows and columns, bias, split-K forced
+for _m, _n, _k, _a8, _bias, _split in [(2, 40, 128, False, True, 1), (17, 33, 256, True, False, 1),
+                                        (5, 48, 192, True, True, 1), (3, 40, 256, False, False, 2),
+                                        (20, 24, 256, True, True, 4)]:
+    CASES.append(dict(name=f"fp8mm_m{_m}_n{_n}_k{_k}_a{8 if _a8 else 16}_b{int(_bias)}_s{_split}",
+                      kind="fp8mm", M=_m, N=_n, K=_k, a8=_a8, bias=_bias, split=_split))
 CASES.append(dict(name="act_int8", kind="act", M=7, K=100))
 CASES.append(dict(name="act_int8_static", kind="act", M=3, K=64, static=True))
 
@@ -151,6 +158,30 @@ def _run(case: dict) -> dict:
             ref = torch.nn.functional.silu(gate) * up
         return {"name": case["name"], "err": rel_err(out, ref),
                 "nan": bool(torch.isnan(out).any())}
+    if kind == "fp8mm":
+        from folio.model.kernels import fp8_matmul
+        w = torch.randn(case["N"], case["K"]) * 0.05
+        w_scale = (w.abs().amax(dim=1) / 448).contiguous()
+        codes = (w / w_scale[:, None]).to(torch.float8_e4m3fn)
+        deq = codes.double() * w_scale.double()[:, None]
+        x = torch.randn(case["M"], case["K"] + 8, dtype=torch.float16)[:, 4:case["K"] + 4]
+        bias = torch.randn(case["N"], dtype=torch.float16) if case["bias"] else None
+        config = None
+        if case["split"] > 1:
+            config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=case["split"])
+        if case["a8"]:
+            # activations quantized by torch (the interpreter's own FP8 rounding is wrong)
+            xq, x_scale = act_quant.quantize_activations_reference(x, torch.float8_e4m3fn)
+            out = fp8_matmul.fp8_matmul(xq, codes, w_scale, x_scale, bias,
+                                        out_dtype=torch.float16, _config=config)
+            ref = (xq.double() * x_scale.double()) @ deq.t()
+        else:
+            out = fp8_matmul.fp8_matmul(x, codes, w_scale, bias=bias, _config=config)
+            ref = x.double() @ deq.t()
+        if bias is not None:
+            ref = ref + bias.double()
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "nan": bool(torch.isnan(out).any()), "dtype": str(out.dtype)}
     if kind == "act":
         x = torch.randn(case["M"], case["K"], dtype=torch.float16) * 3
         static = torch.tensor(0.05) if case.get("static") else None
@@ -179,9 +210,39 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
         assert res["code_diff"] <= 1.0 and res["scale_err"] < 1e-6, res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
+    elif case["kind"] == "fp8mm":
+        assert res["dtype"] == "torch.float16" and res["err"] < 2e-3, res
     else:
         # fp16 activations and fp16-rounded weights in the tensor-core product
         assert res["err"] < 2e-3, res
+
+
+def test_fp8_matmul_configs_fit_every_shape() -> None:
+    """The chosen tile config serves every row count and the shapes models have (K a multiple
+    of 64, e.g. SmolLM2's 576 and 1536), within the split-K workspace."""
+    pytest.importorskip("triton")
+    from folio.model.kernels import fp8_matmul
+    for m in (1, 2, 7, 16, 17, 32, 33, 64):
+        for n, k in ((6144, 4096), (4096, 4096), (57344, 4096), (4096, 14336), (576, 576),
+                     (3072, 576), (576, 1536), (40, 192)):
+            c = fp8_matmul.choose_config(m, n, k)
+            assert fp8_matmul.fits(fp8_matmul.row_bucket(m), n, k, c["BLOCK_M"], c["BLOCK_N"],
+                                   c["BLOCK_K"], c["SPLIT_K"]), (m, n, k, c)
+
+
+def test_fp8_matmul_refuses_bad_operands() -> None:
+    pytest.importorskip("triton")
+    from folio.model.kernels.fp8_matmul import fp8_matmul
+    codes = torch.zeros(8, 64, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(8)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_matmul(torch.zeros(2, 64, dtype=torch.float8_e4m3fn), codes, scale)
+    with pytest.raises(ValueError, match="cannot serve"):
+        fp8_matmul(torch.zeros(2, 32, dtype=torch.float16), codes, scale)
+    with pytest.raises(ValueError, match="cannot serve"):
+        fp8_matmul(torch.zeros(65, 64, dtype=torch.float16), codes, scale)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_matmul(torch.zeros(2, 64, dtype=torch.float16), codes, torch.ones(4))
 
 
 def test_int4_refuses_bad_shapes() -> None:

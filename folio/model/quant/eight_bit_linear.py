@@ -6,10 +6,13 @@ On CUDA, by row count:
   folio's skinny GEMV reads the 8-bit weight and widens it in registers (W8A16 arithmetic: the
   activations are not quantized, so decode is as exact as the weights allow, and the bytes read
   are halved all the same; a merged gate|up projection fuses SiLU-and-mul there, `gate_up_silu`);
+- FP8 weights at 2-64 rows (decode batches): folio's Triton product (kernels/fp8_matmul.py),
+  on activations quantized as below for W8A8, on the 16-bit activations for weight-only FP8;
 - more rows: the activations are quantized (per token, or with the checkpoint's static scale;
   kernels/act_quant.py) and the product runs on the tensor cores in 8 bits: FP8 through
-  torch._scaled_mm (row-wise scales; fast accumulation from 1024 rows), INT8 through torch._int_mm with the scales
-  applied after. A weight-only INT8 model widens the weight for cuBLAS instead.
+  torch._scaled_mm (row-wise scales; fast accumulation from 1024 rows), INT8 through
+  torch._int_mm with the scales applied after. A weight-only INT8 model widens the weight for
+  cuBLAS instead.
 Elsewhere (CPU tensors, tests) `reference` does the same arithmetic in float32 torch ops: the
 activations fake-quantized as the W8A8 kernels quantize them, the weight dequantized.
 """
@@ -92,6 +95,14 @@ class EightBitLinear(nn.Module):
         if self._gemv_wanted(x):
             return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
                                       pdl=self.kernels.pdl_on)
+        if self._fp8_kernel_wanted(x, bias):
+            from folio.model.kernels.fp8_matmul import fp8_matmul
+            if self.activation is None:          # weight-only FP8: W8A16 in the kernel
+                return fp8_matmul(x, self.codes, self.scale, bias=bias,
+                                  pdl=self.kernels.pdl_on)
+            codes, x_scale = self._quantize_input(x)
+            return fp8_matmul(codes, self.codes, self.scale, x_scale, bias, out_dtype=x.dtype,
+                              pdl=self.kernels.pdl_on)
         if self.activation is None:
             w = (self.codes.to(torch.float32) * self.scale[:, None]).to(x.dtype)
             return F.linear(x, w, bias)
@@ -113,6 +124,17 @@ class EightBitLinear(nn.Module):
             acc = torch._int_mm(codes, self.codes.t())[:m]
             out = (acc.to(torch.float32) * x_scale * self.scale.view(1, -1)).to(x.dtype)
         return out if bias is None else out + bias.to(out.dtype)
+
+    def _fp8_kernel_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """FP8 weights at a decode batch's rows (2 to fp8_matmul.MAX_M): folio's Triton
+        product, which read the weight 1.2-2x faster than activation quantization +
+        cuBLASLt there on the H200 (tools/gpu_sweep_fp8_mm.py); cuBLASLt past it."""
+        if self.codes.dtype != FP8_DTYPE or not self.kernels.gemv_on \
+                or x.dtype not in (torch.float16, torch.bfloat16) \
+                or (bias is not None and bias.dtype != x.dtype):
+            return False
+        from folio.model.kernels import fp8_matmul
+        return fp8_matmul.supported(x, self.codes)
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_per_tensor and self.input_scale is None:
