@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s12a|s12b|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
+#   PART=s12a|s12b|s12c|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -10,6 +10,19 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
+s12c)  # session 12, third call: the FP8 product's exactness against torch._scaled_mm on the
+       # same operands; the engine test with and without the product at 2-64 rows
+  step 120 diag python3 tools/gpu_diag_fp8_mm.py
+  cut -c1-260 "$OUT/diag.log" | grep -v "^N=.*std=0.02 M=  2" | head -60
+  step 150 engine_fp8 python3 -m pytest -q -p no:cacheprovider --noconftest -rf -s \
+      tests/gpu/test_gpu_quant.py -k "engine_fp8"
+  grep -E "before the first|passed|failed" "$OUT/engine_fp8.log"
+  step 150 engine_fp8_off python3 -c "import sys, pytest
+from folio.model.quant.eight_bit_linear import EightBitLinear
+EightBitLinear._fp8_kernel_wanted = lambda self, x, bias: False   # the old path: cuBLASLt
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--noconftest', '-rf', '-s',
+                      'tests/gpu/test_gpu_quant.py', '-k', 'engine_fp8']))"
+  grep -E "before the first|passed|failed" "$OUT/engine_fp8_off.log" ;;
 s12b)  # session 12, second call: the FP8 product's GPU tests, the engine on FP8 checkpoints,
        # then offline throughput bf16 against FP8 weights + FP8 KV cache (the product now
        # serves 2-64 rows), and batch-1 decode of both
