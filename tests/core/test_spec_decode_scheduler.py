@@ -376,8 +376,10 @@ def test_drafting_steps_in_a_bucket_do_not_make_drafts_look_free() -> None:
 
 def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
     """A noisy time (another process held the core) must not turn speculation off for
-    good: after probe_after k = 0 steps one step drafts in full, its time replaces the stale
-    figure, and the wait doubles while probes confirm k = 0."""
+    good: after some k = 0 steps one step drafts in full, its time replaces the stale
+    figure, and the wait doubles while probes confirm k = 0. The probe's wait is priced: a
+    verify step that looks 20x dearer than a plain one waits the longest priced wait,
+    PRICED_WAIT_FACTOR x probe_after, not the 1 % rule's ~1,900 steps."""
     from folio.core.spec.policy import AdaptiveDraftLength
     policy = AdaptiveDraftLength()
     for tokens in (2, 4, 8):
@@ -385,8 +387,9 @@ def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
     for _ in range(AdaptiveDraftLength.STALE_AFTER_STEPS + 1):
         policy.observe_step(1, 0.010, False)   # the engine decodes without drafts meanwhile
         policy.observe_step(1, 0.010, True)
-    choices = [policy.choose({"a": 7}, 0) for _ in range(policy.MIN_PROBE_AFTER)]
-    assert choices[:-1] == [0] * (policy.MIN_PROBE_AFTER - 1) and choices[-1] == 7
+    wait = policy.PRICED_WAIT_FACTOR * policy.MIN_PROBE_AFTER
+    choices = [policy.choose({"a": 7}, 0) for _ in range(wait)]
+    assert choices[:-1] == [0] * (wait - 1) and choices[-1] == 7
     policy.observe_step(8, 0.010, True)  # the probe's step: the true cost replaces the stale one
     assert policy.choose({"a": 7}, 0) == 7 and policy.probe_after == policy.MIN_PROBE_AFTER
     # a real k = 0 (every token costs) is probed ever more rarely
@@ -403,6 +406,36 @@ def test_a_k0_verdict_is_probed_again_with_growing_waits() -> None:
             since = 0
     m = AdaptiveDraftLength.MIN_PROBE_AFTER
     assert waits[:3] == [m, 2 * m, 4 * m] and waits[-2:] == [1024, 1024]
+
+
+def test_probes_of_dear_verify_steps_wait_for_their_price() -> None:
+    """Batch 64 on the H200 (issue 17): plain steps 2.1 ms, verify steps 20 ms, drafts kept
+    half the time: k = 0, and the probes that re-check it cost at most 1 % of the steps
+    waited (within the factor's bound): waits of 256, 512, then the 1 % rule's ~860 steps,
+    where unpriced they came after 32, 64, 128... steps."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    policy = AdaptiveDraftLength()
+    batch = {str(i): 4 for i in range(64)}
+    for _ in range(10):
+        for tokens in (64, 128):
+            policy.observe_step(tokens, 0.0021, False)
+        for tokens in (256, 320):
+            policy.observe_step(tokens, 0.020, True)
+    for rid in batch:
+        for _ in range(10):
+            policy.observe_acceptance(rid, 4, 2)
+    waits, since = [], 0
+    for _ in range(4000):
+        since += 1
+        if policy.choose(batch, 0) > 0:
+            waits.append(since)
+            since = 0
+            policy.observe_step(320, 0.020, True)    # the probe confirms: still dear
+    m = AdaptiveDraftLength.MIN_PROBE_AFTER * AdaptiveDraftLength.PRICED_WAIT_FACTOR
+    assert waits[:2] == [m, 2 * m]
+    assert all(840 <= w <= 880 for w in waits[2:]) and len(waits) >= 4, waits
+    # each priced wait: the probe's extra time is 1 % of the plain steps waited
+    assert all(w * 0.0021 * 0.01 >= 0.99 * (0.020 - 0.0021) for w in waits[2:])
 
 
 def test_verify_steps_dearer_than_plain_ones_turn_drafting_off() -> None:
@@ -461,7 +494,8 @@ def test_a_resting_draft_length_asks_for_no_proposals_but_probes() -> None:
         if policy.choose(batch if asked else {}, 0 if asked else 64) > 0:
             probes.append(step)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+    # (verify steps 5x dearer: probes also wait for their price, 400 steps, at first)
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]
     assert sum(proposing) <= 3 * len(probes) + 1        # a probe, the step before, the verdict
     # a probe that finds drafting cheap now ends the rest
     policy.observe_step(320, 0.001, True)

@@ -19,6 +19,14 @@ CASES = [
          routes="random", act="gelu"),
     dict(name="t300_k4_e6_skewed_fp16", T=300, k=4, E=6, H=32, I=32, dtype="float16",
          routes="skewed"),
+    # the few-token form (kernels/moe_gemv.py), forced and chosen, with and without biases
+    # (the interpreter runs fp32 and fp16 only)
+    dict(name="few_t1_k4_e8_fp32", T=1, k=4, E=8, H=48, I=40, dtype="float32", routes="random",
+         few=True),
+    dict(name="few_t3_k2_e5_skewed_fp16_bias", T=3, k=2, E=5, H=40, I=24, dtype="float16",
+         routes="skewed", bias=True, few=True),
+    dict(name="few_t4_k8_e16_auto_fp16", T=4, k=8, E=16, H=64, I=48, dtype="float16",
+         routes="random"),
     # GPT-OSS's experts: biases on both projections, the clamped SwiGLU
     dict(name="t21_k2_e5_bias_swiglu_fp32", T=21, k=2, E=5, H=40, I=24, dtype="float32",
          routes="random", act="swiglu_oai", bias=True),
@@ -52,7 +60,7 @@ def _run(case: dict) -> dict:
         gated, ref_kw = None, {}
     cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
     out = fused_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids, gated,
-                        cast(b13), cast(b2))
+                        cast(b13), cast(b2), few_tokens=case.get("few"))
     ref = experts_loop(x.to(dtype).float(), gate_up.to(dtype).float(), down.to(dtype).float(),
                        w, ids, b13=b13, b2=b2, **ref_kw)
     return {"name": case["name"], "err": rel_err(out, ref),

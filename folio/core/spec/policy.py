@@ -7,6 +7,7 @@ engine/grammar_manager.py). What is left to decide is how far.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -98,14 +99,23 @@ class AdaptiveDraftLength:
     another process held the core); with k = 0 no verify step is timed again, so the
     verdict would stand for good. So after `probe_after` steps of k = 0 while drafts were
     on offer, one step drafts in full to measure again; each probe that confirms k = 0
-    doubles the wait (up to MAX_PROBE_AFTER steps, where a probe costs a large batch well
-    under a per cent), and a step that chooses to draft resets it."""
+    doubles the wait (up to MAX_PROBE_AFTER steps), and a step that chooses to draft resets
+    it. A probe is also priced: it waits until its expected extra time (the verify step's
+    cost over the plain step's, from the curves) is at most PROBE_SHARE of the plain steps
+    rested since the last one, up to PRICED_WAIT_FACTOR times probe_after. At batch 64 on the
+    H200 a verify step of a small model took ~20 ms against 2.1 ms for a plain one, so
+    probing after 32, 64, 128... steps cost that batch ~10 % of its decode time (issue 17's
+    batch-64 runs); priced, the waits are 256, 512, then ~860 steps."""
 
     # A request's acceptance rate before its first verify step (optimistic, so it is tried).
     PRIOR_ACCEPTANCE = 0.7
     _EMA_ACCEPT = 0.3  # weight of a verify step in a request's acceptance rate
     MIN_PROBE_AFTER = 32
     MAX_PROBE_AFTER = 1024
+    PROBE_SHARE = 0.01
+    # A priced wait is at most this many times probe_after: a noisy figure that makes the
+    # verify steps look dear must still be measured again, only later.
+    PRICED_WAIT_FACTOR = 8
     HALVED_STEPS = 16
 
     # A bucket not timed for this many steps is stale: its next time replaces it outright.
@@ -117,6 +127,7 @@ class AdaptiveDraftLength:
         self._steps_timed = 0
         self.acceptance: dict[str, float] = {}
         self.probe_after = self.MIN_PROBE_AFTER
+        self._probe_wait = self.MIN_PROBE_AFTER   # probe_after, or longer where probes cost
         self._steps_without_drafts = 0
         # Resting: the last verdict was k = 0 with drafts on offer. Proposals are then not
         # made (the scheduler asks `wants_proposals`), since at a large batch making them
@@ -140,7 +151,7 @@ class AdaptiveDraftLength:
             if self._halved_steps >= self.HALVED_STEPS:
                 return True
         return (not self._resting or self._judge_next
-                or self._steps_without_drafts + 1 >= self.probe_after)
+                or self._steps_without_drafts + 1 >= self._probe_wait)
 
     def observe_step(self, num_tokens: int, seconds: float, verify: bool) -> None:
         """A step's wall time; `verify`: it carried drafts."""
@@ -192,7 +203,20 @@ class AdaptiveDraftLength:
             self._steps_without_drafts += 1
             self._resting = True
             self._rest_batch = len(drafting) + other_tokens
+            self._probe_wait = self._priced_wait(drafting, other_tokens)
         return k
+
+    def _priced_wait(self, drafting: dict[str, int], other_tokens: int) -> int:
+        """Resting steps before the next probe: probe_after, or more where the probe's extra
+        time over a plain step would exceed PROBE_SHARE of the plain steps waited."""
+        base = other_tokens + len(drafting)
+        max_k = max(drafting.values())
+        plain = self.cost(base, verify=False)
+        verify = self.verify.cost(base + sum(min(max_k, n) for n in drafting.values()))
+        if not plain or verify is None:
+            return self.probe_after
+        priced = math.ceil(max(0.0, verify - plain) / (self.PROBE_SHARE * plain))
+        return max(self.probe_after, min(priced, self.PRICED_WAIT_FACTOR * self.probe_after))
 
     def _plan(self, drafting: dict[str, int], other_tokens: int) -> tuple[int, bool]:
         """(k, whether k is a probe of a k = 0 verdict)."""
@@ -202,7 +226,7 @@ class AdaptiveDraftLength:
         best_k = self._best_k(drafting, other_tokens, max_k)
         if best_k > 0:
             return best_k, False
-        if self._steps_without_drafts + 1 < self.probe_after:
+        if self._steps_without_drafts + 1 < self._probe_wait:
             return 0, False
         return max_k, True
 

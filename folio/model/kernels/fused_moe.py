@@ -102,12 +102,23 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   gated: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  down_bias: torch.Tensor | None = None,
+                  few_tokens: bool | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], topk_weights [T, k] (float32), topk_ids
     [T, k] -> [T, H] in x's dtype. `gated`: [rows, 2I] (gate | up) -> [rows, I]; None =
-    silu(gate) * up in one fused launch. Biases [E, 2I] / [E, H] or None."""
+    silu(gate) * up in one fused launch. Biases [E, 2I] / [E, H] or None. `few_tokens`: the
+    two-launch form of kernels/moe_gemv.py (SiLU only); None = where it is wanted (up to
+    moe_gemv.MAX_TOKENS tokens)."""
     require_triton()
     t, k = topk_ids.shape
+    from folio.model.kernels import moe_gemv
+    if few_tokens is None:
+        few_tokens = gated is None and moe_gemv.wanted(x, t)
+    if few_tokens:
+        if gated is not None:
+            raise ValueError("the few-token MoE form computes silu(gate) * up only")
+        return moe_gemv.few_token_experts(x, gate_up, down, topk_weights, topk_ids,
+                                          gate_up_bias, down_bias)
     num_experts = gate_up.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     tiles = _tiles(t * k)

@@ -1,0 +1,138 @@
+"""Mixture-of-experts layer for a few tokens (decode at small batches), in two launches that
+read each routed expert's weights once and do nothing else.
+
+The grouped GEMMs of kernels/fused_moe.py sort the (token, slot) pairs into row blocks per
+expert first, and run each block through tl.dot padded to 16 rows: at one token (8 pairs) that
+is an alignment pass, 15 padding rows per expert, a separate SiLU-and-mul and a separate sum
+over the slots, 2.6x the bytes-read floor on the H200 in a CUDA graph. Here, as in the skinny
+GEMV (kernels/gemv.py), each program streams rows of one expert's weight against one row of
+input on the CUDA cores:
+- `_gate_up_kernel`: program (pair, column block): the pair's token row of x against its
+  expert's gate and up rows, then silu(gate) * up, rounded as `activation.silu_and_mul` rounds
+  (gate and up to the activations' dtype, silu(gate) once more, then the product);
+- `_down_kernel`: program (token, column block): for each of the token's k slots, the slot's
+  activation row against its expert's down rows, times the routing weight, summed over the
+  slots in fp32 and rounded once, as fused_experts sums its fp32 partials.
+The expert of each pair is read on the device (no host sync, so a CUDA graph holds it).
+"""
+from __future__ import annotations
+
+import torch
+
+from folio.model.kernels._common import HAS_TRITON, INTERPRET, require_triton, tl, triton
+
+# Up to this many tokens the few-token form is used (beyond, tokens share experts and the
+# grouped GEMMs' row blocks read each expert once for all of them).
+MAX_TOKENS = 4
+
+# (BLOCK_N, BLOCK_K, num_warps): rows of a weight per program and the K slice per step.
+_GATE_UP_TILE = (4, 512, 4)
+_DOWN_TILE = (8, 256, 4)
+_INTERPRET_TILE = (4, 16, 4)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gate_up_kernel(X, W, BIAS, IDS, ACT, I, K, stride_x, stride_we, stride_wn,
+                        stride_be, stride_act, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(IDS + pair).to(tl.int64)
+        token = pair // TOP_K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Columns past I read row I - 1 (valid memory) and are never stored.
+        cols_c = tl.minimum(cols, I - 1).to(tl.int64)
+        g_rows = W + expert * stride_we + cols_c[:, None] * stride_wn
+        u_rows = g_rows + I * stride_wn
+        x_row = X + token.to(tl.int64) * stride_x
+        ks = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            xk = tl.load(x_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0) \
+                .to(tl.float32) * xk
+            acc_u += tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0) \
+                .to(tl.float32) * xk
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
+        if HAS_BIAS:
+            b_row = BIAS + expert * stride_be
+            gate += tl.load(b_row + cols_c).to(tl.float32)
+            up += tl.load(b_row + I + cols_c).to(tl.float32)
+        dt = ACT.dtype.element_ty
+        gate = gate.to(dt).to(tl.float32)
+        up = up.to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+        tl.store(ACT + pair.to(tl.int64) * stride_act + cols, (act * up).to(dt), mask=cols < I)
+
+    @triton.jit
+    def _down_kernel(ACT, W, BIAS, IDS, WEIGHTS, OUT, H, K, stride_act, stride_we, stride_wn,
+                     stride_be, stride_out, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_c = tl.minimum(cols, H - 1).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for slot in range(TOP_K):
+            pair = token * TOP_K + slot
+            expert = tl.load(IDS + pair).to(tl.int64)
+            rows = W + expert * stride_we + cols_c[:, None] * stride_wn
+            a_row = ACT + pair.to(tl.int64) * stride_act
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                k_ok = kk < K
+                a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(rows + kk[None, :], mask=k_ok[None, :], other=0.0) \
+                    .to(tl.float32) * a
+            part = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                part += tl.load(BIAS + expert * stride_be + cols_c).to(tl.float32)
+            total += part * tl.load(WEIGHTS + pair)
+        tl.store(OUT + token.to(tl.int64) * stride_out + cols,
+                 total.to(OUT.dtype.element_ty), mask=cols < H)
+
+
+def wanted(x: torch.Tensor, num_tokens: int) -> bool:
+    """Whether the few-token form should serve a step of `num_tokens` tokens."""
+    return HAS_TRITON and 0 < num_tokens <= MAX_TOKENS and (x.is_cuda or INTERPRET)
+
+
+def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_experts with silu(gate) * up, for a few tokens: x [T, H], gate_up [E, 2I, H]
+    (gate rows first), down [E, H, I] (both with contiguous rows), topk_weights [T, k],
+    topk_ids [T, k], biases [E, 2I] / [E, H] or None -> [T, H] in x's dtype."""
+    require_triton()
+    t, k = topk_ids.shape
+    h, inter = x.shape[1], down.shape[2]
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("expert weights need contiguous rows")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    bn, bk, warps = _INTERPRET_TILE if INTERPRET else _GATE_UP_TILE
+    _gate_up_kernel[(t * k, triton.cdiv(inter, bn))](
+        x, gate_up, gate_up_bias if gate_up_bias is not None else x, ids, act, inter, h,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, act.stride(0),
+        TOP_K=k, HAS_BIAS=gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=2)
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    bn, bk, warps = _INTERPRET_TILE if INTERPRET else _DOWN_TILE
+    _down_kernel[(t, triton.cdiv(h, bn))](
+        act, down, down_bias if down_bias is not None else act, ids, weights, out, h, inter,
+        act.stride(0), down.stride(0), down.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, out.stride(0),
+        TOP_K=k, HAS_BIAS=down_bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=2)
+    return out
