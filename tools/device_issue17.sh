@@ -14,6 +14,17 @@ EDIT="python3 -m folio.bench.latency --model $SMOL --dataset editing --input-len
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 SUFFIX='{"method": "suffix", "num_speculative_tokens": 8}'
 case "${PART:-verify}" in
+s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 64 with the
+      # probes priced: off, ngram, suffix, off again, then the ngram probe
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="--model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 140 b64_off python3 -m folio.bench.latency $B64
+  step 140 b64_ngram python3 -m folio.bench.latency $B64 --speculative-config "$NGRAM"
+  step 140 b64_suffix python3 -m folio.bench.latency $B64 --speculative-config "$SUFFIX"
+  step 140 b64_off2 python3 -m folio.bench.latency $B64
+  STEP_PATTERN="latency:|decode:|steps|verify|plain|proposals|Error|error"
+  step 150 probe_ngram python3 tools/gpu_spec_probe.py -- $B64 --speculative-config "$NGRAM"
+  grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
 verify)
