@@ -229,6 +229,11 @@ class Scheduler:
         # How many of its drafts each request verifies per step (spec/policy.py).
         self.draft_length = None if drafter is None else (
             AdaptiveDraftLength() if adaptive_draft_length else FixedDraftLength())
+        # Whether the last update made proposals: while the draft length rests (none made),
+        # drafts left on a request are never verified (k = 0 drops them), so the per-step
+        # questions about drafts skip their pass over the running requests (at batch 64 on
+        # the H200 the engine is host-bound, and every step paid for two such passes).
+        self._proposed = True
         self.spec_stats = SpecDecodingStats()
         # Expert parallelism: (token, expert) pairs each rank's experts ran, cumulative.
         self.expert_load_per_rank: list[int] = []
@@ -686,6 +691,7 @@ class Scheduler:
         # would only cost the host).
         propose = self.drafter is not None and self.draft_length.wants_proposals(
             len(self.running))
+        self._proposed = propose
         if self.drafter is not None:
             # (a resting drafter skips what only future drafts would use)
             self.drafter.active = propose
@@ -801,7 +807,11 @@ class Scheduler:
         """The running requests that decode one token next: {request id: drafts on offer}
         for those with drafts, and the count of the others. Under async scheduling a
         request's token in flight counts as known (its drafts, made a token earlier, stand
-        for what it will have)."""
+        for what it will have). With no proposals made by the last update, none are on
+        offer, and the count of the others is the running requests' (it is only compared
+        with zero then: a prefill step counts as a step without drafts)."""
+        if not self._proposed:
+            return {}, len(self.running)
         drafting: dict[str, int] = {}
         others = 0
         for request in self.running:

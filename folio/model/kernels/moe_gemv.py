@@ -10,8 +10,8 @@ input on the CUDA cores:
 - `_gate_up_kernel`: program (pair, column block): the pair's token row of x against its
   expert's gate and up rows, then silu(gate) * up, rounded as `activation.silu_and_mul` rounds
   (gate and up to the activations' dtype, silu(gate) once more, then the product);
-- `_down_kernel`: program (token, column block): for each of the token's k slots, the slot's
-  activation row against its expert's down rows, times the routing weight, summed over the
+- `_down_kernel`: program (token, column block): the token's k slots' activation rows against
+  their experts' down rows, all slots in one tile, times the routing weights, summed over the
   slots in fp32 and rounded once, as fused_experts sums its fp32 partials.
 The expert of each pair is read on the device (no host sync, so a CUDA graph holds it).
 """
@@ -27,7 +27,7 @@ MAX_TOKENS = 4
 
 # (BLOCK_N, BLOCK_K, num_warps): rows of a weight per program and the K slice per step.
 _GATE_UP_TILE = (4, 512, 4)
-_DOWN_TILE = (8, 256, 4)
+_DOWN_TILE = (2, 256, 4)     # 78 registers: six programs per SM keep ~6 MB in flight
 _INTERPRET_TILE = (4, 16, 4)
 
 if HAS_TRITON:
@@ -71,30 +71,34 @@ if HAS_TRITON:
 
     @triton.jit
     def _down_kernel(ACT, W, BIAS, IDS, WEIGHTS, OUT, H, K, stride_act, stride_we, stride_wn,
-                     stride_be, stride_out, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_be, stride_out, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # All k slots of the token in one [SLOTS, BLOCK_N, BLOCK_K] tile per step, so each
+        # program keeps k experts' rows in flight at once (a loop over the slots kept one).
         token = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_c = tl.minimum(cols, H - 1).to(tl.int64)
+        slots = tl.arange(0, SLOTS)
+        slot_ok = slots < TOP_K
+        pairs = token * TOP_K + tl.minimum(slots, TOP_K - 1)    # padding slots: the last one
+        experts = tl.load(IDS + pairs).to(tl.int64)
+        rows = W + experts[:, None, None] * stride_we + cols_c[None, :, None] * stride_wn
+        a_rows = ACT + pairs.to(tl.int64)[:, None] * stride_act
         ks = tl.arange(0, BLOCK_K)
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for slot in range(TOP_K):
-            pair = token * TOP_K + slot
-            expert = tl.load(IDS + pair).to(tl.int64)
-            rows = W + expert * stride_we + cols_c[:, None] * stride_wn
-            a_row = ACT + pair.to(tl.int64) * stride_act
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < K
-                a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.load(rows + kk[None, :], mask=k_ok[None, :], other=0.0) \
-                    .to(tl.float32) * a
-            part = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                part += tl.load(BIAS + expert * stride_be + cols_c).to(tl.float32)
-            total += part * tl.load(WEIGHTS + pair)
+        acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = tl.load(a_rows + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.load(rows + kk[None, None, :], mask=k_ok[None, None, :], other=0.0) \
+                .to(tl.float32) * a[:, None, :]
+        part = tl.sum(acc, axis=2)                                  # [SLOTS, BLOCK_N]
+        if HAS_BIAS:
+            part += tl.load(BIAS + experts[:, None] * stride_be + cols_c[None, :]) \
+                .to(tl.float32)
+        w = tl.load(WEIGHTS + pairs, mask=slot_ok, other=0.0)      # padding slots weigh 0
+        total = tl.sum(part * w[:, None], axis=0)
         tl.store(OUT + token.to(tl.int64) * stride_out + cols,
                  total.to(OUT.dtype.element_ty), mask=cols < H)
 
@@ -133,6 +137,6 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
         act, down, down_bias if down_bias is not None else act, ids, weights, out, h, inter,
         act.stride(0), down.stride(0), down.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, out.stride(0),
-        TOP_K=k, HAS_BIAS=down_bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=2)
+        TOP_K=k, SLOTS=triton.next_power_of_2(k), HAS_BIAS=down_bias is not None, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, num_stages=2)
     return out
