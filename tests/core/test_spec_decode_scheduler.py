@@ -679,3 +679,29 @@ def test_resting_ends_when_the_batch_halves():
     for _ in range(policy.HALVED_STEPS - 1):
         assert not policy.wants_proposals(30)
     assert policy.wants_proposals(30)
+
+
+def test_suffix_proposals_skip_the_shared_walk_only_where_the_own_match_wins() -> None:
+    """The shared index's draft is walked only when its match is longer than the request's
+    own (which wins ties): the proposals equal those of always walking it."""
+    import random
+
+    from folio.core.spec.suffix import SuffixProposer
+    rng = random.Random(0)
+    walked, skipping = SuffixProposer(max_depth=8), SuffixProposer(max_depth=8)
+    vocab = list(range(12))          # a small vocabulary: both indexes match often
+    for i in range(6):
+        out = [rng.choice(vocab) for _ in range(60)]
+        for p in (walked, skipping):
+            p.finish(f"old{i}", out)
+            p.index_pending()
+    full_walk = walked._shared_walk
+    walked._shared_walk = lambda tokens, k, beat=0: full_walk(tokens, k)
+    mismatches = drafted = 0
+    for i in range(40):
+        tokens = [rng.choice(vocab) for _ in range(rng.randrange(2, 80))]
+        a = walked.propose(f"r{i}", tokens, 6)
+        b = skipping.propose(f"r{i}", tokens, 6)
+        mismatches += a != b
+        drafted += bool(b)
+    assert mismatches == 0 and drafted > 10

@@ -115,8 +115,11 @@ class SuffixProposer:
 
     # ---- the shared index -----------------------------------------------------------------
 
-    def _shared_walk(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
-        """(match length of the context, draft) from the shared index."""
+    def _shared_walk(self, tokens: list[int], k: int, beat: int = 0) -> tuple[int, list[int]]:
+        """(match length of the context, draft) from the shared index; no draft is walked
+        when the match is not longer than `beat` > 0 (the request's own match, which wins
+        ties: the walk, up to k re-matchings of max_depth keys, was most of a proposal's
+        host time)."""
         context = list(tokens[-self.max_depth:])
         draft: list[int] = []
         match_len = -1
@@ -132,6 +135,8 @@ class SuffixProposer:
                 counts, n = found, m
             if match_len < 0:
                 match_len = n
+                if 0 < beat >= n:
+                    break
             if counts is None:
                 break
             token, count = counts.most_common(1)[0]
@@ -160,7 +165,8 @@ class SuffixProposer:
             return []
         tokens, table = self._extend_own(request_id, token_ids)
         own_len, pos = self._own_match(tokens, table)
-        shared_len, shared_draft = self._shared_walk(tokens, k) if self._shared else (0, [])
+        shared_len, shared_draft = (self._shared_walk(tokens, k, own_len) if self._shared
+                                    else (0, []))
         if own_len >= shared_len and own_len > 0:
             draft = tokens[pos:pos + k]
             match = own_len
