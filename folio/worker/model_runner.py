@@ -418,6 +418,15 @@ class ModelRunner:
         plain = [j for j, rid in enumerate(sampling) if rid not in spec]
         token_lists: list[list[int]] = [[] for _ in sampling]
         plain_ids = [sampling[j] for j in plain]
+        columns = self.input_batch.sampling_columns(rows)
+        # Greedy requests without logit processors share one argmax over every row and one
+        # copy to the host, instead of a device round trip each; it is queued before the
+        # plain rows are sampled, so their copy to the host waits for both at once.
+        own_pass = [rid in spec and needs_own_pass(states[j].sampling, columns, j)
+                    for j, rid in enumerate(sampling)]
+        argmax_t = (logits.argmax(dim=-1)
+                    if any(rid in spec and not own for rid, own in zip(sampling, own_pass))
+                    else None)
         logprobs = None
         if plain:
             plain_logits = logits[device_tensor([first_row[j] for j in plain], self.device,
@@ -427,7 +436,6 @@ class ModelRunner:
                 self.input_batch.sampling_columns(rows[plain]))
             for j, token in zip(plain, sampled.tolist()):
                 token_lists[j] = [token]
-        columns = self.input_batch.sampling_columns(rows)
         # Logprobs rows, one per emitted token: the plain rows' (from the sampler), then each
         # drafting request's at every position it kept (raw log-softmax, as the sampler's).
         lp_ids: list[str] = []
@@ -435,18 +443,14 @@ class ModelRunner:
         if logprobs is not None:
             lp_ids += [plain_ids[i] for i in logprobs.rows]
             lp_parts.append(logprobs.tensors.lists())
-        # Greedy requests without logit processors share one argmax over every row and one
-        # copy to the host, instead of a device round trip each.
-        own_pass = [rid in spec and needs_own_pass(states[j].sampling, columns, j)
-                    for j, rid in enumerate(sampling)]
-        argmax = (logits.argmax(dim=-1).tolist()
-                  if any(rid in spec and not own for rid, own in zip(sampling, own_pass))
-                  else None)
+        argmax = argmax_t.tolist() if argmax_t is not None else None
         for j, rid in enumerate(sampling):
             if rid in spec:
                 drafts = spec[rid]
                 first = first_row[j]
-                rows_j = logits[first:first + len(drafts) + 1]
+                num_top = states[j].sampling.params.logprobs
+                if own_pass[j] or num_top is not None:
+                    rows_j = logits[first:first + len(drafts) + 1]
                 if own_pass[j]:
                     kept = verify(rows_j, drafts, states[j].sampling, columns, j,
                                   self.input_batch.token_ids_of(states[j]),
@@ -454,7 +458,6 @@ class ModelRunner:
                 else:
                     kept = accept_greedy(drafts, argmax[first:first + len(drafts) + 1])
                 token_lists[j] = kept
-                num_top = states[j].sampling.params.logprobs
                 if num_top is not None:
                     targets = device_tensor(kept, self.device, torch.int64)
                     lp_parts.append(token_logprobs_tensors(rows_j[:len(kept)], targets,
