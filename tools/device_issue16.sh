@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s12a|s12b|s12c|s12d|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
+#   PART=s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -10,6 +10,13 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
+s12e)  # session 12, last call: the GPU tests of this session's changes (speculation's verify
+       # step, the FP8 product's engine test at its new bar, the MoE few-token form)
+  step 300 spec_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_spec_decode.py
+  step 150 quant_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf -s \
+      tests/gpu/test_gpu_quant.py -k "engine_fp8 or fp8_matmul"
+  grep -E "before the first" "$OUT/quant_tests.log" ;;
 s12d)  # session 12, fourth call: the few-token MoE form (issue 18) against the grouped GEMMs
        # and the torch path, its GPU tests; .smolA for issue 17's batch-64 call after it
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA 2>/dev/null
