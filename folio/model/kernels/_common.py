@@ -74,6 +74,20 @@ def pdl_launch(x, allowed: bool) -> bool:
     return _pdl_capable(x.device.index if x.device.index is not None else 0)
 
 
+def split_k_workspace(cache: dict, device, partials: int, counters: int):
+    """The split-K workspace of one kernel family on `device`, made on first use and kept in
+    `cache`: fp32 partials and int32 ticket counters, zero between launches (the last program
+    of each output tile resets its own). Kernels sharing one must not run concurrently on two
+    streams."""
+    import torch
+    key = (device.type, device.index)
+    ws = cache.get(key)
+    if ws is None:
+        ws = cache[key] = (torch.empty(partials, dtype=torch.float32, device=device),
+                           torch.zeros(counters, dtype=torch.int32, device=device))
+    return ws
+
+
 def require_triton() -> None:
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")

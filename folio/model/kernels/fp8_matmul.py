@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, pdl_launch,
-                                         require_triton, tl, triton)
+                                         require_triton, split_k_workspace, tl, triton)
 
 FP8_DTYPE = torch.float8_e4m3fn
 MAX_M = 64                  # past this cuBLASLt's FP8 GEMM was as fast or faster
@@ -116,17 +116,8 @@ _workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 split-K partials and int32 ticket counters, one pair per device (the counters are
-    zero between launches: the last program of each tile resets its own). Kernels sharing it
-    must not run concurrently on two streams."""
-    key = (device.type, device.index)
-    ws = _workspaces.get(key)
-    if ws is None:
-        partials, counters = _workspace_sizes()
-        ws = (torch.empty(partials, dtype=torch.float32, device=device),
-              torch.zeros(counters, dtype=torch.int32, device=device))
-        _workspaces[key] = ws
-    return ws
+    """This kernel's split-K partials and ticket counters on `device`."""
+    return split_k_workspace(_workspaces, device, *_workspace_sizes())
 
 
 if HAS_TRITON:

@@ -35,7 +35,7 @@ import torch
 
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG
 from folio.model.kernels._common import (HAS_TRITON, INTERPRET, next_pow2, pdl_launch,
-                                         require_triton, tl, triton)
+                                         require_triton, split_k_workspace, tl, triton)
 
 MAX_M = 8
 _MAX_SPLIT = 4
@@ -118,16 +118,9 @@ _workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 split-K partials [_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N] and int32 ticket counters
-    (zero between launches: the last program of each column block resets its own)."""
-    key = (device.type, device.index)
-    ws = _workspaces.get(key)
-    if ws is None:
-        partials, counters = workspace_capacity()
-        ws = (torch.empty(partials, dtype=torch.float32, device=device),
-              torch.zeros(counters, dtype=torch.int32, device=device))
-        _workspaces[key] = ws
-    return ws
+    """fp32 split-K partials [_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N] and int32 ticket
+    counters, shared by the skinny kernels (and the 4-bit GEMV) of one device."""
+    return split_k_workspace(_workspaces, device, *workspace_capacity())
 
 
 if HAS_TRITON:
