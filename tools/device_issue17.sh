@@ -14,6 +14,13 @@ EDIT="python3 -m folio.bench.latency --model $SMOL --dataset editing --input-len
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 SUFFIX='{"method": "suffix", "num_speculative_tokens": 8}'
 case "${PART:-verify}" in
+s12b)  # session 12, again at the session's last code: batch 64 only (no probe)
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  B64="--model $SMOL --dataset editing --batch-size 64 --input-len 200 --output-len 64 --num-iters-warmup 1 --num-iters 3 --no-roofline --max-model-len 512"
+  step 140 b64_off python3 -m folio.bench.latency $B64
+  step 140 b64_ngram python3 -m folio.bench.latency $B64 --speculative-config "$NGRAM"
+  step 140 b64_suffix python3 -m folio.bench.latency $B64 --speculative-config "$SUFFIX"
+  step 140 b64_off2 python3 -m folio.bench.latency $B64 ;;
 s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 64 with the
       # probes priced: off, ngram, suffix, off again, then the ngram probe
   cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
