@@ -705,3 +705,28 @@ def test_suffix_proposals_skip_the_shared_walk_only_where_the_own_match_wins() -
         mismatches += a != b
         drafted += bool(b)
     assert mismatches == 0 and drafted > 10
+
+
+def test_ngram_proposals_equal_a_scan_of_the_context() -> None:
+    """The n-gram index (keys from ngram_keys.py, many new tokens at once indexed with numpy,
+    a few with the loop) proposes what a scan finds: the tokens after the latest earlier
+    occurrence of the longest n-gram (max_n down to min_n) ending the context."""
+    import random
+    rng = random.Random(1)
+
+    def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        end = len(tokens)
+        for n in range(min(max_n, end - 1), min_n - 1, -1):
+            tail = tokens[end - n:]
+            for start in range(end - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    for min_n, max_n in ((1, 3), (2, 4), (3, 3)):
+        p = NgramProposer(min_n, max_n)
+        for r in range(12):
+            tokens = [rng.randrange(6) for _ in range(rng.randrange(2, 40))]
+            for _ in range(6):   # growing by one token (the loop) or by many (numpy)
+                assert p.propose(str(r), tokens, 4) == scan(tokens, min_n, max_n, 4), tokens
+                tokens = tokens + [rng.randrange(6) for _ in range(rng.choice((1, 1, 12)))]

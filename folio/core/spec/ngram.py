@@ -2,12 +2,15 @@
 the longest n-gram (max_n down to min_n tokens) that ends the request's tokens.
 
 Each request gets an index kept up to date as its tokens grow, so a proposal costs a few dict
-lookups instead of a scan of the context: for every n in [min_n, max_n], the hash of each
-n-gram maps to the position of the token that followed its latest occurrence. An n-gram is
-indexed once its next token is known, so the n-gram ending the context never finds itself.
-A hash collision only yields a wrong guess, which verification rejects.
+lookups instead of a scan of the context: for every n in [min_n, max_n], the key of each
+n-gram (ngram_keys.py) maps to the position of the token that followed its latest
+occurrence. An n-gram is indexed once its next token is known, so the n-gram ending the
+context never finds itself. Many new tokens at once (a prompt, or the tokens of a rest
+without proposals) are indexed with numpy.
 """
 from __future__ import annotations
+
+from folio.core.spec.ngram_keys import key_table, keys_ending_at
 
 
 class _Index:
@@ -37,8 +40,9 @@ class NgramProposer:
         self._extend(index, token_ids)
         tokens = index.tokens
         end = len(tokens)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            pos = index.next_pos.get(hash((n, *tokens[end - n:end])))
+        keys = keys_ending_at(tokens, end, min(self.max_n, end - 1))
+        for n in range(len(keys), self.min_n - 1, -1):
+            pos = index.next_pos.get(keys[n - 1])
             if pos is not None:
                 return tokens[pos:pos + k]
         return []
@@ -56,8 +60,12 @@ class NgramProposer:
             table.clear()
             start = 0
         tokens.extend(token_ids[start:])
-        lo, hi = self.min_n, self.max_n
-        # The token at position p completes the n-grams ending just before it.
+        # The token at position p completes the n-grams ending just before it (n-grams
+        # shorter than min_n are indexed too: never looked up, cheaper than leaving out).
+        if len(tokens) - start > 8:
+            table.update(zip(*key_table(tokens, start, self.max_n)))
+            return
         for p in range(max(start, 1), len(tokens)):
-            for n in range(lo, min(hi, p) + 1):
-                table[hash((n, *tokens[p - n:p]))] = p
+            for n, key in enumerate(keys_ending_at(tokens, p, self.max_n), 1):
+                if n >= self.min_n:
+                    table[key] = p

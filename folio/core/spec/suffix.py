@@ -19,50 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 
-import numpy as np
-
-
-# The n-gram keys are polynomial hashes built from the n-gram's last token backwards, so
-# the keys of every n = 1..max_depth ending at one position cost max_depth steps, not the
-# max_depth² that hashing each n-gram's tuple took. A prompt's keys are computed with numpy,
-# one vector per n over all positions (at batch 64 the first proposals index 64 prompts of
-# 200 tokens: 300k keys, which the Python loop took ~0.3 s to make). The modulus keeps
-# h * _BASE inside int64. Keys stay inside this module.
-_MOD = (1 << 31) - 1
-_BASE = 1_000_003
-_LENGTHS = 4096     # key = hash * _LENGTHS + n: n-grams of different lengths never share one
-
-
-def _keys(tokens: list[int], end: int, max_depth: int) -> list[int]:
-    """Keys of the n-grams ending at `end` (exclusive), n = 1..max_depth (shortest first)."""
-    keys = []
-    h = 0
-    for n in range(1, min(max_depth, end) + 1):
-        h = (h * _BASE + tokens[end - n] + 1) % _MOD
-        keys.append(h * _LENGTHS + n)
-    return keys
-
-
-def _key_table(tokens: list[int], start: int, max_depth: int) -> tuple[list[int], list[int]]:
-    """(keys, positions) of the n-grams ending at every position p in [max(start, 1),
-    len(tokens)) (n = 1..min(max_depth, p)), grouped by n and by p ascending within a group:
-    inserting them in this order leaves each key at its latest position."""
-    t = np.asarray(tokens, dtype=np.int64) + 1
-    ends = np.arange(max(start, 1), len(tokens), dtype=np.int64)
-    keys, positions = [], []
-    h = np.zeros(len(ends), dtype=np.int64)
-    for n in range(1, max_depth + 1):
-        ok = ends >= n
-        if not ok.any():
-            break
-        if not ok.all():             # positions too early for this n: dropped for good
-            ends, h = ends[ok], h[ok]
-        h = (h * _BASE + t[ends - n]) % _MOD
-        keys.append(h * _LENGTHS + n)
-        positions.append(ends)
-    if not keys:
-        return [], []
-    return np.concatenate(keys).tolist(), np.concatenate(positions).tolist()
+from folio.core.spec.ngram_keys import BASE, LENGTHS, MOD, key_table, keys_ending_at
 
 
 class SuffixProposer:
@@ -93,10 +50,10 @@ class SuffixProposer:
         start = len(tokens)
         tokens.extend(token_ids[start:])
         if len(tokens) - start > 8:
-            table.update(zip(*_key_table(tokens, start, self.max_depth)))
+            table.update(zip(*key_table(tokens, start, self.max_depth)))
         else:                        # a step's new token or few: the loop is cheaper
             for p in range(max(start, 1), len(tokens)):
-                for key in _keys(tokens, p, self.max_depth):
+                for key in keys_ending_at(tokens, p, self.max_depth):
                     table[key] = p
         return entry
 
@@ -105,9 +62,9 @@ class SuffixProposer:
         best = (0, -1)
         end = len(tokens)
         h = 0
-        for n in range(1, min(self.max_depth, end) + 1):   # _keys, stopping at a miss
-            h = (h * _BASE + tokens[end - n] + 1) % _MOD
-            pos = table.get(h * _LENGTHS + n)
+        for n in range(1, min(self.max_depth, end) + 1):   # keys_ending_at, stopping at a miss
+            h = (h * BASE + tokens[end - n] + 1) % MOD
+            pos = table.get(h * LENGTHS + n)
             if pos is None:
                 break      # no longer n-gram can match where this one does not
             best = (n, pos)
@@ -127,9 +84,9 @@ class SuffixProposer:
             counts, n = None, 0
             end = len(context)
             h = 0
-            for m in range(1, min(self.max_depth, end) + 1):   # _keys, stopping at a miss
-                h = (h * _BASE + context[end - m] + 1) % _MOD
-                found = self._shared.get(h * _LENGTHS + m)
+            for m in range(1, min(self.max_depth, end) + 1):   # keys_ending_at, stopping at a miss
+                h = (h * BASE + context[end - m] + 1) % MOD
+                found = self._shared.get(h * LENGTHS + m)
                 if found is None:
                     break
                 counts, n = found, m
@@ -149,7 +106,7 @@ class SuffixProposer:
         return max(match_len, 0), draft
 
     def _add_shared(self, tokens: list[int], sign: int) -> None:
-        keys, positions = _key_table(tokens, 1, self.max_depth)
+        keys, positions = key_table(tokens, 1, self.max_depth)
         for key, p in zip(keys, positions):
             counts = self._shared.setdefault(key, Counter())
             counts[tokens[p]] += sign
