@@ -95,10 +95,17 @@ def sample_verified(probs: torch.Tensor, drafts: list[int],
     position's token is drawn as the sampler draws it (an exponential race, argmax of
     p / E with E ~ Exp(1) from the request's generator or the global one), one position at a
     time while the drafts match, so exactly as many noise vectors are consumed as tokens are
-    emitted."""
+    emitted (a seeded request's tokens then equal its tokens without speculation; an
+    unseeded one draws every position at once)."""
     k = len(drafts)
     vocab = probs.shape[1]
     tiny = torch.finfo(torch.float32).tiny
+    if gen is None:
+        # Unseeded: nothing to reproduce, so every position's race is drawn at once and
+        # read in one copy (the loop below waits on the device once per emitted token);
+        # each emitted token is still an exact draw from its position's p.
+        noise = torch.empty_like(probs, dtype=torch.float32).exponential_().clamp_min_(tiny)
+        return accept_greedy(drafts, (probs / noise).argmax(dim=-1).tolist())
     out: list[int] = []
     for j in range(k + 1):
         noise = torch.empty(vocab, device=probs.device).exponential_(generator=gen)

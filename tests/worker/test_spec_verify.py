@@ -131,3 +131,23 @@ def test_penalties_count_the_drafts_before_each_position() -> None:
     params = SamplingParams(temperature=0, min_tokens=3)
     state = SamplingState(params, eos_token_ids=(5,))
     assert verify(logits, [6, 6], state, _columns(params), 0, history, 2) == [6, 6, 5]
+
+
+def test_the_unseeded_sampled_rule_draws_every_position_at_once() -> None:
+    """Without a seed every position's race is drawn in one go (one copy to the host): the
+    first emitted token is still distributed as p_0, the second (its draft kept) as p_1."""
+    torch.manual_seed(5)
+    vocab, n = 8, 12000
+    logits = torch.randn(3, vocab) * 1.5
+    probs = target_probs(logits, _columns(SamplingParams(temperature=0.8)), 0)
+    drafts = [int(probs[0].argsort()[-2]), int(probs[1].argmax())]
+    outs = [sample_verified(probs, drafts, None) for _ in range(n)]
+    assert all(o[:len(o) - 1] == drafts[:len(o) - 1] and 1 <= len(o) <= 3 for o in outs)
+    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=vocab).double()
+    stat, df = _chi2(first, probs[0].double())
+    assert stat < _CHI2_CRIT[df], (stat, df)
+    kept = [o for o in outs if o[0] == drafts[0]]
+    assert abs(len(kept) / n - float(probs[0, drafts[0]])) < 0.02
+    second = torch.bincount(torch.tensor([o[1] for o in kept]), minlength=vocab).double()
+    stat, df = _chi2(second, probs[1].double())
+    assert stat < _CHI2_CRIT[df], (stat, df)
