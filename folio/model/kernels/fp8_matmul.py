@@ -1,18 +1,19 @@
-"""FP8-weight product for a few rows (decode batches of 2 to a few hundred rows):
+"""FP8-weight product for a few rows (decode batches of 2-64 rows):
 y = x @ (codes * w_scale[:, None])^T (+ b), codes [N, K] float8 e4m3 in nn.Linear layout.
 
-Below a few hundred rows the product is bound by reading the weight, and cuBLASLt's FP8 GEMM
-(torch._scaled_mm) reads it at only 53-61 % of the copy bandwidth on an H200 (the issue's
-measurement: its tiles are built for compute-bound shapes). Here each program owns a
+At these rows the product is bound by reading the weight, and cuBLASLt's FP8 GEMM
+(torch._scaled_mm) read it at only 29-43 % of the copy bandwidth on the H200 (its tiles are
+built for compute-bound shapes; from ~128 rows it wins again). Here each program owns a
 [BLOCK_M, BLOCK_N] output tile and streams [BLOCK_N, BLOCK_K] weight tiles through
 software-pipelined loads into tl.dot, in one of two arithmetics chosen by the caller:
-- A8 (W8A8): x already quantized per row (kernels/act_quant.py), codes times codes on the FP8
-  tensor cores; both scales in the epilogue. On Hopper the FP8 MMA accumulates with reduced
-  precision, so the accumulator is promoted to full fp32 every PROMOTE_K elements of K (as
-  cuBLASLt does without fast accumulation; torch's use_fast_accum is the unpromoted form).
-- A16 (W8A16): x in its 16-bit dtype and each weight tile widened to it in registers (exact
-  for e4m3); no activation quantization launch, and the arithmetic decode's one-row GEMV
-  already uses, so a batch's tokens do not depend on which kernel served it.
+- A8 (W8A8): x already quantized per row (kernels/act_quant.py), codes times codes on the
+  tensor cores; both scales in the epilogue. On Hopper's FP8 MMA (row tiles of 64) the
+  accumulator is promoted to full fp32 every PROMOTE_K elements of K, as cuBLASLt does without
+  fast accumulation; smaller row tiles widen the codes to fp16 (exact) for the MMA.
+- A16 (W8A16), for weight-only FP8 checkpoints: x in its 16-bit dtype and each weight tile
+  widened to it in registers (exact for e4m3). It was slower than A8 at every size on the
+  H200 (widening every weight element costs more than quantizing the activations), so W8A8
+  models take A8.
 Narrow outputs (few column blocks for the SMs) may split K over SPLIT_K programs; each writes
 an fp32 partial to a workspace and the last of a tile's programs (a ticket counter says which)
 sums them in split order, so results do not depend on scheduling, as in kernels/gemv.py.
