@@ -51,6 +51,23 @@ def _draws(params: SamplingParams, logits: torch.Tensor, drafts: list[int], n: i
     return [first] + [sample_verified(probs, drafts, gen) for _ in range(n - 1)]
 
 
+def _assert_emitted_as_target(outs: list[list[int]], probs: torch.Tensor,
+                              drafts: list[int]) -> None:
+    """Answers of a two-draft verification: the first emitted token is distributed as p_0,
+    whatever the draft; given the first draft was kept, the second as p_1; every answer is
+    the kept drafts then one token, never longer than drafts + 1."""
+    n, vocab = len(outs), probs.shape[1]
+    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=vocab).double()
+    stat, df = _chi2(first, probs[0].double())
+    assert stat < _CHI2_CRIT[df], (stat, df)
+    kept = [o for o in outs if o[0] == drafts[0]]
+    assert abs(len(kept) / n - float(probs[0, drafts[0]])) < 0.02
+    second = torch.bincount(torch.tensor([o[1] for o in kept]), minlength=vocab).double()
+    stat, df = _chi2(second, probs[1].double())
+    assert stat < _CHI2_CRIT[df], (stat, df)
+    assert all(o[:len(o) - 1] == drafts[:len(o) - 1] and 1 <= len(o) <= 3 for o in outs)
+
+
 def test_the_sampled_rule_keeps_the_target_distribution() -> None:
     torch.manual_seed(0)
     vocab, n = 8, 12000
@@ -59,18 +76,7 @@ def test_the_sampled_rule_keeps_the_target_distribution() -> None:
     probs = target_probs(logits, _columns(params), 0)
     drafts = [int(probs[0].argsort()[-2]), int(probs[1].argmax())]   # a likely-ish guess
     outs = _draws(params, logits, drafts, n)
-    # the first emitted token is distributed as p_0, whatever the draft
-    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=vocab).double()
-    stat, df = _chi2(first, probs[0].double())
-    assert stat < _CHI2_CRIT[df], (stat, df)
-    # given the first draft was kept, the second emitted token is distributed as p_1
-    kept = [o for o in outs if o[0] == drafts[0]]
-    assert abs(len(kept) / n - float(probs[0, drafts[0]])) < 0.02
-    second = torch.bincount(torch.tensor([o[1] for o in kept]), minlength=vocab).double()
-    stat, df = _chi2(second, probs[1].double())
-    assert stat < _CHI2_CRIT[df], (stat, df)
-    # every answer is the kept drafts then one token, never longer than drafts + 1
-    assert all(o[:len(o) - 1] == drafts[:len(o) - 1] and 1 <= len(o) <= 3 for o in outs)
+    _assert_emitted_as_target(outs, probs, drafts)
 
 
 def test_the_sampled_rule_honours_top_k_and_top_p() -> None:
@@ -142,12 +148,4 @@ def test_the_unseeded_sampled_rule_draws_every_position_at_once() -> None:
     probs = target_probs(logits, _columns(SamplingParams(temperature=0.8)), 0)
     drafts = [int(probs[0].argsort()[-2]), int(probs[1].argmax())]
     outs = [sample_verified(probs, drafts, None) for _ in range(n)]
-    assert all(o[:len(o) - 1] == drafts[:len(o) - 1] and 1 <= len(o) <= 3 for o in outs)
-    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=vocab).double()
-    stat, df = _chi2(first, probs[0].double())
-    assert stat < _CHI2_CRIT[df], (stat, df)
-    kept = [o for o in outs if o[0] == drafts[0]]
-    assert abs(len(kept) / n - float(probs[0, drafts[0]])) < 0.02
-    second = torch.bincount(torch.tensor([o[1] for o in kept]), minlength=vocab).double()
-    stat, df = _chi2(second, probs[1].double())
-    assert stat < _CHI2_CRIT[df], (stat, df)
+    _assert_emitted_as_target(outs, probs, drafts)

@@ -10,7 +10,7 @@ without proposals) are indexed with numpy.
 """
 from __future__ import annotations
 
-from folio.core.spec.ngram_keys import key_table, keys_ending_at
+from folio.core.spec.ngram_keys import index_positions, keys_ending_at
 
 
 class _Index:
@@ -62,10 +62,4 @@ class NgramProposer:
         tokens.extend(token_ids[start:])
         # The token at position p completes the n-grams ending just before it (n-grams
         # shorter than min_n are indexed too: never looked up, cheaper than leaving out).
-        if len(tokens) - start > 8:
-            table.update(zip(*key_table(tokens, start, self.max_n)))
-            return
-        for p in range(max(start, 1), len(tokens)):
-            for n, key in enumerate(keys_ending_at(tokens, p, self.max_n), 1):
-                if n >= self.min_n:
-                    table[key] = p
+        index_positions(table, tokens, start, self.max_n)

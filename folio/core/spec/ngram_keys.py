@@ -46,3 +46,16 @@ def key_table(tokens: list[int], start: int, max_depth: int) -> tuple[list[int],
     if not keys:
         return [], []
     return np.concatenate(keys).tolist(), np.concatenate(positions).tolist()
+
+
+def index_positions(table: dict[int, int], tokens: list[int], start: int,
+                    max_depth: int) -> None:
+    """Point the keys of the n-grams ending at each position p >= start (n = 1..max_depth)
+    at p, the later position winning: many new tokens (a prompt, or those of a rest without
+    proposals) with numpy, a step's few with the loop, which is cheaper there."""
+    if len(tokens) - start > 8:
+        table.update(zip(*key_table(tokens, start, max_depth)))
+        return
+    for p in range(max(start, 1), len(tokens)):
+        for key in keys_ending_at(tokens, p, max_depth):
+            table[key] = p

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 
-from folio.core.spec.ngram_keys import BASE, LENGTHS, MOD, key_table, keys_ending_at
+from folio.core.spec.ngram_keys import BASE, LENGTHS, MOD, index_positions, key_table
 
 
 class SuffixProposer:
@@ -49,12 +49,7 @@ class SuffixProposer:
         tokens, table = entry
         start = len(tokens)
         tokens.extend(token_ids[start:])
-        if len(tokens) - start > 8:
-            table.update(zip(*key_table(tokens, start, self.max_depth)))
-        else:                        # a step's new token or few: the loop is cheaper
-            for p in range(max(start, 1), len(tokens)):
-                for key in keys_ending_at(tokens, p, self.max_depth):
-                    table[key] = p
+        index_positions(table, tokens, start, self.max_depth)
         return entry
 
     def _own_match(self, tokens: list[int], table: dict[int, int]) -> tuple[int, int]:
