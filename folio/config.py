@@ -296,6 +296,12 @@ class ParallelConfig:
     # Expert parallelism (vLLM's --enable-expert-parallel): with tensor_parallel_size > 1, a
     # mixture of experts spreads its experts (whole) over the ranks instead of being refused.
     enable_expert_parallel: bool = False
+    # One rank (tensor and pipeline size 1) on the mp or ray executor that still joins a
+    # torch.distributed group (NCCL on CUDA, gloo on the CPU) of world size 1 and runs the
+    # tensor-parallel code path: sharded loading, vocabulary-parallel embedding and logits,
+    # the all-reduces (in the CUDA graphs too). What N ranks run, tested on one device; it
+    # costs a collective per reduction, so it is off unless asked for.
+    distributed_single_rank: bool = False
     # Encode and decode every step message and reply (msgpack) even in process, and check
     # they come back equal: what crosses a process boundary is then tested everywhere.
     debug_step_messages: bool = field(
@@ -325,6 +331,12 @@ class ParallelConfig:
         _require(self.pp_layer_partition is None or self.pipeline_parallel_size > 1,
                  "pp_layer_partition", "needs pipeline_parallel_size > 1")
         world = self.world_size
+        _require(not self.distributed_single_rank
+                 or (world == 1 and self.num_workers == 1
+                     and self.distributed_executor_backend in ("mp", "ray")),
+                 "distributed_single_rank", "needs one rank (tensor_parallel_size and "
+                 "pipeline_parallel_size 1, one worker) on distributed_executor_backend 'mp' "
+                 "or 'ray'")
         if world > 1:
             # each rank is a worker process (as vLLM, mp is the default for N > 1)
             _require(self.num_workers in (1, world), "num_workers",
@@ -338,6 +350,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         """The ranks of one replica: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def joins_process_group(self) -> bool:
+        """Whether the workers join a torch.distributed group (several ranks, or one by
+        `distributed_single_rank`)."""
+        return self.world_size > 1 or self.distributed_single_rank
 
 
 @dataclass

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
+#   PART=s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -10,6 +10,71 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
+s14a)  # next session, first call: the dense prefill as committed (padded lengths, plans at
+       # start-up, from 4,096 tokens) and NCCL at world size 1 (issue 22) -- their GPU
+       # tests, then the 8k TTFT bf16 and FP8 twice,
+       # alternating, and start-up's extra time (the warm-up's plans)
+  step 240 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_dense_prefill.py tests/gpu/test_cuda_graphs.py \
+      tests/gpu/test_gpu_nccl_single_rank.py tests/gpu/test_gpu_quant.py \
+      -k "dense or graph or nccl or silu_and_mul_quantized or engine_fp8"
+  tail -8 "$OUT/tests.log" | cut -c1-300
+  for i in 1 2; do
+    step 130 "ttft_bf16_$i" $TTFT --output-json "$OUT/ttft_bf16_$i.json"
+    step 110 "ttft_fp8_$i" $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8_$i.json"
+  done
+  grep -hE "ready|warm" "$OUT"/ttft_*_1.log | head -6 ;;
+s13e)  # session 13, fifth call: one-block activation quantization (the row kept in
+       # registers), the one-prompt dense step without the output copy; tests, 8k TTFT
+  step 200 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_dense_prefill.py tests/gpu/test_gpu_quant.py \
+      -k "dense or silu_and_mul_quantized or activation_quantization or engine_fp8"
+  tail -8 "$OUT/tests.log" | cut -c1-300
+  step 130 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 110 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json" ;;
+s13d)  # session 13, fourth call: grouped heads read in place by the dense prefill, SiLU-and-mul
+       # writing the FP8 down projection's codes; their GPU tests, the 8k TTFT bf16 and FP8,
+       # and the FP8 TTFT's kernels
+  step 240 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_dense_prefill.py tests/gpu/test_gpu_quant.py \
+      -k "dense or silu_and_mul_quantized or engine_fp8 or eight_bit"
+  tail -8 "$OUT/tests.log" | cut -c1-300
+  step 130 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 110 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
+  step 150 prof_ttft_fp8 python3 tools/gpu_profile_batch_kernels.py 1 8000 2 \
+      --config llama3-8b --quantization fp8 --max-model-len 8192 --max-num-batched-tokens 8192
+  head -24 "$OUT/prof_ttft_fp8.log" | cut -c1-70,150-200 ;;
+s13c)  # session 13, third call: long fresh prefills through torch's fused attention
+       # (dense_prefill.py) -- the kernels, the GPU tests, then the 8k TTFT bf16 and FP8
+  step 150 attn python3 tools/gpu_bench_attention.py --json "$OUT/attn.json"
+  cut -c1-600 "$OUT/attn.log" | grep -E "prefill|decode|Error"
+  step 200 dense_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_dense_prefill.py tests/gpu/test_cuda_graphs.py
+  tail -30 "$OUT/dense_tests.log" | cut -c1-300
+  step 130 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 110 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json" ;;
+s13a)  # session 13, first call: the paged attention kernels (unmasked full tiles, longest
+       # tiles first) against the committed ones (carried as .old/triton_kernels.py) and
+       # torch's SDPA backends; then the 8k TTFT, bf16 and FP8, on the new kernels
+  step 200 attn python3 tools/gpu_bench_attention.py --kernel-file .old/triton_kernels.py \
+      --json "$OUT/attn.json"
+  cut -c1-400 "$OUT/attn.log" | grep -E "prefill|decode|Error"
+  step 120 attn_fp8 python3 tools/gpu_bench_attention.py --kernel-file .old/triton_kernels.py \
+      --kv-dtype fp8 --json "$OUT/attn_fp8.json"
+  cut -c1-400 "$OUT/attn_fp8.log" | grep -E "prefill|decode|Error"
+  step 130 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 110 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json" ;;
+s13b)  # session 13, second call: where the 8k prefill's GPU time goes, bf16 and FP8, and
+       # batch-1 FP8 decode per kernel (PDL off, so each kernel's time is its own)
+  P="python3 tools/gpu_profile_batch_kernels.py"
+  step 150 prof_ttft_fp8 $P 1 8000 2 --config llama3-8b --quantization fp8 \
+      --max-model-len 8192 --max-num-batched-tokens 8192
+  head -40 "$OUT/prof_ttft_fp8.log" | cut -c1-170
+  step 150 prof_ttft_bf16 $P 1 8000 2 --config llama3-8b \
+      --max-model-len 8192 --max-num-batched-tokens 8192
+  head -30 "$OUT/prof_ttft_bf16.log" | cut -c1-170
+  FOLIO_PDL=0 step 130 prof_fp8_b1 $P 1 128 128 --config llama3-8b --quantization fp8
+  head -40 "$OUT/prof_fp8_b1.log" | cut -c1-170 ;;
 s12e)  # session 12, last call: the GPU tests of this session's changes (speculation's verify
        # step, the FP8 product's engine test at its new bar, the MoE few-token form)
   step 300 spec_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \

@@ -5,7 +5,7 @@ the wall time. For the device tool:
 
     python tools/gpu_profile_batch_kernels.py [NUM PROMPT_LEN OUTPUT_LEN] [--config qwen3-0.6b]
         [--quantization fp8] [--kv-cache-dtype fp8] [--random-quantization w4a16]
-        [--num-layers N]
+        [--num-layers N] [--max-model-len 2048] [--max-num-batched-tokens N]
 
 On Hopper the decode kernels launch with programmatic dependent launch, and then each
 kernel's time includes its wait for the one before it (batch-1 FP8 decode showed
@@ -32,10 +32,13 @@ parser.add_argument("--quantization", default=None)
 parser.add_argument("--kv-cache-dtype", default="auto")
 parser.add_argument("--random-quantization", default=None)
 parser.add_argument("--num-layers", type=int, default=None)
+parser.add_argument("--max-model-len", type=int, default=2048)
+parser.add_argument("--max-num-batched-tokens", type=int, default=None)
 args = parser.parse_args()
 model = build_random_model_info(args.config, quantization=args.random_quantization,
                                 num_layers=args.num_layers)["path"]
-llm = LLM(model, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+llm = LLM(model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_seqs=256,
+          max_num_batched_tokens=args.max_num_batched_tokens,
           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 rng = random.Random(0)
 prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]}

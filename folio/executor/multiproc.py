@@ -130,7 +130,7 @@ class MultiprocExecutor:
         return f"tcp://{self._host}:{port}"
 
     def _spawn_workers(self, arg_list: list[wp.WorkerArgs], config: EngineConfig) -> list:
-        if config.parallel.world_size > 1:
+        if config.parallel.joins_process_group:
             dist_init = f"tcp://127.0.0.1:{_free_port()}"
             arg_list = [dataclasses.replace(a, dist_init_method=dist_init) for a in arg_list]
         return [WorkerProcess(args) for args in arg_list]

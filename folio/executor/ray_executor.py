@@ -106,7 +106,7 @@ class RayExecutor(MultiprocExecutor):
             placement_group=group, placement_group_bundle_index=rank)).remote()
             for rank in range(len(arg_list))]
         dist_init = None
-        if config.parallel.world_size > 1:
+        if config.parallel.joins_process_group:
             # torch.distributed's rendezvous is served by rank 0, wherever it was placed
             ip, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
             dist_init = f"tcp://{ip}:{port}"

@@ -148,7 +148,7 @@ def _start_worker(args: WorkerArgs):
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     pp = pipeline_stage(args.rank, args.config, args.hf_config)
     tp = join_parallel(args.rank, tp_size, pp_size, args.dist_init_method, device,
-                       parallel.enable_expert_parallel)
+                       parallel.enable_expert_parallel, parallel.distributed_single_rank)
     return Worker(args.config, args.source, args.hf_config, tp=tp, pp=pp)
 
 

@@ -141,8 +141,8 @@ class DecoderLM(nn.Module):
         # The embedding: the first stage's input, and the last stage's output matrix if tied.
         self.embed_tokens = None
         if pp.is_first or (pp.is_last and spec.tie_word_embeddings):
-            self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size) if tp.size == 1
-                                 else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size,
+            self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size)
+                                 if not tp.sharded else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size,
                                                              tp))
         windows = spec.sliding_windows or (None,) * spec.num_layers
         layer_type = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
@@ -154,7 +154,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels) if pp.is_last else None
         self.lm_head = None if spec.tie_word_embeddings or not pp.is_last else nn.Linear(
             spec.hidden_size, vocab_part(spec.vocab_size, tp).size, bias=False)
-        if self.lm_head is not None and tp.size > 1:
+        if self.lm_head is not None and tp.sharded:
             self.lm_head.tp_vocab = spec.vocab_size   # its rows: this rank's vocabulary
         # The output matrix as packed planes (folio.model.quant, CPU), when it is kept
         # quantized; None = the float weight.
@@ -221,7 +221,7 @@ class DecoderLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = hidden @ weight.t()
-            if self.tp.size > 1:   # each rank's vocabulary rows, side by side
+            if self.tp.sharded:   # each rank's vocabulary rows, side by side
                 logits = self.tp.all_gather_last(logits)[..., :self.spec.vocab_size]
         cap = self.spec.final_logit_softcapping
         if cap:
@@ -294,7 +294,7 @@ class DecoderLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         # lazy checkpoint tensors: each rank reads only its slice (or its stage's tensors)
-        sharded = self.tp.size > 1 or self.pp.size > 1
+        sharded = self.tp.sharded or self.pp.size > 1
         for name, tensor in weights:
             target = self.weight_target(name)
             if target is None:

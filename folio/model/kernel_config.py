@@ -4,7 +4,7 @@ The forward code used to read FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV from 
 on every call. That made the choice depend on when a variable happened to be set (a test that
 set one after building a model changed a live model half-way), cost a dictionary lookup per
 projection per step, and left a typo in a value silently meaning "torch". Now `load_model`
-resolves the three variables here, once, into a frozen `KernelConfig` that every layer is
+resolves the variables here, once, into a frozen `KernelConfig` that every layer is
 built with; the variables remain as overrides of the defaults below, and nothing else in
 folio.model reads them.
 
@@ -34,6 +34,9 @@ PDL_CHOICES = ("1", "0")
 # plain 16-bit base weights, one GEMM for the base product and the shrink; "kernels" = the
 # separate shrink and expand kernels everywhere (the A/B comparison's other side).
 LORA_CHOICES = ("weight", "kernels")
+# Long fresh prefills' attention on CUDA through torch's fused kernel (cuDNN / FlashAttention;
+# folio/model/attention/dense_prefill.py): "1" = where it fits, "0" = the paged kernel always.
+DENSE_PREFILL_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
@@ -42,6 +45,7 @@ _ENV_OVERRIDES = {
     "FOLIO_GEMV": ("gemv", GEMV_MODES),
     "FOLIO_PDL": ("pdl", PDL_CHOICES),
     "FOLIO_LORA": ("lora", LORA_CHOICES),
+    "FOLIO_DENSE_PREFILL": ("dense_prefill", DENSE_PREFILL_CHOICES),
 }
 
 
@@ -51,13 +55,14 @@ class KernelConfig:
     code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
     `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
     CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
-    PDL_CHOICES. `lora`: one of LORA_CHOICES."""
+    PDL_CHOICES. `lora`: one of LORA_CHOICES. `dense_prefill`: one of DENSE_PREFILL_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
     gemv: str = "1"
     pdl: str = "1"
     lora: str = "weight"
+    dense_prefill: str = "1"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -87,6 +92,12 @@ class KernelConfig:
         return self.kernels == "triton" and self.gemv != "0"
 
     @property
+    def dense_prefill_on(self) -> bool:
+        """Whether the Triton attention backend may hand long fresh prefills to torch's fused
+        attention (DENSE_PREFILL_CHOICES)."""
+        return self.dense_prefill == "1"
+
+    @property
     def lora_on_weight(self) -> bool:
         """Whether adapters' A rows may ride plain 16-bit base weights (LORA_CHOICES)."""
         return self.lora == "weight"
@@ -96,10 +107,8 @@ DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 
 def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
-    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA
-    from `env`
-    (os.environ
-    when None) applied over them. An unknown value is an error naming the variable:
+    """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
+    FOLIO_DENSE_PREFILL from `env` (os.environ when None) applied over them. An unknown value is an error naming the variable:
     it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""
     env = os.environ if env is None else env
     overrides = {}

@@ -431,6 +431,27 @@ class GatedMLP(nn.Module):
                 return self.down_proj(ops.silu_and_mul(gate_up))
         if self.fused_silu and fused_kernels_on(gate_up, self.kernels):
             from folio.model.kernels.activation import silu_and_mul
-            return self.down_proj(silu_and_mul(gate_up))
+            out = self._down_from_quantized_act(gate_up)
+            return out if out is not None else self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def _down_from_quantized_act(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """down(silu(gate) * up) for a W8A8 down projection that would quantize its input
+        per token: SiLU-and-mul writes the codes directly (kernels/activation.py), the same
+        bytes, and the 16-bit activation is never written. None where that does not apply
+        (another down projection, LoRA or tensor parallelism on it, a GEMV-sized batch)."""
+        down = self.down_proj
+        packed = down.packed
+        if packed is None or down.lora is not None or down.tp_reduce is not None \
+                or not hasattr(packed, "quantized_input_dtype"):
+            return None
+        inner = gate_up.shape[-1] // 2
+        gu = gate_up.reshape(-1, 2 * inner)
+        dtype = packed.quantized_input_dtype(gu[:, :inner])   # shaped as the activation
+        if dtype is None or gu.stride(1) != 1:
+            return None
+        from folio.model.kernels.activation import silu_and_mul_quantized
+        codes, scale = silu_and_mul_quantized(gu, dtype)
+        out = packed.forward_quantized(codes, scale, down.bias, gate_up.dtype)
+        return out.view(*gate_up.shape[:-1], -1)

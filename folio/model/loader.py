@@ -166,7 +166,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if (spec.moe is not None or spec.mla is not None) and quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
                          f"or latent-attention models yet (they load in the model's dtype only)")
-    if tp.size > 1 or pp.size > 1:
+    if tp.sharded or pp.size > 1:
         check_tp_support(spec, tp.size, tp.expert_parallel)
         if quantization != "none":
             raise ValueError(f"tensor_parallel_size={tp.size}, pipeline_parallel_size="
@@ -174,7 +174,7 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
                              "tensor or pipeline parallelism yet (float weights only)")
         full_spec, spec = spec, local_spec(spec, tp.size)
         model = new_decoder(spec, hf_config, device, max_model_len, kernel_config, tp, pp)
-        if tp.size > 1:
+        if tp.sharded:
             plan_shards(model, full_spec, tp)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_decoder_weights(source, hf_config, lazy=True))

@@ -38,16 +38,25 @@ class TPGroup:
     group: Any = None   # a torch.distributed ProcessGroup (None: the default one)
     # --enable-expert-parallel: a mixture of experts spreads its experts over the ranks
     expert_parallel: bool = False
+    # A group of one rank that still runs the collectives and the sharded layers
+    # (ParallelConfig.distributed_single_rank: the multi-rank code path on one device).
+    single_rank_collectives: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is built and run as tensor-parallel ranks (sharded loading,
+        vocabulary-parallel embedding and logits, all-reduces)."""
+        return self.size > 1 or self.single_rank_collectives
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.sharded:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dimension, in rank order."""
-        if self.size == 1:
+        if not self.sharded:
             return x
         import torch.distributed as dist
         x = x.contiguous()

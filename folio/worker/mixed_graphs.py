@@ -60,6 +60,7 @@ class MixedGraphRunner:
                  device: torch.device) -> None:
         backend = triton_backend_of(model)
         assert backend is not None, "mixed-step graphs need the Triton attention backend"
+        self.backend = backend
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -163,7 +164,20 @@ class MixedGraphRunner:
 
     def can_run(self, step: SchedulerOutput) -> bool:
         return (0 < len(step.num_scheduled_tokens) <= self.max_reqs
-                and step.total_num_scheduled_tokens <= self.max_tokens)
+                and step.total_num_scheduled_tokens <= self.max_tokens
+                and not self._has_dense_prefill(step))
+
+    def _has_dense_prefill(self, step: SchedulerOutput) -> bool:
+        """Whether a request of the step takes the backend's dense prefill path (a long
+        fresh prompt: attention through torch's fused kernel, which a graph captured for
+        other shapes cannot replay). Such a step runs eagerly; its GPU time hides the
+        launches."""
+        if not self.backend.takes_dense_path(0, step.total_num_scheduled_tokens):
+            return False    # no request of the step can be long enough (or the path is off)
+        n = step.num_scheduled_tokens
+        return any(self.backend.takes_dense_path(r.num_computed_tokens, n.get(r.req_id, 0))
+                   for reqs in (step.scheduled_new_reqs, step.scheduled_cached_reqs)
+                   for r in reqs)
 
     def run(self, step: SchedulerOutput, batch: InputBatch, prev_rows: dict[str, int],
             fill_pending: FillPending) -> tuple[torch.Tensor, list[int]]:

@@ -155,8 +155,37 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             if self.pooling is None:
                 self.model.compute_logits(hidden[-1:])
+        self._warm_up_dense_prefill(max_num_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_dense_prefill(self, max_num_tokens: int) -> None:
+        """The fused attention of long fresh prefills (attention/dense_prefill.py) plans each
+        padded length on first use (~55 ms each on an H200): plan every length up to the step
+        budget now, once per distinct layer shape that takes the path."""
+        from folio.model.attention import dense_prefill
+        from folio.model.layers import Attention
+        from folio.worker.cuda_graphs import triton_backend_of
+        backend = triton_backend_of(self.model)
+        if backend is None or not backend.dense_prefill or not self.kv_caches:
+            return
+        dtype = next(self.model.parameters()).dtype
+        done = set()
+        for m in self.model.modules():
+            if not isinstance(m, Attention):
+                continue
+            shape = (m.num_heads, m.num_kv_heads, m.head_dim, m.scale)
+            probe = torch.empty((1, m.num_heads, m.head_dim), dtype=dtype, device=self.device)
+            if shape in done or not dense_prefill.layer_supported(
+                    probe, probe, self.kv_caches[0], sliding_window=m.sliding_window,
+                    logits_soft_cap=m.logits_soft_cap, sinks=m.sinks):
+                continue
+            done.add(shape)
+            dense_prefill.warm_up(*shape, dtype, self.device, max_num_tokens)
+        if not done:
+            # No layer takes the path (sliding windows, an FP8 cache, ...): long prompts then
+            # keep their captured graphs (MixedGraphRunner asks the backend).
+            backend.dense_prefill = False
 
     @torch.inference_mode()
     def warm_up_sampling(self, num_seqs: int) -> None:

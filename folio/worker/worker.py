@@ -47,14 +47,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def join_parallel(rank: int, tp_size: int, pp_size: int, init_method: str | None,
-                  device: torch.device, expert_parallel: bool = False) -> TPGroup:
+                  device: torch.device, expert_parallel: bool = False,
+                  single_rank: bool = False) -> TPGroup:
     """This process as global rank `rank` of tp_size x pp_size ranks (torch.distributed: NCCL
     on GPUs, gloo on the CPU, meeting at `init_method`; rank = stage * tp_size + tp_rank).
     Returns its tensor-parallel group (SINGLE for tp_size 1): with pipeline stages, each
     stage's ranks form a group of their own. `expert_parallel`: mixture-of-experts layers
-    spread their experts over the tensor-parallel group."""
+    spread their experts over the tensor-parallel group. `single_rank`
+    (ParallelConfig.distributed_single_rank): one rank that joins a group of world size 1
+    all the same and runs the tensor-parallel code path."""
     world = tp_size * pp_size
-    if world == 1:
+    if world == 1 and not single_rank:
         return SINGLE
     import torch.distributed as dist
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
@@ -67,6 +70,8 @@ def join_parallel(rank: int, tp_size: int, pp_size: int, init_method: str | None
             made = dist.new_group(ranks=list(range(s * tp_size, (s + 1) * tp_size)))
             if s == stage:
                 group = made
+    if world == 1:
+        return TPGroup(0, 1, expert_parallel=expert_parallel, single_rank_collectives=True)
     if tp_size == 1:
         return SINGLE
     return TPGroup(tp_rank, tp_size, group=group, expert_parallel=expert_parallel)
@@ -139,9 +144,9 @@ class Worker:
         if pp.size > 1:
             from folio.model.families import arch_spec_from_hf_config
             _check_pp_features(config, pp.size, arch_spec_from_hf_config(hf_config))
-        if tp.size > 1:
+        if tp.sharded:
             _check_tp_features(config, tp.size)
-        if tp.size > 1 or pp.size > 1:
+        if tp.sharded or pp.size > 1:
             if self.quantization == "gguf" and config.model.quantization is None:
                 # a GGUF's packed planes are not split; its converted float weights are
                 self.quantization = "none"

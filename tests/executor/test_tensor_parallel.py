@@ -60,6 +60,56 @@ def test_tp2_greedy_equals_one_rank(tiny_model_dir, arch):
     _assert_same(_answers(model, 2, prompts), _answers(model, 1, prompts))
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_one_rank_through_the_distributed_path_equals_in_process(tiny_model_dir, arch):
+    """distributed_single_rank: one mp worker that joins a gloo group of world size 1 and
+    runs the tensor-parallel code path (vocabulary-parallel embedding and logits gathered,
+    all-reduces after attention, the MLP and the experts; the next test checks the model is
+    built so) -- what N ranks run, on one device (on the GPU: NCCL) -- answers as the
+    in-process engine does."""
+    model = tiny_model_dir(arch)
+    prompts = _prompts(6, seed=7)
+    got = _answers(model, 1, prompts, distributed_executor_backend="mp",
+                   distributed_single_rank=True)
+    _assert_same(got, _answers(model, 1, prompts))
+
+
+def test_one_rank_group_is_sharded_and_joins_gloo(tiny_model_dir):
+    """join_parallel at world size 1 with single_rank: a real gloo group, a TPGroup that
+    runs the collectives (identity at one rank), and the model built as rank 0 of 1."""
+    import torch.distributed as dist
+    from folio.worker.worker import join_parallel
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tp = join_parallel(0, 1, 1, f"tcp://127.0.0.1:{port}", torch.device("cpu"),
+                       single_rank=True)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert tp.sharded and tp.size == 1
+        x = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(tp.all_reduce(x.clone()), x)
+        assert torch.equal(tp.all_gather_last(x), x)
+        source = ModelSource("hf_dir", tiny_model_dir("llama"))
+        cfg, _ = load_hf_config(source)
+        model, _ = load_model(source, cfg, torch.float32, torch.device("cpu"), 256, tp=tp)
+        assert type(model.embed_tokens).__name__ == "VocabParallelEmbedding"
+        assert all(layer.self_attn.o_proj.tp_reduce is tp for layer in model.layers)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_rank_needs_one_rank_on_a_process_executor():
+    from folio.config import ParallelConfig
+    with pytest.raises(ValueError, match="distributed_single_rank"):
+        ParallelConfig(distributed_single_rank=True)                      # in process
+    with pytest.raises(ValueError, match="distributed_single_rank"):
+        ParallelConfig(distributed_single_rank=True, tensor_parallel_size=2)
+    assert ParallelConfig(distributed_single_rank=True,
+                          distributed_executor_backend="mp").joins_process_group
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_expert_parallel_tp2_equals_one_rank(tiny_model_dir, arch):
     """--enable-expert-parallel: each rank runs half the experts (whole) on every token and

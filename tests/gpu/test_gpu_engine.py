@@ -34,11 +34,12 @@ def _tokenizer(path: str):
     fast.save_pretrained(path)
 
 
-def _build(kind: str, path: str) -> str:
+def _build(kind: str, path: str, max_positions: int = 4096) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                  num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=max_positions,
                   bos_token_id=1, eos_token_id=2, initializer_range=0.05)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -114,6 +114,21 @@ def test_fp8_activation_quantization_matches_reference() -> None:
         assert float((diff > 0).float().mean()) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("m,inner", [(1, 14336), (64, 1536), (1100, 14336), (300, 1000)])
+def test_silu_and_mul_quantized_is_the_two_kernels(dtype, m: int, inner: int) -> None:
+    """The fused SiLU-and-mul + per-token quantization writes the very bytes of silu_and_mul
+    then quantize_activations (so the W8A8 down projection's output does not change)."""
+    from folio.model.kernels.act_quant import quantize_activations
+    from folio.model.kernels.activation import silu_and_mul, silu_and_mul_quantized
+    torch.manual_seed(m)
+    x = torch.randn(m, 2 * inner, device=CUDA, dtype=torch.bfloat16) * 4
+    codes, scale = silu_and_mul_quantized(x, dtype)
+    ref_codes, ref_scale = quantize_activations(silu_and_mul(x), dtype)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
 def _int4(n: int, k: int, g: int, zeros: bool, act_order: bool):
     from folio.model.quant.formats import Int4Weight, pack_rows
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=CUDA)

@@ -79,6 +79,9 @@ for _m, _n, _k, _a8, _bias, _split in [(2, 40, 128, False, True, 1), (17, 33, 25
                       kind="fp8mm", M=_m, N=_n, K=_k, a8=_a8, bias=_bias, split=_split))
 CASES.append(dict(name="act_int8", kind="act", M=7, K=100))
 CASES.append(dict(name="act_int8_static", kind="act", M=3, K=64, static=True))
+# SiLU-and-mul writing the down projection's int8 codes (kernels/activation.py): the bytes of
+# silu_and_mul then quantize_activations, over several blocks of a row and a ragged last one
+CASES.append(dict(name="silu_quant_int8", kind="silu_q", M=5, I=2100))
 
 
 def _int4_weight(n: int, k: int, g: int, zero: bool | str) -> Any:
@@ -191,6 +194,16 @@ def _run(case: dict) -> dict:
                 "code_diff": float((codes.float() - ref_codes.float()).abs().max()),
                 "scale_err": float(((scale - ref_scale).abs() / ref_scale).max()),
                 "nan": False}
+    if kind == "silu_q":
+        from folio.model.kernels.activation import silu_and_mul, silu_and_mul_quantized
+        x = torch.randn(case["M"], 2 * case["I"], dtype=torch.float16) * 3
+        x[1] = 0.0   # an all-zero row: the smallest scale, zero codes
+        codes, scale = silu_and_mul_quantized(x, torch.int8)
+        ref_codes, ref_scale = act_quant.quantize_activations(silu_and_mul(x), torch.int8)
+        return {"name": case["name"], "nan": False,
+                "codes_equal": bool(torch.equal(codes, ref_codes)),
+                "scales_equal": bool(torch.equal(scale, ref_scale)),
+                "zero_row": bool((codes[1] == 0).all())}
     raise ValueError(kind)
 
 
@@ -208,6 +221,8 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
     if case["kind"] == "act":
         # the kernel multiplies by 1/scale where the reference divides: a tie may round apart
         assert res["code_diff"] <= 1.0 and res["scale_err"] < 1e-6, res
+    elif case["kind"] == "silu_q":
+        assert res["codes_equal"] and res["scales_equal"] and res["zero_row"], res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
     elif case["kind"] == "fp8mm":

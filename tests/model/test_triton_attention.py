@@ -135,12 +135,45 @@ def _run_reshape_and_cache_padding() -> dict:
             "cache_equal": bool(torch.equal(cache, expect))}
 
 
+def _run_varlen_skip() -> dict:
+    """Requests flagged in `skip` leave their output rows alone (their attention is another
+    kernel's: dense_prefill.py); the others match the reference as without flags."""
+    import torch
+    from folio.model.attention import triton_kernels as tk
+    from folio.model.attention.torch_paged import TorchPagedAttention
+    from folio.model.attention.triton_backend import TritonPagedAttention
+
+    case = dict(name="varlen_skip", dtype="float32", H=4, KVH=2, D=64, bs=16, win=None,
+                reqs=MIXED)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, cache, meta = make_step(case, gen)
+    ref = TorchPagedAttention().forward(q, k, v, cache.clone(), meta, scale=0.125)
+    st = TritonPagedAttention().step_tensors(meta)
+    tri_cache = cache.clone()
+    tk.reshape_and_cache(k, v, tri_cache, st.slot_mapping)
+    skip = torch.tensor([1, 0, 1, 0, 0, 0], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    tk.paged_attention_varlen(
+        q, tri_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+        block_tables=st.block_tables, max_query_len=st.max_query_len,
+        max_seq_len=st.max_seq_len, scale=0.125, out=out, skip=skip)
+    qsl = meta.query_start_loc
+    skipped = torch.zeros(q.shape[0], dtype=torch.bool)
+    for i, flag in enumerate(skip.tolist()):
+        if flag:
+            skipped[qsl[i]:qsl[i + 1]] = True
+    return {"name": "varlen_skip", "checks": {}, "cache_equal": True,
+            "skipped_untouched": bool(torch.isnan(out[skipped]).all()),
+            "others_rel_err": rel_err(out[~skipped], ref[~skipped])}
+
+
 def _child_main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
     torch.set_num_threads(1)
     jobs = [(c["name"], lambda c=c: _run_case(c)) for c in CASES]
     jobs.append(("reshape_and_cache_padding", _run_reshape_and_cache_padding))
+    jobs.append(("varlen_skip", _run_varlen_skip))
     for name, job in jobs:
         try:
             res = job()
@@ -190,6 +223,12 @@ def test_attention_matches_reference(results: dict, case: dict) -> None:
 
 def test_reshape_and_cache_skips_padding(results: dict) -> None:
     assert _get(results, "reshape_and_cache_padding")["cache_equal"]
+
+
+def test_varlen_skips_flagged_requests(results: dict) -> None:
+    res = _get(results, "varlen_skip")
+    assert res["skipped_untouched"], "a skipped request's rows were written"
+    assert res["others_rel_err"] < 1e-3, res["others_rel_err"]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ def get_attention_backend(device: torch.device,
     once per model build, so the choice is fixed for the model's life."""
     if device.type == "cuda" and kernels.triton_attention:
         from folio.model.attention.triton_backend import TritonPagedAttention
-        return TritonPagedAttention(pdl=kernels.pdl_on)
+        return TritonPagedAttention(pdl=kernels.pdl_on,
+                                    dense_prefill=kernels.dense_prefill_on)
     if device.type == "cpu" and kernels.triton_attention:
         from folio.model import cpu_kernels
         if cpu_kernels.loaded() is not None:

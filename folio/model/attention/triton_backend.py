@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
+from folio.model.attention import dense_prefill
 from folio.model.attention import triton_kernels as tk
 from folio.model.host_copy import device_tensor
 
@@ -32,6 +33,10 @@ class TritonStepTensors:
     # Fixed split-K count for decode, set by the CUDA-graph runner: a captured graph must not
     # re-derive it from the step (its launch grid is baked in). None = choose per step.
     num_splits: int | None = None
+    # Eager steps only: the requests whose attention takes dense_prefill's path, as (first
+    # token, query length), and the varlen kernel's int32 [B] skip flags for them.
+    dense: tuple[tuple[int, int], ...] = ()
+    dense_skip: torch.Tensor | None = None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -42,13 +47,22 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, max_splits: int = 32, min_tokens_per_split: int = 256,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, dense_prefill: bool = True) -> None:
         """`pdl`: launch the decode path's kernels (cache write, attention, merge) with
-        programmatic dependent launch where the GPU has it (KernelConfig.pdl_on)."""
+        programmatic dependent launch where the GPU has it (KernelConfig.pdl_on).
+        `dense_prefill`: long fresh prefills through torch's fused attention
+        (dense_prefill.py; KernelConfig.dense_prefill_on)."""
         self.pdl = pdl
+        self.dense_prefill = dense_prefill
         self.max_splits = max_splits
         self.min_tokens_per_split = min_tokens_per_split
         self._sms: int | None = None
+
+    def takes_dense_path(self, num_computed_tokens: int, num_query_tokens: int) -> bool:
+        """Whether a request's attention in an eager step goes to dense_prefill (for layers
+        that it fits): its context starts in this step and is long enough to pay."""
+        return (self.dense_prefill and num_computed_tokens == 0
+                and num_query_tokens >= dense_prefill.DENSE_PREFILL_MIN_TOKENS)
 
     def step_tensors(self, meta: AttentionMetadata) -> TritonStepTensors:
         st = meta.cache.get(STEP_CACHE_KEY)
@@ -57,6 +71,13 @@ class TritonPagedAttention(AttentionBackend):
         device = meta.block_tables.device
         qsl = meta.query_start_loc
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
+        dense = tuple((qsl[i], n) for i, n in enumerate(q_lens)
+                      if self.takes_dense_path(meta.num_computed_tokens[i], n)) \
+            if device.type == "cuda" else ()
+        skip = None
+        if dense:
+            skip = device_tensor([int(self.takes_dense_path(meta.num_computed_tokens[i], n))
+                                  for i, n in enumerate(q_lens)], device, torch.int32)
         # Pinned, non-blocking copies: a pageable one here would make the host wait for the
         # step in flight before launching the rest of this one (async scheduling).
         st = TritonStepTensors(
@@ -67,6 +88,7 @@ class TritonPagedAttention(AttentionBackend):
             max_query_len=max(q_lens, default=0),
             max_seq_len=max(meta.seq_lens, default=0),
             all_decode=bool(q_lens) and all(n == 1 for n in q_lens),
+            dense=dense, dense_skip=skip,
         )
         meta.cache[STEP_CACHE_KEY] = st
         return st
@@ -93,8 +115,20 @@ class TritonPagedAttention(AttentionBackend):
                 query, kv_cache, st.seq_lens, st.block_tables, scale, sliding_window,
                 num_splits=splits, pdl=self.pdl, k_scale=k_scale, v_scale=v_scale,
                 logits_soft_cap=logits_soft_cap, sinks=sinks)
-        return tk.paged_attention_varlen(
-            query, kv_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
-            block_tables=st.block_tables, max_query_len=st.max_query_len,
-            max_seq_len=st.max_seq_len, scale=scale, sliding_window=sliding_window,
-            k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        dense = st.dense if st.dense and dense_prefill.layer_supported(
+            query, key, kv_cache, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, sinks=sinks) else ()
+        if len(dense) == 1 and dense[0] == (0, query.shape[0]):   # the step is one prompt
+            return dense_prefill.causal_attention(query, key, value, scale)
+        out = torch.empty_like(query)
+        if sum(n for _, n in dense) < query.shape[0]:
+            tk.paged_attention_varlen(
+                query, kv_cache, query_start_loc=st.query_start_loc, seq_lens=st.seq_lens,
+                block_tables=st.block_tables, max_query_len=st.max_query_len,
+                max_seq_len=st.max_seq_len, scale=scale, sliding_window=sliding_window,
+                out=out, k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap,
+                sinks=sinks, skip=st.dense_skip if dense else None)
+        for start, n in dense:
+            rows = slice(start, start + n)
+            dense_prefill.causal_attention(query[rows], key[rows], value[rows], scale, out[rows])
+        return out

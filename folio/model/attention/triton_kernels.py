@@ -165,28 +165,39 @@ if HAS_TRITON:
         stride_c0, stride_cblk, stride_coff, stride_ch,
         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+        MASKED: tl.constexpr = True,
     ):
         """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
         Keys past `kv_end`, after the query (causal) or outside the window are masked. K/V
         tiles are used in the query's dtype (an FP8 cache's converted; its scales are the
-        caller's)."""
+        caller's). MASKED=False is for tiles every row sees in full (keys in the context,
+        before every query, no window): no masks, and no row left at -inf."""
         d = tl.arange(0, D_PAD)
-        in_ctx = k_pos < kv_end
-        # Per-key page lookup: a tile may span several pages, or part of one.
-        page = tl.load(BT_row + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        if MASKED:
+            in_ctx = k_pos < kv_end
+            # Per-key page lookup: a tile may span several pages, or part of one.
+            page = tl.load(BT_row + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+            kv_mask = in_ctx[:, None] & (d[None, :] < D)
+        else:
+            page = tl.load(BT_row + k_pos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = (k_pos[:, None] >= 0) & (d[None, :] < D)   # only the head-dim pad
         row = page * stride_cblk + (k_pos % BLOCK_SIZE) * stride_coff + kvh * stride_ch
-        kv_mask = in_ctx[:, None] & (d[None, :] < D)
         k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale            # [M, N] fp32
         if SOFTCAP:  # soft_cap = cap * log2(e): see the module's docstring
             s = soft_cap * _tanh(s / soft_cap)
-        visible = in_ctx[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = in_ctx[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with nothing visible yet keep m = -inf; shift by 0 there so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            # Rows with nothing visible yet keep m = -inf; shift by 0 there so exp2 gives 0,
+            # not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -214,17 +225,19 @@ if HAS_TRITON:
     # another compile, paid in the middle of serving.
     @triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window", "q_bucket"])
     def _varlen_kernel(
-        Q, KV, O, QSL, SEQ, BT, K_SCALE, V_SCALE, SINKS,
+        Q, KV, O, QSL, SEQ, BT, K_SCALE, V_SCALE, SINKS, SKIP,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
         num_reqs, window, qk_scale, soft_cap, q_bucket,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
         FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
-        pid = tl.program_id(0)
+        # Last tiles first: a request's later tiles see more keys, and starting the longest
+        # programs first leaves short ones, not long ones, for the last wave.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
         # Request b owns tiles [qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1): an upper
         # bound on its tile count that needs no per-step host prefix sum. Binary search for the
@@ -238,6 +251,9 @@ if HAS_TRITON:
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid)
         b = lo
+        if HAS_SKIP:  # a request whose attention another kernel computes (dense_prefill.py)
+            if tl.load(SKIP + b) != 0:
+                return
         q_start = tl.load(QSL + b)
         q_len = tl.load(QSL + b + 1) - q_start
         tile = pid - (q_start // BLOCK_Q + b)
@@ -280,7 +296,18 @@ if HAS_TRITON:
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         BT_row = BT + b.to(tl.int64) * stride_bt
-        for start in range(kv_start, kv_end, BLOCK_N):
+        masked_start = kv_start
+        if not SLIDING:
+            # Keys up to the tile's first query are visible to all its rows: whole BLOCK_N
+            # tiles of them skip the masks (a long prefill's tiles are nearly all such).
+            masked_start = ((ctx_off + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
+            for start in range(0, masked_start, BLOCK_N):
+                k_pos = start + tl.arange(0, BLOCK_N)
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
+                    qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, MASKED=False)
+        for start in range(masked_start, kv_end, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
@@ -357,7 +384,18 @@ if HAS_TRITON:
             l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([G_M, D_PAD], tl.float32)
         BT_row = BT + b64 * stride_bt
-        for s0 in range(start, end, BLOCK_N):
+        masked_start = start
+        if not SLIDING:
+            # Every key before `end` is visible to the one query: only a last partial tile
+            # needs masks.
+            masked_start = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+            for s0 in range(start, masked_start, BLOCK_N):
+                k_pos = s0 + tl.arange(0, BLOCK_N)
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
+                    soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, MASKED=False)
+        for s0 in range(masked_start, end, BLOCK_N):
             k_pos = s0 + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
@@ -483,11 +521,13 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            logits_soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           skip: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for a mixed batch in one launch. query [T, H, D]; query i of
     request b sits at absolute position seq_lens[b] - q_len_b + i. An FP8 cache is read with
     its scales (reshape_and_cache). `logits_soft_cap`, `sinks` (float32 [H]): as
-    AttentionBackend.forward. Returns out [T, H, D]."""
+    AttentionBackend.forward. `skip` (int32 [B], nonzero = skip): requests whose rows of
+    `out` are left as they are. Returns out [T, H, D]."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     T = query.shape[0]
@@ -514,12 +554,13 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
 
     _varlen_kernel[grid](
         query, kv_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale, sinks,
+        seq_lens if skip is None else skip,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_reqs, sliding_window if sliding else 0, scale * _LOG2E, soft_cap, q_bucket,
         G=g, G_PAD=g_pad, D=d, D_PAD=max(16, _next_pow2(d)),
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks,
+        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, HAS_SKIP=skip is not None,
     )
     return out
 

@@ -26,25 +26,36 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * stride_x
         q_row = Q + row * stride_q
-        if DYNAMIC:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK):
-                offs = k0 + tl.arange(0, BLOCK)
-                v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+        if DYNAMIC and K <= BLOCK:
+            # the row in one block: loaded once, kept in registers for the codes
+            offs = tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0) / QMAX, 1e-12)
             tl.store(S + row, scale)
-        else:
-            scale = tl.load(STATIC)
-        inv = 1.0 / scale
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32) * inv
-            v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+            v = tl.minimum(tl.maximum(v * (1.0 / scale), -QMAX), QMAX)
             if IS_INT:
-                # round half away from zero; ties are measure-zero for real activations
                 v = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
             tl.store(q_row + offs, v.to(Q.dtype.element_ty), mask=offs < K)
+        else:
+            if DYNAMIC:
+                amax = tl.zeros((BLOCK,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK):
+                    offs = k0 + tl.arange(0, BLOCK)
+                    v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(v))
+                scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+                tl.store(S + row, scale)
+            else:
+                scale = tl.load(STATIC)
+            inv = 1.0 / scale
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32) * inv
+                v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+                if IS_INT:
+                    # round half away from zero; ties are measure-zero for real activations
+                    v = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+                tl.store(q_row + offs, v.to(Q.dtype.element_ty), mask=offs < K)
 
 
 def quantize_activations(x: torch.Tensor, dtype: torch.dtype,

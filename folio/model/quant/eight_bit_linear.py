@@ -13,6 +13,9 @@ On CUDA, by row count:
   torch._scaled_mm (row-wise scales; fast accumulation from 1024 rows), INT8 through
   torch._int_mm with the scales applied after. A weight-only INT8 model widens the weight for
   cuBLAS instead.
+Where W8A8 quantizes its input per token, the kernel that produces the input may quantize it
+itself (`quantized_input_dtype`, `forward_quantized`): a gated MLP's SiLU-and-mul hands the
+down projection its codes (kernels/activation.py) without writing the 16-bit activation.
 Elsewhere (CPU tensors, tests) `reference` does the same arithmetic in float32 torch ops: the
 activations fake-quantized as the W8A8 kernels quantize them, the weight dequantized.
 """
@@ -91,22 +94,42 @@ class EightBitLinear(nn.Module):
 
     def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from folio.model.kernels import gemv
-        m = x.shape[0]
         if self._gemv_wanted(x):
             return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
                                       pdl=self.kernels.pdl_on)
-        if self._fp8_kernel_wanted(x, bias):
-            from folio.model.kernels.fp8_matmul import fp8_matmul
-            if self.activation is None:          # weight-only FP8: W8A16 in the kernel
+        if self.activation is None:
+            if self._fp8_kernel_wanted(x, bias):   # weight-only FP8: W8A16 in the kernel
+                from folio.model.kernels.fp8_matmul import fp8_matmul
                 return fp8_matmul(x, self.codes, self.scale, bias=bias,
                                   pdl=self.kernels.pdl_on)
-            codes, x_scale = self._quantize_input(x)
-            return fp8_matmul(codes, self.codes, self.scale, x_scale, bias, out_dtype=x.dtype,
-                              pdl=self.kernels.pdl_on)
-        if self.activation is None:
             w = (self.codes.to(torch.float32) * self.scale[:, None]).to(x.dtype)
             return F.linear(x, w, bias)
         codes, x_scale = self._quantize_input(x)
+        return self.forward_quantized(codes, x_scale, bias, x.dtype)
+
+    def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype `forward` would quantize an input like x ([..., K], CUDA) to, per token
+        and dynamically, before its product -- so that the kernel producing x may hand over
+        those codes instead (`forward_quantized`); None where forward does not quantize x
+        that way (the GEMV's rows, weight-only, static or per-tensor scales, CPU)."""
+        if (not x.is_cuda or self.activation is None or self.act_per_tensor
+                or self.input_scale is not None or x.dtype not in (torch.float16, torch.bfloat16)
+                or x.shape[-1] != self.in_features):
+            return None
+        if self._gemv_wanted(x.reshape(-1, self.in_features)):
+            return None
+        return self.act_dtype
+
+    def forward_quantized(self, codes: torch.Tensor, x_scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """The W8A8 product of activations already quantized per token ([M, K] codes in
+        `act_dtype`, x_scale [M, 1] float32, as `quantize_activations` gives them) -> [M, N]
+        in `out_dtype`."""
+        m = codes.shape[0]
+        if self.activation == ACT_FP8 and self._fp8_kernel_wanted(codes, bias, out_dtype):
+            from folio.model.kernels.fp8_matmul import fp8_matmul
+            return fp8_matmul(codes, self.codes, self.scale, x_scale, bias, out_dtype=out_dtype,
+                              pdl=self.kernels.pdl_on)
         if self.activation == ACT_FP8:
             # Row-wise scaling gives bfloat16 out; other dtypes are cast after. Fast
             # accumulation (Hopper's FP8 MMA without the periodic promotion to full fp32, as
@@ -116,22 +139,25 @@ class EightBitLinear(nn.Module):
             out = torch._scaled_mm(codes, self.codes.t(), scale_a=x_scale,
                                    scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16,
                                    use_fast_accum=m >= FAST_ACCUM_MIN_ROWS)
-            out = out.to(x.dtype)
+            out = out.to(out_dtype)
         else:
             pad = max(0, _INT_MM_MIN_ROWS - m)
             if pad:
                 codes = F.pad(codes, (0, 0, 0, pad))
             acc = torch._int_mm(codes, self.codes.t())[:m]
-            out = (acc.to(torch.float32) * x_scale * self.scale.view(1, -1)).to(x.dtype)
+            out = (acc.to(torch.float32) * x_scale * self.scale.view(1, -1)).to(out_dtype)
         return out if bias is None else out + bias.to(out.dtype)
 
-    def _fp8_kernel_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def _fp8_kernel_wanted(self, x: torch.Tensor, bias: torch.Tensor | None,
+                           out_dtype: torch.dtype | None = None) -> bool:
         """FP8 weights at a decode batch's rows (2 to fp8_matmul.MAX_M): folio's Triton
         product, which read the weight 1.2-2x faster than activation quantization +
-        cuBLASLt there on the H200 (tools/gpu_sweep_fp8_mm.py); cuBLASLt past it."""
+        cuBLASLt there on the H200 (tools/gpu_sweep_fp8_mm.py); cuBLASLt past it. x: the
+        16-bit input, or its FP8 codes with the output's dtype in `out_dtype`."""
+        out_dtype = x.dtype if out_dtype is None else out_dtype
         if self.codes.dtype != FP8_DTYPE or not self.kernels.gemv_on \
-                or x.dtype not in (torch.float16, torch.bfloat16) \
-                or (bias is not None and bias.dtype != x.dtype):
+                or out_dtype not in (torch.float16, torch.bfloat16) \
+                or (bias is not None and bias.dtype != out_dtype):
             return False
         from folio.model.kernels import fp8_matmul
         return fp8_matmul.supported(x, self.codes)
