@@ -60,17 +60,23 @@ def test_minilm_default_embeddings_match_sentence_transformers(minilm: LLM,
 
 
 def test_minilm_bfloat16_stays_close(minilm_dir: str, reference: np.ndarray) -> None:
-    """--dtype bfloat16 on the CPU: bfloat16 projections, float32 everything else."""
+    """--dtype bfloat16 on the CPU: on a CPU with native bfloat16 matmuls, bfloat16
+    projections and float32 everything else; elsewhere bfloat16 throughout
+    (pooling_loader.encoder_matmul_dtype)."""
+    native = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     llm = LLM(minilm_dir, dtype="bfloat16", max_num_seqs=16)
     try:
-        model = llm.llm_engine.engine_core.executor.worker.model
-        if model.layers[0].up_proj.weight.dtype == torch.bfloat16:   # a CPU with native bf16
-            assert model.layers[0].output_norm.weight.dtype == torch.float32
+        layer = llm.llm_engine.engine_core.executor.worker.model.layers[0]
+        assert layer.up_proj.weight.dtype == torch.bfloat16
+        assert layer.output_norm.weight.dtype == (torch.float32 if native else torch.bfloat16)
         got = [o.outputs.embedding for o in llm.embed(TEXTS, truncate_prompt_tokens=-1,
                                                       use_tqdm=False)]
     finally:
         llm.llm_engine.shutdown()
-    assert _cosines(got, reference).min() >= 0.9999
+    # bfloat16 throughout rounds the residual stream and LayerNorms too: 0.99990 at worst on
+    # a CPU without native bfloat16 (2026-12-04), where the mixed form keeps 0.9999
+    assert _cosines(got, reference).min() >= (0.9999 if native else 0.9998)
 
 
 def test_minilm_score_orders_documents_as_sentence_transformers(minilm: LLM,
