@@ -175,8 +175,10 @@ class ModelRunner:
             if not isinstance(m, Attention):
                 continue
             shape = (m.num_heads, m.num_kv_heads, m.head_dim, m.scale)
+            if shape in done:
+                continue
             probe = torch.empty((1, m.num_heads, m.head_dim), dtype=dtype, device=self.device)
-            if shape in done or not dense_prefill.layer_supported(
+            if not dense_prefill.layer_supported(
                     probe, probe, self.kv_caches[0], sliding_window=m.sliding_window,
                     logits_soft_cap=m.logits_soft_cap, sinks=m.sinks):
                 continue

@@ -71,13 +71,10 @@ class TritonPagedAttention(AttentionBackend):
         device = meta.block_tables.device
         qsl = meta.query_start_loc
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
-        dense = tuple((qsl[i], n) for i, n in enumerate(q_lens)
-                      if self.takes_dense_path(meta.num_computed_tokens[i], n)) \
-            if device.type == "cuda" else ()
-        skip = None
-        if dense:
-            skip = device_tensor([int(self.takes_dense_path(meta.num_computed_tokens[i], n))
-                                  for i, n in enumerate(q_lens)], device, torch.int32)
+        flags = [device.type == "cuda" and self.takes_dense_path(meta.num_computed_tokens[i], n)
+                 for i, n in enumerate(q_lens)]
+        dense = tuple((qsl[i], n) for i, n in enumerate(q_lens) if flags[i])
+        skip = device_tensor([int(f) for f in flags], device, torch.int32) if dense else None
         # Pinned, non-blocking copies: a pageable one here would make the host wait for the
         # step in flight before launching the rest of this one (async scheduling).
         st = TritonStepTensors(
