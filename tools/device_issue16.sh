@@ -10,20 +10,37 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
-s14a)  # next session, first call: the dense prefill as committed (padded lengths, plans at
-       # start-up, from 4,096 tokens) and NCCL at world size 1 (issue 22) -- their GPU
-       # tests, then the 8k TTFT bf16 and FP8 twice,
-       # alternating, and start-up's extra time (the warm-up's plans)
+s14b)  # session 14, second call: the decode attention's split count and tile per (batch,
+       # context); the one-row FP8 GEMV with wider tiles; batch-1 FP8 decode with the decode
+       # graphs per split count (committed) and with one graph per size (.old/ copy)
+  step 200 splits python3 tools/gpu_sweep_decode_splits.py --batches 1,4,16,64 \
+      --ctx 128,256,512,2048,8192 --json "$OUT/splits.json"
+  grep "^b=" "$OUT/splits.log" | cut -c1-250
+  step 120 splits_fp8 python3 tools/gpu_sweep_decode_splits.py --batches 1,64 --ctx 256,2048,8192 \
+      --kv-dtype fp8 --json "$OUT/splits_fp8.json"
+  grep "^b=" "$OUT/splits_fp8.log" | cut -c1-250
+  step 200 gemv python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/gemv.json"
+  grep -E "fp8" "$OUT/gemv.log" | sort -k1,1 -k4,4n | awk '{c[$1]++} c[$1]<=6' | cut -c1-100
+  step 100 lat_fp8_tiers $LAT --quantization fp8 --output-json "$OUT/lat_fp8_tiers.json"
+  cp .old/cuda_graphs_committed.py folio/worker/cuda_graphs.py
+  step 100 lat_fp8_one $LAT --quantization fp8 --output-json "$OUT/lat_fp8_one.json"
+  git checkout folio/worker/cuda_graphs.py 2>/dev/null ;;
+s14a)  # session 14, first call: the dense prefill as committed (padded lengths, plans at
+       # start-up, from 4,096 tokens), NCCL at world size 1 (issue 22), decode graphs per
+       # split count -- their GPU tests; the 8k TTFT bf16 and FP8; batch-1 FP8 decode and
+       # where its GPU time goes
   step 240 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_dense_prefill.py tests/gpu/test_cuda_graphs.py \
       tests/gpu/test_gpu_nccl_single_rank.py tests/gpu/test_gpu_quant.py \
       -k "dense or graph or nccl or silu_and_mul_quantized or engine_fp8"
   tail -8 "$OUT/tests.log" | cut -c1-300
-  for i in 1 2; do
-    step 130 "ttft_bf16_$i" $TTFT --output-json "$OUT/ttft_bf16_$i.json"
-    step 110 "ttft_fp8_$i" $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8_$i.json"
-  done
-  grep -hE "ready|warm" "$OUT"/ttft_*_1.log | head -6 ;;
+  step 130 ttft_bf16 $TTFT --output-json "$OUT/ttft_bf16.json"
+  step 110 ttft_fp8 $TTFT --quantization fp8 --output-json "$OUT/ttft_fp8.json"
+  grep -hE "ready|warm|captured" "$OUT"/ttft_*.log | head -6
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 120 prof_fp8 python3 tools/gpu_profile_batch_kernels.py 1 128 128 --config llama3-8b \
+      --quantization fp8
+  cut -c1-200 "$OUT/prof_fp8.log" | tail -32 ;;
 s13e)  # session 13, fifth call: one-block activation quantization (the row kept in
        # registers), the one-prompt dense step without the output copy; tests, 8k TTFT
   step 200 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \

@@ -45,6 +45,14 @@ from tools.gpu_check_gemv import graph_time_us  # noqa: E402
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336)]
 CUDA = torch.device("cuda")
+# One-row FP8 candidates beyond the kernel's own list (--sweep times them too): a whole
+# 4096-wide row per tile (every load issued at once, no loop), more warps, split-K for down.
+EXTRA_FP8_CONFIGS = [
+    (2, 4096, 1, 0, 4, 1), (4, 4096, 1, 0, 8, 1), (8, 4096, 1, 0, 8, 1),
+    (8, 4096, 1, 0, 16, 1), (16, 2048, 1, 0, 8, 2), (16, 1024, 1, 0, 4, 3),
+    (8, 1024, 1, 0, 4, 3), (32, 512, 1, 0, 4, 3), (8, 2048, 2, 0, 8, 2),
+    (4, 4096, 2, 0, 8, 1), (8, 2048, 4, 0, 8, 2), (16, 1024, 2, 0, 4, 3),
+]
 
 
 def _copies(n: int, k: int, bytes_per_weight: float) -> int:
@@ -126,8 +134,8 @@ def main() -> int:
                 cases["int4/tensor-core-16-rows"] = (
                     [lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128, _config=old)
                      for l in int4], 0.5 + 2 / 128)
-                for bn, bk, sk, dot, w_, st in gemv._FULL_CONFIGS:
-                    if dot or (sk > 1 and n > gemv._SPLIT_MAX_N):
+                for bn, bk, sk, dot, w_, st in gemv._FULL_CONFIGS + EXTRA_FP8_CONFIGS:
+                    if dot or (sk > 1 and n > gemv._SPLIT_MAX_N) or bk > k:
                         continue
                     cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, DOT=0, num_warps=w_,
                                num_stages=st)

@@ -49,6 +49,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         # The requests this worker runs, as the step messages have described them.
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks, device, max_model_len,
                                       num_kv_groups)
@@ -155,9 +157,40 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             if self.pooling is None:
                 self.model.compute_logits(hidden[-1:])
+        if self.pooling is None:
+            self._warm_up_decode()
         self._warm_up_dense_prefill(max_num_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    # Decode steps the decode attention kernel tunes on, as (requests, context): one request
+    # at a long context (the split-K variant) and a batch at a context of under two splits'
+    # worth (the one-split variant, whatever the batch: triton_kernels.choose_num_splits).
+    DECODE_WARM_UP = ((1, 2048), (64, 384))
+
+    def _warm_up_decode(self) -> None:
+        """Pure-decode dummy steps at real contexts, before the decode graphs are captured:
+        the decode kernel's autotuner picks its tile once per variant, on its first call, and
+        the capture's first calls run padding rows of one key each -- a tile chosen there is
+        chosen on launch overhead alone (a batch-1 step at a 192-token context then ran its
+        one split's tiles one after another: 13.9 us a layer against 7 for the 16-split
+        form). Reads spread over distinct blocks (their contents do not matter); writes
+        nothing (every slot is padding)."""
+        bs = self.block_size
+        num_blocks = min(c.shape[1] for c in self.kv_caches) if self.kv_caches else 1
+        for reqs, ctx in self.DECODE_WARM_UP:
+            reqs = max(1, min(reqs, self.max_num_seqs))
+            ctx = max(1, min(ctx, self.max_model_len))
+            width = -(-ctx // bs)
+            tables = torch.arange(reqs * width, device=self.device) % max(1, num_blocks)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((reqs,), -1, dtype=torch.int64, device=self.device),
+                query_start_loc=list(range(reqs + 1)), seq_lens=[ctx] * reqs,
+                num_computed_tokens=[ctx - 1] * reqs,
+                block_tables=tables.view(reqs, width), block_size=bs)
+            ids = torch.zeros(reqs, dtype=torch.int64, device=self.device)
+            positions = torch.full((reqs,), ctx - 1, dtype=torch.int64, device=self.device)
+            self.model(ids, positions, self.kv_caches, meta)
 
     def _warm_up_dense_prefill(self, max_num_tokens: int) -> None:
         """The fused attention of long fresh prefills (attention/dense_prefill.py) plans each

@@ -91,10 +91,15 @@ class TritonPagedAttention(AttentionBackend):
         return st
 
     def num_splits(self, st: TritonStepTensors, kv_heads: int, device: torch.device) -> int:
+        return self.splits_for(st.seq_lens.shape[0], kv_heads, st.max_seq_len, device)
+
+    def splits_for(self, num_reqs: int, kv_heads: int, max_seq_len: int,
+                   device: torch.device) -> int:
+        """The decode kernel's split count for `num_reqs` requests whose longest context is
+        `max_seq_len`: a power of two, non-decreasing in max_seq_len."""
         if self._sms is None:
             self._sms = _num_sms(device)
-        return tk.choose_num_splits(st.seq_lens.shape[0], kv_heads, st.max_seq_len,
-                                    num_sms=self._sms,
+        return tk.choose_num_splits(num_reqs, kv_heads, max_seq_len, num_sms=self._sms,
                                     min_tokens_per_split=self.min_tokens_per_split,
                                     max_splits=self.max_splits)
 

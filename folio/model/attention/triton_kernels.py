@@ -583,12 +583,14 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            logits_soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           _config: dict | None = None) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
     With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel.
     An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch both with
     programmatic dependent launch where the GPU has it. `logits_soft_cap`, `sinks` (float32
-    [H]): as AttentionBackend.forward."""
+    [H]): as AttentionBackend.forward. `_config` (sweeps, tests) forces one tile config:
+    BLOCK_N, num_warps, num_stages."""
     _require_triton()
     num_heads, kvh, d = _check_query(query, kv_cache)
     B = query.shape[0]
@@ -614,7 +616,13 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     else:  # unused by the kernel; any valid pointer will do
         m_part = l_part = acc_part = out
     pdl = pdl_launch(query, pdl)
-    _decode_kernel[(B, kvh, num_splits)](
+    kernel, forced = _decode_kernel, {}
+    if _config is not None:
+        forced = dict(_config)
+        forced.setdefault("num_warps", 4)
+        forced.setdefault("num_stages", 2)
+        kernel = _decode_kernel.fn
+    kernel[(B, kvh, num_splits)](
         query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables, k_scale, v_scale,
         sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
@@ -622,7 +630,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
         FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits, USE_PDL=pdl,
-        launch_pdl=pdl,
+        launch_pdl=pdl, **forced,
     )
     if use_splits:
         _decode_merge_kernel[(B, num_heads)](
