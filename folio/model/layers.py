@@ -1,6 +1,8 @@
 """Shared layers of decoder-only transformers. A model family is a choice among these."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any
 
 import torch
@@ -37,6 +39,20 @@ def cpu_kernel_ops(x: torch.Tensor, kernels: KernelConfig) -> Any | None:
     return loaded()
 
 
+@dataclass
+class QuantizedRows:
+    """A norm's output handed to a W8A8 projection already quantized per token (the codes and
+    scales the projection would make of the 16-bit rows): `RMSNorm.forward_quantized` makes
+    them, `Linear.forward` takes them where `Linear.quantized_input_dtype` said it would."""
+    codes: torch.Tensor       # [T, K], float8_e4m3fn or int8
+    scale: torch.Tensor       # [T, 1] float32
+    dtype: torch.dtype        # the 16-bit dtype the rows stand for (the product's output)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6,
                  kernels: KernelConfig = DEFAULT_KERNEL_CONFIG) -> None:
@@ -66,6 +82,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_quantized(self, x: torch.Tensor, residual: torch.Tensor | None,
+                          dtype: torch.dtype) -> tuple[QuantizedRows, torch.Tensor | None]:
+        """forward's output quantized per token to `dtype` in the same launch (CUDA, weight
+        in x's dtype: `quantized_output_ok`), and the residual sum as forward returns it."""
+        from folio.model.kernels.rmsnorm import rms_norm_quantized
+        codes, scale, res = rms_norm_quantized(x, self.weight, self.eps, dtype, residual,
+                                               pdl=self.kernels.pdl_on)
+        return QuantizedRows(codes, scale, x.dtype), res
+
+    def quantized_output_ok(self, x: torch.Tensor) -> bool:
+        return (fused_kernels_on(x, self.kernels) and x.dim() == 2
+                and self.weight.dtype == x.dtype)
 
 
 def _rope_parameters(hf_config: Any) -> dict:
@@ -221,7 +250,19 @@ class Linear(nn.Linear):
         # group, whose ranks' partial outputs are summed after the product; None otherwise.
         self.tp_reduce = None
 
+    def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype this projection would quantize x to per token before its product (a W8A8
+        weight at these rows), so that the norm before it may hand over QuantizedRows; None
+        where it would not, or where x itself is still needed (LoRA, tensor parallelism)."""
+        packed = self.packed
+        if packed is None or self.lora is not None or self.tp_reduce is not None \
+                or not hasattr(packed, "quantized_input_dtype"):
+            return None
+        return packed.quantized_input_dtype(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(x) is QuantizedRows:   # only where quantized_input_dtype said so
+            return self.packed.forward_quantized(x.codes, x.scale, self.bias, x.dtype)
         lora = self.lora
         if lora is not None and lora.weight_cat is not None and lora.engaged:
             # adapters ride the weight: one product gives the base output and every shrink
@@ -408,7 +449,9 @@ class GatedMLP(nn.Module):
         self.act_name = act
         self.act = gate_activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if type(x) is QuantizedRows:   # a long prefill's rows, quantized by the norm before
+            return self._act_down(self.gate_up_proj(x))
         packed = self.gate_up_proj.packed
         # The fused gate_up+SiLU paths never see gate_up's output, where LoRA adds its delta.
         fusable = self.fused_silu and self.gate_up_proj.lora is None
@@ -424,7 +467,10 @@ class GatedMLP(nn.Module):
                 act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias,
                                           pdl=self.kernels.pdl_on)
                 return self.down_proj(act.view(*x.shape[:-1], -1))
-        gate_up = self.gate_up_proj(x)
+        return self._act_down(self.gate_up_proj(x))
+
+    def _act_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) from the merged projection's output."""
         if self.fused_silu and gate_up.dim() == 2:
             ops = cpu_kernel_ops(gate_up, self.kernels)
             if ops is not None:

@@ -129,6 +129,80 @@ def test_silu_and_mul_quantized_is_the_two_kernels(dtype, m: int, inner: int) ->
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("m,d,res", [(1, 4096, False), (300, 4096, True), (8000, 4096, True),
+                                     (17, 1000, True)])
+def test_rms_norm_quantized_is_the_two_kernels(dtype, m: int, d: int, res: bool) -> None:
+    """The norm writing a W8A8 projection's codes gives the very bytes of rms_norm then
+    quantize_activations, and rms_norm's residual sum."""
+    from folio.model.kernels.act_quant import quantize_activations
+    from folio.model.kernels.rmsnorm import rms_norm, rms_norm_quantized
+    torch.manual_seed(m)
+    x = torch.randn(m, d, device=CUDA, dtype=torch.bfloat16) * 4
+    w = (torch.rand(d, device=CUDA) + 0.5).to(torch.bfloat16)
+    r = torch.randn(m, d, device=CUDA, dtype=torch.bfloat16) if res else None
+    codes, scale, stream = rms_norm_quantized(x, w, 1e-5, dtype, r)
+    normed = rms_norm(x, w, 1e-5, r)
+    if res:
+        normed, ref_stream = normed
+        assert torch.equal(stream, ref_stream)
+    ref_codes, ref_scale = quantize_activations(normed, dtype)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_decoder_layer_with_norm_quantized_rows_is_unchanged(m: int, monkeypatch) -> None:
+    """A Llama-shaped decoder layer with FP8 W8A8 projections gives the same output whether
+    its norms hand the q/k/v and gate/up projections QuantizedRows or 16-bit rows (at one
+    row the GEMV takes 16-bit rows either way)."""
+    from folio.model import decoder as dec
+    from folio.model.attention import AttentionMetadata
+    from folio.model.attention.triton_backend import TritonPagedAttention
+    from folio.model.families import arch_spec_from_hf_config
+    from folio.model.layers import RMSNorm, RotaryEmbedding
+    from folio.model.quant.eight_bit_linear import EightBitLinear
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    from transformers import LlamaConfig
+    torch.manual_seed(m)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=256,
+                      architectures=["LlamaForCausalLM"])
+    spec = arch_spec_from_hf_config(cfg)
+    rotary = RotaryEmbedding(spec.head_dim, 4096, cfg)
+    layer = dec.DecoderLayer(spec, rotary, TritonPagedAttention(), None).to(CUDA)
+    for p in layer.parameters():   # the weights in bf16, the rotary tables as they are
+        p.data = p.data.to(torch.bfloat16)
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        w = torch.randn(proj.out_features, proj.in_features, device=CUDA) * 0.05
+        proj.packed = EightBitLinear(quantize_fp8_per_channel(w), "fp8")
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = (torch.rand(512, device=CUDA) + 0.5).to(torch.bfloat16)
+    kv = torch.zeros(2, 64, 16, 2, 64, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(m, 512, device=CUDA, dtype=torch.bfloat16)
+    res = torch.randn(m, 512, device=CUDA, dtype=torch.bfloat16)
+    pos = torch.arange(m, device=CUDA)
+
+    def run():
+        kv.zero_()
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(m, device=CUDA), query_start_loc=[0, m], seq_lens=[m],
+            num_computed_tokens=[0], block_tables=torch.arange(64, device=CUDA)[None, :],
+            block_size=16)
+        with torch.inference_mode():
+            return layer(pos, x, res, kv, meta)
+
+    assert layer.input_layernorm.quantized_output_ok(x)
+    wants = layer.self_attn.qkv_proj.quantized_input_dtype(x)
+    assert (wants is None) == (m == 1), wants
+    fused_out, fused_res = run()
+    monkeypatch.setattr(RMSNorm, "quantized_output_ok", lambda self, x: False)
+    plain_out, plain_res = run()
+    assert torch.equal(fused_res, plain_res)
+    assert torch.equal(fused_out, plain_out)
+
+
 def _int4(n: int, k: int, g: int, zeros: bool, act_order: bool):
     from folio.model.quant.formats import Int4Weight, pack_rows
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=CUDA)

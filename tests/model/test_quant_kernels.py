@@ -82,6 +82,10 @@ CASES.append(dict(name="act_int8_static", kind="act", M=3, K=64, static=True))
 # SiLU-and-mul writing the down projection's int8 codes (kernels/activation.py): the bytes of
 # silu_and_mul then quantize_activations, over several blocks of a row and a ragged last one
 CASES.append(dict(name="silu_quant_int8", kind="silu_q", M=5, I=2100))
+# RMSNorm writing a W8A8 projection's int8 codes (kernels/rmsnorm.py): the bytes of rms_norm then
+# quantize_activations, with and without the residual add, a ragged row, an all-zero row
+CASES += [dict(name="norm_quant_int8", kind="norm_q", M=5, D=96, res=False),
+          dict(name="norm_quant_int8_residual", kind="norm_q", M=4, D=200, res=True)]
 
 
 def _int4_weight(n: int, k: int, g: int, zero: bool | str) -> Any:
@@ -194,6 +198,26 @@ def _run(case: dict) -> dict:
                 "code_diff": float((codes.float() - ref_codes.float()).abs().max()),
                 "scale_err": float(((scale - ref_scale).abs() / ref_scale).max()),
                 "nan": False}
+    if kind == "norm_q":
+        from folio.model.kernels.rmsnorm import rms_norm, rms_norm_quantized
+        m, d = case["M"], case["D"]
+        x = torch.randn(m, d, dtype=torch.float16) * 3
+        w = (torch.rand(d) + 0.5).to(torch.float16)
+        res = torch.randn(m, d, dtype=torch.float16) if case["res"] else None
+        if res is not None:
+            res[1] = -x[1]     # x + residual = 0 in row 1: the smallest scale, zero codes
+        else:
+            x[1] = 0.0
+        codes, scale, res_out = rms_norm_quantized(x, w, 1e-6, torch.int8, residual=res)
+        normed = rms_norm(x, w, 1e-6, residual=res)
+        if res is not None:
+            normed, ref_res = normed
+        ref_codes, ref_scale = act_quant.quantize_activations(normed, torch.int8)
+        return {"name": case["name"], "nan": False,
+                "codes_equal": bool(torch.equal(codes, ref_codes)),
+                "scales_equal": bool(torch.equal(scale, ref_scale)),
+                "zero_row": bool((codes[1] == 0).all()),
+                "res_equal": res is None or bool(torch.equal(res_out, ref_res))}
     if kind == "silu_q":
         from folio.model.kernels.activation import silu_and_mul, silu_and_mul_quantized
         x = torch.randn(case["M"], 2 * case["I"], dtype=torch.float16) * 3
@@ -223,6 +247,9 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
         assert res["code_diff"] <= 1.0 and res["scale_err"] < 1e-6, res
     elif case["kind"] == "silu_q":
         assert res["codes_equal"] and res["scales_equal"] and res["zero_row"], res
+    elif case["kind"] == "norm_q":
+        assert res["codes_equal"] and res["scales_equal"] and res["zero_row"], res
+        assert res["res_equal"], res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
     elif case["kind"] == "fp8mm":
