@@ -433,3 +433,24 @@ def test_detokenize_ids_prompt_text(smol):
     ids = encode(smol, text)
     assert detokenize_ids(smol, ids, skip_special_tokens=False, spaces_between_special_tokens=False) == text
     assert detokenize_ids(smol, ids) == "user\nHi 世界\n"
+
+
+@pytest.mark.parametrize("name", ["smol", "sp"])
+def test_backend_decode_is_transformers_decode(name, request):
+    """The detokenizer calls the fast tokenizer's Rust decode directly (transformers' wrapper
+    was most of the cost): the same text as tokenizer.decode with clean-up off, for random
+    id runs that cut characters, hold special and added tokens, and start mid-word."""
+    from folio.engine.detokenizer import _decode, _tokenizer_info
+    tok = request.getfixturevalue(name)
+    backend = _tokenizer_info(tok).backend_decode
+    assert backend is not None, "a fast tokenizer's decode is called directly"
+    rng = random.Random(5)
+    ids = [i for text in TEXTS for i in tok(text, add_special_tokens=False)["input_ids"]]
+    specials = sorted(_tokenizer_info(tok).added_tokens) or [0]
+    for _ in range(300):
+        start = rng.randrange(len(ids))
+        run = ids[start:start + rng.randint(1, 12)]
+        if rng.random() < 0.3:
+            run.insert(rng.randrange(len(run) + 1), rng.choice(specials))
+        expected = tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert _decode(tok, run, backend) == expected, run
