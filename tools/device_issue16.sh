@@ -10,10 +10,9 @@ LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
 case "${PART:-tests}" in
-s14b)  # next session, first call: this session's CPU-only changes on the GPU -- decode graphs
-       # per split count with the decode kernel tuned on real contexts, the norms writing
-       # the W8A8 projections' codes -- their GPU tests, the 8k TTFT bf16 and FP8, batch-1
-       # FP8 decode
+s14b)  # next session, first call: this session's CPU-only changes on the GPU -- the decode
+       # kernel tuned on real contexts before capture, the norms writing the W8A8
+       # projections' codes -- their GPU tests, the 8k TTFT bf16 and FP8, batch-1 FP8 decode
   step 260 tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_quant.py \
       -k "graph or rms_norm_quantized or norm_quantized_rows or silu_and_mul_quantized or engine_fp8 or eight_bit"
@@ -23,8 +22,9 @@ s14b)  # next session, first call: this session's CPU-only changes on the GPU --
   step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
   step 100 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json" ;;
 s14c)  # next session, second call: the decode attention's split count and tile per (batch,
-       # context); the one-row FP8 GEMV with wider tiles; batch-1 FP8 decode with one decode
-       # graph per size (the committed per-split-count form against .old/cuda_graphs_committed.py)
+       # context); the one-row FP8 GEMV with wider tiles; batch-1 FP8 decode with decode
+       # graphs per split count (.old/decode_graph_tiers.patch, session 14: each batch size
+       # captured for every split count its contexts call for) and its GPU test
   step 200 splits python3 tools/gpu_sweep_decode_splits.py --batches 1,4,16,64 \
       --ctx 128,256,512,2048,8192 --json "$OUT/splits.json"
   grep "^b=" "$OUT/splits.log" | cut -c1-250
@@ -33,8 +33,10 @@ s14c)  # next session, second call: the decode attention's split count and tile 
   grep "^b=" "$OUT/splits_fp8.log" | cut -c1-250
   step 200 gemv python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/gemv.json"
   grep -E "fp8" "$OUT/gemv.log" | sort -k1,1 -k4,4n | awk '{c[$1]++} c[$1]<=6' | cut -c1-100
-  cp .old/cuda_graphs_committed.py folio/worker/cuda_graphs.py
-  step 100 lat_fp8_one $LAT --quantization fp8 --output-json "$OUT/lat_fp8_one.json" ;;
+  patch -p1 < .old/decode_graph_tiers.patch > /dev/null
+  step 100 lat_fp8_tiers $LAT --quantization fp8 --output-json "$OUT/lat_fp8_tiers.json"
+  step 150 tiers_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_cuda_graphs.py -k per_split_count ;;
 s14a)  # session 14, first call: the dense prefill as committed (padded lengths, plans at
        # start-up, from 4,096 tokens), NCCL at world size 1 (issue 22), decode graphs per
        # split count -- their GPU tests; the 8k TTFT bf16 and FP8; batch-1 FP8 decode and

@@ -15,20 +15,16 @@ the smallest captured size that fits; the rows past the real batch are padding t
 
 The attention backend must not derive anything from the step on the host while capturing: the
 runner puts a `TritonStepTensors` built on the static buffers into the step metadata's cache
-(so every layer reuses it), with `max_seq_len = max_model_len` and a fixed decode split count.
-The split count the backend would choose depends on the batch's longest context, so each batch
-size is captured once per split count it can take (powers of two up to the one for
-max_model_len; several only for small batches), and a step replays the graph of the count its
-longest context calls for. One graph per size, its count chosen for max_model_len, left a
-batch-1 step at a 256-token context running 16 splits (most of them empty) and the merge kernel
-in every layer: 7 us of a layer's ~87 us in the FP8 Llama-3-8B profile.
+(so every layer reuses it), with `max_seq_len = max_model_len` and a fixed split count per batch
+size. That split count is chosen for the longest possible context; shorter contexts leave some
+splits empty, which the merge kernel weighs as zero.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
@@ -48,9 +44,6 @@ logger = logging.getLogger(__name__)
 # Writes the inputs still being sampled by the step in flight into the given input ids, on the
 # device: (input ids, their flat positions, those requests' rows in the previous sampled ids).
 FillPending = Callable[[torch.Tensor, list[int], list[int]], None]
-K = TypeVar("K")
-# A decode graph's key: (batch size, decode split count).
-GraphKey = tuple[int, int]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -63,20 +56,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def capture_graphs(sizes: list[K], prepare: Callable[[K], None],
-                   forward: Callable[[K], None], device: torch.device
-                   ) -> dict[K, torch.cuda.CUDAGraph]:
-    """One CUDA graph per size (any sortable key whose order is the graphs' sizes), largest
-    first (later, smaller graphs reuse the pool memory the larger ones reserved).
-    `prepare(size)` stages padding-only inputs; eager runs precede each
+def capture_graphs(sizes: list[int], prepare: Callable[[int], None],
+                   forward: Callable[[int], None], device: torch.device
+                   ) -> dict[int, torch.cuda.CUDAGraph]:
+    """One CUDA graph per size, largest first (later, smaller graphs reuse the pool memory the
+    larger ones reserved). `prepare(size)` stages padding-only inputs; eager runs precede each
     capture, because Triton compiles and autotunes on a new key, which cannot happen inside
     one: two when the first benchmarked autotune configs (a first start: as before, so the
     state benchmarking leaves behind is run over before capture), one when it only read the
     choices from disk (a restart: a third of its capture time saved)."""
     from folio.model.kernels._common import autotune_benchmarks
     pool = torch.cuda.graph_pool_handle()
-    graphs: dict[K, torch.cuda.CUDAGraph] = {}
-    for size in sorted(sizes, reverse=True):
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for size in reversed(sizes):
         prepare(size)
         tuned = autotune_benchmarks()
         forward(size)
@@ -89,18 +81,6 @@ def capture_graphs(sizes: list[K], prepare: Callable[[K], None],
         graphs[size] = graph
     torch.cuda.synchronize(device)
     return graphs
-
-
-def decode_graph_keys(sizes: list[int], top_splits: Callable[[int], int]) -> list[GraphKey]:
-    """(size, splits) for every size and every split count its steps can call for: the
-    backend's count is a power of two non-decreasing in the longest context, so every power of
-    two up to `top_splits(size)`, the count at max_model_len."""
-    keys = []
-    for bs in sizes:
-        top = top_splits(bs)
-        assert top >= 1 and top & (top - 1) == 0, f"split count {top} is not a power of two"
-        keys += [(bs, 1 << i) for i in range(top.bit_length())]
-    return keys
 
 
 def triton_backend_of(model: DecoderLM) -> TritonPagedAttention | None:
@@ -149,31 +129,23 @@ class DecodeGraphRunner:
         # Pinned host mirrors, written by the flat-batch builder, copied with non_blocking=True.
         self._host = StepBuffers(n, n, w, pin=True)
 
-        self.kv_heads = kv_caches[0].shape[3]
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_batch = lora_batch
-        self.lora_graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._metas: dict[GraphKey, AttentionMetadata] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.replayed_sizes: set[int] = set()
-        self.replayed_keys: set[GraphKey] = set()
         self.capture_seconds = 0.0
 
     # ---- capture --------------------------------------------------------------------------
 
-    def splits_for(self, bs: int, max_seq_len: int) -> int:
-        return self.backend.splits_for(bs, self.kv_heads, max_seq_len, self.device)
-
-    def graph_keys(self) -> list[GraphKey]:
-        return decode_graph_keys(self.sizes, lambda bs: self.splits_for(bs, self.max_model_len))
-
-    def _static_metadata(self, key: GraphKey) -> AttentionMetadata:
-        bs, splits = key
+    def _static_metadata(self, bs: int) -> AttentionMetadata:
         st = TritonStepTensors(
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs],
-            max_query_len=1, max_seq_len=self.max_model_len, all_decode=True,
-            num_splits=splits)
+            max_query_len=1, max_seq_len=self.max_model_len, all_decode=True)
+        kv_heads = self.kv_caches[0].shape[3]
+        st.num_splits = self.backend.num_splits(st, kv_heads, self.device)
         # The host-side lists are never read on this path (the backend finds its tensors in
         # the cache); they only keep the metadata well formed.
         meta = AttentionMetadata(
@@ -183,33 +155,31 @@ class DecodeGraphRunner:
         meta.cache[STEP_CACHE_KEY] = st
         return meta
 
-    def _forward(self, key: GraphKey) -> None:
-        bs = key[0]
+    def _forward(self, bs: int) -> None:
         out = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches,
-                         self._metas[key])
+                         self._metas[bs])
         self.hidden[:bs].copy_(out)
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
 
-        def prepare(key: GraphKey) -> None:
+        def prepare(bs: int) -> None:
             # The buffers hold padding values (slot -1, seq_len 1): warm-up and capture write
             # nothing to the KV cache.
-            self._metas[key] = self._static_metadata(key)
+            self._metas[bs] = self._static_metadata(bs)
 
-        keys = self.graph_keys()
-        self.graphs = capture_graphs(keys, prepare, self._forward, self.device)
+        self.graphs = capture_graphs(self.sizes, prepare, self._forward, self.device)
         if self.lora_batch is not None:
             self.lora_batch.force = True
             try:
-                self.lora_graphs = capture_graphs(keys, prepare, self._forward, self.device)
+                self.lora_graphs = capture_graphs(self.sizes, prepare, self._forward,
+                                                  self.device)
             finally:
                 self.lora_batch.force = False
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs for decode (batch sizes %s, split counts up to "
-                    "%d) in %.1f s", len(self.graphs), self.sizes, max(k[1] for k in keys),
-                    self.capture_seconds)
+        logger.info("captured %d CUDA graphs for decode (batch sizes %s) in %.1f s",
+                    len(self.graphs), self.sizes, self.capture_seconds)
 
     # ---- replay ---------------------------------------------------------------------------
 
@@ -239,10 +209,8 @@ class DecodeGraphRunner:
         host.copies_queued()
         if flat.pending_dst:
             fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)
-        key = (bs, self.splits_for(bs, max(flat.seq_lens)))
         lora = self.lora_batch
-        (self.lora_graphs if lora is not None and lora.active else self.graphs)[key].replay()
+        (self.lora_graphs if lora is not None and lora.active else self.graphs)[bs].replay()
         self.num_replays += 1
         self.replayed_sizes.add(bs)
-        self.replayed_keys.add(key)
         return self.hidden[:B], flat.query_start_loc

@@ -171,11 +171,11 @@ class ModelRunner:
     def _warm_up_decode(self) -> None:
         """Pure-decode dummy steps at real contexts, before the decode graphs are captured:
         the decode kernel's autotuner picks its tile once per variant, on its first call, and
-        the capture's first calls run padding rows of one key each -- a tile chosen there is
-        chosen on launch overhead alone (a batch-1 step at a 192-token context then ran its
-        one split's tiles one after another: 13.9 us a layer against 7 for the 16-split
-        form). Reads spread over distinct blocks (their contents do not matter); writes
-        nothing (every slot is padding)."""
+        the capture's first calls run padding rows of one key each, so a tile chosen there is
+        chosen on launch overhead alone (one H200 profile had the one-split kernel at 13.9 us
+        a layer of a batch-1 step at a 192-token context, where the 16-split form took 7).
+        Reads spread over distinct blocks (their contents do not matter); writes nothing
+        (every slot is padding)."""
         bs = self.block_size
         num_blocks = min(c.shape[1] for c in self.kv_caches) if self.kv_caches else 1
         for reqs, ctx in self.DECODE_WARM_UP:

@@ -136,40 +136,10 @@ def test_greedy_graphs_match_eager(model_dir):
     _free()
 
     exact = sum(_close(a, b, f"prompt {i}") for i, (a, b) in enumerate(zip(with_graphs, eager)))
-    # Not bit-identical by construction: the graph's decode attention may split the context
-    # differently (its split count is chosen for the padded batch) and its matmuls run on the
-    # padded batch, so bf16 may round differently at a near-tie; the top-5 rule above is the
-    # criterion.
+    # Not bit-identical by construction: the graph's decode attention splits the context for
+    # max_model_len and its matmuls run on the padded batch, so bf16 may round differently at
+    # a near-tie; the top-5 rule above is the criterion.
     print(f"{exact} of {len(prompts)} greedy outputs identical with and without graphs")
-
-
-def test_decode_graphs_per_split_count_match_eager(model_dir):
-    """One request at a time at contexts from 40 to ~1,900 tokens: a decode step replays the
-    graph captured for the split count its context calls for (one split at a short context,
-    four near max_model_len), and the tokens agree with eager steps by the top-5 rule."""
-    from folio import SamplingParams
-    rng = random.Random(12)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)]
-               for n in (40, 300, 600, 1100, 1500, 1880, 200, 900)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    llm = _llm(model_dir, max_model_len=2048)
-    graphs = _worker(llm).graph_runner
-    assert graphs is not None
-    top = graphs.splits_for(1, 2048)
-    assert top >= 4, top
-    assert {(1, 1 << i) for i in range(top.bit_length())} <= set(graphs.graphs)
-    with_graphs = [_generate(llm, [p], [params])[0] for p in prompts]
-    splits = {s for bs, s in graphs.replayed_keys if bs == 1}
-    assert {1, 2, 4} <= splits, sorted(graphs.replayed_keys)
-    del llm, graphs
-    _free()
-
-    eager_llm = _llm(model_dir, max_model_len=2048, enforce_eager=True)
-    eager = [_generate(eager_llm, [p], [params])[0] for p in prompts]
-    del eager_llm
-    _free()
-    for i, (a, b) in enumerate(zip(with_graphs, eager)):
-        _close(a, b, f"prompt {i} ({len(prompts[i])} tokens)")
 
 
 def test_mixed_step_graphs_match_eager_mixed_steps(model_dir):
