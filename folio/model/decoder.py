@@ -70,9 +70,9 @@ class DecoderLayer(nn.Module):
         return self.self_attn.qkv_proj if isinstance(self.self_attn, Attention) else None
 
     @property
-    def _gate_up_proj(self) -> Linear | None:
-        """The projection the post-attention norm feeds, where it may take QuantizedRows."""
-        return self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+    def _dense_mlp(self) -> GatedMLP | None:
+        """The MLP the post-attention norm feeds, where it may take QuantizedRows."""
+        return self.mlp if isinstance(self.mlp, GatedMLP) else None
 
     def _input_norm(self, hidden, residual):
         """The input norm, adding the previous layer's output to the stream first (the
@@ -82,16 +82,16 @@ class DecoderLayer(nn.Module):
         return self.input_layernorm(hidden, residual)
 
     @staticmethod
-    def _norm_into(norm: RMSNorm, proj: Linear | None, hidden, residual):
+    def _norm_into(norm: nn.Module, consumer: Linear | GatedMLP | None, hidden, residual):
         """norm(hidden (+ residual)) and the stream, as _input_norm gives them; handed to
-        `proj` already quantized (QuantizedRows) where it would quantize its input per token
-        (a W8A8 projection at prefill rows): one launch instead of two, and the 16-bit rows
-        are never written."""
-        if proj is not None and norm.quantized_output_ok(hidden):
-            dtype = proj.quantized_input_dtype(hidden)
-            if dtype is not None:
-                rows, stream = norm.forward_quantized(hidden, residual, dtype)
-                return rows, hidden if residual is None else stream
+        `consumer` already quantized (QuantizedRows) where it would quantize its input per
+        token (a W8A8 projection at prefill rows): one launch instead of two, and the 16-bit
+        rows are never written. Only folio's RMSNorm does this (EAGLE's head has no input
+        norm); a bf16 model pays one attribute check."""
+        dtype = None if consumer is None else consumer.quantized_input_dtype(hidden)
+        if dtype is not None and isinstance(norm, RMSNorm) and norm.quantized_output_ok(hidden):
+            rows, stream = norm.forward_quantized(hidden, residual, dtype)
+            return rows, hidden if residual is None else stream
         if residual is None:
             return norm(hidden), hidden
         return norm(hidden, residual)
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = self._norm_into(self.input_layernorm, self._qkv_proj, hidden,
                                            residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self._norm_into(self.post_attention_layernorm, self._gate_up_proj,
+        hidden, residual = self._norm_into(self.post_attention_layernorm, self._dense_mlp,
                                            hidden, residual)
         return self.mlp(hidden), residual
 

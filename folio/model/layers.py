@@ -449,6 +449,17 @@ class GatedMLP(nn.Module):
         self.act_name = act
         self.act = gate_activation(act)
 
+    def quantized_input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """As Linear's, for the merged gate/up projection; None where forward would run the
+        fused gate_up + SiLU GEMV on the 16-bit rows instead (decode sizes)."""
+        proj = self.gate_up_proj
+        packed = proj.packed
+        if self.fused_silu and proj.lora is None and packed is not None \
+                and hasattr(packed, "gate_up_silu_wanted") \
+                and packed.gate_up_silu_wanted(x, proj.bias):
+            return None
+        return proj.quantized_input_dtype(x)
+
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if type(x) is QuantizedRows:   # a long prefill's rows, quantized by the norm before
             return self._act_down(self.gate_up_proj(x))

@@ -10,13 +10,14 @@ import torch
 
 from folio.model.decoder import DecoderLayer
 from folio.model.kernels.act_quant import quantize_activations_reference
-from folio.model.layers import GatedMLP, Linear, QuantizedRows
+from folio.model.layers import GatedMLP, Linear, QuantizedRows, RMSNorm
 from folio.model.quant.eight_bit_linear import EightBitLinear
 from folio.model.quant.formats import EightBitWeight
 
 
-class _Norm:
+class _Norm(RMSNorm):
     def __init__(self, ok: bool):
+        super().__init__(8)
         self.ok = ok
         self.calls = []
 
@@ -29,7 +30,7 @@ class _Norm:
         return QuantizedRows(torch.zeros(x.shape, dtype=dtype), torch.ones(x.shape[0], 1),
                              x.dtype), stream
 
-    def __call__(self, x, residual=None):
+    def forward(self, x, residual=None):
         self.calls.append(("plain", None, residual is not None))
         if residual is None:
             return x * 2
@@ -59,6 +60,10 @@ def test_norm_into_quantizes_only_for_a_projection_that_asks():
         out, stream = DecoderLayer._norm_into(norm, proj, x, r)
         assert torch.equal(out, (x + r) * 2) and torch.equal(stream, x + r)
         assert norm.calls == [("plain", None, True)]
+    # a norm that is not folio's RMSNorm (EAGLE's head stands in an identity) runs as it is
+    identity = lambda h, res=None: h if res is None else (h + res, h + res)  # noqa: E731
+    out, stream = DecoderLayer._norm_into(identity, _Proj(torch.int8), x, r)
+    assert torch.equal(out, x + r) and torch.equal(stream, x + r)
 
 
 def _int8_linear(n: int, k: int, bias: bool) -> Linear:
@@ -106,3 +111,18 @@ def test_gated_mlp_takes_quantized_rows():
     ref = mlp.down_proj(torch.nn.functional.silu(gate) * up)
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     assert torch.allclose(out, mlp(x), rtol=1e-4, atol=1e-4)
+
+
+def test_gated_mlp_does_not_ask_where_its_fused_gemv_serves_the_rows():
+    mlp = GatedMLP(64, 48, bias=False, act="silu")
+    mlp.gate_up_proj = _int8_linear(96, 64, bias=False)
+    packed = mlp.gate_up_proj.packed
+    packed.quantized_input_dtype = lambda x: torch.int8      # as on CUDA
+    x = torch.randn(4, 64)
+    packed.gate_up_silu_wanted = lambda x, bias: True         # decode rows: the fused GEMV
+    assert mlp.quantized_input_dtype(x) is None
+    packed.gate_up_silu_wanted = lambda x, bias: False        # prefill rows
+    assert mlp.quantized_input_dtype(x) == torch.int8
+    mlp.fused_silu = False                                    # another activation: no fused GEMV
+    packed.gate_up_silu_wanted = lambda x, bias: True
+    assert mlp.quantized_input_dtype(x) == torch.int8

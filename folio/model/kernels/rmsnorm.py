@@ -14,15 +14,21 @@ from __future__ import annotations
 import torch
 
 from folio.model.kernels._common import (
-    HAS_TRITON, next_pow2, pdl_launch, require_triton, tl, triton, warps_configs)
+    HAS_TRITON, INTERPRET, next_pow2, pdl_launch, require_triton, tl, triton)
 
 if HAS_TRITON:
-    from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
+
+def _num_warps(block_d: int) -> int:
+    """Warps per row, one rule for both kernels: the fp32 sum of squares is reduced in an
+    order that depends on the warp count, and rms_norm_quantized must round the very values
+    rms_norm does (so the codes are those quantize_activations makes of rms_norm's output).
+    Two independently autotuned counts could differ, and with them rstd by an ulp."""
+    return 1 if INTERPRET else max(1, min(8, block_d // 1024))
+
 if HAS_TRITON:
 
-    @autotune(configs=warps_configs((1, 2, 4, 8)), key=["BLOCK_D"])
     @triton.jit
     def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
@@ -45,7 +51,6 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @autotune(configs=warps_configs((2, 4, 8, 16)), key=["BLOCK_D", "IS_INT"])
     @triton.jit
     def _rmsnorm_quant_kernel(X, R, W, Q, S, RES_OUT, stride_x, stride_r, stride_q, stride_ro,
                               eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -105,7 +110,8 @@ def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype:
         _rmsnorm_quant_kernel[(m,)](
             x, r2, weight, codes, scale, res_out, x.stride(0), r2.stride(0), codes.stride(0),
             res_out.stride(0), eps, D=D, BLOCK_D=next_pow2(D), HAS_RES=has_res,
-            QMAX=INT8_MAX if is_int else FP8_MAX, IS_INT=is_int, USE_PDL=pdl, launch_pdl=pdl)
+            QMAX=INT8_MAX if is_int else FP8_MAX, IS_INT=is_int, USE_PDL=pdl, launch_pdl=pdl,
+            num_warps=_num_warps(next_pow2(D)))
     return codes, scale, (res_out if has_res else None)
 
 
@@ -134,6 +140,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), eps, D=D, BLOCK_D=next_pow2(D), HAS_RES=has_res,
-            USE_PDL=pdl, launch_pdl=pdl)
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=_num_warps(next_pow2(D)))
     out = out.view(x.shape)
     return (out, res_out.view(x.shape)) if has_res else out

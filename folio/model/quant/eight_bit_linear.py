@@ -78,15 +78,21 @@ class EightBitLinear(nn.Module):
             gemv.skinny_preferred(x.shape[0], self.out_features, self.in_features, fused=fused,
                                   mode=self.kernels.gemv)
 
+    def gate_up_silu_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether gate_up_silu serves x (the GEMV's rows on CUDA)."""
+        if not x.is_cuda or x.dim() == 0 or x.shape[-1] != self.in_features:
+            return False
+        if bias is not None and bias.dtype != x.dtype:
+            return False
+        return self._gemv_wanted(x.reshape(-1, self.in_features), fused=True)
+
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """For a merged gate|up projection (gate rows first): silu(gate) * up in one pass over
         the weight where the GEMV serves x (decode on CUDA), as the bf16 MLP fuses it; None
         elsewhere (the caller then runs the projection and the activation apart)."""
-        if not x.is_cuda or x.dim() == 0 or x.shape[-1] != self.in_features:
+        if not self.gate_up_silu_wanted(x, bias):
             return None
         x2 = x.reshape(-1, self.in_features)
-        if (bias is not None and bias.dtype != x.dtype) or not self._gemv_wanted(x2, fused=True):
-            return None
         from folio.model.kernels import gemv
         act = gemv.skinny_gate_up_silu(x2, self.codes, bias, scale=self.scale,
                                        pdl=self.kernels.pdl_on)
