@@ -13,12 +13,13 @@ library, or load one built from the other's sources. Built for the machine it ru
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,43 @@ def _extension_name(here: str) -> str:
     return f"{_NAME}_{digest.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Hold an flock on the build directory while torch's builder runs, and clear a `lock`
+    file no live holder owns. torch's builder takes the directory by creating `lock` and waits,
+    polling forever, while one exists; a process killed mid-build (an interrupted first start)
+    leaves it behind, and every later start on the machine then hung without a word. The
+    flock is released by the kernel when its holder dies, so whoever holds it knows any `lock`
+    file is stale."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock only
+        yield
+        return
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "folio_build.flock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=None)
 def _build() -> Any:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
     here = os.path.join(os.path.dirname(__file__), "csrc")
-    logger.info("building folio's CPU kernels (first use on this machine only)")
-    return load(name=_extension_name(here), sources=[os.path.join(here, s) for s in _SOURCES],
-                verbose=False, extra_include_paths=[here], extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS)
+    name = _extension_name(here)
+    build_dir = _get_build_directory(name, verbose=False)
+    with _build_lock(build_dir):
+        logger.info("building folio's CPU kernels (first use on this machine only)")
+        return load(name=name, sources=[os.path.join(here, s) for s in _SOURCES],
+                    verbose=False, extra_include_paths=[here], extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS, build_directory=build_dir)
 
 
 def extension() -> Any:

@@ -30,11 +30,11 @@ def _num_warps(block_d: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-        pdl_entry(USE_PDL)
-        row = tl.program_id(0).to(tl.int64)
+    def _normed_row(X, R, W, RES_OUT, row, stride_x, stride_r, stride_ro, eps,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr):
+        """One row's norm (the residual sum stored first, where given): its float32 product
+        with the weight before the output's rounding, the columns and their mask. One body
+        for both kernels, so both round the same values."""
         d = tl.arange(0, BLOCK_D)
         mask = d < D
         x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
@@ -46,10 +46,17 @@ if HAS_TRITON:
         rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + row * stride_o + d, (normed * w).to(OUT.dtype.element_ty), mask=mask)
+        return normed * w, d, mask
 
-
-if HAS_TRITON:
+    @triton.jit
+    def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+        pdl_entry(USE_PDL)
+        row = tl.program_id(0).to(tl.int64)
+        y, d, mask = _normed_row(X, R, W, RES_OUT, row, stride_x, stride_r, stride_ro, eps,
+                                 D, BLOCK_D, HAS_RES)
+        tl.store(OUT + row * stride_o + d, y.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rmsnorm_quant_kernel(X, R, W, Q, S, RES_OUT, stride_x, stride_r, stride_q, stride_ro,
@@ -58,19 +65,10 @@ if HAS_TRITON:
                               USE_PDL: tl.constexpr):
         pdl_entry(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        mask = d < D
-        x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(R + row * stride_r + d, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-            tl.store(RES_OUT + row * stride_ro + d, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-        normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
+        y, d, mask = _normed_row(X, R, W, RES_OUT, row, stride_x, stride_r, stride_ro, eps,
+                                 D, BLOCK_D, HAS_RES)
         # the norm's 16-bit output, as rms_norm rounds it; then act_quant's one-block arithmetic
-        y = (normed * w).to(X.dtype.element_ty).to(tl.float32)
+        y = y.to(X.dtype.element_ty).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / QMAX, 1e-12)
         tl.store(S + row, scale)
         v = tl.minimum(tl.maximum(y * (1.0 / scale), -QMAX), QMAX)
