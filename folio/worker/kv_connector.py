@@ -12,13 +12,15 @@ import torch
 
 from folio.core.step_messages import SchedulerOutput
 from folio.worker.disk_kv_store import DiskKVStore
-from folio.worker.host_kv_pool import HostKVPool
+from folio.worker.host_kv_pool import HostKVPool, LayerLoads
 
 
 class KVConnectorWorker(Protocol):
-    def start_load_kv(self, step: SchedulerOutput, kv_caches: list[torch.Tensor]) -> None:
+    def start_load_kv(self, step: SchedulerOutput,
+                      kv_caches: list[torch.Tensor]) -> LayerLoads | None:
         """Before the step's forward pass: run, or start, its copies into and out of the KV
-        cache (loads land before the forward reads them)."""
+        cache. None: the loads are in place before the forward reads them (stream order);
+        else the forward waits for each layer's loads as it reaches that layer."""
 
     def get_finished(self, step: SchedulerOutput, pending) -> None:
         """Once the forward pass is queued: put what finished into the step's output
@@ -33,22 +35,23 @@ class TierConnectorWorker:
         self.disk = disk
         self._read_results: list[tuple[bytes, bool]] = []
 
-    def start_load_kv(self, step: SchedulerOutput, kv_caches: list[torch.Tensor]) -> None:
+    def start_load_kv(self, step: SchedulerOutput,
+                      kv_caches: list[torch.Tensor]) -> LayerLoads | None:
         """The step's tier work, in the order the scheduler relies on: spills, saves, disk
-        reads, loads, then deletes; each read's result kept for the output."""
+        reads, loads (on a GPU, still in flight on return), then deletes; each read's result
+        kept for the output."""
         disk = self.disk
         if step.kv_spills or step.kv_disk_reads:
             self.host.sync()     # the CPU reads and writes host slots saved asynchronously
         for slot, block_hash in step.kv_spills:
             disk.spill(slot, block_hash)
-        if step.kv_saves:
-            self.host.apply(kv_caches, step.kv_saves, [])
+        self.host.save(kv_caches, step.kv_saves)
         self._read_results = [(block_hash, disk.read(block_hash, slot))
                               for block_hash, slot in step.kv_disk_reads]
-        if step.kv_loads:
-            self.host.apply(kv_caches, [], step.kv_loads)
+        loads = self.host.load(kv_caches, step.kv_loads)
         for block_hash in step.kv_disk_deletes:
             disk.delete(block_hash)
+        return loads
 
     def get_finished(self, step: SchedulerOutput, pending) -> None:
         pending.kv_disk_read_results, self._read_results = self._read_results, []
