@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
+#   PART=s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
 STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_over|passed|failed|Error|error"
 . tools/device_common.sh
 case "${PART:-kernels}" in
+s15)  # session 15: the few-token MoE layer chained in a graph (8 calls a replay, as a decode
+  # graph runs layers back to back), then its tiles swept at 1, 2 and 4 tokens
+  step 150 moe_layer python3 tools/gpu_bench_moe.py --batches 1,2,4,64 --out "$OUT/moe_layer.json"
+  step 400 moe_sweep python3 tools/gpu_bench_moe.py --sweep --batches 1,2,4 --iters 30 \
+      --out "$OUT/moe_sweep.json"
+  grep BEST "$OUT/moe_sweep.log" | cut -c1-300 ;;
 kernels)  # the fused-MoE layer against its bytes floor and the torch path; the GPU tests
   step 200 moe_layer python3 tools/gpu_bench_moe.py --out "$OUT/moe_layer.json"
   step 360 gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \

@@ -27,6 +27,11 @@ CASES = [
          routes="skewed", bias=True, few=True),
     dict(name="few_t4_k8_e16_auto_fp16", T=4, k=8, E=16, H=64, I=48, dtype="float16",
          routes="random"),
+    # the few-token form with tiles given (`_config`, as tools/gpu_bench_moe.py --sweep
+    # passes them): K not a multiple of either BLOCK_K
+    dict(name="few_t2_k4_e8_tiles_fp32", T=2, k=4, E=8, H=48, I=40, dtype="float32",
+         routes="random", few=True,
+         tiles={"gate_up": (2, 32, 2), "down": (1, 32, 2), "stages": 1}),
     # GPT-OSS's experts: biases on both projections, the clamped SwiGLU
     dict(name="t21_k2_e5_bias_swiglu_fp32", T=21, k=2, E=5, H=40, I=24, dtype="float32",
          routes="random", act="swiglu_oai", bias=True),
@@ -59,8 +64,13 @@ def _run(case: dict) -> dict:
     else:
         gated, ref_kw = None, {}
     cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-    out = fused_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids, gated,
-                        cast(b13), cast(b2), few_tokens=case.get("few"))
+    if "tiles" in case:
+        from folio.model.kernels.moe_gemv import few_token_experts
+        out = few_token_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids,
+                                _config=case["tiles"])
+    else:
+        out = fused_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids, gated,
+                            cast(b13), cast(b2), few_tokens=case.get("few"))
     ref = experts_loop(x.to(dtype).float(), gate_up.to(dtype).float(), down.to(dtype).float(),
                        w, ids, b13=b13, b2=b2, **ref_kw)
     return {"name": case["name"], "err": rel_err(out, ref),

@@ -111,10 +111,13 @@ def wanted(x: torch.Tensor, num_tokens: int) -> bool:
 def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       gate_up_bias: torch.Tensor | None = None,
-                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                      down_bias: torch.Tensor | None = None, *,
+                      _config: dict | None = None) -> torch.Tensor:
     """fused_experts with silu(gate) * up, for a few tokens: x [T, H], gate_up [E, 2I, H]
     (gate rows first), down [E, H, I] (both with contiguous rows), topk_weights [T, k],
-    topk_ids [T, k], biases [E, 2I] / [E, H] or None -> [T, H] in x's dtype."""
+    topk_ids [T, k], biases [E, 2I] / [E, H] or None -> [T, H] in x's dtype. `_config`
+    (tile sweeps, tools/gpu_bench_moe.py): {"gate_up": (BLOCK_N, BLOCK_K, num_warps),
+    "down": (...), "stages": num_stages}, each key optional."""
     require_triton()
     t, k = topk_ids.shape
     h, inter = x.shape[1], down.shape[2]
@@ -124,19 +127,21 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    bn, bk, warps = _INTERPRET_TILE if INTERPRET else _GATE_UP_TILE
+    config = _config or {}
+    stages = config.get("stages", 2)
+    bn, bk, warps = config.get("gate_up", _INTERPRET_TILE if INTERPRET else _GATE_UP_TILE)
     _gate_up_kernel[(t * k, triton.cdiv(inter, bn))](
         x, gate_up, gate_up_bias if gate_up_bias is not None else x, ids, act, inter, h,
         x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, act.stride(0),
         TOP_K=k, HAS_BIAS=gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=2)
+        num_warps=warps, num_stages=stages)
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    bn, bk, warps = _INTERPRET_TILE if INTERPRET else _DOWN_TILE
+    bn, bk, warps = config.get("down", _INTERPRET_TILE if INTERPRET else _DOWN_TILE)
     _down_kernel[(t, triton.cdiv(h, bn))](
         act, down, down_bias if down_bias is not None else act, ids, weights, out, h, inter,
         act.stride(0), down.stride(0), down.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, out.stride(0),
         TOP_K=k, SLOTS=triton.next_power_of_2(k), HAS_BIAS=down_bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=warps, num_stages=2)
+        BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
