@@ -618,7 +618,8 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
                              symmetric: bool = True, ignore: Iterable[str] = ("lm_head",),
                              dequantized_dir: str | None = None, calibration: str = "rtn",
                              calibration_ids: torch.Tensor | None = None,
-                             damp_percent: float = 0.01, act_order: bool = False) -> None:
+                             damp_percent: float = 0.01, act_order: bool = False,
+                             smoothing_strength: float | None = None) -> None:
     """`src` quantized with compressed-tensors `scheme` into `dst`, as llm-compressor saves it.
 
     scheme: "fp8" (FP8 e4m3 weights, per-channel scales, dynamic per-token FP8 activations;
@@ -636,6 +637,11 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     (w4a16, with "gptq"): the columns in act-order with the groups' scales fixed beforehand,
     recorded as the weights' actorder "weight" (no g_idx; llm-compressor's default).
 
+    smoothing_strength (llm-compressor's SmoothQuantModifier, which its W8A8 recipes run
+    before quantizing): the float model is first smoothed at that strength
+    (folio/bench/smoothquant.py, calibrated on `calibration_ids`), and everything after,
+    GPTQ and `dequantized_dir` included, starts from the smoothed model.
+
     The library does the rest as in llm-compressor's save: its lifecycle creates each Linear's
     qparams (`initialize_module_for_quantization`), its compressor quantizes and packs
     (`compress_module`), and `ModelCompressor.update_config` writes config.json's
@@ -643,6 +649,18 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     `ignore` (module names, or "re:" regexes) lists those kept float, and must name lm_head
     (the default), which is never quantized here.
     """
+    if smoothing_strength is not None:
+        import tempfile
+
+        from folio.bench.smoothquant import write_smoothed
+        with tempfile.TemporaryDirectory(prefix="folio-smoothed-") as smoothed:
+            write_smoothed(src, smoothed, smoothing_strength, calibration_ids)
+            write_compressed_tensors(
+                smoothed, dst, scheme, group_size=group_size, symmetric=symmetric,
+                ignore=ignore, dequantized_dir=dequantized_dir, calibration=calibration,
+                calibration_ids=calibration_ids, damp_percent=damp_percent,
+                act_order=act_order)
+        return
     import torch
     try:
         import compressed_tensors  # noqa: F401 - a tool dependency, not the engine's

