@@ -8,7 +8,8 @@ a minute, later ones load the built library. The extension's name carries a hash
 sources and flags (`_extension_name`), so a changed source builds into a directory of its own:
 torch's builder keys its build directory by name only, and two checkouts of different sources
 (or an edited kernel whose bindings changed) sharing one name would rebuild over each other's
-library, or load one built from the other's sources. Built for the machine it runs on
+library, or load one built from the other's sources; two checkouts of the same sources get
+a directory each too (the include path differs). Built for the machine it runs on
 (-march=native), with OpenMP so that at::parallel_for uses torch's threads.
 """
 from __future__ import annotations
@@ -31,9 +32,12 @@ _lock = threading.Lock()
 
 
 def _extension_name(here: str) -> str:
-    """`_NAME` plus a hash of every file in csrc/ (the headers too) and the flags: one build
-    directory per version of the sources."""
-    digest = hashlib.sha256(repr((_CFLAGS, _LDFLAGS)).encode())
+    """`_NAME` plus a hash of every file in csrc/ (the headers too), the flags and csrc/'s
+    path: one build directory per version of the sources and checkout. (The path is in the
+    build's command lines, as its include directory: two checkouts of the same sources
+    sharing a directory rebuilt it in turn, minutes each on 2 cores, whenever one started
+    after the other.)"""
+    digest = hashlib.sha256(repr((_CFLAGS, _LDFLAGS, os.path.abspath(here))).encode())
     for name in sorted(os.listdir(here)):
         digest.update(name.encode())
         with open(os.path.join(here, name), "rb") as f:
@@ -74,7 +78,7 @@ def _build() -> Any:
     name = _extension_name(here)
     build_dir = _get_build_directory(name, verbose=False)
     with _build_lock(build_dir):
-        logger.info("building folio's CPU kernels (first use on this machine only)")
+        logger.info("loading folio's CPU kernels (built on first use in this checkout)")
         return load(name=name, sources=[os.path.join(here, s) for s in _SOURCES],
                     verbose=False, extra_include_paths=[here], extra_cflags=_CFLAGS,
                     extra_ldflags=_LDFLAGS, build_directory=build_dir)
