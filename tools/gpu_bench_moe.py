@@ -12,6 +12,7 @@ form's tiles instead (sweep()), best per batch on a line starting "BEST"."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -108,25 +109,16 @@ def sweep(moe, batches: list[int], E: int, H: int, k: int, floor_of, calls: int,
 
         base = run({})
         best, best_t = {}, base if base is not None else float("inf")
-        for bn in (2, 4, 8, 16):
-            for bk in (256, 512, 1024):
-                for warps in (2, 4, 8):
-                    config = dict(best, gate_up=(bn, bk, warps))
-                    t = run(config)
-                    if t is not None and t < best_t:
-                        best, best_t = config, t
-        for bn in (1, 2, 4, 8):
-            for bk in (128, 256, 512):
-                for warps in (2, 4, 8):
-                    config = dict(best, down=(bn, bk, warps))
-                    t = run(config)
-                    if t is not None and t < best_t:
-                        best, best_t = config, t
-        for stages in (1, 3, 4):
-            config = dict(best, stages=stages)
-            t = run(config)
-            if t is not None and t < best_t:
-                best, best_t = config, t
+        tiles = lambda ns, ks: list(itertools.product(ns, ks, (2, 4, 8)))  # noqa: E731
+        # one knob at a time, each from the best so far
+        for key, values in (("gate_up", tiles((2, 4, 8, 16), (256, 512, 1024))),
+                            ("down", tiles((1, 2, 4, 8), (128, 256, 512))),
+                            ("stages", (1, 3, 4))):
+            for value in values:
+                config = dict(best, **{key: value})
+                t = run(config)
+                if t is not None and t < best_t:
+                    best, best_t = config, t
         row = dict(batch=batch, floor_us=floor * 1e6, default_us=(base or 0) * 1e6,
                    best_us=best_t * 1e6, best_over_floor=best_t / floor, best=str(best))
         print("BEST " + json.dumps(row), flush=True)
