@@ -457,6 +457,9 @@ def test_cli(src: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "group_size 96" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main([src, str(tmp_path / "bad"), "--method", "fp8", "--asym"])
+    with pytest.raises(SystemExit):   # SmoothQuant: the compressed-tensors methods only
+        cli.main([src, str(tmp_path / "bad"), "--method", "awq", "--smoothing-strength", "0.5"])
+    assert "--smoothing-strength applies to" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "bad")
 
 
