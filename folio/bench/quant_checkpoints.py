@@ -64,6 +64,7 @@ __all__ = [
     "write_compressed_tensors",
     "write_fp8",
     "write_gptq",
+    "write_smoothed",
 ]
 
 # The tensors every writer quantizes: the attention and MLP projections of each layer.
@@ -532,6 +533,25 @@ def _check_calibration(calibration: str) -> None:
         raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {calibration!r}")
 
 
+def write_smoothed(src: str, dst: str, strength: float,
+                   tokens: torch.Tensor | None = None) -> None:
+    """`src` (a float Hugging Face directory of a smoothquant.SMOOTHABLE family) smoothed at
+    `strength` (0 < strength < 1) into `dst` (folio/bench/smoothquant.py), calibrated on
+    `tokens` (default: calibration_tokens(src))."""
+    from folio.bench import smoothquant
+
+    if not 0.0 < strength < 1.0:
+        raise ValueError(f"smoothing_strength must be between 0 and 1, got {strength!r}")
+    config, tensors = _read_source(src)
+    smoothquant.check_smoothable(config)
+    if tokens is None:
+        tokens = calibration_tokens(src)
+    stats = smoothquant.activation_absmax(src, tokens)
+    smoothed = smoothquant.smooth_tensors(tensors, stats, int(config["num_hidden_layers"]),
+                                          strength)
+    _write_dir(src, dst, config, smoothed)
+
+
 # ----------------------------------------------------------------------------------------------
 # compressed-tensors (llm-compressor's output)
 # ----------------------------------------------------------------------------------------------
@@ -652,7 +672,6 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
     if smoothing_strength is not None:
         import tempfile
 
-        from folio.bench.smoothquant import write_smoothed
         with tempfile.TemporaryDirectory(prefix="folio-smoothed-") as smoothed:
             write_smoothed(src, smoothed, smoothing_strength, calibration_ids)
             write_compressed_tensors(

@@ -1,6 +1,7 @@
 """SmoothQuant (Xiao et al. 2022, "SmoothQuant: Accurate and Efficient Post-Training
 Quantization for Large Language Models") for the checkpoint writers: a float checkpoint whose
-activations are easier to quantize per token, with the same float outputs.
+activations are easier to quantize per token, with the same float outputs (the arithmetic;
+quant_checkpoints.write_smoothed reads and writes the checkpoints).
 
 Per-token activation quantization (W8A8) loses most where a few input channels carry values
 far larger than the rest: the one scale per token is set by them and the others round to a
@@ -93,22 +94,9 @@ def smooth_tensors(tensors: dict[str, torch.Tensor], stats: dict[str, torch.Tens
     return out
 
 
-def write_smoothed(src: str, dst: str, strength: float,
-                   tokens: torch.Tensor | None = None) -> None:
-    """`src` (a float Hugging Face directory of a SMOOTHABLE family) smoothed at `strength`
-    (0 < strength < 1) into `dst`, calibrated on `tokens` (default: the GPTQ calibration
-    set, quant_checkpoints.calibration_tokens)."""
-    from folio.bench import quant_checkpoints as qc
-
-    if not 0.0 < strength < 1.0:
-        raise ValueError(f"smoothing_strength must be between 0 and 1, got {strength!r}")
-    config, tensors = qc._read_source(src)
+def check_smoothable(config: dict) -> None:
+    """Refuse (ValueError naming smoothing_strength) a model the mappings do not describe."""
     archs = config.get("architectures") or []
     if not any(a in SMOOTHABLE for a in archs):
         raise ValueError(f"smoothing_strength: SmoothQuant's mappings are written for "
                          f"{SMOOTHABLE}, not architectures {archs}")
-    if tokens is None:
-        tokens = qc.calibration_tokens(src)
-    stats = activation_absmax(src, tokens)
-    smoothed = smooth_tensors(tensors, stats, int(config["num_hidden_layers"]), strength)
-    qc._write_dir(src, dst, config, smoothed)

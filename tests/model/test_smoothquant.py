@@ -1,4 +1,5 @@
-"""SmoothQuant for the checkpoint writers (folio/bench/smoothquant.py) on a tiny random Llama:
+"""SmoothQuant for the checkpoint writers (folio/bench/smoothquant.py,
+quant_checkpoints.write_smoothed) on a tiny random Llama:
 the smoothed checkpoint computes the same logits in transformers; at strength 0.5 each input
 channel's activation maximum equals its weight column maximum afterwards (the point of the
 method: the range split evenly between the two; checked for q/k/v and down, whose weights no
@@ -32,7 +33,7 @@ def test_smoothing_keeps_the_outputs_and_evens_the_ranges(tiny_model_dir, tmp_pa
     config, tensors = qc._read_source(src)
     tokens = _tokens(config["vocab_size"])
     dst = str(tmp_path / "smoothed")
-    sq.write_smoothed(src, dst, 0.5, tokens)
+    qc.write_smoothed(src, dst, 0.5, tokens)
     _, smoothed = qc._read_source(dst)
     changed = [n for n in tensors if not torch.equal(tensors[n], smoothed[n])]
     assert any("input_layernorm" in n for n in changed)
@@ -71,6 +72,6 @@ def test_compressed_tensors_smooths_first(tiny_model_dir, tmp_path):
 
 def test_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="smoothing_strength"):
-        sq.write_smoothed(tiny_model_dir("llama"), str(tmp_path / "a"), 1.0)
+        qc.write_smoothed(tiny_model_dir("llama"), str(tmp_path / "a"), 1.0)
     with pytest.raises(ValueError, match="smoothing_strength.*architectures"):
-        sq.write_smoothed(tiny_model_dir("gemma2"), str(tmp_path / "b"), 0.5)
+        qc.write_smoothed(tiny_model_dir("gemma2"), str(tmp_path / "b"), 0.5)
