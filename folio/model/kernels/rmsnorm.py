@@ -21,10 +21,10 @@ if HAS_TRITON:
 
 
 def _num_warps(block_d: int) -> int:
-    """Warps per row, one rule for both kernels: the fp32 sum of squares is reduced in an
-    order that depends on the warp count, and rms_norm_quantized must round the very values
-    rms_norm does (so the codes are those quantize_activations makes of rms_norm's output).
-    Two independently autotuned counts could differ, and with them rstd by an ulp."""
+    """Warps per row, one rule for both kernels: rms_norm_quantized must round the very values
+    rms_norm does (so the codes are those quantize_activations makes of rms_norm's output),
+    and the reduction order follows the warp count (the float64 sum of squares in
+    `_normed_row` makes the order all but irrelevant; one count keeps it so)."""
     return 1 if INTERPRET else max(1, min(8, block_d // 1024))
 
 if HAS_TRITON:
@@ -43,7 +43,14 @@ if HAS_TRITON:
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(RES_OUT + row * stride_ro + d, x, mask=mask)
         xf = x.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+        # The sum of squares in float64: a 16-bit value's square is exact there, and so is
+        # nearly every sum of them, whatever order the compiled kernel adds them in. In
+        # float32 the order (which follows the register layout the compiler picks for each
+        # kernel: rms_norm_quantized's one-byte stores gave it another) moved rstd by an ulp
+        # in ~3 rows of 8,000 on an H200, and a code with it.
+        x64 = xf.to(tl.float64)
+        var = (tl.sum(x64 * x64, 0) / D).to(tl.float32)
+        rstd = tl.math.rsqrt(var + eps)
         normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
         return normed * w, d, mask
