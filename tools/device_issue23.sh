@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|overlap|disagg|s16|s16b bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -12,35 +12,12 @@ case "${PART:-tests}" in
 tests)
   step 400 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
       tests/gpu/test_gpu_kv_tiers.py tests/gpu/test_gpu_disagg.py ;;
-s16)
-  # session 16: the two GPU-test failures of s14b (norm-to-codes bytes at M=8000; DeepSeek-V2
-  # mixed-step graphs), then the host-tier overlap test and bench
-  step 90 norm_diag python3 tools/gpu_diag_norm_quant.py
-  cat "$OUT/norm_diag.log" | cut -c1-200
-  MIXED="tests/gpu/test_cuda_graphs.py::test_mixed_step_graphs_match_eager_mixed_steps"
-  step 120 mixed_dsv2 python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=line \
-      "$MIXED" -k deepseek_v2
-  sed -i 's/^    DECODE_WARM_UP = .*/    DECODE_WARM_UP = ()/' folio/worker/model_runner.py
-  step 120 mixed_dsv2_nowarm python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
-      --tb=line "$MIXED" -k deepseek_v2
-  git checkout folio/worker/model_runner.py 2>/dev/null || \
-      sed -i 's/^    DECODE_WARM_UP = ()/    DECODE_WARM_UP = ((1, 2048), (64, 384))/' \
-      folio/worker/model_runner.py
-  grep -n "DECODE_WARM_UP = " folio/worker/model_runner.py
-  step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
-      tests/gpu/test_gpu_kv_tiers.py
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 220 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json"
-  tail -12 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
 s16b)
   # session 16, second call (next session's first): the norm-to-codes differences in detail
   # (the sum of squares now in float64: every row should read 0 and the test pass);
   # DeepSeek-V2's graph tests in the order of the full run (the mixed-step one failed there,
   # passed alone) with the autotuner's choices printed; the host tier's load apart from the
-  # engine; the MoE layer
+  # engine, then its saves and loads pipelined (session 16) in the tests and the bench
   step 90 norm_diag python3 tools/gpu_diag_norm_quant.py
   cut -c1-200 "$OUT/norm_diag.log"
   step 120 norm_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=line \
@@ -50,17 +27,14 @@ s16b)
   grep -E "passed|failed|FAILED" "$OUT/graphs_dsv2.log" | tail -5
   step 90 host_kv python3 tools/gpu_diag_host_kv.py
   cat "$OUT/host_kv.log"
-  step 150 moe_layer python3 tools/gpu_bench_moe.py --batches 1,2,4,64 --out "$OUT/moe_layer.json"
-  tail -12 "$OUT/moe_layer.log" | cut -c1-220 ;;
-overlap)
-  # host-tier loads layer by layer on a side stream (session 15): the GPU test, then the bench
-  step 200 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
-      tests/gpu/test_gpu_kv_tiers.py
+  step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
+      tests/gpu/test_gpu_host_kv_pool.py tests/gpu/test_gpu_kv_tiers.py
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 380 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
+  step 220 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
       --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
       --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json" ;;
+      --output-json "$OUT/kv_tiers_llama8b.json"
+  tail -3 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
 bench)
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it

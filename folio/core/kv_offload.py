@@ -21,7 +21,8 @@ layout: another model never reads it), and files survive a restart. A prompt's b
 its host hits that the disk holds are read back into host slots first: the request waits a
 step while the workers read and check the files (size, header, checksum) and report each
 read; a bad file is dropped and its blocks are computed, never used. A step's file work runs
-first on the worker, in this order: spills, saves, disk reads, loads.
+first on the worker, in this order: spills, disk reads, saves, loads (a disk read fills
+another slot than any save of its step, so the saves and loads can run as one pipeline).
 
 Torch-free, like the rest of folio/core.
 """

@@ -11,6 +11,15 @@ stream, layer by layer, each layer's copies ending in an event (`LayerLoads`), a
 forward pass waits for a layer's event only when it reaches that layer: the PCIe copies of
 layer j + 1 overlap the compute of layer j.
 
+A step that loads usually saves too: the device blocks a host-tier hit loads into are the
+cached blocks the pool just evicted, and those are saved first (in the bench's case, 200 MB
+each way in one step). In stream order the saves' device-to-host copies and the loads'
+host-to-device ones ran one after the other, and the forward after both. `transfer` runs
+them as a pipeline instead: the saves on a second side stream, layer by layer, each layer's
+loads waiting only for that layer's saves, so the two directions of the PCIe link (separate
+copy engines) work at once and the forward starts at once. A step that saves and does not
+load keeps its saves in stream order (no waits to make; its decode graph replays).
+
 Why layer-major: a layer's blocks for a run of consecutive host slots are then one contiguous
 host range, one DMA; the first layout (a host tensor per layer, gathered on the CPU into
 pageable memory) took 122 ms for the same load, slower than recomputing (46 ms). Each DMA
@@ -68,7 +77,8 @@ class HostKVPool:
         # hold a slot of each, in layer order).
         self.host = [self.slots[i] for i in range(len(kv_caches))]
         self._pending = False      # asynchronous copies from or into host memory not waited for
-        self._stream = torch.cuda.Stream(first.device) if self._cuda else None
+        self._stream = torch.cuda.Stream(first.device) if self._cuda else None        # loads
+        self._save_stream = torch.cuda.Stream(first.device) if self._cuda else None   # saves
 
     @staticmethod
     def bytes_per_slot(kv_caches: list[torch.Tensor]) -> int:
@@ -78,13 +88,39 @@ class HostKVPool:
         """Wait for the copies in flight, before the CPU reads or writes host slots."""
         if self._pending:
             torch.cuda.current_stream().synchronize()
+            self._save_stream.synchronize()
             self._stream.synchronize()
             self._pending = False
+
+    def transfer(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
+                 loads: list[tuple[int, int]]) -> LayerLoads | None:
+        """A step's saves (device block, host slot), then its loads (host slot, device
+        block), as `save` then `load` would leave them; on a GPU, with both, pipelined layer
+        by layer on the two side streams (the module's docstring says why). Returns what
+        `load` returns: the forward waits for each layer's LayerLoads event, which comes
+        after that layer's saves as well."""
+        if not (self._cuda and saves and loads):
+            self.save(kv_caches, saves)
+            return self.load(kv_caches, loads)
+        main = torch.cuda.current_stream(kv_caches[0].device)
+        self._save_stream.wait_stream(main)
+        saved = []
+        with torch.cuda.stream(self._save_stream):
+            self._save_layers(kv_caches, saves, after_each=saved)
+        return self.load(kv_caches, loads, after_saves=saved)
 
     @torch.inference_mode()
     def save(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]]) -> None:
         """Copy device blocks into host slots, pairs (device block, host slot), in the
         current stream's order."""
+        self._save_layers(kv_caches, saves)
+
+    @torch.inference_mode()
+    def _save_layers(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
+                     after_each: list | None = None) -> None:
+        """The saves on the current stream; `after_each`, when given, gets an event recorded
+        after each layer's copies. On a side stream the temporaries are allocated and used
+        there only, so the caching allocator hands their memory on after these copies."""
         if not saves:
             return
         pairs = sorted((slot, block) for block, slot in saves)
@@ -95,15 +131,21 @@ class HostKVPool:
             for start, slot, length in runs:
                 self.slots[layer, slot:slot + length].copy_(staged[start:start + length],
                                                             non_blocking=self._cuda)
+            if after_each is not None:
+                event = torch.cuda.Event()
+                event.record()
+                after_each.append(event)
         self._pending = self._cuda
 
     @torch.inference_mode()
-    def load(self, kv_caches: list[torch.Tensor],
-             loads: list[tuple[int, int]]) -> LayerLoads | None:
+    def load(self, kv_caches: list[torch.Tensor], loads: list[tuple[int, int]],
+             after_saves: list | None = None) -> LayerLoads | None:
         """Copy host slots into device blocks, pairs (host slot, device block), after
         everything queued so far (this step's saves may have read the blocks the loads
-        overwrite). On a CPU the copies are done on return (None); on a GPU they run on the
-        side stream, and the returned LayerLoads says when each layer's are done."""
+        overwrite) and, given `after_saves` (one event per layer, `transfer`), each layer's
+        after that layer's event. On a CPU the copies are done on return (None); on a GPU
+        they run on the side stream, and the returned LayerLoads says when each layer's are
+        done."""
         if not loads:
             return None
         pairs = sorted(loads)
@@ -127,6 +169,8 @@ class HostKVPool:
             staged = torch.empty((len(pairs), *self.slots.shape[2:]), dtype=self.slots.dtype,
                                  device=device)
             for layer, cache in enumerate(kv_caches):
+                if after_saves is not None:
+                    side.wait_event(after_saves[layer])
                 for start, slot, length in runs:
                     staged[start:start + length].copy_(self.slots[layer, slot:slot + length],
                                                        non_blocking=True)

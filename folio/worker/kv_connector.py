@@ -37,18 +37,19 @@ class TierConnectorWorker:
 
     def start_load_kv(self, step: SchedulerOutput,
                       kv_caches: list[torch.Tensor]) -> LayerLoads | None:
-        """The step's tier work, in the order the scheduler relies on: spills, saves, disk
-        reads, loads (on a GPU, still in flight on return), then deletes; each read's result
-        kept for the output."""
+        """The step's tier work, in the order the scheduler relies on: spills, disk reads,
+        saves, loads (on a GPU, saves and loads pipelined and still in flight on return),
+        then deletes; each read's result kept for the output. (Disk reads write other host
+        slots than the step's saves: a slot serves one block a step; so they may come
+        first, and the saves and loads run as one pipeline.)"""
         disk = self.disk
         if step.kv_spills or step.kv_disk_reads:
             self.host.sync()     # the CPU reads and writes host slots saved asynchronously
         for slot, block_hash in step.kv_spills:
             disk.spill(slot, block_hash)
-        self.host.save(kv_caches, step.kv_saves)
         self._read_results = [(block_hash, disk.read(block_hash, slot))
                               for block_hash, slot in step.kv_disk_reads]
-        loads = self.host.load(kv_caches, step.kv_loads)
+        loads = self.host.transfer(kv_caches, step.kv_saves, step.kv_loads)
         for block_hash in step.kv_disk_deletes:
             disk.delete(block_hash)
         return loads

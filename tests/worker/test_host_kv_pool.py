@@ -43,6 +43,24 @@ def test_saved_blocks_load_back_bit_for_bit():
         assert not cache[:, untouched].any()
 
 
+def test_a_steps_saves_and_loads_into_the_blocks_it_saved():
+    """`transfer`: the blocks a host hit loads into are the ones just evicted, saved in the
+    same step; the host slots get the blocks' old contents and the blocks the loaded ones
+    (on a GPU as a pipeline, tests/gpu/test_gpu_host_kv_pool.py; here in order)."""
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(2, 8, 4, 2, 8, generator=gen) for _ in range(2)]
+    pool = HostKVPool(caches, num_slots=6)
+    pool.save(caches, [(0, 0), (1, 1)])                       # a prefix saved earlier
+    prefix = [c[:, [0, 1]].clone() for c in caches]
+    for c in caches:
+        c[:, [0, 1]] = torch.randn(2, 2, 4, 2, 8, generator=gen)   # the blocks reused since
+    old = [c[:, [5, 6]].clone() for c in caches]
+    assert pool.transfer(caches, saves=[(5, 3), (6, 2)], loads=[(0, 5), (1, 6)]) is None
+    for layer, cache in enumerate(caches):
+        assert torch.equal(cache[:, [5, 6]], prefix[layer])
+        assert torch.equal(pool.host[layer][[3, 2]].transpose(0, 1), old[layer])
+
+
 class _LateLayers:
     """Stands in for LayerLoads: layer j's blocks are copied in when the forward waits for
     layer j, and not before."""
