@@ -25,6 +25,11 @@ s16b)
   TRITON_PRINT_AUTOTUNING=1 step 200 graphs_dsv2 python3 -m pytest -q -p no:cacheprovider \
       --noconftest -rf --tb=line -s tests/gpu/test_cuda_graphs.py -k "deepseek_v2"
   grep -E "passed|failed|FAILED" "$OUT/graphs_dsv2.log" | tail -5
+  # the same tests alone per model with the allocator's free memory full of NaN: an engine
+  # that reads memory it never wrote shows it (fresh memory is usually zero)
+  FOLIO_TEST_POISON_MEMORY=1 step 200 graphs_poisoned python3 -m pytest -q -p no:cacheprovider \
+      --noconftest -rf --tb=line tests/gpu/test_cuda_graphs.py -k "mixed_step_graphs_match"
+  grep -E "passed|failed|FAILED|Error" "$OUT/graphs_poisoned.log" | tail -6
   step 90 host_kv python3 tools/gpu_diag_host_kv.py
   cat "$OUT/host_kv.log"
   step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \

@@ -7,6 +7,7 @@ checkpoints in bf16 and a word-level tokenizer are written to a temporary direct
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 
@@ -60,8 +61,22 @@ def model_dir(request, tmp_path_factory):
     return _save_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
+def _poison_free_memory() -> None:
+    """Diagnosis (FOLIO_TEST_POISON_MEMORY=1): leave NaN in the memory the caching allocator
+    hands out next, large blocks and small, so that an engine reading memory it never wrote
+    (which, fresh from the driver, is usually zero) shows it in its outputs at once."""
+    kept = [torch.full(((512 << 20) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for _ in range(16)]
+    kept += [torch.full(((512 << 10) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+             for _ in range(256)]
+    torch.cuda.synchronize()
+    del kept                       # back to the allocator's cache, NaN-filled, not to the driver
+
+
 def _llm(model_dir: str, **kw):
     from folio import LLM
+    if os.environ.get("FOLIO_TEST_POISON_MEMORY") == "1":
+        _poison_free_memory()
     # An explicit KV budget: several engines share this process, and profiling-based sizing
     # would count the others' memory as taken.
     args = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=MAX_NUM_SEQS, device="cuda",
