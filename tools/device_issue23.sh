@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -16,8 +16,7 @@ s16b)
   # session 16, second call (next session's first): the norm-to-codes differences in detail
   # (the sum of squares now in float64: every row should read 0 and the test pass);
   # DeepSeek-V2's graph tests in the order of the full run (the mixed-step one failed there,
-  # passed alone) with the autotuner's choices printed; the host tier's load apart from the
-  # engine, then its saves and loads pipelined (session 16) in the tests and the bench
+  # passed alone) with the autotuner's choices printed, then alone on poisoned memory
   step 90 norm_diag python3 tools/gpu_diag_norm_quant.py
   cut -c1-200 "$OUT/norm_diag.log"
   step 120 norm_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=line \
@@ -30,6 +29,10 @@ s16b)
   FOLIO_TEST_POISON_MEMORY=1 step 200 graphs_poisoned python3 -m pytest -q -p no:cacheprovider \
       --noconftest -rf --tb=line tests/gpu/test_cuda_graphs.py -k "mixed_step_graphs_match"
   grep -E "passed|failed|FAILED|Error" "$OUT/graphs_poisoned.log" | tail -6
+  ;;
+s16c)
+  # session 16, third call: the host tier's load apart from the engine, then its saves and
+  # loads pipelined (session 16) in the tests and the bench
   step 90 host_kv python3 tools/gpu_diag_host_kv.py
   cat "$OUT/host_kv.log"
   step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
