@@ -43,6 +43,17 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on `device`, copied without making the host wait: from pageable
+    memory a host-to-device copy first waits for the stream (behind this step's saves and
+    the previous step's work, under async scheduling); from pinned memory it is queued. The
+    caching host allocator keeps the pinned buffer until the copy is done."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class LayerLoads:
     """A step's host-tier loads in flight on a side stream: `wait(j)` makes the current
     stream wait until the j-th layer's blocks (of the caches the loads were given) are in
@@ -125,7 +136,7 @@ class HostKVPool:
             return
         pairs = sorted((slot, block) for block, slot in saves)
         runs = _runs(pairs)
-        blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=kv_caches[0].device)
+        blocks = _device_index([b for _, b in pairs], kv_caches[0].device)
         for layer, cache in enumerate(kv_caches):
             staged = cache.index_select(1, blocks).transpose(0, 1).contiguous()  # [n, planes, ...]
             for start, slot, length in runs:
@@ -164,8 +175,7 @@ class HostKVPool:
         with torch.cuda.stream(side):
             # Allocated on the side stream and used only there: the caching allocator hands
             # their memory to other work of this stream only, after these copies.
-            blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(
-                device, non_blocking=True)
+            blocks = _device_index([b for _, b in pairs], device)
             staged = torch.empty((len(pairs), *self.slots.shape[2:]), dtype=self.slots.dtype,
                                  device=device)
             for layer, cache in enumerate(kv_caches):
