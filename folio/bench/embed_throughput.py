@@ -73,7 +73,7 @@ def sentence_transformers_peer(model_path: str, dtype: str, device: str, texts: 
 def run_embed(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The embeddings benchmark: folio's rate, the peer's at each batch size, the ratio to
     the peer's best, and how closely the two agree (cosine of their embeddings)."""
-    from folio.entrypoints.llm import LLM
+    from folio import LLM
     texts = stdlib_texts(args.num_prompts)
     start = time.perf_counter()
     llm = LLM(**engine_kwargs)
