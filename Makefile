@@ -39,8 +39,12 @@ setup: $(STAMP) chromium
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/folio serve
 
+# Two pytest-xdist workers for the machine's two cores, one torch thread each (OMP_NUM_THREADS=1:
+# two multi-threaded torch processes on two cores oversubscribe them, and the servers the tests
+# start inherit it). --dist loadfile keeps each test file on one worker, so a module-scoped
+# server or engine is started once and shared by its file's tests.
 test: $(STAMP) chromium
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)

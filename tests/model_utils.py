@@ -37,7 +37,13 @@ def torch_threads(num: int) -> Iterator[None]:
     For tiny models: their matmuls are far too small to gain from threads, and on a busy
     machine an OpenMP team waiting on a descheduled thread makes each op orders of magnitude
     slower (measured: a 256x64x256 linear took 31 ms with 2 threads vs 0.3 ms with 1).
+    Never more than $OMP_NUM_THREADS, the process's share of the cores: `make test` runs two
+    pytest-xdist workers with one thread each, and a second thread would fight the other
+    worker's for the same two cores.
     """
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    if budget.isdigit() and int(budget) > 0:
+        num = min(num, int(budget))
     previous = torch.get_num_threads()
     torch.set_num_threads(num)
     try:

@@ -14,6 +14,7 @@ from folio.core.kv_cache_layout import KVCacheLayout
 from folio.core.step_messages import GrammarBitmaskFn, ModelRunnerOutput, SchedulerOutput
 from folio.executor import step_codec
 from folio.model.discovery import ModelSource
+from folio.worker.sleep import trim_host_heap
 from folio.worker.worker import Worker
 
 
@@ -133,7 +134,9 @@ class _RoundTripOutput:
 
 
 def _release_memory(device_type: str) -> None:
-    """Give a dropped worker's memory back: its cycles collected, CUDA's cached blocks freed."""
+    """Give a dropped worker's memory back: its cycles collected, CUDA's cached blocks freed,
+    on the CPU the heap's freed pages handed back (glibc keeps them otherwise, and the process
+    would still hold the weights it dropped)."""
     import gc
     gc.unfreeze()   # the engine froze its start-up objects (engine_core.py)
     gc.collect()
@@ -141,3 +144,5 @@ def _release_memory(device_type: str) -> None:
     if device_type == "cuda":
         import torch
         torch.cuda.empty_cache()
+    else:
+        trim_host_heap()

@@ -48,9 +48,16 @@ def test_burst_over_the_limit_gets_429_and_loses_no_admitted_request(server):
         assert reply.json()["usage"]["completion_tokens"] == 8
 
 
+# The long request's client read timeout. 400 tokens take about 60 s on 2 CPU cores and about
+# 120 s on one (the suite runs under pytest-xdist with OMP_NUM_THREADS=1, the other worker on
+# the second core): at 120 s it ran out mid-answer, and the server, still generating it,
+# then held the next test's request in its queue past its own `timeout`.
+LONG_CLIENT_TIMEOUT_S = 600
+
+
 def test_waiting_past_max_queue_time_is_refused(server):
     async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=LONG_CLIENT_TIMEOUT_S) as client:
             long = asyncio.create_task(client.post("/v1/completions", json=_body(400)))
             await asyncio.sleep(0.5)      # the long one holds the only seat
             queued = await client.post("/v1/completions", json=_body(4))
@@ -63,12 +70,15 @@ def test_waiting_past_max_queue_time_is_refused(server):
 
 
 def test_timeout_ends_a_request_with_what_it_made(server):
-    reply = httpx.post(server.url + "/v1/completions", json=_body(500, timeout=0.5),
+    # 1 s for at least one token: a step of the default model takes about 0.3 s on one CPU
+    # thread and about 0.5 s with the second core busy (under pytest-xdist), where 0.5 s left
+    # one token at most. 1000 tokens keep the other bound as far (1 ms a token) as 500 in 0.5 s.
+    reply = httpx.post(server.url + "/v1/completions", json=_body(1000, timeout=1.0),
                        timeout=120)
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     assert choice["finish_reason"] == "timeout"
-    assert 0 < reply.json()["usage"]["completion_tokens"] < 500
+    assert 0 < reply.json()["usage"]["completion_tokens"] < 1000
     past = httpx.post(server.url + "/v1/completions", json=_body(4, deadline=1.0), timeout=60)
     assert past.status_code == 400 and past.json()["error"]["param"] == "deadline"
     bad = httpx.post(server.url + "/v1/completions", json=_body(4, timeout=-1), timeout=60)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from folio.model import cpu_kernels
 
 
@@ -49,3 +51,57 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path) -> None:
         child.kill()
     with cpu_kernels._build_lock(build_dir):
         assert not os.path.exists(os.path.join(build_dir, "lock"))
+
+
+def _isa_variants() -> list[str]:
+    """The -march values whose simd.h branch differs from this machine's own build: the
+    portable loops (what an Arm machine runs) and, where the CPU has them, AVX2 + FMA (what this
+    project's 2-vCPU VM without AVX-512 runs natively; on an AVX-512 machine it is another
+    branch)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    out = ["x86-64"]
+    if " avx512f" in flags and " avx2" in flags and " fma" in flags:
+        out.append("x86-64-v3")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", _isa_variants())
+def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
+    """csrc/simd.h writes the matmul kernels once for AVX-512, AVX2 + FMA and plain loops; the
+    build picks one by -march. A build for another branch than this machine's gives the same
+    products (float32 summation order apart) on every path: 1..8-row blocks with their row
+    remainders, the tiled many-row path, two planes, per-group and per-row int8 scales."""
+    import numpy as np
+    import torch
+
+    other = cpu_kernels._build(march=march, matmuls_only=True)
+    native = cpu_kernels.extension()
+    rng = np.random.default_rng(0)
+    n, k = 70, 192          # N not a multiple of any row block; K = 6 groups of 32
+    codes = torch.from_numpy(rng.integers(0, 256, (2, n, k // 2), dtype=np.uint8))
+    scale = torch.from_numpy(rng.random((2, n, k // 32), dtype=np.float32) * 0.02)
+    zero = torch.from_numpy(rng.standard_normal((2, n, k // 32), dtype=np.float32) * 0.01)
+    i8 = torch.from_numpy(rng.integers(-127, 128, (n, k), dtype=np.int8))
+    group_scale = torch.from_numpy(rng.random((n, k // 16), dtype=np.float32) * 0.01)
+    row_scale = group_scale[:, :1].contiguous()
+    # the weights as dequantization gives them: byte i of a group of 16 holds element i (low
+    # nibble) and element i + 16 (high nibble)
+    groups = codes.view(2, n, k // 32, 16).to(torch.float32)
+    nibbles = torch.cat([groups % 16, torch.div(groups, 16, rounding_mode="floor")], dim=-1)
+    planes_w = ((nibbles - 8) * scale[..., None] + zero[..., None]).view(2, n, k)
+    for m in (1, 3, 8, 11, 40):
+        x = torch.randn(m, k)
+        for planes in (1, 2):
+            args = (x, codes[:planes].contiguous(), scale[:planes].contiguous(),
+                    zero[:planes].contiguous())
+            want = x @ planes_w[:planes].sum(0).T
+            for ext in (native, other):
+                torch.testing.assert_close(ext.q4_matmul(*args), want, rtol=1e-4, atol=1e-4)
+        for s in (group_scale, row_scale):
+            want = x @ (i8.to(torch.float32) * s.repeat_interleave(k // s.shape[1], 1)).T
+            for ext in (native, other):
+                torch.testing.assert_close(ext.int8_matmul(x, i8, s), want, rtol=1e-4, atol=1e-4)

@@ -27,17 +27,19 @@ logger = logging.getLogger(__name__)
 _NAME = "folio_cpu_kernels"
 _SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction set csrc/simd.h writes the kernels for follows -march: AVX-512, AVX2 + FMA, or
+# portable loops. Tests build the other variants with `_build(march=...)`.
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 
 
-def _extension_name(here: str) -> str:
+def _extension_name(here: str, cflags: tuple[str, ...] = tuple(_CFLAGS)) -> str:
     """`_NAME` plus a hash of every file in csrc/ (the headers too), the flags and csrc/'s
     path: one build directory per version of the sources and checkout. (The path is in the
     build's command lines, as its include directory: two checkouts of the same sources
     sharing a directory rebuilt it in turn, minutes each on 2 cores, whenever one started
     after the other.)"""
-    digest = hashlib.sha256(repr((_CFLAGS, _LDFLAGS, os.path.abspath(here))).encode())
+    digest = hashlib.sha256(repr((list(cflags), _LDFLAGS, os.path.abspath(here))).encode())
     for name in sorted(os.listdir(here)):
         digest.update(name.encode())
         with open(os.path.join(here, name), "rb") as f:
@@ -72,15 +74,23 @@ def _build_lock(build_dir: str) -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _build() -> Any:
+def _build(march: str = "native", matmuls_only: bool = False) -> Any:
+    """The extension built for -march=`march`; `matmuls_only`: q4_matmul and int8_matmul
+    alone (two fewer translation units to compile: tests of another instruction set's
+    branch)."""
     from torch.utils.cpp_extension import _get_build_directory, load
     here = os.path.join(os.path.dirname(__file__), "csrc")
-    name = _extension_name(here)
+    cflags = tuple(f"-march={march}" if f.startswith("-march=") else f for f in _CFLAGS)
+    sources = _SOURCES
+    if matmuls_only:
+        cflags += ("-DFOLIO_MATMULS_ONLY",)
+        sources = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp")
+    name = _extension_name(here, cflags)
     build_dir = _get_build_directory(name, verbose=False)
     with _build_lock(build_dir):
         logger.info("loading folio's CPU kernels (built on first use in this checkout)")
-        return load(name=name, sources=[os.path.join(here, s) for s in _SOURCES],
-                    verbose=False, extra_include_paths=[here], extra_cflags=_CFLAGS,
+        return load(name=name, sources=[os.path.join(here, s) for s in sources],
+                    verbose=False, extra_include_paths=[here], extra_cflags=list(cflags),
                     extra_ldflags=_LDFLAGS, build_directory=build_dir)
 
 

@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("zero"));
   m.def("int8_matmul", &int8_matmul, "int8 weight-only matmul, float32", py::arg("x"),
         py::arg("codes"), py::arg("scale"));
+#ifndef FOLIO_MATMULS_ONLY  // a build of the matmuls alone (cpu_kernels._build, for tests)
   m.def("paged_attention", &paged_attention,
         "write K/V into the paged cache (FP8: scaled by k_scale / v_scale), then causal "
         "attention over it, float32 queries; optional soft cap and attention sinks");
@@ -13,4 +14,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding, float32");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32");
+#endif
 }

@@ -8,20 +8,19 @@
 // dequantize-then-matmul is float32 summation order. Paths as in q4_matmul.cpp: a
 // register-blocked kernel below kTileRows rows of x (up to 8 rows of x against 2-4 rows of W:
 // each 16 weights widened and scaled once for every row of the block), tiles rebuilt in float32
-// for torch's GEMM from there on (weight_tiles.h).
+// for torch's GEMM from there on (weight_tiles.h). One body for every instruction set (simd.h).
 #include "ops.h"
+#include "simd.h"
 #include "weight_tiles.h"
 
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-constexpr int kVec = 16;
+using namespace folio_cpu::simd;
+
+constexpr int kVec = 16;           // K / G must be a multiple of this (every kLanes divides it)
 constexpr int kPrefetchRows = 16;  // how far ahead (rows of W) the blocked kernel prefetches
 
 struct Int8View {
@@ -30,42 +29,40 @@ struct Int8View {
   int64_t K, G;
 };
 
-#if defined(__AVX512F__)
 // Rows [n, n + NB) of W against MB rows of x (x points at the first row of the block, y at its
 // row of the output). PerRow: one scale per row (G = 1), applied to the finished dot.
 template <int MB, int NB, bool PerRow>
 inline void block_kernel(const float* x, const Int8View& w, int64_t n, float* y, int64_t N,
                          bool prefetch) {
   const int64_t K = w.K, G = w.G, GS = K / G;
-  __m512 acc[MB][NB];
+  Vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NB; ++r) acc[m][r] = zero();
   const int8_t* codes = w.codes + n * K;
   const float* scale = w.scale + n * G;
   if (prefetch) {  // the rows kPrefetchRows ahead (as in q4_matmul.cpp)
-    folio_cpu::prefetch_bytes(codes + kPrefetchRows * K, NB * K);
-    folio_cpu::prefetch_bytes(scale + kPrefetchRows * G, NB * G * sizeof(float));
+    prefetch_bytes(codes + kPrefetchRows * K, NB * K);
+    prefetch_bytes(scale + kPrefetchRows * G, NB * G * sizeof(float));
   }
   for (int64_t g = 0; g < G; ++g) {
-    __m512 s[NB];
+    Vf s[NB];
     if (!PerRow)
-      for (int r = 0; r < NB; ++r) s[r] = _mm512_set1_ps(scale[r * G + g]);
-    for (int64_t k = g * GS; k < (g + 1) * GS; k += kVec) {
-      __m512 wv[NB];
+      for (int r = 0; r < NB; ++r) s[r] = set1(scale[r * G + g]);
+    for (int64_t k = g * GS; k < (g + 1) * GS; k += kLanes) {
+      Vf wv[NB];
       for (int r = 0; r < NB; ++r) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * K + k));
-        wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-        if (!PerRow) wv[r] = _mm512_mul_ps(wv[r], s[r]);
+        wv[r] = load_i8(codes + r * K + k);
+        if (!PerRow) wv[r] = mul(wv[r], s[r]);
       }
       for (int m = 0; m < MB; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-        for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+        const Vf xv = load(x + m * K + k);
+        for (int r = 0; r < NB; ++r) acc[m][r] = fma(wv[r], xv, acc[m][r]);
       }
     }
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < NB; ++r) {
-      const float dot = _mm512_reduce_add_ps(acc[m][r]);
+      const float dot = reduce_add(acc[m][r]);
       y[m * N + n + r] = PerRow ? dot * scale[r] : dot;
     }
 }
@@ -73,7 +70,8 @@ inline void block_kernel(const float* x, const Int8View& w, int64_t n, float* y,
 template <int MB, bool PerRow>
 void rows_block(const float* x, const Int8View& w, float* y, int64_t N, int64_t n0, int64_t n1,
                 bool prefetch) {
-  constexpr int NB = MB <= 4 ? 4 : 2;
+  // as many rows of W as the registers hold beside the MB * NB accumulators (simd.h)
+  constexpr int NB = kLanes == 16 ? (MB <= 4 ? 4 : 2) : (MB <= 2 ? 4 : (MB <= 4 ? 2 : 1));
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) block_kernel<MB, NB, PerRow>(x, w, n, y, N, prefetch);
   for (; n < n1; ++n) block_kernel<MB, 1, PerRow>(x, w, n, y, N, prefetch);
@@ -110,24 +108,6 @@ void dot_rows(const float* x, int64_t M, const Int8View& w, float* y, int64_t N,
   if (w.G == 1) dot_rows_t<true>(x, M, w, y, N, n0, n1);
   else dot_rows_t<false>(x, M, w, y, N, n0, n1);
 }
-#else
-// Portable: each weight rebuilt once per row of W and used for every row of x.
-void dot_rows(const float* x, int64_t M, const Int8View& w, float* y, int64_t N, int64_t n0,
-              int64_t n1) {
-  const int64_t K = w.K, GS = K / w.G;
-  std::vector<float> row(K);
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* codes = w.codes + n * K;
-    const float* scale = w.scale + n * w.G;
-    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(codes[k]) * scale[k / GS];
-    for (int64_t m = 0; m < M; ++m) {
-      float a = 0.0f;
-      for (int64_t k = 0; k < K; ++k) a += row[k] * x[m * K + k];
-      y[m * N + n] = a;
-    }
-  }
-}
-#endif
 
 // Rows [n0, n1) of W rebuilt in float32 into `out` ([n1 - n0, K]).
 void dequantize_rows(const Int8View& w, int64_t n0, int64_t n1, float* out) {

@@ -2,29 +2,27 @@
 // (code - 8) * s + z, one s and z per group of 32 (folio/model/quant/gguf_planes.py).
 //
 // Codes are two to a byte in ggml's order within a group: byte i holds element i (low nibble)
-// and element i + 16 (high nibble). A group's weights come from a 16-entry table of its
-// (code - 8) * s + z values, indexed by the nibbles (group_table): one FMA builds the table,
-// two permutes read it, where converting codes to float would take a mask and two conversions
-// on the port the FMAs need. Activations, weights and accumulation stay float32, so the only
-// error against dequantize-then-matmul is float32 rounding order. Two paths by the number of
+// and element i + 16 (high nibble). A group's weights are built as (code - 8) * s + z with one
+// rounding (simd.h's make_group: on AVX-512 a 16-entry table the nibbles index). Activations,
+// weights and accumulation stay float32, so the only error against dequantize-then-matmul is
+// float32 rounding order. Two paths by the number of
 // rows M of x, both splitting the rows of W over torch's threads (at::parallel_for):
 //   * M < kTileRows (decode, batched decode): a register-blocked kernel (block_kernel) takes
-//     up to 8 rows of x against 2-4 rows of W at a time, so each group's weights are built
+//     up to 8 rows of x against 1-4 rows of W at a time, so each group's weights are built
 //     once for every row of the block and 8-16 independent FMA chains hide the FMA latency;
 //   * M >= kTileRows (prefill): each task rebuilds a tile of W's rows in float32 (it stays in
 //     L2) and multiplies it with torch's GEMM (weight_tiles.h).
-// Written for AVX-512 where the build machine has it (-march=native), portable loops otherwise.
+// One body for every instruction set (simd.h: AVX-512, AVX2 + FMA, or plain loops).
 #include "ops.h"
+#include "simd.h"
 #include "weight_tiles.h"
 
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
+
+using namespace folio_cpu::simd;
 
 constexpr int kGroup = 32;
 constexpr int kHalf = 16;
@@ -36,81 +34,61 @@ struct PlaneView {
   const float* zero;     // [N, G]
 };
 
-#if defined(__AVX512F__)
-// A group's 16 code bytes widened to 16 int32 lanes: lane i holds element i in bits 0-3 and
-// element i + 16 in bits 4-7.
-inline __m512i load_group(const uint8_t* b) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-}
-
-// The group's 16 possible weights, (code - 8) * s + z for code 0..15, as a lookup table:
-// vpermps reads only the low 4 bits of each index lane, so a nibble indexes it directly (no
-// mask, no int-to-float conversion), and the weights come out scaled and offset.
-inline __m512 group_table(float s, float z) {
-  const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm512_fmadd_ps(codes, _mm512_set1_ps(s), _mm512_set1_ps(z));
-}
-
-// The group's 32 weights as two 16-lane float vectors (elements 0..15, 16..31).
-inline void group_weights(const uint8_t* b, float s, float z, __m512& lo, __m512& hi) {
-  const __m512i v = load_group(b);
-  const __m512 table = group_table(s, z);
-  lo = _mm512_permutexvar_ps(v, table);
-  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-
 // Rows [n, n + NB) of W against MB rows of x (x points at the first, y at its row of the
 // output): each group's NB weight rows are built once and used for all MB rows of x. MB * NB
-// accumulators (at most 16, with the 2 * NB weight vectors and two of x: within the 32
-// registers) make as many independent FMA chains, enough to hide the FMA latency; the x block
-// (MB rows of K floats) stays in L1 while the W rows stream past it.
+// accumulators make as many independent FMA chains, enough to hide the FMA latency; the x
+// block (MB rows of K floats) stays in L1 while the W rows stream past it.
 template <int MB, int NB>
 inline void block_kernel(const float* x, int64_t K, const std::vector<PlaneView>& planes,
                          int64_t n, float* y, int64_t N, bool prefetch) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
-  __m512 acc[MB][NB];
+  Vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NB; ++r) acc[m][r] = zero();
   for (const PlaneView& p : planes) {
     const uint8_t* codes = p.codes + n * row_bytes;
     const float* scale = p.scale + n * G;
-    const float* zero = p.zero + n * G;
+    const float* zero_pt = p.zero + n * G;
     for (int64_t g = 0; g < G; ++g) {
       // The rows kPrefetchRows ahead, a cache line at a time as this block goes: the hardware
       // prefetcher alone keeps a decode step's weight stream well under the memory's
       // bandwidth (measured: spread out like this beats one burst per block here).
       if (prefetch && (g & 3) == 0)
         for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (r + kPrefetchRows) * row_bytes +
-                                                     g * kHalf), _MM_HINT_T0);
+          __builtin_prefetch(codes + (r + kPrefetchRows) * row_bytes + g * kHalf, 0, 3);
       if (prefetch && (g & 15) == 0)
         for (int r = 0; r < NB; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(scale + (r + kPrefetchRows) * G + g),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(zero + (r + kPrefetchRows) * G + g),
-                       _MM_HINT_T0);
+          __builtin_prefetch(scale + (r + kPrefetchRows) * G + g, 0, 3);
+          __builtin_prefetch(zero_pt + (r + kPrefetchRows) * G + g, 0, 3);
         }
-      __m512 lo[NB], hi[NB];
+      Vf w[NB][kGroupVecs];
       for (int r = 0; r < NB; ++r)
-        group_weights(codes + r * row_bytes + g * kHalf, scale[r * G + g], zero[r * G + g],
-                      lo[r], hi[r]);
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xlo = _mm512_loadu_ps(x + m * K + g * kGroup);
-        const __m512 xhi = _mm512_loadu_ps(x + m * K + g * kGroup + kHalf);
-        for (int r = 0; r < NB; ++r)
-          acc[m][r] = _mm512_fmadd_ps(hi[r], xhi, _mm512_fmadd_ps(lo[r], xlo, acc[m][r]));
-      }
+        make_group(codes + r * row_bytes + g * kHalf, scale[r * G + g], zero_pt[r * G + g],
+                   w[r]);
+      for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < kGroupVecs; ++j) {
+          const Vf xv = load(x + m * K + g * kGroup + j * kLanes);
+          for (int r = 0; r < NB; ++r) acc[m][r] = fma(w[r][j], xv, acc[m][r]);
+        }
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < NB; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < NB; ++r) y[m * N + n + r] = reduce_add(acc[m][r]);
+}
+
+// Rows of W per block for MB rows of x: as many as the vector registers hold beside the
+// MB * NB accumulators (32 registers of AVX-512; 16 of AVX2, whose group is 4 vectors).
+template <int MB>
+constexpr int rows_per_block() {
+  if (kLanes == 16) return MB <= 4 ? 4 : 2;
+  return MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
 }
 
 // MB rows of x (1..kBlockRows) against W rows [n0, n1): blocks of NB rows, then single rows.
 template <int MB>
 void rows_block(const float* x, int64_t K, const std::vector<PlaneView>& planes, float* y,
                 int64_t N, int64_t n0, int64_t n1, bool prefetch) {
-  constexpr int NB = MB <= 4 ? 4 : 2;
+  constexpr int NB = rows_per_block<MB>();
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) block_kernel<MB, NB>(x, K, planes, n, y, N, prefetch);
   for (; n < n1; ++n) block_kernel<MB, 1>(x, K, planes, n, y, N, prefetch);
@@ -142,34 +120,6 @@ void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>
     }
   }
 }
-#else
-// Portable: per row of W, each group's 32 weights built once and used for every row of x.
-void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>& planes,
-              float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / kGroup, row_bytes = K / 2;
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = 0.0f;
-    for (const PlaneView& p : planes) {
-      const uint8_t* row = p.codes + n * row_bytes;
-      for (int64_t g = 0; g < G; ++g) {
-        const float s = p.scale[n * G + g], z = p.zero[n * G + g];
-        const uint8_t* b = row + g * kHalf;
-        float w[kGroup];
-        for (int i = 0; i < kHalf; ++i) {
-          w[i] = (static_cast<float>(b[i] & 0x0F) - 8.0f) * s + z;
-          w[i + kHalf] = (static_cast<float>(b[i] >> 4) - 8.0f) * s + z;
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          const float* xg = x + m * K + g * kGroup;
-          float a = 0.0f;
-          for (int i = 0; i < kGroup; ++i) a += w[i] * xg[i];
-          y[m * N + n] += a;
-        }
-      }
-    }
-  }
-}
-#endif
 
 // Rows [n0, n1) of W rebuilt in float32 into `w` ([n1 - n0, K]): the sum of the planes.
 void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0, int64_t n1,
@@ -181,27 +131,11 @@ void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0
       const uint8_t* row = pl.codes + n * row_bytes;
       float* out = w + (n - n0) * K;
       for (int64_t g = 0; g < G; ++g) {
-        const float s = pl.scale[n * G + g];
-        const float z = pl.zero[n * G + g];
+        Vf v[kGroupVecs];
+        make_group(row + g * kHalf, pl.scale[n * G + g], pl.zero[n * G + g], v);
         float* o = out + g * kGroup;
-#if defined(__AVX512F__)
-        __m512 wlo, whi;
-        group_weights(row + g * kHalf, s, z, wlo, whi);
-        if (p > 0) {
-          wlo = _mm512_add_ps(wlo, _mm512_loadu_ps(o));
-          whi = _mm512_add_ps(whi, _mm512_loadu_ps(o + kHalf));
-        }
-        _mm512_storeu_ps(o, wlo);
-        _mm512_storeu_ps(o + kHalf, whi);
-#else
-        const uint8_t* b = row + g * kHalf;
-        for (int i = 0; i < kHalf; ++i) {
-          const float lo = (static_cast<float>(b[i] & 0x0F) - 8.0f) * s + z;
-          const float hi = (static_cast<float>(b[i] >> 4) - 8.0f) * s + z;
-          o[i] = p > 0 ? o[i] + lo : lo;
-          o[i + kHalf] = p > 0 ? o[i + kHalf] + hi : hi;
-        }
-#endif
+        for (int j = 0; j < kGroupVecs; ++j)
+          store(o + j * kLanes, p > 0 ? add(v[j], load(o + j * kLanes)) : v[j]);
       }
     }
   }

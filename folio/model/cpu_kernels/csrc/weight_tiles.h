@@ -10,23 +10,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace folio_cpu {
-
-// Asks for `bytes` from `p` on into L1, a cache line at a time (a hint: addresses past the
-// end of an array are harmless).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-#if defined(__AVX512F__)
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
 
 // From this many rows of x on, the matmuls rebuild tiles of W and run torch's GEMM; below it
 // their register-blocked kernels are faster (measured on the 2-vCPU AVX-512 VM: equal at
