@@ -3,7 +3,7 @@ model: the official openai client sends a base64 image and streams the answer, w
 transformers' greedy answer; image URLs are fetched under the server's media rules — a
 loopback URL refused by default (400 naming the reason), served when the operator allows the
 host; a redirect from an allowed host to a loopback one refused; a 100 MB body and a
-20,000 x 20,000 PNG bomb refused within 2 s; file:// only under --allowed-local-media-path;
+20,000 x 20,000 PNG bomb refused for their size; file:// only under --allowed-local-media-path;
 --limit-mm-per-prompt enforced; usage counts the images' tokens; /health stays green."""
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -203,11 +202,11 @@ def test_allowed_hosts_redirects_bounds_and_local_files(model_dir, tmp_path) -> 
         redirected = _post(server, _chat(site.url("/redirect")))
         assert redirected.status_code == 400, redirected.text
         assert "localhost" in redirected.json()["error"]["message"]
-        # a 100 MB body and a 20,000 x 20,000 PNG bomb: refused within 2 s
+        # a 100 MB body and a 20,000 x 20,000 PNG bomb: refused for their size (the byte limit
+        # stops the read, the pixel limit the decode: the message names which; no wall-clock
+        # bound, which a loaded CI machine would break)
         for path, reason in (("/huge.png", "bytes"), ("/bomb.png", "pixels")):
-            start = time.monotonic()
             bounded = _post(server, _chat(site.url(path)))
-            assert time.monotonic() - start < 2.0
             assert bounded.status_code == 400 and reason in bounded.json()["error"]["message"]
         # JPEG and WebP data URLs are decoded too
         for fmt, mime in (("JPEG", "image/jpeg"), ("WEBP", "image/webp")):

@@ -1,6 +1,10 @@
 // The Python face of folio's C++ CPU kernels (loaded by folio/model/cpu_kernels/__init__.py).
 #include "ops.h"
 
+// pybind11 with torch's tensor casters, the part of <torch/extension.h> a module definition
+// needs (the whole header costs this file ~10 s more to compile)
+#include <torch/csrc/utils/pybind.h>
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "4-bit-plane matmul, float32", py::arg("x"), py::arg("codes"),
         py::arg("scale"), py::arg("zero"));

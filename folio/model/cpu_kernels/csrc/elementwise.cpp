@@ -11,25 +11,25 @@
 
 namespace {
 
-void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               name, " must be float32 [rows, features] with contiguous rows");
 }
 
 }  // namespace
 
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                    c10::optional<torch::Tensor> residual) {
+std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                                    c10::optional<at::Tensor> residual) {
   check_rows(x, "x");
   const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.numel() == D, "weight must be float32 [features]");
-  auto out = torch::empty({T, D}, x.options());
-  torch::Tensor sum;
+  auto out = at::empty({T, D}, x.options());
+  at::Tensor sum;
   if (residual.has_value()) {
     check_rows(*residual, "residual");
     TORCH_CHECK(residual->size(0) == T && residual->size(1) == D, "residual must match x");
-    sum = torch::empty({T, D}, x.options());
+    sum = at::empty({T, D}, x.options());
   }
   const float* xp = x.data_ptr<float>();
   const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
@@ -60,17 +60,17 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
   return {out};
 }
 
-std::vector<torch::Tensor> rotary_neox(torch::Tensor positions, torch::Tensor q,
-                                       torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q,
+                                       at::Tensor k, at::Tensor cos, at::Tensor sin,
                                        int64_t rotary_dim) {
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.dim() == 1, "positions must be contiguous int64 [T]");
   const int64_t T = positions.size(0);
-  for (const torch::Tensor* t : {&q, &k}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->stride(2) == 1 &&
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1 &&
                     t->size(0) == T, "q and k must be float32 [T, heads, head_dim]");
   }
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
                   cos.sizes() == sin.sizes() && cos.size(1) == rotary_dim &&
                   rotary_dim % 2 == 0 && rotary_dim <= q.size(2) && rotary_dim <= k.size(2),
@@ -82,9 +82,9 @@ std::vector<torch::Tensor> rotary_neox(torch::Tensor positions, torch::Tensor q,
   }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  auto rotate = [&](const torch::Tensor& x) {
+  auto rotate = [&](const at::Tensor& x) {
     const int64_t H = x.size(1), D = x.size(2), s0 = x.stride(0), s1 = x.stride(1);
-    auto out = torch::empty({T, H, D}, x.options());
+    auto out = at::empty({T, H, D}, x.options());
     const float* in = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
@@ -109,11 +109,11 @@ std::vector<torch::Tensor> rotary_neox(torch::Tensor positions, torch::Tensor q,
   return {rotate(q), rotate(k)};
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = at::empty({T, I}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t s0 = gate_up.stride(0);

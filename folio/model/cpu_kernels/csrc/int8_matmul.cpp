@@ -124,20 +124,20 @@ void dequantize_rows(const Int8View& w, int64_t n0, int64_t n1, float* out) {
 
 }  // namespace
 
-torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+at::Tensor int8_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous() &&
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.size(1) == K,
               "codes must be contiguous int8 [N, K]");
   const int64_t N = codes.size(0);
-  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0 &&
                   (K / scale.size(1)) % kVec == 0,
               "scale must be contiguous float32 [N, G] with K / G a multiple of 16");
   const Int8View w{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, scale.size(1)};
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (M >= folio_cpu::kTileRows) {
     folio_cpu::tiled_gemm(x, y, N, K, [&](int64_t n0, int64_t n1, float* out) {

@@ -427,11 +427,11 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
 }
 
 template <typename T>
-void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key,
-         const torch::Tensor& value, torch::Tensor& kv_cache, const torch::Tensor& slots,
-         const torch::Tensor& tables, const std::vector<int64_t>& token_req,
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+         const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slots,
+         const at::Tensor& tables, const std::vector<int64_t>& token_req,
          const std::vector<int64_t>& token_pos, double scale, int64_t window,
-         const torch::Tensor& k_scale, const torch::Tensor& v_scale, float cap,
+         const at::Tensor& k_scale, const at::Tensor& v_scale, float cap,
          const float* sinks) {
   const int64_t T_tokens = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -439,7 +439,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   T* cache = static_cast<T*>(kv_cache.data_ptr());
   const float* ks = k_scale.data_ptr<float>();
   const float* vs = v_scale.data_ptr<float>();
-  auto heads = [](const torch::Tensor& x) {
+  auto heads = [](const at::Tensor& x) {
     return Heads{x.data_ptr<float>(), x.stride(0), x.stride(1)};
   };
   // The V plane's offset: the K plane's size, or 0 where one latent plane serves as both
@@ -463,21 +463,21 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
 // int64 (CPU tensors, all contiguous); sliding_window <= 0 for none; k_scale / v_scale [KVH]
 // float32, read for an FP8 cache only; logits_soft_cap <= 0 for none; sinks [H] float32 or
 // None.
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
-                     torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                     torch::Tensor block_tables, torch::Tensor query_start_loc,
-                     torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                     torch::Tensor k_scale, torch::Tensor v_scale, double logits_soft_cap,
-                     c10::optional<torch::Tensor> sinks) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 3,
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key,
+                     at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor query_start_loc,
+                     at::Tensor seq_lens, double scale, int64_t sliding_window,
+                     at::Tensor k_scale, at::Tensor v_scale, double logits_soft_cap,
+                     c10::optional<at::Tensor> sinks) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 3,
               "out must be contiguous float32 [T, heads, head_dim]");
-  for (const torch::Tensor* t : {&query, &key, &value}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->stride(2) == 1,
+  for (const at::Tensor* t : {&query, &key, &value}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1,
                 "query, key and value must be float32 [T, heads, head_dim], the last "
                 "dimension contiguous");
   }
-  for (const torch::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(),
+  for (const at::Tensor* t : {&slot_mapping, &block_tables, &query_start_loc, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "slot_mapping, block_tables, query_start_loc and seq_lens must be contiguous int64");
   }
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
@@ -490,13 +490,13 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                   value.sizes() == key.sizes() && key.size(0) == T_tokens &&
                   out.sizes() == query.sizes() && H % KVH == 0,
               "head counts or head_dim disagree between query, key/value and the cache");
-  for (const torch::Tensor* t : {&k_scale, &v_scale}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == KVH,
+  for (const at::Tensor* t : {&k_scale, &v_scale}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == KVH,
                 "k_scale and v_scale must be contiguous float32 [kv_heads]");
   }
   const float* sink_data = nullptr;
   if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                     sinks->numel() == H,
                 "sinks must be contiguous float32 [heads]");
     sink_data = sinks->data_ptr<float>();
@@ -527,23 +527,23 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
     }
   }
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32:
+    case at::kFloat:
       run<float>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
                  token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       run<c10::BFloat16>(out, query, key, value, kv_cache, slot_mapping, block_tables,
                          token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
-    case torch::kFloat16:
+    case at::kHalf:
       run<c10::Half>(out, query, key, value, kv_cache, slot_mapping, block_tables, token_req,
                      token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
-    case torch::kFloat8_e4m3fn:
+    case at::kFloat8_e4m3fn:
       run<c10::Float8_e4m3fn>(out, query, key, value, kv_cache, slot_mapping, block_tables,
                               token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;
-    case torch::kFloat8_e5m2:
+    case at::kFloat8_e5m2:
       run<c10::Float8_e5m2>(out, query, key, value, kv_cache, slot_mapping, block_tables,
                             token_req, token_pos, scale, sliding_window, k_scale, v_scale, cap, sink_data);
       break;

@@ -145,19 +145,19 @@ void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0
 
 // x [M, K] float32 contiguous; the P planes stacked: codes [P, N, K/2] uint8, scale and zero
 // [P, N, K/32] float32, all contiguous. Returns y [M, N] float32.
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
-                        torch::Tensor zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale,
+                        at::Tensor zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
   const int64_t G = K / kGroup;
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(0) >= 1 && codes.size(2) == K / 2,
               "codes must be contiguous uint8 [planes, N, K/2]");
   const int64_t P = codes.size(0), N = codes.size(1);
-  for (const torch::Tensor* t : {&scale, &zero}) {
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+  for (const at::Tensor* t : {&scale, &zero}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->size(0) == P && t->size(1) == N && t->size(2) == G,
                 "scale and zero must be contiguous float32 [planes, N, K/32]");
   }
@@ -166,7 +166,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
     planes.push_back({codes.data_ptr<uint8_t>() + p * N * (K / 2),
                       scale.data_ptr<float>() + p * N * G, zero.data_ptr<float>() + p * N * G});
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -3,7 +3,9 @@
 // rows over torch's threads for the few-row paths.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include "parallel.h"
 
@@ -24,7 +26,7 @@ constexpr int64_t kRowTask = 64;         // rows of W per task of the few-row pa
 // single-threaded GEMM into its columns of y (torch's GEMM runs on the calling thread inside
 // a parallel region), so the quantized bytes are read once and the product runs at GEMM speed.
 template <typename Dequantize>
-void tiled_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K,
+void tiled_gemm(const at::Tensor& x, at::Tensor& y, int64_t N, int64_t K,
                 const Dequantize& dequantize) {
   const int threads = at::get_num_threads();
   const int64_t tile = std::max<int64_t>(
@@ -34,7 +36,7 @@ void tiled_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K,
     // (an inference tensor when the caller is in inference mode) is allowed either way.
     c10::InferenceMode inference;
     std::vector<float> buffer(tile * K);
-    auto w = torch::from_blob(buffer.data(), {tile, K}, x.options());
+    auto w = at::from_blob(buffer.data(), {tile, K}, x.options());
     for (int64_t t; (t = take()) >= 0;) {
       const int64_t n0 = t * tile, n1 = std::min<int64_t>(N, n0 + tile);
       dequantize(n0, n1, buffer.data());
