@@ -1,7 +1,7 @@
 """folio's C++ paged attention (CpuPagedAttention) against the torch reference
 (TorchPagedAttention) on random steps: decodes and prefill chunks (fresh, and over a cached
-prefix) in one batch, grouped-query heads, sliding windows, head sizes that are not a multiple
-of the vector width, float32 / bfloat16 / float16 caches, a bfloat16 model."""
+prefix) in one batch, grouped-query heads, sliding windows, head sizes from 32 to 256 and one
+that is not a multiple of the vector width, float32 / bfloat16 / float16 caches, a bfloat16 model."""
 from __future__ import annotations
 
 import zlib
@@ -33,6 +33,11 @@ CASES = [
     dict(name="fp16_cache", dtype="float32", cache_dtype="float16", H=4, KVH=2, D=64, bs=16,
          win=None, reqs=MIXED),
     dict(name="bf16_model", dtype="bfloat16", H=4, KVH=2, D=64, bs=16, win=None, reqs=MIXED),
+    # the widest and narrowest head sizes the blocked kernel takes (Gemma 3's 256; 32)
+    dict(name="d256_g4", dtype="float32", H=4, KVH=1, D=256, bs=16, win=None,
+         reqs=[(0, 21), (40, 1), (9, 3)]),
+    dict(name="d32_bf16_cache", dtype="float32", cache_dtype="bfloat16", H=6, KVH=2, D=32,
+         bs=16, win=None, reqs=MIXED),
 ]
 
 

@@ -78,7 +78,7 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
     import numpy as np
     import torch
 
-    other = cpu_kernels._build(march=march, matmuls_only=True)
+    other = cpu_kernels._build(march=march, simd_only=True)
     native = cpu_kernels.extension()
     rng = np.random.default_rng(0)
     n, k = 70, 192          # N not a multiple of any row block; K = 6 groups of 32
@@ -105,3 +105,45 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
             want = x @ (i8.to(torch.float32) * s.repeat_interleave(k // s.shape[1], 1)).T
             for ext in (native, other):
                 torch.testing.assert_close(ext.int8_matmul(x, i8, s), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", _isa_variants())
+def test_every_instruction_set_branch_computes_the_same_attention(march) -> None:
+    """paged_attention on another instruction set's branch of csrc/simd.h equals this
+    machine's build (float32 summation order apart): the blocked kernel at every head size it
+    takes (32..256, as 4..32 vectors of either width) and the plain loop (80), float32,
+    bfloat16, float16 and both FP8 caches (per-head scales), a soft cap, attention sinks, a
+    sliding window; and on a float32 cache both equal the torch reference."""
+    import torch
+    from paged_cases import make_step, rel_err
+
+    from folio.model.attention.cpu_backend import CpuPagedAttention
+    from folio.model.attention.torch_paged import TorchPagedAttention
+
+    native = CpuPagedAttention()
+    other = CpuPagedAttention()
+    other._kernel = cpu_kernels._build(march=march, simd_only=True)
+    gen = torch.Generator().manual_seed(3)
+    reqs = [(0, 19), (33, 1), (70, 2), (5, 1)]
+    for D in (32, 64, 80, 128, 256):
+        for cache_dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
+            case = dict(dtype="float32", cache_dtype="float32", H=6, KVH=2, D=D, bs=16,
+                        reqs=reqs)
+            q, k, v, cache, meta = make_step(case, gen)
+            cache = (cache * 0.5).to(getattr(torch, cache_dtype))
+            extra = {}
+            if cache_dtype.startswith("float8"):
+                extra = dict(k_scale=torch.tensor([0.02, 0.05]), v_scale=torch.tensor([0.03, 0.01]))
+            window = 24 if D == 128 else None
+            capped = dict(logits_soft_cap=30.0, sinks=torch.randn(6, generator=gen)) \
+                if D in (64, 256) else {}
+            outs = []
+            for backend in (native, other):
+                outs.append(backend.forward(q, k, v, cache.clone(), meta, scale=D ** -0.5,
+                                            sliding_window=window, **extra, **capped))
+            assert rel_err(outs[1], outs[0]) < 1e-5, (D, cache_dtype)
+            if cache_dtype == "float32" and not capped:
+                ref = TorchPagedAttention().forward(q, k, v, cache.clone(), meta,
+                                                    scale=D ** -0.5, sliding_window=window)
+                assert rel_err(outs[0], ref) < 1e-5, (D, "reference")

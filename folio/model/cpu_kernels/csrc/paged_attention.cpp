@@ -32,15 +32,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#endif
+namespace simd = folio_cpu::simd;
+using simd::Vf;
+constexpr int64_t kLanes = simd::kLanes;
 
 template <typename T>
 constexpr bool kIsFp8 =
@@ -49,50 +47,29 @@ constexpr bool kIsFp8 =
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
-#if defined(__AVX512F__)
-// Sixteen float8 elements as float32, exactly, through float16's bits. e5m2 is float16's top
-// byte. e4m3fn's exponent (bias 7) and mantissa shifted into float16's places (bias 15) make
-// the value / 2^8, subnormals included, which times 256 restores exactly. (e4m3fn's NaN, never
-// written, would read as 480.)
+// kLanes cache elements from `src` as float32; FP8 ones dequantized (times `scale`, which the
+// other dtypes ignore).
 template <typename T>
-inline __m512 fp8x16_to_float(const T* src) {
-  const __m256i w =
-      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+inline Vf load_row(const T* src, Vf scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    return simd::load(src);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return simd::load_bf16(reinterpret_cast<const uint16_t*>(src));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return simd::load_f16(reinterpret_cast<const uint16_t*>(src));
   } else {
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
+    constexpr bool kE4M3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+    return simd::mul(simd::load_fp8<kE4M3>(reinterpret_cast<const uint8_t*>(src)), scale);
   }
 }
-#endif
 
 // A row of D cache elements as float32 (a copy unless the cache is float32); an FP8 row times
 // `scale` (dequantized), which the other dtypes ignore.
 template <typename T>
 inline const float* row_as_float(const T* src, int64_t D, float* scratch, float scale) {
   int64_t d = 0;
-#if defined(__AVX512F__)
-  if constexpr (kIsFp8<T>) {
-    const __m512 vs = _mm512_set1_ps(scale);
-    for (; d + kLanes <= D; d += kLanes) {
-      _mm512_storeu_ps(scratch + d, _mm512_mul_ps(fp8x16_to_float(src + d), vs));
-    }
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // bfloat16 is float32's top half: widen and shift.
-    for (; d + kLanes <= D; d += kLanes) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-      _mm512_storeu_ps(scratch + d, _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; d + kLanes <= D; d += kLanes) {
-      _mm512_storeu_ps(scratch + d, _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-    }
-  }
-#endif
+  const Vf vs = simd::set1(scale);
+  for (; d + kLanes <= D; d += kLanes) simd::store(scratch + d, load_row(src + d, vs));
   if constexpr (kIsFp8<T>) {
     for (; d < D; ++d) scratch[d] = to_float(src[d]) * scale;
   } else {
@@ -107,50 +84,20 @@ inline const float* row_as_float<float>(const float* src, int64_t, float*, float
 
 inline float dot(const float* a, const float* b, int64_t D) {
   int64_t d = 0;
-  float acc = 0.0f;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_setzero_ps();
-  for (; d + kLanes <= D; d += kLanes) {
-    v = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), v);
-  }
-  acc = _mm512_reduce_add_ps(v);
-#endif
+  Vf v = simd::zero();
+  for (; d + kLanes <= D; d += kLanes) v = simd::fma(simd::load(a + d), simd::load(b + d), v);
+  float acc = simd::reduce_add(v);
   for (; d < D; ++d) acc += a[d] * b[d];
   return acc;
 }
 
 inline void axpy(float w, const float* x, float* y, int64_t D) {
   int64_t d = 0;
-#if defined(__AVX512F__)
-  const __m512 vw = _mm512_set1_ps(w);
-  for (; d + kLanes <= D; d += kLanes) {
-    _mm512_storeu_ps(y + d, _mm512_fmadd_ps(vw, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
-  }
-#endif
+  const Vf vw = simd::set1(w);
+  for (; d + kLanes <= D; d += kLanes)
+    simd::store(y + d, simd::fma(vw, simd::load(x + d), simd::load(y + d)));
   for (; d < D; ++d) y[d] += w * x[d];
 }
-
-#if defined(__AVX512F__)
-// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + f with |f| <= ln2 / 2, e^f by
-// its Taylor series to degree 7 (truncation below 1e-8 relative, under float32's rounding),
-// times 2^n by vscalefps.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // s[i] = softmax(s)[i] over n scores, in place. cap > 0 soft-caps the scores first (a scalar
 // tanh pass: only capped models pay for it); sink (-inf: none) is one more logit in the
@@ -162,29 +109,25 @@ inline void softmax(float* s, int64_t n, float cap, float sink) {
   }
   float m = sink;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  const Vf vm = simd::set1(m);
+  Vf vt = simd::zero();
   int64_t i = 0;
-  float total = 0.0f;
-#if defined(__AVX512F__)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vt = _mm512_setzero_ps();
   for (; i + kLanes <= n; i += kLanes) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-    _mm512_storeu_ps(s + i, e);
-    vt = _mm512_add_ps(vt, e);
+    const Vf e = simd::exp_nonpositive(simd::sub(simd::load(s + i), vm));
+    simd::store(s + i, e);
+    vt = simd::add(vt, e);
   }
-  if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
-    _mm512_mask_storeu_ps(s + i, k, e);
-    vt = _mm512_add_ps(vt, _mm512_maskz_mov_ps(k, e));
-    i = n;
+  if (i < n) {  // the last few: padded with the maximum, their exps then zeroed before the sum
+    const int count = static_cast<int>(n - i);
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, m);
+    std::copy(s + i, s + n, tail);
+    simd::store(tail, simd::exp_nonpositive(simd::sub(simd::load(tail), vm)));
+    std::fill(tail + count, tail + kLanes, 0.0f);
+    vt = simd::add(vt, simd::load(tail));
+    std::copy(tail, tail + count, s + i);
   }
-  total = _mm512_reduce_add_ps(vt);
-#endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - m);
-    total += s[i];
-  }
+  float total = simd::reduce_add(vt);
   if (sink > -std::numeric_limits<float>::infinity()) total += std::exp(sink - m);
   const float inv = 1.0f / total;
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
@@ -235,116 +178,74 @@ void write_cache(const Heads& key, const Heads& value, T* cache, const int64_t* 
   });
 }
 
-#if defined(__AVX512F__)
-// Sixteen cache elements from `src` as float32; FP8 ones dequantized (times `scale`, which the
-// other dtypes ignore).
-template <typename T>
-inline __m512 load16(const T* src, __m512 scale) {
-  if constexpr (kIsFp8<T>) {
-    return _mm512_mul_ps(fp8x16_to_float(src), scale);
-  } else if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(src);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  }
-}
-
-// Sixteen vectors -> one: lane i holds the sum of a[i]'s lanes. Halving in four rounds (256-,
-// 128-, 64-, 32-bit pieces of pairs added), 46 instructions for the sixteen sums where one
-// horizontal sum each takes about ten.
-inline __m512 reduce16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
-                                 _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // e's element 4j + t holds the sum of a[4t + j].
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, e);
-}
-
-// Asks for the cache rows (16 * NV elements each) at offs[0..count) into L1.
-template <typename T, int NV>
-inline void prefetch_rows_n(const T* base, const int64_t* offs, int64_t count) {
-  constexpr int64_t kRowBytes = 16 * NV * sizeof(T);
-  for (int64_t i = 0; i < count; ++i) {
-    const char* row = reinterpret_cast<const char*>(base + offs[i]);
-    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-  }
+// Asks for the cache rows (D elements each) at offs[0..count) into L1.
+template <typename T, int64_t D>
+inline void prefetch_rows(const T* base, const int64_t* offs, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) simd::prefetch_bytes(base + offs[i], D * sizeof(T));
 }
 
 constexpr int64_t kValueAhead = 8;  // value rows prefetched this many keys ahead
 
-// The attention of one (query token, KV head) task for head_dim D = 16 * NV: each query
-// head's scores sixteen keys at a time (sixteen independent FMA chains, one reduce16), then
+// The attention of one (query token, KV head) task for head_dim D = kLanes * NV: each query
+// head's scores kLanes keys at a time (kLanes independent FMA chains, one reduce_lanes), then
 // the weighted sum of value rows with the accumulators of up to kHeadsPerPass heads held in
 // registers, each value row read once for them.
 template <typename T, int NV>
 void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
                  const int64_t* offs, int64_t n, int64_t G, float scale, float k_scale,
                  float v_scale, float cap, const float* sinks, float* scores) {
-  const auto prefetch_rows = prefetch_rows_n<T, NV>;
-  const __m512 ks = _mm512_set1_ps(k_scale), vs = _mm512_set1_ps(v_scale);
+  constexpr int64_t D = kLanes * NV;
+  const Vf ks = simd::set1(k_scale), vs = simd::set1(v_scale);
   for (int64_t g = 0; g < G; ++g) {
-    __m512 q[NV];
+    Vf q[NV];
     for (int v = 0; v < NV; ++v)
-      q[v] = _mm512_mul_ps(_mm512_loadu_ps(q_heads[g] + 16 * v), _mm512_set1_ps(scale));
+      q[v] = simd::mul(simd::load(q_heads[g] + kLanes * v), simd::set1(scale));
     float* sg = scores + g * n;
-    if (g == 0) prefetch_rows(k_base, offs, std::min<int64_t>(16, n));
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int64_t count = std::min<int64_t>(16, n - j0);
-      // The next sixteen key rows while these are scored: a request's blocks lie anywhere in
+    if (g == 0) prefetch_rows<T, D>(k_base, offs, std::min<int64_t>(kLanes, n));
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, n - j0);
+      // The next kLanes key rows while these are scored: a request's blocks lie anywhere in
       // the cache, so the hardware prefetcher misses every block's start. (The first head
       // brings them in; the others find them in cache.)
-      if (g == 0 && j0 + 16 < n)
-        prefetch_rows(k_base, offs + j0 + 16, std::min<int64_t>(16, n - j0 - 16));
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) {
-        acc[i] = _mm512_setzero_ps();
+      if (g == 0 && j0 + kLanes < n)
+        prefetch_rows<T, D>(k_base, offs + j0 + kLanes, std::min<int64_t>(kLanes, n - j0 - kLanes));
+      Vf acc[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        acc[i] = simd::zero();
         if (i < count) {
           const T* k = k_base + offs[j0 + i];
-          for (int v = 0; v < NV; ++v) {
-            acc[i] = _mm512_fmadd_ps(q[v], load16(k + 16 * v, ks), acc[i]);
-          }
+          for (int v = 0; v < NV; ++v) acc[i] = simd::fma(q[v], load_row(k + kLanes * v, ks), acc[i]);
         }
       }
-      _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << count) - 1), reduce16(acc));
+      simd::store_first(sg + j0, simd::reduce_lanes(acc), static_cast<int>(count));
     }
     softmax(sg, n, cap, sinks ? sinks[g] : -std::numeric_limits<float>::infinity());
   }
-  constexpr int kHeadsPerPass = NV <= 4 ? 3 : 1;  // accumulators: at most 12 registers
+  // accumulators: at most 12 vectors (of AVX-512's 32 registers, or the spill of wider heads)
+  constexpr int kHeadsPerPass = NV <= 4 ? 3 : 1;
   for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
     const int heads = static_cast<int>(std::min<int64_t>(kHeadsPerPass, G - g0));
-    __m512 acc[kHeadsPerPass][NV];
+    Vf acc[kHeadsPerPass][NV];
     for (int h = 0; h < kHeadsPerPass; ++h)
-      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
-    if (g0 == 0) prefetch_rows(v_base, offs, std::min<int64_t>(kValueAhead, n));
+      for (int v = 0; v < NV; ++v) acc[h][v] = simd::zero();
+    if (g0 == 0) prefetch_rows<T, D>(v_base, offs, std::min<int64_t>(kValueAhead, n));
     for (int64_t j = 0; j < n; ++j) {
-      if (g0 == 0 && j + kValueAhead < n) prefetch_rows(v_base, offs + j + kValueAhead, 1);
+      if (g0 == 0 && j + kValueAhead < n) prefetch_rows<T, D>(v_base, offs + j + kValueAhead, 1);
       const T* vr = v_base + offs[j];
-      __m512 row[NV];
-      for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v, vs);
-      for (int h = 0; h < kHeadsPerPass; ++h) {
-        if (h >= heads) break;
-        const __m512 w = _mm512_set1_ps(scores[(g0 + h) * n + j]);
-        for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
+      Vf w[kHeadsPerPass];
+      for (int h = 0; h < heads; ++h) w[h] = simd::set1(scores[(g0 + h) * n + j]);
+      for (int v = 0; v < NV; ++v) {  // one piece of the row at a time, for every head
+        const Vf row = load_row(vr + kLanes * v, vs);
+        for (int h = 0; h < kHeadsPerPass; ++h) {
+          if (h >= heads) break;
+          acc[h][v] = simd::fma(w[h], row, acc[h][v]);
+        }
       }
     }
     for (int h = 0; h < heads; ++h)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (g0 + h) * NV * 16 + 16 * v, acc[h][v]);
+      for (int v = 0; v < NV; ++v) simd::store(out + (g0 + h) * D + kLanes * v, acc[h][v]);
   }
 }
-#endif
 
 template <typename T>
 void attend(float* out, const Heads& query, const T* cache, const int64_t* tables,
@@ -354,6 +255,10 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
             const float* k_scale, const float* v_scale, float cap, const float* sinks) {
   const int64_t G = H / KVH;
   const int64_t row = KVH * D;              // elements of one cache slot
+  // head_dim as vectors, where attend_task has a build for it (4..32 vectors: head_dim 64 to
+  // 512 with AVX-512's 16 lanes, 32 to 256 with 8); other head dims take the plain loop below
+  const int64_t nv = D % kLanes == 0 ? D / kLanes : 0;
+  const int64_t task_nv = (nv == 4 || nv == 8 || nv == 16 || nv == 32) ? nv : 0;
   folio_cpu::parallel_tasks(T_tokens * KVH, [&](const auto& take) {
     std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
     std::vector<int64_t> offs;
@@ -366,8 +271,7 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
       const int64_t* table = tables + b * max_blocks;
       const float ks = k_scale[kvh], vs = v_scale[kvh];
       const float* group_sinks = sinks ? sinks + kvh * G : nullptr;  // this task's G heads
-#if defined(__AVX512F__)
-      if (D == 64 || D == 128) {
+      if (task_nv > 0) {
         // Each visible key's element offset in the cache plane, once for the K and V passes.
         offs.resize(n);
         for (int64_t j = lo; j <= pos;) {
@@ -379,15 +283,19 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         for (int64_t g = 0; g < G; ++g) q_heads[g] = query.at(t, kvh * G + g);
         scores.resize(G * n);
         float* o = out + (t * H + kvh * G) * D;
-        if (D == 64)
-          attend_task<T, 4>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            ks, vs, cap, group_sinks, scores.data());
-        else
-          attend_task<T, 8>(o, q_heads.data(), cache, cache + plane, offs.data(), n, G, scale,
-                            ks, vs, cap, group_sinks, scores.data());
+        auto task = [&](auto nv) {
+          attend_task<T, decltype(nv)::value>(o, q_heads.data(), cache, cache + plane,
+                                              offs.data(), n, G, scale, ks, vs, cap,
+                                              group_sinks, scores.data());
+        };
+        switch (task_nv) {
+          case 4: task(std::integral_constant<int, 4>{}); break;
+          case 8: task(std::integral_constant<int, 8>{}); break;
+          case 16: task(std::integral_constant<int, 16>{}); break;
+          default: task(std::integral_constant<int, 32>{}); break;
+        }
         continue;
       }
-#endif
       for (int64_t g = 0; g < G; ++g) {
         const float* src = query.at(t, kvh * G + g);
         for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;

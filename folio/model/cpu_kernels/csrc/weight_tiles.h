@@ -15,8 +15,9 @@
 namespace folio_cpu {
 
 // From this many rows of x on, the matmuls rebuild tiles of W and run torch's GEMM; below it
-// their register-blocked kernels are faster (measured on the 2-vCPU AVX-512 VM: equal at
-// 32 rows, the blocked kernels 1.5-2x faster at 4-16).
+// their register-blocked kernels are faster (measured on a 2-vCPU AVX-512 VM: equal at 32
+// rows, the blocked kernels 1.5-2x faster at 4-16; on an AVX2 EPYC VM equal at 32-33 rows:
+// tools/bench_cpu_kernels.py).
 constexpr int64_t kTileRows = 33;
 constexpr int64_t kTileBytes = 1 << 20;  // float32 bytes of one tile of W (fits L2)
 constexpr int64_t kRowTask = 64;         // rows of W per task of the few-row paths
