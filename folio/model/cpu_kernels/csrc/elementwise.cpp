@@ -19,7 +19,7 @@ void check_rows(const at::Tensor& x, const char* name) {
 }  // namespace
 
 std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
-                                    c10::optional<at::Tensor> residual) {
+                                 c10::optional<at::Tensor> residual) {
   check_rows(x, "x");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -60,9 +60,8 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
   return {out};
 }
 
-std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q,
-                                       at::Tensor k, at::Tensor cos, at::Tensor sin,
-                                       int64_t rotary_dim) {
+std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q, at::Tensor k,
+                                    at::Tensor cos, at::Tensor sin, int64_t rotary_dim) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.dim() == 1, "positions must be contiguous int64 [T]");
   const int64_t T = positions.size(0);

@@ -11,8 +11,7 @@
 #include <vector>
 
 // y [M, N] = x [M, K] @ W^T for W the sum of 4-bit planes (q4_matmul.cpp).
-at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale,
-                        at::Tensor zero);
+at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor zero);
 
 // y [M, N] = x [M, K] @ W^T for W = int8 codes [N, K] * float32 scales [N, G] per group of
 // K / G along K (int8_matmul.cpp).
@@ -32,13 +31,12 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key,
 // RMSNorm of each row of x (after adding residual when given: returns {out, x + residual}),
 // float32 (elementwise.cpp).
 std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
-                                    c10::optional<at::Tensor> residual);
+                                 c10::optional<at::Tensor> residual);
 
 // Neox rotary embedding of q [T, H, D] and k [T, KVH, D] (strided rows allowed) over their
 // first rotary_dim elements, into new contiguous tensors {q, k} (elementwise.cpp).
-std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q,
-                                       at::Tensor k, at::Tensor cos, at::Tensor sin,
-                                       int64_t rotary_dim);
+std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q, at::Tensor k,
+                                    at::Tensor cos, at::Tensor sin, int64_t rotary_dim);
 
 // silu(gate) * up for gate_up [T, 2I] = [gate | up] (elementwise.cpp).
 at::Tensor silu_and_mul(at::Tensor gate_up);

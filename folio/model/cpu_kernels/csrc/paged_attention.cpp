@@ -19,6 +19,7 @@
 // row sum to less than one).
 #include "ops.h"
 #include "parallel.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,8 +32,6 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-#include "simd.h"
 
 namespace {
 
@@ -208,13 +207,15 @@ void attend_task(float* out, const float* const* q_heads, const T* k_base, const
       // the cache, so the hardware prefetcher misses every block's start. (The first head
       // brings them in; the others find them in cache.)
       if (g == 0 && j0 + kLanes < n)
-        prefetch_rows<T, D>(k_base, offs + j0 + kLanes, std::min<int64_t>(kLanes, n - j0 - kLanes));
+        prefetch_rows<T, D>(k_base, offs + j0 + kLanes,
+                            std::min<int64_t>(kLanes, n - j0 - kLanes));
       Vf acc[kLanes];
       for (int i = 0; i < kLanes; ++i) {
         acc[i] = simd::zero();
         if (i < count) {
           const T* k = k_base + offs[j0 + i];
-          for (int v = 0; v < NV; ++v) acc[i] = simd::fma(q[v], load_row(k + kLanes * v, ks), acc[i]);
+          for (int v = 0; v < NV; ++v)
+            acc[i] = simd::fma(q[v], load_row(k + kLanes * v, ks), acc[i]);
         }
       }
       simd::store_first(sg + j0, simd::reduce_lanes(acc), static_cast<int>(count));

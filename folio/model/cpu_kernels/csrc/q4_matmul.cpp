@@ -145,8 +145,7 @@ void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0
 
 // x [M, K] float32 contiguous; the P planes stacked: codes [P, N, K/2] uint8, scale and zero
 // [P, N, K/32] float32, all contiguous. Returns y [M, N] float32.
-at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale,
-                        at::Tensor zero) {
+at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);

@@ -3,8 +3,9 @@
 // branch):
 //   * AVX-512: 16 lanes (__m512);
 //   * AVX2 + FMA (+ F16C, which every such chip has): 8 lanes (__m256) — most AMD EPYC/Ryzen
-//     before Zen 4 and many Intel client chips. Before this branch existed those machines ran the kernels' scalar loops, whose
-//     float sums the compiler may not vectorize: 1.2 GFLOP/s where the vector kernel makes tens;
+//     before Zen 4 and many Intel client chips. Before this branch existed those machines ran
+//     the kernels' scalar loops, whose float sums the compiler may not vectorize: 1.2 GFLOP/s
+//     where the vector kernel makes tens;
 //   * anything else (e.g. Arm): 8 plain floats whose element-wise loops the compiler vectorizes
 //     for the target's own registers (NEON and the like).
 // Only what the kernels use: loads and stores, FMA, horizontal sums, int8 widening, the 4-bit
