@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from folio.model.attention import AttentionBackend, AttentionMetadata
+from folio.model.cpu_layer import CpuLayerRunner
 from folio.model.families import ArchSpec
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -63,6 +64,8 @@ class DecoderLayer(nn.Module):
                 sinks=spec.attention_sinks)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.mlp = make_mlp(spec, layer_idx, kernels)
+        # The whole layer as one C++ call on the CPU where it qualifies (folio.model.cpu_layer)
+        self.cpu_runner = CpuLayerRunner()
 
     @property
     def _qkv_proj(self) -> Linear | None:
@@ -97,6 +100,10 @@ class DecoderLayer(nn.Module):
         return norm(hidden, residual)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
+        if not hidden.is_cuda:
+            out = self.cpu_runner.run(self, positions, hidden, residual, kv_cache, metadata)
+            if out is not None:
+                return out
         hidden, residual = self._norm_into(self.input_layernorm, self._qkv_proj, hidden,
                                            residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)

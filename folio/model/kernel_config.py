@@ -37,6 +37,9 @@ LORA_CHOICES = ("weight", "kernels")
 # Long fresh prefills' attention on CUDA through torch's fused kernel (cuDNN / FlashAttention;
 # folio/model/attention/dense_prefill.py): "1" = where it fits, "0" = the paged kernel always.
 DENSE_PREFILL_CHOICES = ("1", "0")
+# A Llama-form decoder layer on the CPU as one C++ call (folio/model/cpu_layer.py): "1" =
+# where the layer qualifies, "0" = the Python layer always (the A/B comparison's other side).
+CPU_LAYER_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
@@ -46,6 +49,7 @@ _ENV_OVERRIDES = {
     "FOLIO_PDL": ("pdl", PDL_CHOICES),
     "FOLIO_LORA": ("lora", LORA_CHOICES),
     "FOLIO_DENSE_PREFILL": ("dense_prefill", DENSE_PREFILL_CHOICES),
+    "FOLIO_CPU_LAYER": ("cpu_layer", CPU_LAYER_CHOICES),
 }
 
 
@@ -55,7 +59,8 @@ class KernelConfig:
     code ("torch" also turns the skinny GEMV off, as FOLIO_KERNELS=torch always did).
     `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
     CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
-    PDL_CHOICES. `lora`: one of LORA_CHOICES. `dense_prefill`: one of DENSE_PREFILL_CHOICES."""
+    PDL_CHOICES. `lora`: one of LORA_CHOICES. `dense_prefill`: one of DENSE_PREFILL_CHOICES.
+    `cpu_layer`: one of CPU_LAYER_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
@@ -63,6 +68,7 @@ class KernelConfig:
     pdl: str = "1"
     lora: str = "weight"
     dense_prefill: str = "1"
+    cpu_layer: str = "1"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -98,6 +104,12 @@ class KernelConfig:
         return self.dense_prefill == "1"
 
     @property
+    def cpu_layer_on(self) -> bool:
+        """Whether a qualifying decoder layer may run as one C++ call on the CPU (it also
+        needs the fused kernels: FOLIO_KERNELS=torch keeps the eager code everywhere)."""
+        return self.fused_kernels and self.cpu_layer == "1"
+
+    @property
     def lora_on_weight(self) -> bool:
         """Whether adapters' A rows may ride plain 16-bit base weights (LORA_CHOICES)."""
         return self.lora == "weight"
@@ -108,7 +120,7 @@ DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
     """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
-    FOLIO_DENSE_PREFILL from `env` (os.environ when None) applied over them. An unknown value is an error naming the variable:
+    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER from `env` (os.environ when None) applied over them. An unknown value is an error naming the variable:
     it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""
     env = os.environ if env is None else env
     overrides = {}

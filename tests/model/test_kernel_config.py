@@ -16,7 +16,8 @@ import torch
 from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, KernelConfig,
                                        resolve_kernel_config)
 
-ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL")
+ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL", "FOLIO_LORA",
+            "FOLIO_DENSE_PREFILL", "FOLIO_CPU_LAYER")
 
 
 @pytest.fixture
@@ -37,13 +38,13 @@ def test_defaults() -> None:
     ("FOLIO_KERNELS", "torch", "kernels"), ("FOLIO_KERNELS", "triton", "kernels"),
     ("FOLIO_ATTENTION", "torch", "attention"),
     ("FOLIO_GEMV", "0", "gemv"), ("FOLIO_GEMV", "narrow", "gemv"), ("FOLIO_GEMV", "all", "gemv"),
-    ("FOLIO_PDL", "0", "pdl"),
+    ("FOLIO_PDL", "0", "pdl"), ("FOLIO_CPU_LAYER", "0", "cpu_layer"),
 ])
 def test_env_overrides_one_field(var: str, value: str, field: str) -> None:
     cfg = resolve_kernel_config({var: value})
     assert getattr(cfg, field) == value
-    others = {f: getattr(DEFAULT_KERNEL_CONFIG, f) for f in ("kernels", "attention", "gemv", "pdl")
-              if f != field}
+    others = {f: getattr(DEFAULT_KERNEL_CONFIG, f)
+              for f in ("kernels", "attention", "gemv", "pdl", "cpu_layer") if f != field}
     assert all(getattr(cfg, f) == v for f, v in others.items())
 
 

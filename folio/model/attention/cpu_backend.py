@@ -25,8 +25,8 @@ class CpuPagedAttention(AttentionBackend):
         self._kernel = extension()
 
     @staticmethod
-    def _layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor]:
+    def layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
         """The step's layout as the kernel's int64 tensors, built once and shared by every
         layer."""
         layout = meta.cache.get(_LAYOUT_KEY)
@@ -40,7 +40,7 @@ class CpuPagedAttention(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
                 k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
-        slots, tables, qsl, lens = self._layout(metadata)
+        slots, tables, qsl, lens = self.layout(metadata)
         dtype = query.dtype
         q, k, v = (_rows(x) for x in (query, key, value))
         out = torch.empty(q.shape, dtype=torch.float32)

@@ -1,6 +1,7 @@
 """folio's C++ CPU kernels (csrc/): the 4-bit-plane and int8 matmuls of folio.model.quant, the
-paged attention of folio.model.attention.cpu_backend, and the float32 RMSNorm / rotary /
-SiLU-and-mul of folio.model.layers.
+paged attention of folio.model.attention.cpu_backend, the float32 RMSNorm / rotary /
+SiLU-and-mul of folio.model.layers, and a Llama-form decoder layer built from them
+(folio.model.cpu_layer: one call per layer and step).
 
 One extension, compiled on first use with torch's extension builder and cached
 (TORCH_EXTENSIONS_DIR, or ~/.cache/torch_extensions): the first start on a machine takes about
@@ -25,7 +26,8 @@ from typing import Any, Iterator
 logger = logging.getLogger(__name__)
 
 _NAME = "folio_cpu_kernels"
-_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp", "elementwise.cpp")
+_SOURCES = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp",
+            "elementwise.cpp", "decoder_layer.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # The instruction set csrc/simd.h writes the kernels for follows -march: AVX-512, AVX2 + FMA, or
 # portable loops. Tests build the other variants with `_build(march=...)`.

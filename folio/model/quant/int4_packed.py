@@ -55,6 +55,10 @@ class PackedInt4Weight(PackedWeight):
         self._matmul = functools.partial(extension().q4_matmul, codes=self.codes,
                                          scale=self.scale, zero=self.zero)
 
+    def cpu_parts(self) -> list:
+        from folio.model.cpu_kernels import extension
+        return [extension().q4_part(self.codes, self.scale, self.zero)]
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         k = self.in_features

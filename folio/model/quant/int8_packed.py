@@ -36,6 +36,10 @@ class PackedInt8Weight(PackedWeight):
         self._matmul = functools.partial(extension().int8_matmul, codes=self.codes,
                                          scale=self.scale)
 
+    def cpu_parts(self) -> list:
+        from folio.model.cpu_kernels import extension
+        return [extension().int8_part(self.codes, self.scale)]
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         codes = self.codes.index_select(0, flat).to(torch.float32)

@@ -33,6 +33,11 @@ class PackedWeight(nn.Module):
         """Rows `ids` of W, rebuilt exactly in float32 ([*ids.shape, K])."""
         raise NotImplementedError
 
+    def cpu_parts(self) -> list | None:
+        """W as the C++ decoder layer takes it (folio.model.cpu_layer): the extension's packed
+        parts whose outputs, concatenated, are forward's; None where it has no such form."""
+        return None
+
     def dequantize(self) -> torch.Tensor:
         """W in float32 (tests, reference)."""
         return self.lookup(torch.arange(self.out_features))
@@ -55,6 +60,10 @@ class PackedConcat(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("a concatenation of packed shards has no row lookup")
+
+    def cpu_parts(self) -> list | None:
+        parts = [p.cpu_parts() for p in self.parts]
+        return None if any(p is None for p in parts) else [q for p in parts for q in p]
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts], dim=0)
