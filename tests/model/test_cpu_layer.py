@@ -207,7 +207,20 @@ def test_a_replaced_projection_is_rebuilt(packed_model) -> None:
         assert runner.run(layer, positions, hidden, residual, kv.clone(), meta) is not None
 
 
+class _Wrapped(nn.Module):
+    """A module around a packed weight that does more than multiply by it."""
+
+    def __init__(self, packed: nn.Module) -> None:
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.forward(x.flip(-1))
+
+
 def test_layers_that_do_not_qualify(packed_model) -> None:
+    from folio.model.quant.packed import PackedConcat
     layer = packed_model.layers[LAYER]
     assert build_layer_kernel(layer) is not None
     proj = layer.self_attn.qkv_proj
@@ -225,6 +238,9 @@ def test_layers_that_do_not_qualify(packed_model) -> None:
     with _swapped(layer.input_layernorm, kernels=layer_off):          # FOLIO_CPU_LAYER=0
         assert build_layer_kernel(layer) is None
     with _swapped(proj, packed=None):   # a float weight
+        assert build_layer_kernel(layer) is None
+    wrapped = _Wrapped(proj.packed)       # e.g. an act-order permutation around a packed weight
+    with _swapped(proj, packed=PackedConcat([wrapped])):
         assert build_layer_kernel(layer) is None
     assert build_layer_kernel(layer) is not None
 

@@ -62,7 +62,8 @@ class PackedConcat(nn.Module):
         raise TypeError("a concatenation of packed shards has no row lookup")
 
     def cpu_parts(self) -> list | None:
-        parts = [p.cpu_parts() for p in self.parts]
+        # a part that is not a PackedWeight (an act-order permutation around one) has none
+        parts = [p.cpu_parts() if hasattr(p, "cpu_parts") else None for p in self.parts]
         return None if any(p is None for p in parts) else [q for p in parts for q in p]
 
     def dequantize(self) -> torch.Tensor:
