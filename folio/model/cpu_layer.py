@@ -28,6 +28,7 @@ from folio.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbed
 
 __all__ = ["CpuLayerRunner"]
 
+
 class CpuLayerRunner:
     """One decoder layer's C++ form, built on its first CPU float32 step and rebuilt when an
     attribute it was built from is replaced (loading, LoRA, KV scales): `run` checks those

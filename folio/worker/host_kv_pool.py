@@ -1,29 +1,23 @@
 """The host-memory KV tier's pool on the worker's side (--kv-offloading-size): one host tensor
-[layers, host slots, planes, block_size, heads, width], pinned when the cache is on a GPU, and
+[host slots, layers, planes, block_size, heads, width], pinned when the cache is on a GPU, and
 the copies each step's message asks for (folio/core/kv_offload.py decides them).
 
-Saves (device blocks the scheduler evicted) run before the step's forward pass, in stream
-order, so they read the blocks before this step may overwrite them. Loads (host slots into
-the new device blocks of a prefix hit on the host tier) are where the tier's time goes: on
-the H200 a 1,600-token Llama-3-8B prefix (200 MB) loaded in stream order before the forward
-took the step from 9.4 ms (a device hit) to 18.0 ms. So on a GPU the loads run on a side
-stream, layer by layer, each layer's copies ending in an event (`LayerLoads`), and the
-forward pass waits for a layer's event only when it reaches that layer: the PCIe copies of
-layer j + 1 overlap the compute of layer j.
+Saves (device blocks the scheduler evicted) are gathered on the device in stream order, so
+they read the blocks before this step may overwrite them; their device-to-host copies then run
+on a side stream. Loads (host slots into the new device blocks of a prefix hit on the host
+tier) are where the tier's time goes, and on a GPU they too run on a side stream: each layer's
+blocks scattered into the cache end in an event (`LayerLoads`), and the forward pass waits for
+a layer's event only when it reaches that layer.
 
-A step that loads usually saves too: the device blocks a host-tier hit loads into are the
-cached blocks the pool just evicted, and those are saved first (in the bench's case, 200 MB
-each way in one step). In stream order the saves' device-to-host copies and the loads'
-host-to-device ones ran one after the other, and the forward after both. `transfer` runs
-them as a pipeline instead: the saves on a second side stream, layer by layer, each layer's
-loads waiting only for that layer's saves, so the two directions of the PCIe link (separate
-copy engines) work at once and the forward starts at once. A step that saves and does not
-load keeps its saves in stream order (no waits to make; its decode graph replays).
-
-Why layer-major: a layer's blocks for a run of consecutive host slots are then one contiguous
-host range, one DMA; the first layout (a host tensor per layer, gathered on the CPU into
-pageable memory) took 122 ms for the same load, slower than recomputing (46 ms). Each DMA
-lands in a device staging buffer, and the layer's blocks are scattered from it on the device.
+Why slot-major: a slot's blocks of every layer are one contiguous host range, so a load makes
+one DMA per run of consecutive slots. The earlier layout was layer-major ([layers, slots,
+...]), a DMA per run per layer, so that the copies of layer j + 1 could overlap the compute of
+layer j; but once the tier had filled and its LRU victims left a prefix's slots scattered,
+that was a DMA per block and layer — 3,200 copies of 64 KiB for a 1,600-token Llama-3-8B
+prefix, 35 ms on the H200 for 200 MB, bound by launching them (consecutive slots: 4.8 ms).
+Slot-major, the same load is 100 copies of 2 MiB whatever the slots (4.1 ms measured for such
+copies), and the per-layer overlap it gives up was worth ~1.6 ms there. The device staging
+buffers are taken in chunks of slots (`_CHUNK_BYTES`), not a whole prefix at once.
 Host memory is read or written by the CPU (the disk tier's files) only after `sync()`.
 """
 from __future__ import annotations
@@ -69,6 +63,32 @@ class LayerLoads:
         self.wait(len(self.events) - 1)    # the side stream records the layers in order
 
 
+# Device staging of a step's copies: at most this many bytes of slots at a time (a long
+# prefix of a large model would otherwise stage gigabytes beside the KV cache).
+_CHUNK_BYTES = 256 << 20
+
+
+def _chunks(runs: list[tuple[int, int, int]], max_slots: int
+            ) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """`runs` (start in the pairs, first slot, length) cut into chunks of at most `max_slots`
+    slots: (the chunk's first pair, its runs with starts relative to that pair). Runs cover
+    the pairs in order, so a chunk is the pairs [first, first + its slots)."""
+    chunks, current, room, base = [], [], max_slots, 0
+    for start, slot, length in runs:
+        while length > 0:
+            take = min(length, room)
+            if not current:
+                base = start
+            current.append((start - base, slot, take))
+            start, slot, length, room = start + take, slot + take, length - take, room - take
+            if room == 0:
+                chunks.append((base, current))
+                current, room = [], max_slots
+    if current:
+        chunks.append((base, current))
+    return chunks
+
+
 class HostKVPool:
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
         """Host slots shaped like `kv_caches`' blocks (the worker's cache; it may be
@@ -82,11 +102,13 @@ class HostKVPool:
             raise ValueError("the host KV tier needs every layer's blocks of one shape and dtype")
         self.num_slots = num_slots
         self._cuda = first.device.type == "cuda"
-        self.slots = torch.empty((len(kv_caches), num_slots, *block_shape), dtype=first.dtype,
+        self.slots = torch.empty((num_slots, len(kv_caches), *block_shape), dtype=first.dtype,
                                  pin_memory=self._cuda)
         # Per-layer views, [slots, planes, block_size, heads, width] (the disk tier's files
-        # hold a slot of each, in layer order).
-        self.host = [self.slots[i] for i in range(len(kv_caches))]
+        # hold a slot of each, in layer order: the slot's own contiguous range).
+        self.host = [self.slots[:, i] for i in range(len(kv_caches))]
+        slot_bytes = self.slots[0].numel() * self.slots.element_size()
+        self._chunk_slots = max(1, _CHUNK_BYTES // max(slot_bytes, 1))
         self._pending = False      # asynchronous copies from or into host memory not waited for
         self._stream = torch.cuda.Stream(first.device) if self._cuda else None        # loads
         self._save_stream = torch.cuda.Stream(first.device) if self._cuda else None   # saves
@@ -106,68 +128,56 @@ class HostKVPool:
     def transfer(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
                  loads: list[tuple[int, int]]) -> LayerLoads | None:
         """A step's saves (device block, host slot), then its loads (host slot, device
-        block), as `save` then `load` would leave them; on a GPU, with both, pipelined layer
-        by layer on the two side streams (the module's docstring says why). Returns what
-        `load` returns: the forward waits for each layer's LayerLoads event, which comes
-        after that layer's saves as well."""
-        if not (self._cuda and saves and loads):
-            self.save(kv_caches, saves)
-            return self.load(kv_caches, loads)
-        main = torch.cuda.current_stream(kv_caches[0].device)
-        self._save_stream.wait_stream(main)
-        saved = []
-        with torch.cuda.stream(self._save_stream):
-            self._save_layers(kv_caches, saves, after_each=saved)
-        return self.load(kv_caches, loads, after_saves=saved)
+        block), as `save` then `load` would leave them: the saves' gathers are queued on the
+        current stream first, so the loads (after them) may overwrite the blocks they read
+        while the saves' copies to the host still run. Returns what `load` returns."""
+        self.save(kv_caches, saves)
+        return self.load(kv_caches, loads)
 
     @torch.inference_mode()
     def save(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]]) -> None:
-        """Copy device blocks into host slots, pairs (device block, host slot), in the
-        current stream's order."""
-        self._save_layers(kv_caches, saves)
-
-    @torch.inference_mode()
-    def _save_layers(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
-                     after_each: list | None = None) -> None:
-        """The saves on the current stream; `after_each`, when given, gets an event recorded
-        after each layer's copies. On a side stream the temporaries are allocated and used
-        there only, so the caching allocator hands their memory on after these copies."""
+        """Copy device blocks into host slots, pairs (device block, host slot): gathered from
+        the caches in the current stream's order, copied to the host on the save stream."""
         if not saves:
             return
         pairs = sorted((slot, block) for block, slot in saves)
-        runs = _runs(pairs)
-        blocks = _device_index([b for _, b in pairs], kv_caches[0].device)
-        for layer, cache in enumerate(kv_caches):
-            staged = cache.index_select(1, blocks).transpose(0, 1).contiguous()  # [n, planes, ...]
-            for start, slot, length in runs:
-                self.slots[layer, slot:slot + length].copy_(staged[start:start + length],
-                                                            non_blocking=self._cuda)
-            if after_each is not None:
-                event = torch.cuda.Event()
-                event.record()
-                after_each.append(event)
+        device = kv_caches[0].device
+        blocks = _device_index([b for _, b in pairs], device)
+        for first, chunk in _chunks(_runs(pairs), self._chunk_slots):
+            count = sum(length for _, _, length in chunk)
+            index = blocks[first:first + count]
+            # [count, layers, planes, ...]: each slot's blocks of every layer, contiguous
+            staged = torch.stack([cache.index_select(1, index).transpose(0, 1)
+                                  for cache in kv_caches], dim=1)
+            if not self._cuda:
+                for start, slot, length in chunk:
+                    self.slots[slot:slot + length].copy_(staged[start:start + length])
+                continue
+            self._save_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._save_stream):
+                for start, slot, length in chunk:
+                    self.slots[slot:slot + length].copy_(staged[start:start + length],
+                                                         non_blocking=True)
+            staged.record_stream(self._save_stream)   # kept until those copies are done
         self._pending = self._cuda
 
     @torch.inference_mode()
-    def load(self, kv_caches: list[torch.Tensor], loads: list[tuple[int, int]],
-             after_saves: list | None = None) -> LayerLoads | None:
+    def load(self, kv_caches: list[torch.Tensor], loads: list[tuple[int, int]]
+             ) -> LayerLoads | None:
         """Copy host slots into device blocks, pairs (host slot, device block), after
-        everything queued so far (this step's saves may have read the blocks the loads
-        overwrite) and, given `after_saves` (one event per layer, `transfer`), each layer's
-        after that layer's event. On a CPU the copies are done on return (None); on a GPU
-        they run on the side stream, and the returned LayerLoads says when each layer's are
+        everything queued so far on the current stream (this step's saves gathered the blocks
+        the loads overwrite). On a CPU the copies are done on return (None); on a GPU they
+        run on the side stream, and the returned LayerLoads says when each layer's are
         done."""
         if not loads:
             return None
         pairs = sorted(loads)
-        runs = _runs(pairs)
         device = kv_caches[0].device
+        chunks = _chunks(_runs(pairs), self._chunk_slots)
         if not self._cuda:
             blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64)
-            slots = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
-            for layer, cache in enumerate(kv_caches):
-                cache.index_copy_(1, blocks, self.slots[layer].index_select(0, slots)
-                                  .transpose(0, 1))
+            for first, chunk in chunks:
+                self._load_chunk(kv_caches, first, chunk, blocks)
             return None
         side = self._stream
         side.wait_stream(torch.cuda.current_stream(device))
@@ -176,17 +186,28 @@ class HostKVPool:
             # Allocated on the side stream and used only there: the caching allocator hands
             # their memory to other work of this stream only, after these copies.
             blocks = _device_index([b for _, b in pairs], device)
-            staged = torch.empty((len(pairs), *self.slots.shape[2:]), dtype=self.slots.dtype,
-                                 device=device)
-            for layer, cache in enumerate(kv_caches):
-                if after_saves is not None:
-                    side.wait_event(after_saves[layer])
-                for start, slot, length in runs:
-                    staged[start:start + length].copy_(self.slots[layer, slot:slot + length],
-                                                       non_blocking=True)
-                cache.index_copy_(1, blocks, staged.transpose(0, 1))
-                event = torch.cuda.Event()
-                event.record(side)
-                events.append(event)
+            for i, (first, chunk) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                self._load_chunk(kv_caches, first, chunk, blocks, events if last else None)
         self._pending = True
         return LayerLoads(events)
+
+    def _load_chunk(self, kv_caches: list[torch.Tensor], first: int,
+                    chunk: list[tuple[int, int, int]], blocks: torch.Tensor,
+                    events: list | None = None) -> None:
+        """One chunk of runs (pairs [first, first + its slots), `blocks` every pair's device
+        block): its slots to a device staging buffer, one copy per run, then scattered into
+        each layer's cache; `events` gets one per layer after its scatter."""
+        count = sum(length for _, _, length in chunk)
+        staged = torch.empty((count, *self.slots.shape[1:]), dtype=self.slots.dtype,
+                             device=kv_caches[0].device)
+        for start, slot, length in chunk:
+            staged[start:start + length].copy_(self.slots[slot:slot + length],
+                                               non_blocking=self._cuda)
+        index = blocks[first:first + count]
+        for layer, cache in enumerate(kv_caches):
+            cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
+            if events is not None:
+                event = torch.cuda.Event()
+                event.record()
+                events.append(event)

@@ -74,7 +74,8 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
     """csrc/simd.h writes the matmul kernels once for AVX-512, AVX2 + FMA and plain loops; the
     build picks one by -march. A build for another branch than this machine's gives the same
     products (float32 summation order apart) on every path: 1..8-row blocks with their row
-    remainders, the tiled many-row path, two planes, per-group and per-row int8 scales."""
+    remainders, the tiled many-row path, two planes, float32 and float16 group parameters,
+    per-group and per-row int8 scales."""
     import numpy as np
     import torch
 
@@ -93,14 +94,19 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
     groups = codes.view(2, n, k // 32, 16).to(torch.float32)
     nibbles = torch.cat([groups % 16, torch.div(groups, 16, rounding_mode="floor")], dim=-1)
     planes_w = ((nibbles - 8) * scale[..., None] + zero[..., None]).view(2, n, k)
+    # float16 group parameters: ggml's d and m, weights code * d + m
+    d16, m16 = scale.half(), zero.half()
+    planes_w16 = (nibbles * d16.float()[..., None] + m16.float()[..., None]).view(2, n, k)
     for m in (1, 3, 8, 11, 40):
         x = torch.randn(m, k)
         for planes in (1, 2):
-            args = (x, codes[:planes].contiguous(), scale[:planes].contiguous(),
-                    zero[:planes].contiguous())
-            want = x @ planes_w[:planes].sum(0).T
-            for ext in (native, other):
-                torch.testing.assert_close(ext.q4_matmul(*args), want, rtol=1e-4, atol=1e-4)
+            for params, weights in (((scale, zero), planes_w), ((d16, m16), planes_w16)):
+                args = (x, codes[:planes].contiguous(), params[0][:planes].contiguous(),
+                        params[1][:planes].contiguous())
+                want = x @ weights[:planes].sum(0).T
+                for ext in (native, other):
+                    torch.testing.assert_close(ext.q4_matmul(*args), want, rtol=1e-4,
+                                               atol=1e-4)
         for s in (group_scale, row_scale):
             want = x @ (i8.to(torch.float32) * s.repeat_interleave(k // s.shape[1], 1)).T
             for ext in (native, other):

@@ -4,6 +4,8 @@ packed matmuls equal dequantize-then-matmul within float32 error, and the defaul
 with every projection packed and gives the float path's logits."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +78,8 @@ def test_packed_matmul_equals_dequantized_matmul(type_name: str, rows: int) -> N
     weight = torch.from_numpy(_reference(type_name, raw, n, k))
     packed = packed_module([_decode(type_name, raw, (n, k))])
     assert isinstance(packed, PackedInt8Weight if type_name in INT8_BLOCKS else PackedInt4Weight)
+    if type_name in ("Q4_0", "Q4_1"):   # float16 d (and m) in the file: kept as such
+        assert packed.scale.dtype == packed.zero.dtype == torch.float16
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n)
     ref = (x.double() @ weight.double().t() + bias.double())
@@ -90,6 +94,42 @@ def test_packed_matmul_equals_dequantized_matmul(type_name: str, rows: int) -> N
         torch.testing.assert_close(packed.lookup(ids), weight[ids], rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(packed.lookup(ids), weight[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_float16_group_parameters_change_no_weight(rows: int) -> None:
+    """Planes whose scale and weight at code 0 are float16 values keep them as float16
+    (ggml's d and m: 5 bits a weight instead of 6), and every product and row is the float32
+    form's bit for bit; planes where either is not (a K-quant's products of two scales, or
+    a zero whose m is not exact) keep float32."""
+    from folio.model.quant.gguf_planes import Plane
+    from folio.model.quant.int4_packed import _half_params
+    rng = np.random.default_rng(rows)
+    n, k = 37, 128
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    d = (rng.standard_normal((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
+    m = (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
+    plane = Plane(codes, d, m + 8 * d)            # a Q4_1 group: scale d, zero m + 8 d
+    half = PackedInt4Weight([plane])
+    assert half.scale.dtype == torch.float16
+    assert torch.equal(half.scale.float()[0], torch.from_numpy(d))
+    assert torch.equal(half.zero.float()[0], torch.from_numpy(m))
+    full = PackedInt4Weight([plane])
+    full.scale = torch.from_numpy(plane.scale[None].copy())     # the float32 form, by hand
+    full.zero = torch.from_numpy(plane.zero[None].copy())
+    full._matmul = functools.partial(full._matmul.func, codes=full.codes, scale=full.scale,
+                                     zero=full.zero)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(half(x), full(x))
+    ids = torch.arange(n)
+    assert torch.equal(half.lookup(ids), torch.from_numpy(plane.dequantize()))
+    assert torch.equal(half.lookup(ids), full.lookup(ids))
+    # not float16 values: float32 kept
+    k_scale = d * np.float32(37.0 / 64.0) + np.float32(1e-9)
+    assert _half_params(k_scale[None], (m + 8 * d)[None]) is None
+    assert PackedInt4Weight([Plane(codes, k_scale, m + 8 * d)]).scale.dtype == torch.float32
+    # a weight at code 0 that is not a float16 value
+    assert _half_params(d[None], (m + 8 * d + np.float32(1e-7) * d)[None]) is None
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -13,7 +13,9 @@ from transformers import AutoConfig
 from folio.model.attention.backend import AttentionMetadata
 from folio.model.discovery import resolve_model_source
 from folio.model.loader import load_model
-from folio.worker.host_kv_pool import HostKVPool, _runs
+import pytest
+
+from folio.worker.host_kv_pool import HostKVPool, _chunks, _runs
 from folio.worker.kv_cache import allocate_kv_caches
 
 
@@ -22,11 +24,24 @@ def test_runs_of_consecutive_slots():
     assert _runs(pairs) == [(0, 2, 3), (3, 7, 1), (4, 9, 2)]
 
 
-def test_saved_blocks_load_back_bit_for_bit():
+def test_chunks_of_runs():
+    runs = [(0, 2, 3), (3, 7, 1), (4, 9, 2)]
+    assert _chunks(runs, 10) == [(0, runs)]
+    assert _chunks(runs, 2) == [(0, [(0, 2, 2)]), (2, [(0, 4, 1), (1, 7, 1)]),
+                                (4, [(0, 9, 2)])]
+    assert _chunks(runs, 1) == [(i, [(0, s, 1)]) for i, s in enumerate([2, 3, 4, 7, 9, 10])]
+
+
+@pytest.mark.parametrize("chunk_slots", [None, 2])
+def test_saved_blocks_load_back_bit_for_bit(chunk_slots):
+    """Slot-major host memory (a slot's blocks of every layer in one range); copies staged in
+    chunks of slots (`chunk_slots`: as the pool cuts a long prefix)."""
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, 12, 4, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(3)]
     pool = HostKVPool(caches, num_slots=10)
-    assert tuple(pool.slots.shape) == (3, 10, 2, 4, 2, 8)
+    assert tuple(pool.slots.shape) == (10, 3, 2, 4, 2, 8)
+    if chunk_slots is not None:
+        pool._chunk_slots = chunk_slots
     saves = [(5, 3), (1, 4), (7, 5), (0, 9), (11, 0)]          # (device block, host slot)
     pool.save(caches, saves)
     want = [c.clone() for c in caches]

@@ -2,8 +2,13 @@
 lookups.
 
 Each plane's codes are stored two to a byte in ggml's order within a group of 32 (byte i holds
-element i in its low nibble and element i + 16 in its high one), with float32 scales and zeros
-per group: 4.5 bits per weight per plane instead of 32. The matmul is folio's C++ kernel
+element i in its low nibble and element i + 16 in its high one), with two parameters per group:
+float32 (scale, zero), weights (code - 8) * scale + zero, 6 bits per weight per plane; or,
+where every group allows it, float16 in ggml's form (d, m), weights code * d + m, 5 bits. A
+decode step streams the weights from memory, so the smaller form is what it waits for: a
+Q4_0 / Q4_1 file's d and m are float16 already, and the weights come out the same bit for bit
+(`_half_params`); K-quants' products of a super-block scale and a 6-bit one are not float16
+values, and keep float32. The matmul is folio's C++ kernel
 (folio/model/cpu_kernels/csrc/q4_matmul.cpp), float32 throughout.
 
 Why not torch's own CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`): it is fast only with
@@ -47,10 +52,13 @@ class PackedInt4Weight(PackedWeight):
         # The planes stacked ([P, N, ...]): the kernel takes three tensors, whatever P is.
         self.register_buffer("codes", torch.from_numpy(
             np.stack([_ggml_nibbles(p.codes) for p in planes])), persistent=False)
-        self.register_buffer("scale", torch.from_numpy(
-            np.stack([p.scale for p in planes]).astype(np.float32)), persistent=False)
-        self.register_buffer("zero", torch.from_numpy(
-            np.stack([p.zero for p in planes]).astype(np.float32)), persistent=False)
+        scale = np.stack([p.scale for p in planes]).astype(np.float32)
+        zero = np.stack([p.zero for p in planes]).astype(np.float32)
+        half = _half_params(scale, zero)
+        if half is not None:
+            scale, zero = half
+        self.register_buffer("scale", torch.from_numpy(scale), persistent=False)
+        self.register_buffer("zero", torch.from_numpy(zero), persistent=False)
         from folio.model.cpu_kernels import extension
         self._matmul = functools.partial(extension().q4_matmul, codes=self.codes,
                                          scale=self.scale, zero=self.zero)
@@ -63,13 +71,31 @@ class PackedInt4Weight(PackedWeight):
         flat = ids.reshape(-1)
         k = self.in_features
         out = torch.zeros(flat.shape[0], k, dtype=torch.float32)
-        for two, scale, zero in zip(self.codes, self.scale, self.zero):
+        bias = 0.0 if self.scale.dtype == torch.float16 else 8.0
+        for two, scale, zero in zip(self.codes, self.scale.float(), self.zero.float()):
             b = two.index_select(0, flat).view(-1, k // GROUP, GROUP // 2)
-            codes = torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.float32) - 8.0
+            codes = torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.float32) - bias
             out += (codes * scale.index_select(0, flat).unsqueeze(-1)
                     + zero.index_select(0, flat).unsqueeze(-1)).view(-1, k)
         return out.view(*ids.shape, k)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"planes={self.num_planes}")
+                f"planes={self.num_planes}, params={str(self.scale.dtype)[6:]}")
+
+
+def _half_params(scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Float32 (scale, zero) as float16 (d, m) = (scale, zero - 8 * scale) when that changes no
+    weight: d and m are float16 values and m is exact, so code * d + m and (code - 8) * scale +
+    zero are the same real number, which one rounding (the kernel's FMA) makes the same float.
+    None where any group does not allow it."""
+    d = scale
+    m = zero - np.float32(8.0) * scale
+    exact = (m.astype(np.float64) + 8.0 * scale.astype(np.float64)) == zero.astype(np.float64)
+    if not exact.all():
+        return None
+    d16, m16 = d.astype(np.float16), m.astype(np.float16)
+    if not (np.isfinite(d16).all() and np.isfinite(m16).all()
+            and (d16.astype(np.float32) == d).all() and (m16.astype(np.float32) == m).all()):
+        return None
+    return d16, m16

@@ -1,5 +1,8 @@
 // 4-bit-plane matmul on the CPU in float32: y = x @ W^T, W the sum of planes whose weights are
-// (code - 8) * s + z, one s and z per group of 32 (folio/model/quant/gguf_planes.py).
+// (code - 8) * s + z, one s and z per group of 32 (folio/model/quant/gguf_planes.py), the group
+// parameters in float32; or, in float16, ggml's d and m with weights code * d + m (half the
+// parameter bytes: a decode step reads 0.625 bytes a weight instead of 0.75;
+// folio/model/quant/int4_packed.py picks it where the weights come out the same).
 //
 // Codes are two to a byte in ggml's order within a group: byte i holds element i (low nibble)
 // and element i + 16 (high nibble). A group's weights are built as (code - 8) * s + z with one
@@ -18,6 +21,7 @@
 #include "weight_tiles.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -28,27 +32,35 @@ constexpr int kGroup = 32;
 constexpr int kHalf = 16;
 constexpr int kPrefetchRows = 16;  // how far ahead (rows of W) the blocked kernel prefetches
 
+// One plane's rows; Param float (scale, the weight at code 8) or uint16_t (float16 bits of
+// ggml's d and m: the weight at code 0).
+template <typename Param>
 struct PlaneView {
   const uint8_t* codes;  // [N, K/2]
-  const float* scale;    // [N, G]
-  const float* zero;     // [N, G]
+  const Param* scale;    // [N, G]
+  const Param* zero;     // [N, G]
 };
+
+inline float param(float p) { return p; }
+inline float param(uint16_t h) { return half_to_float(h); }
+template <typename Param>
+constexpr int kCodeBias = std::is_same<Param, float>::value ? 8 : 0;
 
 // Rows [n, n + NB) of W against MB rows of x (x points at the first, y at its row of the
 // output): each group's NB weight rows are built once and used for all MB rows of x. MB * NB
 // accumulators make as many independent FMA chains, enough to hide the FMA latency; the x
 // block (MB rows of K floats) stays in L1 while the W rows stream past it.
-template <int MB, int NB>
-inline void block_kernel(const float* x, int64_t K, const std::vector<PlaneView>& planes,
+template <int MB, int NB, typename Param>
+inline void block_kernel(const float* x, int64_t K, const std::vector<PlaneView<Param>>& planes,
                          int64_t n, float* y, int64_t N, bool prefetch) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
   Vf acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < NB; ++r) acc[m][r] = zero();
-  for (const PlaneView& p : planes) {
+  for (const PlaneView<Param>& p : planes) {
     const uint8_t* codes = p.codes + n * row_bytes;
-    const float* scale = p.scale + n * G;
-    const float* zero_pt = p.zero + n * G;
+    const Param* scale = p.scale + n * G;
+    const Param* zero_pt = p.zero + n * G;
     for (int64_t g = 0; g < G; ++g) {
       // The rows kPrefetchRows ahead, a cache line at a time as this block goes: the hardware
       // prefetcher alone keeps a decode step's weight stream well under the memory's
@@ -63,8 +75,8 @@ inline void block_kernel(const float* x, int64_t K, const std::vector<PlaneView>
         }
       Vf w[NB][kGroupVecs];
       for (int r = 0; r < NB; ++r)
-        make_group(codes + r * row_bytes + g * kHalf, scale[r * G + g], zero_pt[r * G + g],
-                   w[r]);
+        make_group<kCodeBias<Param>>(codes + r * row_bytes + g * kHalf, param(scale[r * G + g]),
+                                     param(zero_pt[r * G + g]), w[r]);
       for (int m = 0; m < MB; ++m)
         for (int j = 0; j < kGroupVecs; ++j) {
           const Vf xv = load(x + m * K + g * kGroup + j * kLanes);
@@ -85,8 +97,8 @@ constexpr int rows_per_block() {
 }
 
 // MB rows of x (1..kBlockRows) against W rows [n0, n1): blocks of NB rows, then single rows.
-template <int MB>
-void rows_block(const float* x, int64_t K, const std::vector<PlaneView>& planes, float* y,
+template <int MB, typename Param>
+void rows_block(const float* x, int64_t K, const std::vector<PlaneView<Param>>& planes, float* y,
                 int64_t N, int64_t n0, int64_t n1, bool prefetch) {
   constexpr int NB = rows_per_block<MB>();
   int64_t n = n0;
@@ -100,7 +112,8 @@ constexpr int64_t kRowChunk = 16;  // rows of W taken by every block of x in tur
 // Every row of x (M < kTileRows) against W rows [n0, n1): W in chunks of kRowChunk rows, each
 // chunk taken by every block of up to kBlockRows rows of x while it is in L1 (W is read from
 // memory once, whatever M is; the first block prefetches it).
-void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>& planes,
+template <typename Param>
+void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView<Param>>& planes,
               float* y, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t c0 = n0; c0 < n1; c0 += kRowChunk) {
     const int64_t c1 = std::min<int64_t>(n1, c0 + kRowChunk);
@@ -122,17 +135,19 @@ void dot_rows(const float* x, int64_t M, int64_t K, const std::vector<PlaneView>
 }
 
 // Rows [n0, n1) of W rebuilt in float32 into `w` ([n1 - n0, K]): the sum of the planes.
-void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0, int64_t n1,
-                     float* w) {
+template <typename Param>
+void dequantize_rows(const std::vector<PlaneView<Param>>& planes, int64_t K, int64_t n0,
+                     int64_t n1, float* w) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (size_t p = 0; p < planes.size(); ++p) {
-    const PlaneView& pl = planes[p];
+    const PlaneView<Param>& pl = planes[p];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = pl.codes + n * row_bytes;
       float* out = w + (n - n0) * K;
       for (int64_t g = 0; g < G; ++g) {
         Vf v[kGroupVecs];
-        make_group(row + g * kHalf, pl.scale[n * G + g], pl.zero[n * G + g], v);
+        make_group<kCodeBias<Param>>(row + g * kHalf, param(pl.scale[n * G + g]),
+                                     param(pl.zero[n * G + g]), v);
         float* o = out + g * kGroup;
         for (int j = 0; j < kGroupVecs; ++j)
           store(o + j * kLanes, p > 0 ? add(v[j], load(o + j * kLanes)) : v[j]);
@@ -141,10 +156,44 @@ void dequantize_rows(const std::vector<PlaneView>& planes, int64_t K, int64_t n0
   }
 }
 
+// y [M, N] from the planes in `planes` (one parameter type)
+template <typename Param>
+void multiply(const at::Tensor& x, at::Tensor& y, const std::vector<PlaneView<Param>>& planes) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  if (M == 0 || N == 0) return;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M >= folio_cpu::kTileRows) {
+    folio_cpu::tiled_gemm(x, y, N, K, [&](int64_t n0, int64_t n1, float* w) {
+      dequantize_rows(planes, K, n0, n1, w);
+    });
+    return;
+  }
+  folio_cpu::split_rows(N, [&](int64_t n0, int64_t n1) {
+    dot_rows(xp, M, K, planes, yp, N, n0, n1);
+  });
+}
+
+template <typename Param>
+std::vector<PlaneView<Param>> plane_views(const at::Tensor& codes, const at::Tensor& scale,
+                                          const at::Tensor& zero) {
+  const int64_t P = codes.size(0), N = codes.size(1), row_bytes = codes.size(2),
+                G = scale.size(2);
+  const Param* s = static_cast<const Param*>(scale.data_ptr());
+  const Param* z = static_cast<const Param*>(zero.data_ptr());
+  std::vector<PlaneView<Param>> planes;
+  for (int64_t p = 0; p < P; ++p) {
+    planes.push_back({codes.data_ptr<uint8_t>() + p * N * row_bytes, s + p * N * G,
+                      z + p * N * G});
+  }
+  return planes;
+}
+
 }  // namespace
 
 // x [M, K] float32 contiguous; the P planes stacked: codes [P, N, K/2] uint8, scale and zero
-// [P, N, K/32] float32, all contiguous. Returns y [M, N] float32.
+// [P, N, K/32], both float32 (weights (code - 8) * scale + zero) or both float16 (code * scale
+// + zero), all contiguous. Returns y [M, N] float32.
 at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K]");
@@ -155,28 +204,19 @@ at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tenso
                   codes.size(0) >= 1 && codes.size(2) == K / 2,
               "codes must be contiguous uint8 [planes, N, K/2]");
   const int64_t P = codes.size(0), N = codes.size(1);
+  const bool half = scale.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&scale, &zero}) {
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->size(0) == P && t->size(1) == N && t->size(2) == G,
-                "scale and zero must be contiguous float32 [planes, N, K/32]");
-  }
-  std::vector<PlaneView> planes;
-  for (int64_t p = 0; p < P; ++p) {
-    planes.push_back({codes.data_ptr<uint8_t>() + p * N * (K / 2),
-                      scale.data_ptr<float>() + p * N * G, zero.data_ptr<float>() + p * N * G});
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == (half ? at::kHalf : at::kFloat) &&
+                    t->is_contiguous() && t->size(0) == P && t->size(1) == N &&
+                    t->size(2) == G,
+                "scale and zero must be contiguous [planes, N, K/32], both float32 or both "
+                "float16");
   }
   auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (M >= folio_cpu::kTileRows) {
-    folio_cpu::tiled_gemm(x, y, N, K, [&](int64_t n0, int64_t n1, float* w) {
-      dequantize_rows(planes, K, n0, n1, w);
-    });
-    return y;
+  if (half) {
+    multiply(x, y, plane_views<uint16_t>(codes, scale, zero));
+  } else {
+    multiply(x, y, plane_views<float>(codes, scale, zero));
   }
-  folio_cpu::split_rows(N, [&](int64_t n0, int64_t n1) {
-    dot_rows(xp, M, K, planes, yp, N, n0, n1);
-  });
   return y;
 }

@@ -9,8 +9,9 @@
 //   * anything else (e.g. Arm): 8 plain floats whose element-wise loops the compiler vectorizes
 //     for the target's own registers (NEON and the like).
 // Only what the kernels use: loads and stores, FMA, horizontal sums, int8 widening, the 4-bit
-// group weights of q4_matmul.cpp (make_group), and for paged_attention.cpp the KV cache's
-// 16- and 8-bit floats widened exactly, the lane sums of kLanes vectors, and exp.
+// group weights of q4_matmul.cpp (make_group, half_to_float for float16 group parameters), and
+// for paged_attention.cpp the KV cache's 16- and 8-bit floats widened exactly, the lane sums of
+// kLanes vectors, and exp.
 #pragma once
 
 #include <cstdint>
@@ -120,43 +121,60 @@ inline Vf load_i8(const int8_t* p) {
 #endif
 
 // A 4-bit group (q4_matmul.cpp): 32 weights from 16 bytes in ggml's order (byte i holds
-// element i in its low nibble, element i + 16 in its high one), each (code - 8) * s + z with
-// one rounding, the value dequantization gives. kGroupVecs vectors, elements in order.
+// element i in its low nibble, element i + 16 in its high one), each (code - kBias) * s + z
+// with one rounding, the value dequantization gives: folio's float32 group parameters are
+// (scale, the weight at code 8): kBias 8; its float16 ones ggml's (d, m): kBias 0.
+// kGroupVecs vectors, elements in order.
 constexpr int kGroupVecs = 32 / kLanes;
 
 #if defined(FOLIO_SIMD_AVX512)
 // The group's 16 possible weights as a table that vpermps indexes with a nibble (it reads
 // only an index lane's low 4 bits): no mask and no int-to-float conversion per weight.
+template <int kBias>
 inline void make_group(const uint8_t* b, float s, float z, Vf w[kGroupVecs]) {
-  const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 codes = _mm512_sub_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_ps(static_cast<float>(kBias)));
   const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(s), _mm512_set1_ps(z));
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
   w[0] = _mm512_permutexvar_ps(v, table);
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #elif defined(FOLIO_SIMD_AVX2)
 // AVX2's permute indexes 8 entries, not 16: each nibble is converted instead (mask or shift,
-// convert, subtract 8 — exact — then one FMA).
+// convert, subtract the bias — exact — then one FMA).
+template <int kBias>
 inline void make_group(const uint8_t* b, float s, float z, Vf w[kGroupVecs]) {
   const __m256i low = _mm256_set1_epi32(0x0F);
-  const __m256 eight = _mm256_set1_ps(8.0f), vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+  const __m256 bias = _mm256_set1_ps(static_cast<float>(kBias));
+  const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
   for (int half = 0; half < 2; ++half) {  // bytes 0-7, then 8-15
     const __m256i v =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * half)));
-    const __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), eight);
-    const __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), eight);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    if (kBias != 0) {
+      lo = _mm256_sub_ps(lo, bias);
+      hi = _mm256_sub_ps(hi, bias);
+    }
     w[half] = _mm256_fmadd_ps(lo, vs, vz);      // elements 8 half .. 8 half + 7
     w[2 + half] = _mm256_fmadd_ps(hi, vs, vz);  // elements 16 + 8 half ..
   }
 }
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
+template <int kBias>
 inline void make_group(const uint8_t* b, float s, float z, Vf w[kGroupVecs]) {
   for (int i = 0; i < 16; ++i) {
-    w[i / kLanes].v[i % kLanes] = __builtin_fmaf(static_cast<float>(b[i] & 0x0F) - 8.0f, s, z);
+    w[i / kLanes].v[i % kLanes] =
+        __builtin_fmaf(static_cast<float>(b[i] & 0x0F) - static_cast<float>(kBias), s, z);
     w[(16 + i) / kLanes].v[(16 + i) % kLanes] =
-        __builtin_fmaf(static_cast<float>(b[i] >> 4) - 8.0f, s, z);
+        __builtin_fmaf(static_cast<float>(b[i] >> 4) - static_cast<float>(kBias), s, z);
   }
 }
+inline float half_bits_to_float(uint16_t h);  // below, with the other 16-bit loads
+inline float half_to_float(uint16_t h) { return half_bits_to_float(h); }
 #endif
 
 // ---- For paged_attention.cpp ----

@@ -1,0 +1,52 @@
+"""Does an error raised inside a C++ CPU extension reach Python as RuntimeError on this host, or
+crash the process? (On the H200 host, torch 2.11 / Python 3.12, folio's paged-attention range
+check crashed the test process with SIGSEGV instead of raising.) Each probe runs in its own
+process: its exit status and last line are printed."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBES = {
+    "folio q4_matmul bad shape (TORCH_CHECK)": """
+import torch
+from folio.model.cpu_kernels import extension
+e = extension()
+try:
+    e.q4_matmul(torch.zeros(1, 33), torch.zeros(1, 2, 16, dtype=torch.uint8), torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
+except RuntimeError as exc:
+    print("RuntimeError:", str(exc).splitlines()[0])
+""",
+    "inline torch/extension.h TORCH_CHECK": """
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '#include <torch/extension.h>\\nvoid boom(at::Tensor x) { TORCH_CHECK(false, \\"boom\\"); }\\n'
+m = load_inline("diag_ext_full", cpp_sources=[src], functions=["boom"], verbose=False)
+try:
+    m.boom(torch.zeros(1))
+except RuntimeError as exc:
+    print("RuntimeError:", str(exc).splitlines()[0])
+""",
+    "inline ATen + utils/pybind.h TORCH_CHECK": """
+import os, tempfile, torch
+from torch.utils.cpp_extension import load
+d = tempfile.mkdtemp()
+open(os.path.join(d, "b.cpp"), "w").write(
+    '#include <ATen/core/Tensor.h>\\n#include <torch/csrc/utils/pybind.h>\\n'
+    'void boom(at::Tensor x) { TORCH_CHECK(false, "boom"); }\\n'
+    'void boom_std(at::Tensor x) { throw std::runtime_error("boom_std"); }\\n'
+    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("boom", &boom); m.def("boom_std", &boom_std); }\\n')
+m = load("diag_ext_min", sources=[os.path.join(d, "b.cpp")], verbose=False)
+for f in (m.boom_std, m.boom):
+    try:
+        f(torch.zeros(1))
+    except RuntimeError as exc:
+        print("RuntimeError:", str(exc).splitlines()[0])
+""",
+}
+
+for name, code in PROBES.items():
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    last = (r.stdout.strip().splitlines() or [""])[-1] if r.returncode == 0 else \
+        (r.stderr.strip().splitlines() or [""])[-1]
+    print(f"{name}: exit {r.returncode}; {r.stdout.strip()[-300:] or last[-300:]}", flush=True)
