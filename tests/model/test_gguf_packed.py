@@ -132,6 +132,21 @@ def test_float16_group_parameters_change_no_weight(rows: int) -> None:
     assert _half_params(d[None], (m + 8 * d + np.float32(1e-7) * d)[None]) is None
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0"])
+def test_a_rows_product_does_not_depend_on_the_other_rows(type_name: str) -> None:
+    """Below the tiled path (decode and batched decode, speculative verify steps), each row of
+    x gets the same float32 result whatever rows share its call: a greedy answer must not
+    change with the batch it decodes in (a one-row kernel that factored the group parameters
+    out was tried and dropped for breaking this)."""
+    n, k = 42, 256
+    packed = packed_module([_decode(type_name, _random_blocks(type_name, n, k, seed=5),
+                                    (n, k))])
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(32)])
+    for rows in (2, 5, 8, 9, 32):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
 def test_bad_shapes_are_refused() -> None:
     raw = _random_blocks("Q4_0", 2, 64, seed=0)
     with pytest.raises(ValueError, match="whole Q4_0 blocks"):
