@@ -10,8 +10,8 @@ kernels in the same order on the same inputs: the output is the Python path's bi
 
 A layer qualifies when every part of it is what the C++ layer composes: RMSNorms, an
 Attention over CpuPagedAttention without per-head norms, neox rotary, a SiLU-gated MLP, and
-four projections kept packed (4-bit planes, int8 rows, or a concatenation of those) with no
-bias, LoRA or tensor parallelism. Anything else (and a step the C++ layer does not take:
+four projections kept packed (4-bit planes, int8 rows, or a concatenation of those), with
+float32 biases or none, and no LoRA or tensor parallelism. Anything else (and a step the C++ layer does not take:
 M-RoPE positions, computed FP8 KV scales) runs the Python path, as does every layer with
 `FOLIO_KERNELS=torch` or `FOLIO_CPU_LAYER=0` (KernelConfig.cpu_layer, the A/B switch).
 """
@@ -119,11 +119,12 @@ def build_layer_kernel(layer: Any) -> Any | None:
             or type(rotary) is not RotaryEmbedding or rotary.cos.dtype != torch.float32 \
             or not mlp.fused_silu:
         return None
-    projections = (attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj)
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     parts = [_packed_parts(p) for p in projections]
-    if any(p is None for p in parts):
+    biases = [p.bias for p in projections]
+    if any(p is None for p in parts) or not all(_usable_bias(b) for b in biases):
         return None
-    qkv, gate_up, o, down = parts
+    qkv, o, gate_up, down = parts
     k_scale = per_head_scales(attn.k_scale, attn.num_kv_heads, torch.device("cpu"))
     v_scale = per_head_scales(attn.v_scale, attn.num_kv_heads, torch.device("cpu"))
     if k_scale is not attn.k_scale or v_scale is not attn.v_scale:
@@ -139,14 +140,22 @@ def build_layer_kernel(layer: Any) -> Any | None:
         qkv, o, gate_up, down, rotary.cos, rotary.sin, int(rotary.rotary_dim),
         int(attn.num_heads), int(attn.num_kv_heads), int(attn.head_dim), float(attn.scale),
         0 if attn.sliding_window is None else int(attn.sliding_window), k_scale, v_scale,
-        float(attn.logits_soft_cap or 0.0), sinks)
+        float(attn.logits_soft_cap or 0.0), sinks,
+        [None if b is None else b.detach() for b in biases])
 
 
 def _packed_parts(proj: Linear) -> list | None:
     """`proj`'s packed weight as the C++ layer's parts; None where the projection does more
-    than multiply by it (bias, LoRA, a tensor-parallel reduce) or is not packed."""
+    than multiply by it and add its bias (LoRA, a tensor-parallel reduce) or is not
+    packed."""
     packed = proj.packed
-    if packed is None or proj.bias is not None or proj.lora is not None \
-            or proj.tp_reduce is not None or not hasattr(packed, "cpu_parts"):
+    if packed is None or proj.lora is not None or proj.tp_reduce is not None \
+            or not hasattr(packed, "cpu_parts"):
         return None
     return packed.cpu_parts()
+
+
+def _usable_bias(bias: torch.Tensor | None) -> bool:
+    """A bias the C++ layer adds as the Python path does (out + bias, both float32)."""
+    return bias is None or (bias.dtype == torch.float32 and bias.dim() == 1
+                            and bias.is_contiguous() and bias.device.type == "cpu")

@@ -5,12 +5,12 @@ cpu_kernels/csrc/decoder_layer.cpp) against the Python layer it stands for:
   (a decode, a prefill chunk over a cached prefix, a fresh prompt): the output, the residual
   stream and the KV cache written are the Python path's bit for bit, with the attention options
   the layer passes on (sliding window, soft cap, sinks, FP8 and float16 caches with per-head
-  scales) and with the projections in the other packed forms (a concatenation of 4-bit and
-  int8 parts);
+  scales), with biases (Qwen2's q/k/v) and with the projections in the other packed forms (a
+  concatenation of 4-bit and int8 parts);
 - through the engine: greedy tokens and logprobs with the C++ layer equal the Python path's,
   batched, with prefix caching and chunked prefill, and every layer of the model ran it;
-- a layer that does not qualify (a bias, LoRA, q/k norms, FOLIO_KERNELS=torch or
-  FOLIO_CPU_LAYER=0) or a step the C++ layer does not take runs the Python path; a replaced
+- a layer that does not qualify (a bias not in float32, LoRA, q/k norms, FOLIO_KERNELS=torch
+  or FOLIO_CPU_LAYER=0) or a step the C++ layer does not take runs the Python path; a replaced
   projection is rebuilt."""
 from __future__ import annotations
 
@@ -185,6 +185,27 @@ def test_concatenated_and_int8_projections(packed_model) -> None:
     _assert_identical(python, fused)
 
 
+def test_projections_with_biases(packed_model) -> None:
+    """Qwen2's q/k/v biases (and, here, biases on every projection): added after the product
+    as the Python path adds them."""
+    layer = packed_model.layers[LAYER]
+    attn, mlp = layer.self_attn, layer.mlp
+    g = torch.Generator().manual_seed(7)
+
+    def bias(proj) -> nn.Parameter:
+        return nn.Parameter(torch.randn(proj.out_features, generator=g) * 0.1,
+                            requires_grad=False)
+
+    with _swapped(attn.qkv_proj, bias=bias(attn.qkv_proj)):
+        python, fused = _both_paths(layer, _step(packed_model.spec, torch.float32), False)
+        _assert_identical(python, fused)
+        with _swapped(attn.o_proj, bias=bias(attn.o_proj)), \
+                _swapped(mlp.gate_up_proj, bias=bias(mlp.gate_up_proj)), \
+                _swapped(mlp.down_proj, bias=bias(mlp.down_proj)):
+            python, fused = _both_paths(layer, _step(packed_model.spec, torch.float32), True)
+    _assert_identical(python, fused)
+
+
 def test_a_replaced_projection_is_rebuilt(packed_model) -> None:
     layer = packed_model.layers[LAYER]
     runner = CpuLayerRunner()
@@ -224,8 +245,9 @@ def test_layers_that_do_not_qualify(packed_model) -> None:
     layer = packed_model.layers[LAYER]
     assert build_layer_kernel(layer) is not None
     proj = layer.self_attn.qkv_proj
-    with _swapped(proj, bias=nn.Parameter(torch.zeros(proj.out_features))):
-        assert build_layer_kernel(layer) is None
+    with _swapped(proj, bias=nn.Parameter(torch.zeros(proj.out_features,
+                                                      dtype=torch.bfloat16))):
+        assert build_layer_kernel(layer) is None   # a bias not in float32
     with _swapped(layer.self_attn, q_norm=nn.Identity()):
         assert build_layer_kernel(layer) is None
     torch_kernels = dataclasses.replace(layer.input_layernorm.kernels, kernels="torch")
@@ -273,6 +295,35 @@ def test_engine_tokens_and_logprobs_equal_the_python_path(monkeypatch) -> None:
     prompts = [{"prompt_token_ids": prefix + list(range(3000 + 50 * i, 3010 + 50 * i))}
                for i in range(3)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run() -> list:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return [(o.outputs[0].token_ids,
+                 [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused = run()
+    assert all(layer.cpu_runner._kernel is not None for layer in model.layers)
+    monkeypatch.setattr(CpuLayerRunner, "run", lambda self, *args: None)
+    assert run() == fused
+
+
+def test_qwen2_with_int8_weights_through_the_engine(tiny_model_dir, monkeypatch) -> None:
+    """A tiny random Qwen2 (q/k/v biases) quantized to int8 rows on load (`quantization
+    "int8"`): every layer runs as one C++ call, and greedy tokens and logprobs equal the
+    Python path's."""
+    from folio import LLM, SamplingParams
+    # no prefix caching: the second run's steps must have the first's shapes (a cached prefix
+    # would turn a 52-row prefill, tiles and torch's GEMM, into a 20-row blocked step)
+    llm = LLM(model=tiny_model_dir("qwen2"), quantization="int8", dtype="float32",
+              device="cpu", max_model_len=128, num_gpu_blocks_override=32,
+              enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.executor.worker.runner.model
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}
+               for n in (5, 17, 30)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 
     def run() -> list:
         outs = llm.generate(prompts, sp, use_tqdm=False)

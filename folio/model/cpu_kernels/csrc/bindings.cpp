@@ -45,12 +45,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            std::vector<PackedPart> gate_up, std::vector<PackedPart> down, at::Tensor cos, at::Tensor sin, int64_t rotary_dim,
            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
            int64_t sliding_window, at::Tensor k_scale, at::Tensor v_scale,
-           double logits_soft_cap, c10::optional<at::Tensor> sinks) {
+           double logits_soft_cap, c10::optional<at::Tensor> sinks,
+           std::vector<c10::optional<at::Tensor>> biases) {
+          TORCH_CHECK(biases.size() == 4, "biases: one (or None) per projection, qkv, o, "
+                      "gate_up, down");
+          auto bias = [&](size_t i) { return biases[i].has_value() ? *biases[i] : at::Tensor(); };
           return DecoderLayerKernel(
               folio_cpu::LayerNorms{input_norm, post_attention_norm, eps},
-              folio_cpu::LayerProjections{PackedLinear{std::move(qkv)}, PackedLinear{std::move(o)},
-                                          PackedLinear{std::move(gate_up)},
-                                          PackedLinear{std::move(down)}},
+              folio_cpu::LayerProjections{PackedLinear{std::move(qkv), bias(0)},
+                                          PackedLinear{std::move(o), bias(1)},
+                                          PackedLinear{std::move(gate_up), bias(2)},
+                                          PackedLinear{std::move(down), bias(3)}},
               folio_cpu::LayerAttention{cos, sin, rotary_dim, num_heads, num_kv_heads,
                                         head_dim, scale, sliding_window, k_scale, v_scale,
                                         logits_soft_cap, sinks});
@@ -60,6 +65,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("cos"), py::arg("sin"),
         py::arg("rotary_dim"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("scale"), py::arg("sliding_window"), py::arg("k_scale"),
-        py::arg("v_scale"), py::arg("logits_soft_cap"), py::arg("sinks"));
+        py::arg("v_scale"), py::arg("logits_soft_cap"), py::arg("sinks"), py::arg("biases"));
 #endif
 }

@@ -17,11 +17,18 @@ at::Tensor PackedPart::operator()(const at::Tensor& x) const {
 }
 
 at::Tensor PackedLinear::operator()(const at::Tensor& x) const {
-  if (parts.size() == 1) return parts[0](x);
-  std::vector<at::Tensor> outs;
-  outs.reserve(parts.size());
-  for (const PackedPart& part : parts) outs.push_back(part(x));
-  return at::cat(outs, 1);
+  at::Tensor out;
+  if (parts.size() == 1) {
+    out = parts[0](x);
+  } else {
+    std::vector<at::Tensor> outs;
+    outs.reserve(parts.size());
+    for (const PackedPart& part : parts) outs.push_back(part(x));
+    out = at::cat(outs, 1);
+  }
+  // in place on the product's own new tensor: the same float additions as Python's out + bias
+  if (bias.defined()) out.add_(bias);
+  return out;
 }
 
 DecoderLayerKernel::DecoderLayerKernel(LayerNorms norms, LayerProjections proj,
@@ -33,6 +40,9 @@ DecoderLayerKernel::DecoderLayerKernel(LayerNorms norms, LayerProjections proj,
               "num_heads must be a multiple of num_kv_heads");
   for (const PackedLinear* p : {&proj_.qkv, &proj_.o, &proj_.gate_up, &proj_.down}) {
     TORCH_CHECK(!p->parts.empty(), "a projection needs at least one packed weight");
+    TORCH_CHECK(!p->bias.defined() || (p->bias.scalar_type() == at::kFloat &&
+                                       p->bias.dim() == 1 && p->bias.is_contiguous()),
+                "a projection's bias must be contiguous float32 [out_features]");
   }
 }
 

@@ -15,10 +15,12 @@ struct PackedPart {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-// A projection (no bias): one packed weight, or several whose outputs are concatenated (a
-// merged projection whose shards were packed in different formats: PackedConcat).
+// A projection: one packed weight, or several whose outputs are concatenated (a merged
+// projection whose shards were packed in different formats: PackedConcat), plus a float32
+// bias when it has one (Qwen2's q/k/v).
 struct PackedLinear {
   std::vector<PackedPart> parts;
+  at::Tensor bias;  // undefined: none
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
