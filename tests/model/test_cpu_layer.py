@@ -283,18 +283,10 @@ def test_steps_the_layer_does_not_take(packed_model) -> None:
         assert runner.run(layer, positions, hidden, residual, fp8, meta) is None
 
 
-def test_engine_tokens_and_logprobs_equal_the_python_path(monkeypatch) -> None:
-    """The default model through LLM.generate: three prompts sharing a prefix (prefix
-    caching), chunked prefill of 24 tokens a step, greedy with logprobs — once with the C++
-    layers, once with the Python path."""
-    from folio import LLM, SamplingParams
-    llm = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
-              enable_chunked_prefill=True, enable_prefix_caching=True)
+def _assert_engine_matches_the_python_path(llm, prompts, sp, monkeypatch) -> None:
+    """`llm.generate` twice: with the C++ layers (every layer of the model built one), then
+    with the Python path; greedy tokens and logprobs equal."""
     model = llm.llm_engine.engine_core.executor.worker.runner.model
-    prefix = list(range(2000, 2040))
-    prompts = [{"prompt_token_ids": prefix + list(range(3000 + 50 * i, 3010 + 50 * i))}
-               for i in range(3)]
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
 
     def run() -> list:
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -306,6 +298,20 @@ def test_engine_tokens_and_logprobs_equal_the_python_path(monkeypatch) -> None:
     assert all(layer.cpu_runner._kernel is not None for layer in model.layers)
     monkeypatch.setattr(CpuLayerRunner, "run", lambda self, *args: None)
     assert run() == fused
+
+
+def test_engine_tokens_and_logprobs_equal_the_python_path(monkeypatch) -> None:
+    """The default model through LLM.generate: three prompts sharing a prefix (prefix
+    caching), chunked prefill of 24 tokens a step, greedy with logprobs — once with the C++
+    layers, once with the Python path."""
+    from folio import LLM, SamplingParams
+    llm = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
+              enable_chunked_prefill=True, enable_prefix_caching=True)
+    prefix = list(range(2000, 2040))
+    prompts = [{"prompt_token_ids": prefix + list(range(3000 + 50 * i, 3010 + 50 * i))}
+               for i in range(3)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    _assert_engine_matches_the_python_path(llm, prompts, sp, monkeypatch)
 
 
 def test_qwen2_with_int8_weights_through_the_engine(tiny_model_dir, monkeypatch) -> None:
@@ -324,14 +330,4 @@ def test_qwen2_with_int8_weights_through_the_engine(tiny_model_dir, monkeypatch)
     prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}
                for n in (5, 17, 30)]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
-
-    def run() -> list:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        return [(o.outputs[0].token_ids,
-                 [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
-                for o in outs]
-
-    fused = run()
-    assert all(layer.cpu_runner._kernel is not None for layer in model.layers)
-    monkeypatch.setattr(CpuLayerRunner, "run", lambda self, *args: None)
-    assert run() == fused
+    _assert_engine_matches_the_python_path(llm, prompts, sp, monkeypatch)
