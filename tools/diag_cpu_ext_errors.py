@@ -13,7 +13,8 @@ import torch
 from folio.model.cpu_kernels import extension
 e = extension()
 try:
-    e.q4_matmul(torch.zeros(1, 33), torch.zeros(1, 2, 16, dtype=torch.uint8), torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
+    e.q4_matmul(torch.zeros(1, 33), torch.zeros(1, 2, 16, dtype=torch.uint8),
+                torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
 except RuntimeError as exc:
     print("RuntimeError:", str(exc).splitlines()[0])
 """,

@@ -11,9 +11,10 @@ kernels in the same order on the same inputs: the output is the Python path's bi
 A layer qualifies when every part of it is what the C++ layer composes: RMSNorms, an
 Attention over CpuPagedAttention without per-head norms, neox rotary, a SiLU-gated MLP, and
 four projections kept packed (4-bit planes, int8 rows, or a concatenation of those), with
-float32 biases or none, and no LoRA or tensor parallelism. Anything else (and a step the C++ layer does not take:
-M-RoPE positions, computed FP8 KV scales) runs the Python path, as does every layer with
-`FOLIO_KERNELS=torch` or `FOLIO_CPU_LAYER=0` (KernelConfig.cpu_layer, the A/B switch).
+float32 biases or none, and no LoRA or tensor parallelism. Anything else (and a step the C++
+layer does not take: M-RoPE positions, computed FP8 KV scales) runs the Python path, as does
+every layer with `FOLIO_KERNELS=torch` or `FOLIO_CPU_LAYER=0` (KernelConfig.cpu_layer, the
+A/B switch).
 """
 from __future__ import annotations
 

@@ -120,8 +120,9 @@ DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
     """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
-    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER from `env` (os.environ when None) applied over them. An unknown value is an error naming the variable:
-    it used to fall back silently (FOLIO_KERNELS=eager meant torch), which hid typos."""
+    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER from `env` (os.environ when None) applied over them.
+    An unknown value is an error naming the variable: it used to fall back silently
+    (FOLIO_KERNELS=eager meant torch), which hid typos."""
     env = os.environ if env is None else env
     overrides = {}
     for var, (field_name, allowed) in _ENV_OVERRIDES.items():

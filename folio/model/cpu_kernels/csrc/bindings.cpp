@@ -42,14 +42,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer",
         [](at::Tensor input_norm, at::Tensor post_attention_norm, double eps,
            std::vector<PackedPart> qkv, std::vector<PackedPart> o,
-           std::vector<PackedPart> gate_up, std::vector<PackedPart> down, at::Tensor cos, at::Tensor sin, int64_t rotary_dim,
+           std::vector<PackedPart> gate_up, std::vector<PackedPart> down, at::Tensor cos,
+           at::Tensor sin, int64_t rotary_dim,
            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
            int64_t sliding_window, at::Tensor k_scale, at::Tensor v_scale,
            double logits_soft_cap, c10::optional<at::Tensor> sinks,
            std::vector<c10::optional<at::Tensor>> biases) {
           TORCH_CHECK(biases.size() == 4, "biases: one (or None) per projection, qkv, o, "
                       "gate_up, down");
-          auto bias = [&](size_t i) { return biases[i].has_value() ? *biases[i] : at::Tensor(); };
+          auto bias = [&](size_t i) {
+            return biases[i].has_value() ? *biases[i] : at::Tensor();
+          };
           return DecoderLayerKernel(
               folio_cpu::LayerNorms{input_norm, post_attention_norm, eps},
               folio_cpu::LayerProjections{PackedLinear{std::move(qkv), bias(0)},
