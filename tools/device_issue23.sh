@@ -55,7 +55,10 @@ s18)
       --output-json "$OUT/kv_tiers_llama8b.json"
   tail -2 "$OUT/kv_tiers_llama8b.log" | cut -c1-220
   step 120 ext_errors python3 tools/diag_cpu_ext_errors.py
-  cat "$OUT/ext_errors.log" ;;
+  cat "$OUT/ext_errors.log"
+  step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
+      tests/gpu/test_gpu_kv_tiers.py
+  tail -3 "$OUT/kv_tiers_tests.log" ;;
 bench)
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it
