@@ -113,3 +113,43 @@ def test_cpu_attention_takes_views_of_the_fused_projection() -> None:
     ref = _backend().forward(q, k, v, ref_cache, meta, scale=0.125)
     out = _backend().forward(*views, cpu_cache, meta, scale=0.125)
     assert torch.equal(out, ref) and torch.equal(cpu_cache, ref_cache)
+
+
+INVARIANCE_CASES = [
+    dict(name="verify_g3", dtype="float32", H=9, KVH=3, D=64, bs=16, win=None,
+         reqs=[(600, 5), (90, 1), (37, 9), (0, 12)]),
+    dict(name="verify_window_d32", dtype="float32", H=6, KVH=2, D=32, bs=16, win=40,
+         reqs=[(200, 5), (10, 17)], soft_cap=20.0, sinks=True),
+    dict(name="verify_bf16_cache_d128", dtype="float32", cache_dtype="bfloat16", H=8, KVH=2,
+         D=128, bs=16, win=None, reqs=[(130, 4), (64, 3), (3, 1)]),
+]
+
+
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=[c["name"] for c in INVARIANCE_CASES])
+def test_cpu_attention_of_a_token_does_not_depend_on_the_other_query_tokens(case: dict) -> None:
+    """The kernel takes a request's query tokens (a verify step's drafts, a prefill chunk) in
+    blocks that read the keys once for all of them; every token's output must still be the
+    bits it gets alone, as a plain decode step of that position (speculative decoding is
+    lossless only if a verify step's logits are the decode steps')."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
+    q, k, v, cache, meta = make_step(case, gen)
+    extra = {}
+    if case.get("soft_cap"):
+        extra["logits_soft_cap"] = case["soft_cap"]
+    if case.get("sinks"):
+        extra["sinks"] = torch.randn(case["H"], generator=gen)
+    scale = case["D"] ** -0.5
+    backend = _backend()
+    full = backend.forward(q, k, v, cache, meta, scale=scale, sliding_window=case["win"],
+                           **extra)
+    from folio.model.attention.backend import AttentionMetadata
+    for i, (computed, n) in enumerate(case["reqs"]):
+        for j in range(n):
+            t = meta.query_start_loc[i] + j
+            one = AttentionMetadata(
+                slot_mapping=meta.slot_mapping[t:t + 1], query_start_loc=[0, 1],
+                seq_lens=[computed + j + 1], num_computed_tokens=[computed + j],
+                block_tables=meta.block_tables[i:i + 1], block_size=meta.block_size)
+            alone = backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache, one,
+                                    scale=scale, sliding_window=case["win"], **extra)
+            assert torch.equal(alone[0], full[t]), (i, j)

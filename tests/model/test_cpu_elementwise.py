@@ -64,6 +64,23 @@ def test_rotary_matches_the_eager_code(partial: float) -> None:
             fused(torch.tensor([512] * T), q, k)
 
 
+def test_silu_and_mul_saturates_on_both_sides_without_overflow() -> None:
+    """The kernel's sigmoid from e^-|g|: gates far past float32's exp range on either side
+    give g (large positive) and 0 (large negative), never inf or NaN; every width's
+    remainder (1..17 features) goes through the padded last vector."""
+    from folio.model.cpu_kernels import loaded
+    ext = loaded()
+    if ext is None:
+        pytest.skip("the C++ kernels do not build here")
+    for width in range(1, 18):
+        gate = torch.linspace(-1e4, 1e4, 3 * width).view(3, width)
+        gate_up = torch.cat([gate, torch.full_like(gate, 2.0)], dim=1)
+        out = ext.silu_and_mul(gate_up)
+        want = torch.nn.functional.silu(gate) * 2.0
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-30)
+
+
 def test_silu_and_mul_matches_the_eager_code() -> None:
     fused, eager = GatedMLP(64, 96, False, "silu", FUSED), GatedMLP(64, 96, False, "silu", EAGER)
     eager.load_state_dict(fused.state_dict())

@@ -75,7 +75,7 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
     build picks one by -march. A build for another branch than this machine's gives the same
     products (float32 summation order apart) on every path: 1..8-row blocks with their row
     remainders, the tiled many-row path, two planes, float32 and float16 group parameters,
-    per-group and per-row int8 scales."""
+    per-group and per-row int8 scales; and SiLU-and-mul."""
     import numpy as np
     import torch
 
@@ -111,6 +111,13 @@ def test_every_instruction_set_branch_computes_the_same_matmuls(march) -> None:
             want = x @ (i8.to(torch.float32) * s.repeat_interleave(k // s.shape[1], 1)).T
             for ext in (native, other):
                 torch.testing.assert_close(ext.int8_matmul(x, i8, s), want, rtol=1e-4, atol=1e-4)
+    # SiLU-and-mul (elementwise.cpp over simd.h's exponential): 77 features leave a remainder
+    # past either vector width; gates from -100 to 100 reach both sides' saturation
+    gate_up = torch.cat([torch.linspace(-100, 100, 5 * 77).view(5, 77),
+                         torch.randn(5, 77)], dim=1)
+    want = torch.nn.functional.silu(gate_up[:, :77]) * gate_up[:, 77:]
+    for ext in (native, other):
+        torch.testing.assert_close(ext.silu_and_mul(gate_up), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

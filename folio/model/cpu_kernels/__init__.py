@@ -78,15 +78,16 @@ def _build_lock(build_dir: str) -> Iterator[None]:
 @functools.lru_cache(maxsize=None)
 def _build(march: str = "native", simd_only: bool = False) -> Any:
     """The extension built for -march=`march`; `simd_only`: only the kernels written over
-    csrc/simd.h (q4_matmul, int8_matmul, paged_attention: one fewer source to compile, for the
-    tests of another instruction set's branch)."""
+    csrc/simd.h (q4_matmul, int8_matmul, paged_attention, silu_and_mul: one fewer source to
+    compile, for the tests of another instruction set's branch)."""
     from torch.utils.cpp_extension import _get_build_directory, load
     here = os.path.join(os.path.dirname(__file__), "csrc")
     cflags = tuple(f"-march={march}" if f.startswith("-march=") else f for f in _CFLAGS)
     sources = _SOURCES
     if simd_only:
         cflags += ("-DFOLIO_SIMD_KERNELS_ONLY",)
-        sources = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp")
+        sources = ("bindings.cpp", "q4_matmul.cpp", "int8_matmul.cpp", "paged_attention.cpp",
+                   "elementwise.cpp")
     name = _extension_name(here, cflags)
     build_dir = _get_build_directory(name, verbose=False)
     with _build_lock(build_dir):

@@ -17,11 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "write K/V into the paged cache (FP8: scaled by k_scale / v_scale), then causal "
         "attention over it, float32 queries; optional soft cap and attention sinks");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32");
 #ifndef FOLIO_SIMD_KERNELS_ONLY  // simd.h's kernels alone: cpu_kernels._build, for tests
   m.def("rms_norm", &rms_norm, "RMSNorm (with the residual add), float32", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding, float32");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32");
 
   using folio_cpu::PackedLinear;
   using folio_cpu::PackedPart;

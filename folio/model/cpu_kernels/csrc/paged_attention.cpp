@@ -4,15 +4,16 @@
 //   2. query token i of request b, at position p = seq_lens[b] - (its request's query count)
 //      + (i's index among them), attends the keys at positions [lo, p] of b's blocks, lo = 0,
 //      or p - sliding_window + 1 with a window.
-// One task per (query token, KV head), shared out dynamically (parallel.h): the query heads
-// sharing a KV head read each key and value row once. Scores for the task's keys go to a scratch row, then one softmax, then the
-// weighted sum of value rows; everything in float32, the cache in float32, bfloat16, float16
-// or FP8 (e4m3fn / e5m2: folio/model/attention/fp8.py). An FP8 cache holds K / k_scale and
-// V / v_scale (one scale per KV head): written as the float32 quotient clamped to the format's
-// largest value and rounded by c10's conversion, read as the exact float8 value times the
-// scale, element by element: the arithmetic of a float32 cache holding the dequantized values,
-// and the torch reference's. The kernel reads only visible slots, so the cache need not be
-// zeroed.
+// One task per (block of a request's query tokens, KV head), shared out dynamically
+// (parallel.h): the query heads sharing a KV head, and the block's tokens, read each key and
+// value row from memory once. Scores for the task's keys go to a scratch row, then one
+// softmax, then the weighted sum of value rows; everything in float32, the cache in float32,
+// bfloat16, float16 or FP8 (e4m3fn / e5m2: folio/model/attention/fp8.py). An FP8 cache
+// holds K / k_scale and V / v_scale (one scale per KV head): written as the float32 quotient
+// clamped to the format's largest value and rounded by c10's conversion, read as the exact
+// float8 value times the scale, element by element: the arithmetic of a float32 cache
+// holding the dequantized values, and the torch reference's. The kernel reads only visible
+// slots, so the cache need not be zeroed.
 // Two optional changes to the softmax: a soft cap (Gemma 2: each scaled score s becomes
 // cap * tanh(s / cap) before the softmax) and attention sinks (GPT-OSS: a learned logit per
 // query head that joins the softmax's denominator and carries no value, so the weights of a
@@ -106,8 +107,18 @@ inline void softmax(float* s, int64_t n, float cap, float sink) {
     const float inv_cap = 1.0f / cap;
     for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv_cap);
   }
+  // the maximum, kLanes at a time (a scalar running maximum is a chain of dependent steps)
   float m = sink;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  int64_t first = 0;
+  if (n >= kLanes) {
+    Vf vm = simd::load(s);
+    for (first = kLanes; first + kLanes <= n; first += kLanes)
+      vm = simd::max(vm, simd::load(s + first));
+    float lanes[kLanes];
+    simd::store(lanes, vm);
+    for (float x : lanes) m = std::max(m, x);
+  }
+  for (int64_t i = first; i < n; ++i) m = std::max(m, s[i]);
   const Vf vm = simd::set1(m);
   Vf vt = simd::zero();
   int64_t i = 0;
@@ -183,69 +194,143 @@ inline void prefetch_rows(const T* base, const int64_t* offs, int64_t count) {
   for (int64_t i = 0; i < count; ++i) simd::prefetch_bytes(base + offs[i], D * sizeof(T));
 }
 
-constexpr int64_t kValueAhead = 8;  // value rows prefetched this many keys ahead
+// One query vector of a task: a (query token, query head) pair, the keys it sees as a range
+// [start, start + count) of the task's key offsets, and where its output row goes.
+struct QueryRow {
+  const float* q;
+  float* out;
+  int64_t start, count;
+  float sink;  // -inf: none
+};
 
-// The attention of one (query token, KV head) task for head_dim D = kLanes * NV: each query
-// head's scores kLanes keys at a time (kLanes independent FMA chains, one reduce_lanes), then
-// the weighted sum of value rows with the accumulators of up to kHeadsPerPass heads held in
-// registers, each value row read once for them.
+constexpr int64_t kValueChunk = 16;  // value rows taken by every query row in turn
+constexpr int64_t kKeysAhead = 4;    // chunks of key rows prefetched ahead
+constexpr int64_t kValuesAhead = 2;  // chunks of value rows prefetched ahead
+
+// The attention of one task's query rows for head_dim D = kLanes * NV. The rows share one KV
+// head and one request (the query heads of that KV head, for a block of its query tokens),
+// so they read one range of the cache's key and value rows. Both passes go over that range a
+// chunk at a time, every row taking the chunk while it is in L1: a row at a time over the
+// whole range read it from L2 (or memory) once per row, and L2's 32 bytes a cycle, not the
+// FMAs, set the pace (measured ~2.5x slower on AVX2).
+//   * scores: kLanes keys against each row's q (kLanes independent FMA chains, one
+//     reduce_lanes), written to the row's scratch; each row's softmax over its own keys;
+//   * values: kValueChunk value rows into each row's accumulators (NV vectors, kept in
+//     `accum` between chunks), a row taking only the keys of its own range.
+// A row's arithmetic is the same whatever the other rows are: each key's score is its own
+// FMA chain and lane of reduce_lanes, and each row's sum takes its keys in order.
 template <typename T, int NV>
-void attend_task(float* out, const float* const* q_heads, const T* k_base, const T* v_base,
-                 const int64_t* offs, int64_t n, int64_t G, float scale, float k_scale,
-                 float v_scale, float cap, const float* sinks, float* scores) {
+void attend_task(const QueryRow* rows, int64_t num_rows, const T* k_base, const T* v_base,
+                 const int64_t* offs, int64_t n_all, float scale, float k_scale, float v_scale,
+                 float cap, float* scores, int64_t stride, float* accum) {
   constexpr int64_t D = kLanes * NV;
   const Vf ks = simd::set1(k_scale), vs = simd::set1(v_scale);
-  for (int64_t g = 0; g < G; ++g) {
-    Vf q[NV];
-    for (int v = 0; v < NV; ++v)
-      q[v] = simd::mul(simd::load(q_heads[g] + kLanes * v), simd::set1(scale));
-    float* sg = scores + g * n;
-    if (g == 0) prefetch_rows<T, D>(k_base, offs, std::min<int64_t>(kLanes, n));
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, n - j0);
-      // The next kLanes key rows while these are scored: a request's blocks lie anywhere in
-      // the cache, so the hardware prefetcher misses every block's start. (The first head
-      // brings them in; the others find them in cache.)
-      if (g == 0 && j0 + kLanes < n)
-        prefetch_rows<T, D>(k_base, offs + j0 + kLanes,
-                            std::min<int64_t>(kLanes, n - j0 - kLanes));
+  // Keys and values of the range's positions: per chunk, each row whose range meets it.
+  // Key rows kKeysAhead chunks ahead of the one scored: a request's blocks lie anywhere in
+  // the cache, so the hardware prefetcher misses every block's start, and at one query row a
+  // chunk is scored in about one memory latency (one chunk ahead measured ~15 % slower on a
+  // cold cache).
+  prefetch_rows<T, D>(k_base, offs, std::min<int64_t>(kKeysAhead * kLanes, n_all));
+  for (int64_t j0 = 0; j0 < n_all; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n_all - j0);
+    const int64_t ahead = j0 + kKeysAhead * kLanes;
+    if (ahead < n_all)
+      prefetch_rows<T, D>(k_base, offs + ahead, std::min<int64_t>(kLanes, n_all - ahead));
+    // A short last chunk repeats its last key (scored into the scratch's padding), so that
+    // every chunk is the same straight code.
+    const T* keys[kLanes];
+    for (int i = 0; i < kLanes; ++i) keys[i] = k_base + offs[j0 + std::min<int64_t>(i, count - 1)];
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const QueryRow& row = rows[r];
+      if (j0 + kLanes <= row.start || j0 >= row.start + row.count) continue;
+      // one piece of q against that piece of kLanes keys at a time: kLanes FMA chains side by
+      // side (a chain per key of NV FMAs in a row waited on each FMA, 3-4x slower)
       Vf acc[kLanes];
-      for (int i = 0; i < kLanes; ++i) {
-        acc[i] = simd::zero();
-        if (i < count) {
-          const T* k = k_base + offs[j0 + i];
-          for (int v = 0; v < NV; ++v)
-            acc[i] = simd::fma(q[v], load_row(k + kLanes * v, ks), acc[i]);
-        }
+      for (int i = 0; i < kLanes; ++i) acc[i] = simd::zero();
+      const Vf sv = simd::set1(scale);
+      for (int v = 0; v < NV; ++v) {
+        const Vf qv = simd::mul(simd::load(row.q + kLanes * v), sv);
+        for (int i = 0; i < kLanes; ++i)
+          acc[i] = simd::fma(qv, load_row(keys[i] + kLanes * v, ks), acc[i]);
       }
-      simd::store_first(sg + j0, simd::reduce_lanes(acc), static_cast<int>(count));
+      simd::store(scores + r * stride + j0, simd::reduce_lanes(acc));
     }
-    softmax(sg, n, cap, sinks ? sinks[g] : -std::numeric_limits<float>::infinity());
   }
-  // accumulators: at most 12 vectors (of AVX-512's 32 registers, or the spill of wider heads)
-  constexpr int kHeadsPerPass = NV <= 4 ? 3 : 1;
-  for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-    const int heads = static_cast<int>(std::min<int64_t>(kHeadsPerPass, G - g0));
-    Vf acc[kHeadsPerPass][NV];
-    for (int h = 0; h < kHeadsPerPass; ++h)
-      for (int v = 0; v < NV; ++v) acc[h][v] = simd::zero();
-    if (g0 == 0) prefetch_rows<T, D>(v_base, offs, std::min<int64_t>(kValueAhead, n));
-    for (int64_t j = 0; j < n; ++j) {
-      if (g0 == 0 && j + kValueAhead < n) prefetch_rows<T, D>(v_base, offs + j + kValueAhead, 1);
-      const T* vr = v_base + offs[j];
-      Vf w[kHeadsPerPass];
-      for (int h = 0; h < heads; ++h) w[h] = simd::set1(scores[(g0 + h) * n + j]);
-      for (int v = 0; v < NV; ++v) {  // one piece of the row at a time, for every head
-        const Vf row = load_row(vr + kLanes * v, vs);
-        for (int h = 0; h < kHeadsPerPass; ++h) {
-          if (h >= heads) break;
-          acc[h][v] = simd::fma(w[h], row, acc[h][v]);
-        }
+  for (int64_t r = 0; r < num_rows; ++r)
+    softmax(scores + r * stride + rows[r].start, rows[r].count, cap, rows[r].sink);
+  for (int64_t r = 0; r < num_rows; ++r)
+    for (int v = 0; v < NV; ++v) simd::store(accum + r * D + kLanes * v, simd::zero());
+  prefetch_rows<T, D>(v_base, offs, std::min<int64_t>(kValuesAhead * kValueChunk, n_all));
+  for (int64_t j0 = 0; j0 < n_all; j0 += kValueChunk) {
+    const int64_t j1 = std::min<int64_t>(n_all, j0 + kValueChunk);
+    const int64_t ahead = j0 + kValuesAhead * kValueChunk;
+    if (ahead < n_all)
+      prefetch_rows<T, D>(v_base, offs + ahead, std::min<int64_t>(kValueChunk, n_all - ahead));
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const QueryRow& row = rows[r];
+      const int64_t a = std::max(j0, row.start), b = std::min(j1, row.start + row.count);
+      if (a >= b) continue;
+      const float* w = scores + r * stride;
+      float* sum = accum + r * D;
+      Vf acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = simd::load(sum + kLanes * v);
+      for (int64_t j = a; j < b; ++j) {
+        const T* vr = v_base + offs[j];
+        const Vf wj = simd::set1(w[j]);
+        for (int v = 0; v < NV; ++v) acc[v] = simd::fma(wj, load_row(vr + kLanes * v, vs), acc[v]);
       }
+      for (int v = 0; v < NV; ++v) simd::store(sum + kLanes * v, acc[v]);
     }
-    for (int h = 0; h < heads; ++h)
-      for (int v = 0; v < NV; ++v) simd::store(out + (g0 + h) * D + kLanes * v, acc[h][v]);
   }
+  for (int64_t r = 0; r < num_rows; ++r)
+    std::copy(accum + r * D, accum + (r + 1) * D, rows[r].out);
+}
+
+// Consecutive query tokens of one request, [t0, t1): one task per KV head.
+struct QueryBlock {
+  int64_t t0, t1;
+};
+
+// At most this many query tokens in a block: its scores (tokens x query heads x keys floats)
+// are one thread's scratch.
+constexpr int64_t kMaxBlockTokens = 8;
+constexpr int64_t kMaxBlockScores = int64_t{1} << 20;
+
+// The step's query tokens cut into blocks: a request's tokens (a verify step's drafts, a
+// prefill chunk) read the same keys, so one task reading them once for several tokens saves
+// the memory traffic of reading them per token. Blocks are cut smaller while there would be
+// fewer tasks than twice the threads (a lone verify step would otherwise leave a thread
+// idle), and so that the scores of a long context fit the scratch bound.
+std::vector<QueryBlock> query_blocks(const int64_t* token_req, const int64_t* token_pos,
+                                     int64_t T_tokens, int64_t KVH, int64_t G,
+                                     int64_t window) {
+  std::vector<std::pair<int64_t, int64_t>> runs;  // each request's tokens
+  for (int64_t t = 0; t < T_tokens;) {
+    int64_t e = t + 1;
+    while (e < T_tokens && token_req[e] == token_req[t]) ++e;
+    runs.emplace_back(t, e);
+    t = e;
+  }
+  const int64_t threads = at::get_num_threads();
+  int64_t size = kMaxBlockTokens;
+  auto tasks = [&](int64_t s) {
+    int64_t n = 0;
+    for (const auto& run : runs) n += (run.second - run.first + s - 1) / s;
+    return n * KVH;
+  };
+  while (size > 1 && tasks(size) < 2 * threads) size /= 2;
+  std::vector<QueryBlock> blocks;
+  for (const auto& run : runs) {
+    // the most keys a block's rows may span: its last token's, or the window and the block
+    const int64_t len = run.second - run.first;
+    const int64_t keys = window > 0 ? window + size : token_pos[run.second - 1] + 1;
+    const int64_t most = std::clamp<int64_t>(kMaxBlockScores / (G * keys), 1, size);
+    // as many blocks as `most` tokens a block needs, their sizes differing by one at most
+    const int64_t count = (len + most - 1) / most;
+    for (int64_t i = 0; i < count; ++i)
+      blocks.push_back({run.first + len * i / count, run.first + len * (i + 1) / count});
+  }
+  return blocks;
 }
 
 template <typename T>
@@ -260,34 +345,51 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
   // 512 with AVX-512's 16 lanes, 32 to 256 with 8); other head dims take the plain loop below
   const int64_t nv = D % kLanes == 0 ? D / kLanes : 0;
   const int64_t task_nv = (nv == 4 || nv == 8 || nv == 16 || nv == 32) ? nv : 0;
-  folio_cpu::parallel_tasks(T_tokens * KVH, [&](const auto& take) {
-    std::vector<float> q(G * D), acc(G * D), kv_row(D), scores;
+  const std::vector<QueryBlock> blocks =
+      query_blocks(token_req, token_pos, T_tokens, KVH, G, window);
+  const float no_sink = -std::numeric_limits<float>::infinity();
+  folio_cpu::parallel_tasks(static_cast<int64_t>(blocks.size()) * KVH, [&](const auto& take) {
+    std::vector<float> q(G * D), acc(G * D), kv_row(D), scores, accum;
     std::vector<int64_t> offs;
-    std::vector<const float*> q_heads(G);
+    std::vector<QueryRow> rows;
     for (int64_t w; (w = take()) >= 0;) {
-      const int64_t t = w / KVH, kvh = w % KVH;
-      const int64_t b = token_req[t], pos = token_pos[t];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t n = pos - lo + 1;
+      const QueryBlock& qb = blocks[w / KVH];
+      const int64_t kvh = w % KVH;
+      const int64_t b = token_req[qb.t0];
       const int64_t* table = tables + b * max_blocks;
       const float ks = k_scale[kvh], vs = v_scale[kvh];
       const float* group_sinks = sinks ? sinks + kvh * G : nullptr;  // this task's G heads
+      auto first_key = [&](int64_t pos) {
+        return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      };
       if (task_nv > 0) {
-        // Each visible key's element offset in the cache plane, once for the K and V passes.
-        offs.resize(n);
-        for (int64_t j = lo; j <= pos;) {
+        // The keys any of the block's tokens sees, [lo, hi]; each one's element offset in the
+        // cache plane, once for the K and V passes of every row.
+        const int64_t lo = first_key(token_pos[qb.t0]), hi = token_pos[qb.t1 - 1];
+        const int64_t n_all = hi - lo + 1;
+        offs.resize(n_all);
+        for (int64_t j = lo; j <= hi;) {
           const int64_t block = table[j / block_size];
           TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-          const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+          const int64_t end = std::min<int64_t>(hi + 1, (j / block_size + 1) * block_size);
           for (; j < end; ++j) offs[j - lo] = (block * block_size + j % block_size) * row + kvh * D;
         }
-        for (int64_t g = 0; g < G; ++g) q_heads[g] = query.at(t, kvh * G + g);
-        scores.resize(G * n);
-        float* o = out + (t * H + kvh * G) * D;
+        rows.clear();
+        for (int64_t t = qb.t0; t < qb.t1; ++t) {
+          const int64_t start = first_key(token_pos[t]) - lo;
+          for (int64_t g = 0; g < G; ++g)
+            rows.push_back({query.at(t, kvh * G + g), out + (t * H + kvh * G + g) * D, start,
+                            token_pos[t] - lo - start + 1,
+                            group_sinks ? group_sinks[g] : no_sink});
+        }
+        // each row's scores over the whole range, padded for the last chunk's full store
+        const int64_t stride = n_all + kLanes;
+        scores.resize(rows.size() * stride);
+        accum.resize(rows.size() * D);
         auto task = [&](auto nv) {
-          attend_task<T, decltype(nv)::value>(o, q_heads.data(), cache, cache + plane,
-                                              offs.data(), n, G, scale, ks, vs, cap,
-                                              group_sinks, scores.data());
+          attend_task<T, decltype(nv)::value>(rows.data(), static_cast<int64_t>(rows.size()),
+                                              cache, cache + plane, offs.data(), n_all, scale,
+                                              ks, vs, cap, scores.data(), stride, accum.data());
         };
         switch (task_nv) {
           case 4: task(std::integral_constant<int, 4>{}); break;
@@ -297,39 +399,42 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         }
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = query.at(t, kvh * G + g);
-        for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;
-      }
-      scores.resize(G * n);
-      // Scores, block by block (one table lookup per block).
-      for (int64_t j = lo; j <= pos;) {
-        const int64_t block = table[j / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-        const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
-        for (; j < end; ++j) {
-          const T* k = cache + (block * block_size + j % block_size) * row + kvh * D;
-          const float* kf = row_as_float(k, D, kv_row.data(), ks);
-          for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
+      for (int64_t t = qb.t0; t < qb.t1; ++t) {
+        const int64_t pos = token_pos[t], lo = first_key(pos), n = pos - lo + 1;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* src = query.at(t, kvh * G + g);
+          for (int64_t d = 0; d < D; ++d) q[g * D + d] = src[d] * scale;
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        softmax(scores.data() + g * n, n, cap,
-                group_sinks ? group_sinks[g] : -std::numeric_limits<float>::infinity());
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = lo; j <= pos;) {
-        const int64_t block = table[j / block_size];
-        const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
-        for (; j < end; ++j) {
-          const T* v = cache + plane + (block * block_size + j % block_size) * row + kvh * D;
-          const float* vf = row_as_float(v, D, kv_row.data(), vs);
-          for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (j - lo)], vf, acc.data() + g * D, D);
+        scores.resize(G * n);
+        // Scores, block by block (one table lookup per block).
+        for (int64_t j = lo; j <= pos;) {
+          const int64_t block = table[j / block_size];
+          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+          const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+          for (; j < end; ++j) {
+            const T* k = cache + (block * block_size + j % block_size) * row + kvh * D;
+            const float* kf = row_as_float(k, D, kv_row.data(), ks);
+            for (int64_t g = 0; g < G; ++g)
+              scores[g * n + (j - lo)] = dot(q.data() + g * D, kf, D);
+          }
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D,
-                  out + (t * H + kvh * G + g) * D);
+        for (int64_t g = 0; g < G; ++g)
+          softmax(scores.data() + g * n, n, cap, group_sinks ? group_sinks[g] : no_sink);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = lo; j <= pos;) {
+          const int64_t block = table[j / block_size];
+          const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
+          for (; j < end; ++j) {
+            const T* v = cache + plane + (block * block_size + j % block_size) * row + kvh * D;
+            const float* vf = row_as_float(v, D, kv_row.data(), vs);
+            for (int64_t g = 0; g < G; ++g)
+              axpy(scores[g * n + (j - lo)], vf, acc.data() + g * D, D);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D,
+                    out + (t * H + kvh * G + g) * D);
+        }
       }
     }
   });

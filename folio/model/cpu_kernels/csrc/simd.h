@@ -43,6 +43,12 @@ inline Vf max(Vf a, Vf b) { return _mm512_max_ps(a, b); }
 inline Vf mul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
 inline Vf fma(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
 inline float reduce_add(Vf v) { return _mm512_reduce_add_ps(v); }
+inline Vf div(Vf a, Vf b) { return _mm512_div_ps(a, b); }
+inline Vf neg_abs(Vf x) { return _mm512_or_ps(x, _mm512_set1_ps(-0.0f)); }  // -|x|
+// a where x >= 0 (or NaN), b where x < 0
+inline Vf where_negative(Vf x, Vf a, Vf b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
+}
 // kLanes int8 values widened to float (exact)
 inline Vf load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(
@@ -60,6 +66,12 @@ inline Vf sub(Vf a, Vf b) { return _mm256_sub_ps(a, b); }
 inline Vf max(Vf a, Vf b) { return _mm256_max_ps(a, b); }
 inline Vf mul(Vf a, Vf b) { return _mm256_mul_ps(a, b); }
 inline Vf fma(Vf a, Vf b, Vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vf div(Vf a, Vf b) { return _mm256_div_ps(a, b); }
+inline Vf neg_abs(Vf x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }  // -|x|
+// a where x >= 0 (or NaN), b where x < 0
+inline Vf where_negative(Vf x, Vf a, Vf b) {
+  return _mm256_blendv_ps(a, b, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
 inline float reduce_add(Vf v) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
@@ -112,6 +124,18 @@ inline float reduce_add(Vf v) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v.v[i];
   return s;
+}
+inline Vf div(Vf a, Vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] /= b.v[i];
+  return a;
+}
+inline Vf neg_abs(Vf x) {
+  for (int i = 0; i < kLanes; ++i) x.v[i] = -std::fabs(x.v[i]);
+  return x;
+}
+inline Vf where_negative(Vf x, Vf a, Vf b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = x.v[i] < 0.0f ? b.v[i] : a.v[i];
+  return a;
 }
 inline Vf load_i8(const int8_t* p) {
   Vf r;
@@ -265,10 +289,12 @@ inline Vf scale_pow2(Vf p, Vf n) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+// A masked store (a copy of `count` floats through memory compiled to `rep movs`, whose
+// start-up cost was most of a chunk of eight keys' scoring).
 inline void store_first(float* p, Vf v, int count) {
-  alignas(32) float tmp[kLanes];
-  _mm256_store_ps(tmp, v);
-  std::memcpy(p, tmp, sizeof(float) * count);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_ps(p, mask, v);
 }
 #else
 // float16 bits -> float, exactly (normals, subnormals, infinities, NaN)
