@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18 bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19 bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -59,6 +59,17 @@ s18)
   step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
       tests/gpu/test_gpu_kv_tiers.py
   tail -3 "$OUT/kv_tiers_tests.log" ;;
+s19)
+  # session 19: loads first, saves' copies after them, one event and the step as a graph
+  step 150 tier_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
+      tests/gpu/test_gpu_host_kv_pool.py tests/gpu/test_gpu_kv_tiers.py
+  tail -3 "$OUT/tier_tests.log"
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
+  step 150 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
+      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
+      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
+      --output-json "$OUT/kv_tiers_llama8b.json"
+  tail -2 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
 bench)
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it

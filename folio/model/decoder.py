@@ -219,10 +219,7 @@ class DecoderLM(nn.Module):
         aux = self.aux_hidden_layers
         if aux:
             kept: dict[int, torch.Tensor] = {}
-        loads = metadata.kv_layer_loads
-        for j, (i, kv_cache) in enumerate(zip(self.stage_layers, kv_caches)):
-            if loads is not None:
-                loads.wait(j)     # this layer's host-tier blocks (the later ones still copy)
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
             if aux and i in aux:
                 kept[i] = hidden if residual is None else hidden + residual
             hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, metadata)

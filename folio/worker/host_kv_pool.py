@@ -4,20 +4,23 @@ the copies each step's message asks for (folio/core/kv_offload.py decides them).
 
 Saves (device blocks the scheduler evicted) are gathered on the device in stream order, so
 they read the blocks before this step may overwrite them; their device-to-host copies then run
-on a side stream. Loads (host slots into the new device blocks of a prefix hit on the host
-tier) are where the tier's time goes, and on a GPU they too run on a side stream: each layer's
-blocks scattered into the cache end in an event (`LayerLoads`), and the forward pass waits for
-a layer's event only when it reaches that layer.
+on a save stream. Loads (host slots into the new device blocks of a prefix hit on the host
+tier) are where the tier's time goes: on a GPU their host-to-device copies are queued first
+on a load stream, the saves' copies wait for them (the two directions at once share the bus),
+and the forward pass waits for one event after the loads' scatters, so the step still runs
+as a CUDA graph. (Per-layer events, with the forward waiting for each layer's blocks as it
+reached the layer, forced the step to run eagerly; on an H100 the eager 16-token step of a
+Llama-3-8B shape took ~22 ms of launches where its graph takes ~9 ms, while the layout below
+left nothing to overlap: every layer's blocks arrive in the one copy per run of slots.)
 
 Why slot-major: a slot's blocks of every layer are one contiguous host range, so a load makes
 one DMA per run of consecutive slots. The earlier layout was layer-major ([layers, slots,
-...]), a DMA per run per layer, so that the copies of layer j + 1 could overlap the compute of
-layer j; but once the tier had filled and its LRU victims left a prefix's slots scattered,
-that was a DMA per block and layer — 3,200 copies of 64 KiB for a 1,600-token Llama-3-8B
-prefix, 35 ms on the H200 for 200 MB, bound by launching them (consecutive slots: 4.8 ms).
-Slot-major, the same load is 100 copies of 2 MiB whatever the slots (4.1 ms measured for such
-copies), and the per-layer overlap it gives up was worth ~1.6 ms there. The device staging
-buffers are taken in chunks of slots (`_CHUNK_BYTES`), not a whole prefix at once.
+...]), a DMA per run per layer; once the tier had filled and its LRU victims left a prefix's
+slots scattered, that was a DMA per block and layer — 3,200 copies of 64 KiB for a
+1,600-token Llama-3-8B prefix, 35 ms on the H200 for 200 MB, bound by launching them
+(consecutive slots: 4.8 ms). Slot-major, the same load is 100 copies of 2 MiB whatever the
+slots (4.6 ms on an H100, scattered or not). The device staging buffers are taken in chunks
+of slots (`_CHUNK_BYTES`), not a whole prefix at once.
 Host memory is read or written by the CPU (the disk tier's files) only after `sync()`.
 """
 from __future__ import annotations
@@ -46,21 +49,6 @@ def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
-
-
-class LayerLoads:
-    """A step's host-tier loads in flight on a side stream: `wait(j)` makes the current
-    stream wait until the j-th layer's blocks (of the caches the loads were given) are in
-    place. Waiting twice for a layer costs nothing more."""
-
-    def __init__(self, events: list[torch.cuda.Event]) -> None:
-        self.events = events
-
-    def wait(self, layer: int) -> None:
-        torch.cuda.current_stream().wait_event(self.events[layer])
-
-    def wait_all(self) -> None:
-        self.wait(len(self.events) - 1)    # the side stream records the layers in order
 
 
 # Device staging of a step's copies: at most this many bytes of slots at a time (a long
@@ -112,6 +100,9 @@ class HostKVPool:
         self._pending = False      # asynchronous copies from or into host memory not waited for
         self._stream = torch.cuda.Stream(first.device) if self._cuda else None        # loads
         self._save_stream = torch.cuda.Stream(first.device) if self._cuda else None   # saves
+        # recorded on the save stream after the latest saves' copies: a later load of those
+        # slots reads them after it
+        self._saves_done: torch.cuda.Event | None = None
 
     @staticmethod
     def bytes_per_slot(kv_caches: list[torch.Tensor]) -> int:
@@ -126,18 +117,70 @@ class HostKVPool:
             self._pending = False
 
     def transfer(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
-                 loads: list[tuple[int, int]]) -> LayerLoads | None:
-        """A step's saves (device block, host slot), then its loads (host slot, device
-        block), as `save` then `load` would leave them: the saves' gathers are queued on the
-        current stream first, so the loads (after them) may overwrite the blocks they read
-        while the saves' copies to the host still run. Returns what `load` returns."""
-        self.save(kv_caches, saves)
-        return self.load(kv_caches, loads)
+                 loads: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """A step's saves (device block, host slot) and loads (host slot, device block), as
+        the saves then the loads in order would leave them: a load may land in a block a save
+        of the same step reads. On a CPU the copies are done on return (None). On a GPU they
+        are still in flight, and the returned event (None without loads) is recorded once
+        every load is in place: the forward pass waits for it.
+
+        The GPU order: the loads' host-to-device copies first (side stream: they read host
+        slots no save of this step writes — a slot serves one block a step — after the
+        earlier steps' saves into them are done); the saves' gathers on the current stream
+        (in stream order, before this step overwrites their blocks); their device-to-host
+        copies on the save stream once the loads' copies are done, so that the two do not
+        share the bus (measured on an H100: 200 MB each way at once took 6.0 ms, one way
+        3.8 ms); then the loads' scatters into the cache after the gathers."""
+        if not self._cuda:
+            self._save(kv_caches, saves)
+            if loads:
+                pairs = sorted(loads)
+                blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+                for first, chunk in _chunks(_runs(pairs), self._chunk_slots):
+                    self._scatter(kv_caches, first, chunk, blocks,
+                                  self._stage(kv_caches, chunk))
+            return None
+        device = kv_caches[0].device
+        side = self._stream
+        staged = None
+        if loads:
+            pairs = sorted(loads)
+            chunks = _chunks(_runs(pairs), self._chunk_slots)
+            if self._saves_done is not None:
+                side.wait_event(self._saves_done)
+            with torch.cuda.stream(side):
+                # Allocated on the side stream and used only there: the caching allocator
+                # hands their memory to other work of this stream only, after these copies.
+                blocks = _device_index([b for _, b in pairs], device)
+                staged = self._stage(kv_caches, chunks[0][1])
+            copied = side.record_event()
+        if saves:
+            self._save(kv_caches, saves, after=copied if loads else None)
+        if not loads:
+            return None
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for i, (first, chunk) in enumerate(chunks):
+                if i > 0:
+                    staged = self._stage(kv_caches, chunk)
+                self._scatter(kv_caches, first, chunk, blocks, staged)
+        self._pending = True
+        return side.record_event()
+
+    def save(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host slots, pairs (device block, host slot) (`transfer`)."""
+        self.transfer(kv_caches, saves, [])
+
+    def load(self, kv_caches: list[torch.Tensor], loads: list[tuple[int, int]]
+             ) -> torch.cuda.Event | None:
+        """Copy host slots into device blocks, pairs (host slot, device block) (`transfer`)."""
+        return self.transfer(kv_caches, [], loads)
 
     @torch.inference_mode()
-    def save(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]]) -> None:
-        """Copy device blocks into host slots, pairs (device block, host slot): gathered from
-        the caches in the current stream's order, copied to the host on the save stream."""
+    def _save(self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int]],
+              after: torch.cuda.Event | None = None) -> None:
+        """The saves: gathered from the caches in the current stream's order, copied to the
+        host on the save stream (after `after`, where given)."""
         if not saves:
             return
         pairs = sorted((slot, block) for block, slot in saves)
@@ -154,60 +197,36 @@ class HostKVPool:
                     self.slots[slot:slot + length].copy_(staged[start:start + length])
                 continue
             self._save_stream.wait_stream(torch.cuda.current_stream(device))
+            if after is not None:
+                self._save_stream.wait_event(after)
             with torch.cuda.stream(self._save_stream):
                 for start, slot, length in chunk:
                     self.slots[slot:slot + length].copy_(staged[start:start + length],
                                                          non_blocking=True)
             staged.record_stream(self._save_stream)   # kept until those copies are done
-        self._pending = self._cuda
+        if self._cuda:
+            self._saves_done = self._save_stream.record_event()
+            self._pending = True
 
     @torch.inference_mode()
-    def load(self, kv_caches: list[torch.Tensor], loads: list[tuple[int, int]]
-             ) -> LayerLoads | None:
-        """Copy host slots into device blocks, pairs (host slot, device block), after
-        everything queued so far on the current stream (this step's saves gathered the blocks
-        the loads overwrite). On a CPU the copies are done on return (None); on a GPU they
-        run on the side stream, and the returned LayerLoads says when each layer's are
-        done."""
-        if not loads:
-            return None
-        pairs = sorted(loads)
-        device = kv_caches[0].device
-        chunks = _chunks(_runs(pairs), self._chunk_slots)
-        if not self._cuda:
-            blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64)
-            for first, chunk in chunks:
-                self._load_chunk(kv_caches, first, chunk, blocks)
-            return None
-        side = self._stream
-        side.wait_stream(torch.cuda.current_stream(device))
-        events = []
-        with torch.cuda.stream(side):
-            # Allocated on the side stream and used only there: the caching allocator hands
-            # their memory to other work of this stream only, after these copies.
-            blocks = _device_index([b for _, b in pairs], device)
-            for i, (first, chunk) in enumerate(chunks):
-                last = i == len(chunks) - 1
-                self._load_chunk(kv_caches, first, chunk, blocks, events if last else None)
-        self._pending = True
-        return LayerLoads(events)
-
-    def _load_chunk(self, kv_caches: list[torch.Tensor], first: int,
-                    chunk: list[tuple[int, int, int]], blocks: torch.Tensor,
-                    events: list | None = None) -> None:
-        """One chunk of runs (pairs [first, first + its slots), `blocks` every pair's device
-        block): its slots to a device staging buffer, one copy per run, then scattered into
-        each layer's cache; `events` gets one per layer after its scatter."""
+    def _stage(self, kv_caches: list[torch.Tensor], chunk: list[tuple[int, int, int]]
+               ) -> torch.Tensor:
+        """A chunk's host slots copied to a device staging buffer, one copy per run of
+        consecutive slots."""
         count = sum(length for _, _, length in chunk)
         staged = torch.empty((count, *self.slots.shape[1:]), dtype=self.slots.dtype,
                              device=kv_caches[0].device)
         for start, slot, length in chunk:
             staged[start:start + length].copy_(self.slots[slot:slot + length],
                                                non_blocking=self._cuda)
-        index = blocks[first:first + count]
+        return staged
+
+    @torch.inference_mode()
+    def _scatter(self, kv_caches: list[torch.Tensor], first: int,
+                 chunk: list[tuple[int, int, int]], blocks: torch.Tensor,
+                 staged: torch.Tensor) -> None:
+        """A staged chunk (pairs [first, first + its slots); `blocks` every pair's device
+        block) scattered into each layer's cache."""
+        index = blocks[first:first + staged.shape[0]]
         for layer, cache in enumerate(kv_caches):
             cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
-            if events is not None:
-                event = torch.cuda.Event()
-                event.record()
-                events.append(event)

@@ -12,15 +12,15 @@ import torch
 
 from folio.core.step_messages import SchedulerOutput
 from folio.worker.disk_kv_store import DiskKVStore
-from folio.worker.host_kv_pool import HostKVPool, LayerLoads
+from folio.worker.host_kv_pool import HostKVPool
 
 
 class KVConnectorWorker(Protocol):
     def start_load_kv(self, step: SchedulerOutput,
-                      kv_caches: list[torch.Tensor]) -> LayerLoads | None:
+                      kv_caches: list[torch.Tensor]) -> torch.cuda.Event | None:
         """Before the step's forward pass: run, or start, its copies into and out of the KV
         cache. None: the loads are in place before the forward reads them (stream order);
-        else the forward waits for each layer's loads as it reaches that layer."""
+        else an event the forward pass waits for (recorded once every load is in place)."""
 
     def get_finished(self, step: SchedulerOutput, pending) -> None:
         """Once the forward pass is queued: put what finished into the step's output
@@ -36,7 +36,7 @@ class TierConnectorWorker:
         self._read_results: list[tuple[bytes, bool]] = []
 
     def start_load_kv(self, step: SchedulerOutput,
-                      kv_caches: list[torch.Tensor]) -> LayerLoads | None:
+                      kv_caches: list[torch.Tensor]) -> torch.cuda.Event | None:
         """The step's tier work, in the order the scheduler relies on: spills, disk reads,
         saves, loads (on a GPU, saves and loads pipelined and still in flight on return),
         then deletes; each read's result kept for the output. (Disk reads write other host

@@ -22,7 +22,6 @@ from folio.worker.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
-    from folio.worker.host_kv_pool import LayerLoads
     from folio.worker.lora_manager import LoRAManager
     from folio.worker.pooling import PendingPooled, PoolingRunner
     from folio.worker.spec_propose import DraftProposer
@@ -326,12 +325,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_async(self, step: SchedulerOutput,
-                            grammar_bitmask: GrammarBitmaskFn | None = None,
-                            kv_layer_loads: LayerLoads | None = None) -> PendingRunnerOutput:
+                            grammar_bitmask: GrammarBitmaskFn | None = None
+                            ) -> PendingRunnerOutput:
         """Apply the step's diffs, then queue its forward pass and sampling; the sampled ids
         come to the host when the returned handle's get() is called, so the caller can
-        schedule the next step meanwhile. `kv_layer_loads`: host-tier loads still in flight
-        (HostKVPool.load), waited for layer by layer."""
+        schedule the next step meanwhile."""
         batch = self.input_batch
         batch.update(step)
         if step.removed_lora_ids and self.lora is not None:
@@ -344,21 +342,16 @@ class ModelRunner:
             requests = batch.requests
             failed = self.lora.set_step([(rid, requests[rid].lora_request) for rid in order],
                                         list(order.values()))
-        pending = self._run_step(step, batch, grammar_bitmask, kv_layer_loads)
+        pending = self._run_step(step, batch, grammar_bitmask)
         pending.failed_req_ids = failed
         return pending
 
     def _run_step(self, step: SchedulerOutput, batch: InputBatch,
-                  grammar_bitmask: GrammarBitmaskFn | None,
-                  kv_layer_loads: LayerLoads | None = None) -> PendingRunnerOutput:
+                  grammar_bitmask: GrammarBitmaskFn | None) -> PendingRunnerOutput:
         order = step.num_scheduled_tokens
         graphs, mixed = self.graph_runner, self.mixed_graph_runner
         if self.calculate_kv_scales:
             graphs = mixed = None  # the scales are set eagerly; the graphs only read them
-        if kv_layer_loads is not None:
-            # eager, so that each layer waits for its own blocks only (a graph replay would
-            # wait for all of them first)
-            graphs = mixed = None
         eager_inputs = None
         # a step that runs image placeholder tokens takes input embeddings: eager
         image_spans = (self.images.spans(step, self.input_batch.requests)
@@ -377,7 +370,6 @@ class ModelRunner:
             if mrope is not None:
                 positions = mrope.to(positions.device, non_blocking=self._pin)
             meta.calculate_kv_scales = self.calculate_kv_scales
-            meta.kv_layer_loads = kv_layer_loads
             self.calculate_kv_scales = False   # once
             if self.takes_token_types:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta,

@@ -613,11 +613,11 @@ class Worker:
                             grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingRunnerOutput:
         connector = self.kv_connector
         loads = None if connector is None else connector.start_load_kv(step, self.kv_caches)
-        pending = self.runner.execute_model_async(step, grammar_bitmask, loads)
         if loads is not None:
-            # Whatever the step ran, later work on this stream (the next step's saves into
-            # host slots these loads read) comes after every load.
-            loads.wait_all()
+            # the step (and later work on this stream: the next step's saves into host slots
+            # these loads read) after every load
+            torch.cuda.current_stream().wait_event(loads)
+        pending = self.runner.execute_model_async(step, grammar_bitmask)
         if connector is not None:
             connector.get_finished(step, pending)
         if self.tp.expert_parallel and self.tp.size > 1:

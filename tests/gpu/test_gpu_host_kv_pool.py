@@ -1,7 +1,7 @@
 """The host KV pool's copies on a CUDA GPU (folio/worker/host_kv_pool.py): a step's saves and
 loads pipelined on two side streams (`transfer`) leave the host slots and device blocks as
 the saves then the loads in order would, the loads landing in the very blocks the saves
-read; the forward's per-layer waits then see every layer's blocks. Skipped without a GPU;
+read; work queued after the returned event sees every layer's blocks. Skipped without a GPU;
 run through the device tool (tools/device_issue23.sh)."""
 from __future__ import annotations
 
@@ -34,13 +34,27 @@ def test_pipelined_saves_and_loads_equal_the_two_in_order():
     old = [c[:, targets].clone() for c in caches]
     slots = list(range(40))
     slots = slots[::2] + slots[1::2]
-    loads = pool.transfer(caches, saves=list(zip(targets, slots)),
-                          loads=[(50 + b, t) for b, t in zip(prefix_blocks, targets)])
-    assert loads is not None and len(loads.events) == len(caches)
-    for layer in range(len(caches)):
-        loads.wait(layer)
+    done = pool.transfer(caches, saves=list(zip(targets, slots)),
+                         loads=[(50 + b, t) for b, t in zip(prefix_blocks, targets)])
+    assert isinstance(done, torch.cuda.Event)
+    torch.cuda.current_stream().wait_event(done)    # as the worker does before the forward
     pool.sync()
     for layer, cache in enumerate(caches):
         assert torch.equal(cache[:, targets], prefix[layer])
         saved = pool.host[layer][slots].transpose(0, 1).cuda()
         assert torch.equal(saved, old[layer])
+
+
+def test_a_load_reads_what_an_earlier_steps_save_wrote():
+    """A step's save into slots and the next step's load of those slots, with no sync between
+    (a prefix evicted, then hit again at once): the load's copy waits for the save's."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    caches = [torch.randn(2, 96, 16, 8, 128, generator=gen, device="cuda",
+                          dtype=torch.bfloat16) for _ in range(8)]
+    pool = HostKVPool(caches, num_slots=48)
+    want = [c[:, :48].clone() for c in caches]
+    pool.save(caches, [(b, b) for b in range(48)])
+    done = pool.load(caches, [(s, 48 + s) for s in range(48)])
+    torch.cuda.current_stream().wait_event(done)
+    for layer, cache in enumerate(caches):
+        assert torch.equal(cache[:, 48:96], want[layer])

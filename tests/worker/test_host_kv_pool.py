@@ -1,22 +1,13 @@
 """The host KV tier's pool (folio/worker/host_kv_pool.py) on the CPU: blocks saved to host
 slots come back bit for bit into other device blocks, whatever runs of consecutive slots the
-pairs make; and the model's forward pass waits for each layer's host-tier loads only when it
-reaches that layer (`AttentionMetadata.kv_layer_loads`, how a GPU overlaps the loads of later
-layers with the compute of earlier ones): a stand-in for the side stream puts a layer's blocks
-in place only when the forward waits for that layer, and the output still equals the one with
-every block in place beforehand."""
+pairs make, and a step's saves and loads together leave what the saves then the loads in
+order would (tests/gpu/test_gpu_host_kv_pool.py: the same on a GPU's streams)."""
 from __future__ import annotations
 
-import torch
-from transformers import AutoConfig
-
-from folio.model.attention.backend import AttentionMetadata
-from folio.model.discovery import resolve_model_source
-from folio.model.loader import load_model
 import pytest
+import torch
 
 from folio.worker.host_kv_pool import HostKVPool, _chunks, _runs
-from folio.worker.kv_cache import allocate_kv_caches
 
 
 def test_runs_of_consecutive_slots():
@@ -74,57 +65,3 @@ def test_a_steps_saves_and_loads_into_the_blocks_it_saved():
     for layer, cache in enumerate(caches):
         assert torch.equal(cache[:, [5, 6]], prefix[layer])
         assert torch.equal(pool.host[layer][[3, 2]].transpose(0, 1), old[layer])
-
-
-class _LateLayers:
-    """Stands in for LayerLoads: layer j's blocks are copied in when the forward waits for
-    layer j, and not before."""
-
-    def __init__(self, caches, full):
-        self.caches, self.full, self.waited = caches, full, []
-
-    def wait(self, layer: int) -> None:
-        assert layer == len(self.waited), self.waited     # in order, once each
-        self.caches[layer].copy_(self.full[layer])
-        self.waited.append(layer)
-
-    def wait_all(self) -> None:
-        raise AssertionError("the forward waits layer by layer")
-
-
-def test_the_forward_waits_for_each_layers_loads_when_it_reaches_it(tmp_path):
-    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=3, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    from transformers import LlamaForCausalLM
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    model, spec = load_model(resolve_model_source(str(tmp_path)), cfg, torch.float32,
-                             torch.device("cpu"), 64)
-    bs, prefix, new = 4, 12, 3
-    caches = allocate_kv_caches(spec, 8, bs, torch.float32, torch.device("cpu"))
-    ids = torch.randint(0, 97, (prefix + new,), generator=torch.Generator().manual_seed(1))
-    table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int64)
-
-    def meta(start: int, n: int) -> AttentionMetadata:
-        slots = [int(table[0, p // bs]) * bs + p % bs for p in range(start, start + n)]
-        return AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=[0, n],
-                                 seq_lens=[start + n], num_computed_tokens=[start],
-                                 block_tables=table, block_size=bs)
-
-    def tail(m: AttentionMetadata) -> torch.Tensor:
-        return model(ids[prefix:], torch.arange(prefix, prefix + new), caches, m)
-
-    with torch.inference_mode():
-        model(ids[:prefix], torch.arange(prefix), caches, meta(0, prefix))   # the prefix's KV
-        full = [c.clone() for c in caches]
-        want = tail(meta(prefix, new))
-        for c in caches:
-            c.zero_()                      # the prefix's blocks are still "on the way"
-        late = _LateLayers(caches, full)
-        m = meta(prefix, new)
-        m.kv_layer_loads = late
-        got = tail(m)
-    assert late.waited == [0, 1, 2]
-    assert torch.equal(got, want)

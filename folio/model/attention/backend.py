@@ -35,10 +35,6 @@ class AttentionMetadata:
     # alike but for slot_mapping and block_tables; each layer reads its group's
     # (Attention.kv_group). None: one group, this metadata.
     groups: list["AttentionMetadata"] | None = None
-    # Host-tier loads still in flight on a side stream (folio/worker/host_kv_pool.LayerLoads):
-    # the model waits for the j-th cache's blocks with `wait(j)` before running its j-th
-    # layer. None: every block is in place.
-    kv_layer_loads: Any = None
     # Backend-specific precomputed tensors (masks, gather indices), filled lazily and reused
     # by all layers of the step.
     cache: dict[str, Any] = field(default_factory=dict)
