@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19 bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -70,6 +70,20 @@ s19)
       --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
       --output-json "$OUT/kv_tiers_llama8b.json"
   tail -2 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
+s19b)
+  # session 19, second call: the host tier twice more (is 1.45x reliable?), then issue 16's
+  # decode split sweep (tools/device_issue16.sh s14c's first step) for the next session
+  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
+  for r in 1 2; do
+    step 150 kv_tiers_llama8b_$r python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
+        --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
+        --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
+        --output-json "$OUT/kv_tiers_llama8b_$r.json"
+    tail -1 "$OUT/kv_tiers_llama8b_$r.log" | cut -c1-220
+  done
+  step 200 splits python3 tools/gpu_sweep_decode_splits.py --batches 1,4,16,64 \
+      --ctx 128,256,512,2048,8192 --json "$OUT/splits.json"
+  grep "^b=" "$OUT/splits.log" | cut -c1-250 ;;
 bench)
   M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it
