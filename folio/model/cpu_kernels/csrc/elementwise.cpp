@@ -2,14 +2,12 @@
 // takes a chain of ops (and a dispatch per op, which is most of their time at decode sizes):
 // RMSNorm with the residual add, neox rotary embedding, SiLU-and-mul. They compute
 // what folio/model/layers.py's torch code computes, in the same order, so float32 results
-// differ only by summation order (the norm's sum of squares) and, in SiLU, the exponential's
-// last bit (simd.h's polynomial, not libm's).
+// differ only by summation order (the norm's sum of squares).
 #include "ops.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -23,15 +21,14 @@ using folio_cpu::simd::Vf;
 using folio_cpu::simd::kLanes;
 namespace simd = folio_cpu::simd;
 
-// silu(g) * u = g * sigmoid(g) * u, kLanes at a time. std::exp does not vectorize (one call
-// an element: a verify step's five rows of SiLU took 1.6 ms of the default model's step);
-// simd.h's exp takes the non-positive -|g|, e = e^-|g| in (0, 1], so sigmoid(g) = 1 / (1 + e)
-// for g >= 0 and e / (1 + e) below: nothing overflows on either side.
+// silu(g) * u, kLanes at a time, as torch computes it: g / (1 + e^-g), rounded, times u,
+// e^-g from simd.h's exp_torch (SLEEF's, as ATen's vectorized silu takes it; a row's
+// remainder below goes through libm's, as ATen's does). std::exp does
+// not vectorize: one call an element took 1.6 ms of a 5-row verify step of the default model.
 inline Vf silu_mul(Vf g, Vf u) {
   const Vf one = simd::set1(1.0f);
-  const Vf e = simd::exp_nonpositive(simd::neg_abs(g));
-  const Vf sig = simd::div(simd::where_negative(g, one, e), simd::add(one, e));
-  return simd::mul(simd::mul(g, sig), u);
+  const Vf e = simd::exp_torch(simd::sub(simd::zero(), g));
+  return simd::mul(simd::div(g, simd::add(one, e)), u);
 }
 
 }  // namespace
@@ -142,13 +139,9 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes)
         simd::store(o + i, silu_mul(simd::load(g + i), simd::load(u + i)));
-      if (i < I) {  // the last few through a padded copy
-        float gt[kLanes] = {}, ut[kLanes] = {}, ot[kLanes];
-        std::copy(g + i, g + I, gt);
-        std::copy(u + i, u + I, ut);
-        simd::store(ot, silu_mul(simd::load(gt), simd::load(ut)));
-        std::copy(ot, ot + (I - i), o + i);
-      }
+      // the last few one at a time with libm's exp, as ATen's vectorized loops take a row's
+      // remainder (so a tail element is torch's bits too)
+      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
   });
   return out;

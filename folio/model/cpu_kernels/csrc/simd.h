@@ -381,6 +381,33 @@ inline Vf exp_nonpositive(Vf x) {
   return scale_pow2(p, n);
 }
 
+// e^x for any x (below -87 it underflows to ~0, above 88 to inf): e^(-|x|) from
+// exp_nonpositive, inverted for positive x.
+inline Vf exp_polynomial(Vf x) {
+  const Vf e = exp_nonpositive(neg_abs(x));
+  return where_negative(x, div(set1(1.0f), e), e);
+}
+
+// e^x as torch's CPU kernels compute it (ATen's Vectorized<float>::exp is SLEEF's 1-ulp
+// expf, which libtorch_cpu exports): so SiLU-and-mul gives torch's F.silu bits. Declared weak:
+// a torch build without those symbols still loads the extension, and gets exp_polynomial.
+#if defined(FOLIO_SIMD_AVX512)
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+inline Vf exp_torch(Vf x) {
+  return Sleef_expf16_u10 != nullptr ? Sleef_expf16_u10(x) : exp_polynomial(x);
+}
+#elif defined(FOLIO_SIMD_AVX2)
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+inline Vf exp_torch(Vf x) {
+  return Sleef_expf8_u10 != nullptr ? Sleef_expf8_u10(x) : exp_polynomial(x);
+}
+#else
+inline Vf exp_torch(Vf x) {
+  for (int i = 0; i < kLanes; ++i) x.v[i] = std::exp(x.v[i]);
+  return x;
+}
+#endif
+
 // Asks for `bytes` from `p` on into L1, a cache line at a time (a hint: addresses past the
 // end of an array are harmless).
 inline void prefetch_bytes(const void* p, int64_t bytes) {
