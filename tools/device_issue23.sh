@@ -8,6 +8,18 @@
 set -uo pipefail
 STEP_PATTERN="TTFT|ITL|P/D|passed|failed|Error|error"
 . tools/device_common.sh
+llama8b() {  # the random-weight Llama-3-8B-shaped model's directory (built once per machine)
+  python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1
+}
+# the seed's case: a 1,600-token prefix = 100 blocks; 400 device blocks, so four 1,600-token
+# fillers evict it. $1: the step's time limit, $2: its name (log and JSON under $OUT)
+kv_tiers_bench() {
+  step "$1" "$2" python3 -m folio.entrypoints.cli bench kv-tiers --model "$(llama8b)" \
+      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
+      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
+      --output-json "$OUT/$2.json"
+  tail -1 "$OUT/$2.log" | cut -c1-220
+}
 case "${PART:-tests}" in
 tests)
   step 400 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
@@ -37,23 +49,13 @@ s16c)
   cat "$OUT/host_kv.log"
   step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
       tests/gpu/test_gpu_host_kv_pool.py tests/gpu/test_gpu_kv_tiers.py
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 220 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json"
-  tail -3 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
+  kv_tiers_bench 220 kv_tiers_llama8b ;;
 s18)
   # session 18: the slot-major host tier (load of scattered slots, then the bench), and
   # whether an error raised in a C++ CPU extension crashes this host's torch
   step 60 host_kv python3 tools/gpu_diag_host_kv.py
   cat "$OUT/host_kv.log"
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 150 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json"
-  tail -2 "$OUT/kv_tiers_llama8b.log" | cut -c1-220
+  kv_tiers_bench 150 kv_tiers_llama8b
   step 120 ext_errors python3 tools/diag_cpu_ext_errors.py
   cat "$OUT/ext_errors.log"
   step 150 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
@@ -64,38 +66,22 @@ s19)
   step 150 tier_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
       tests/gpu/test_gpu_host_kv_pool.py tests/gpu/test_gpu_kv_tiers.py
   tail -3 "$OUT/tier_tests.log"
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 150 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json"
-  tail -2 "$OUT/kv_tiers_llama8b.log" | cut -c1-220 ;;
+  kv_tiers_bench 150 kv_tiers_llama8b ;;
 s19b)
   # session 19, second call: the host tier twice more (is 1.45x reliable?), then issue 16's
   # decode split sweep (tools/device_issue16.sh s14c's first step) for the next session
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
   for r in 1 2; do
-    step 150 kv_tiers_llama8b_$r python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-        --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-        --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-        --output-json "$OUT/kv_tiers_llama8b_$r.json"
-    tail -1 "$OUT/kv_tiers_llama8b_$r.log" | cut -c1-220
+    kv_tiers_bench 150 kv_tiers_llama8b_$r
   done
   step 200 splits python3 tools/gpu_sweep_decode_splits.py --batches 1,4,16,64 \
       --ctx 128,256,512,2048,8192 --json "$OUT/splits.json"
   grep "^b=" "$OUT/splits.log" | cut -c1-250 ;;
 bench)
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  # 1,600-token prefix = 100 blocks; 400 device blocks: four 1,600-token fillers evict it
-  step 500 kv_tiers_llama8b python3 -m folio.entrypoints.cli bench kv-tiers --model "$M" \
-      --dtype bfloat16 --input-len 1600 --num-iters 5 --num-iters-warmup 1 \
-      --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
-      --output-json "$OUT/kv_tiers_llama8b.json" ;;
+  kv_tiers_bench 500 kv_tiers_llama8b ;;
 disagg)
   # prefill and decode as two servers on the one GPU (each 24 GiB of KV cache), 8k-token
   # prompts arriving while 16 requests decode; the single server gets the same cache
-  M=$(python3 -c "from folio.bench.random_model import build_random_model as b; print(b('llama3-8b'))" | tail -1)
-  step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$M" \
+  step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$(llama8b)" \
       --server-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory-bytes 25769803776" \
       --num-decoders 16 --decode-input-len 128 --decode-output-len 256 --num-long 5 \
       --long-input-len 7936 --long-output-len 8 --long-interval 1.0 \
