@@ -44,6 +44,32 @@ for f in (m.boom_std, m.boom):
     except RuntimeError as exc:
         print("RuntimeError:", str(exc).splitlines()[0])
 """,
+    # session 19: folio's rotary range check crashed on an H100 host where the checks above
+    # raised; its message is formatted (a number in it), theirs are plain strings
+    "folio rotary position out of range (formatted TORCH_CHECK)": """
+import torch
+from folio.model.cpu_kernels import extension
+e = extension()
+q = torch.zeros(2, 1, 8)
+try:
+    e.rotary_neox(torch.tensor([0, 99]), q, q, torch.zeros(4, 8), torch.zeros(4, 8), 8)
+except RuntimeError as exc:
+    print("RuntimeError:", str(exc).splitlines()[0])
+""",
+    "inline ATen + utils/pybind.h formatted TORCH_CHECK": """
+import os, tempfile, torch
+from torch.utils.cpp_extension import load
+d = tempfile.mkdtemp()
+open(os.path.join(d, "f.cpp"), "w").write(
+    '#include <ATen/core/Tensor.h>\\n#include <torch/csrc/utils/pybind.h>\\n'
+    'void boom(at::Tensor x) { TORCH_CHECK(false, "boom ", x.size(0), " formatted"); }\\n'
+    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("boom", &boom); }\\n')
+m = load("diag_ext_fmt", sources=[os.path.join(d, "f.cpp")], verbose=False)
+try:
+    m.boom(torch.zeros(3))
+except RuntimeError as exc:
+    print("RuntimeError:", str(exc).splitlines()[0])
+""",
 }
 
 for name, code in PROBES.items():

@@ -91,12 +91,12 @@ def test_cpu_attention_refuses_out_of_range_slots_and_blocks() -> None:
     backend = _backend()
     meta.slot_mapping = meta.slot_mapping.clone()
     meta.slot_mapping[0] = cache.shape[1] * cache.shape[2]
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match=f"slot {cache.shape[1] * cache.shape[2]} out of range"):
         backend.forward(q, k, v, cache, meta, scale=0.25)
     q, k, v, cache, meta = make_step(case, torch.Generator().manual_seed(0))
     meta.block_tables = meta.block_tables.clone()
     meta.block_tables[0, 0] = cache.shape[1] + 5
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match=f"block id {cache.shape[1] + 5} out of range"):
         backend.forward(q, k, v, cache, meta, scale=0.25)
 
 

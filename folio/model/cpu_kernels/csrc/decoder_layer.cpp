@@ -60,8 +60,9 @@ std::vector<at::Tensor> DecoderLayerKernel::forward(
   at::Tensor stream = residual.has_value() ? normed[1] : hidden;
 
   at::Tensor qkv = proj_.qkv(normed[0]);
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the qkv projection gives ", qkv.size(1),
-              " features; the heads need ", q_size + 2 * kv_size);
+  FOLIO_CHECK(qkv.size(1) == q_size + 2 * kv_size,
+              "the qkv projection gives %lld features; the heads need %lld",
+              static_cast<long long>(qkv.size(1)), static_cast<long long>(q_size + 2 * kv_size));
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, KVH, D});
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, KVH, D});

@@ -13,8 +13,8 @@
 namespace {
 
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              name, " must be float32 [rows, features] with contiguous rows");
+  FOLIO_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "%s must be float32 [rows, features] with contiguous rows", name);
 }
 
 using folio_cpu::simd::Vf;
@@ -92,7 +92,8 @@ std::vector<at::Tensor> rotary_neox(at::Tensor positions, at::Tensor q, at::Tens
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0), half = rotary_dim / 2;
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
+    FOLIO_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position %lld out of range",
+                static_cast<long long>(pos[t]));
   }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

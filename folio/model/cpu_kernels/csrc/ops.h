@@ -8,7 +8,24 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 
+#include <cstdio>
 #include <vector>
+
+// TORCH_CHECK with a printf-formatted message, handed to torch as one C string. A TORCH_CHECK
+// whose message has more than one part is joined into a std::string in this library and
+// passed to libtorch; on the lent GPU's host (torch 2.11, Python 3.12, its own compiler) every
+// such failing check crashed the process with SIGSEGV (a minimal extension did too), while
+// one-string checks raised RuntimeError (tools/diag_cpu_ext_errors.py). So every check whose
+// message carries values goes through here.
+#define FOLIO_CHECK(cond, ...)                                             \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      char folio_check_message[512];                                       \
+      std::snprintf(folio_check_message, sizeof folio_check_message,       \
+                    __VA_ARGS__);                                          \
+      TORCH_CHECK(false, static_cast<const char*>(folio_check_message));  \
+    }                                                                      \
+  } while (0)
 
 // y [M, N] = x [M, K] @ W^T for W the sum of 4-bit planes (q4_matmul.cpp).
 at::Tensor q4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scale, at::Tensor zero);

@@ -370,7 +370,8 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         offs.resize(n_all);
         for (int64_t j = lo; j <= hi;) {
           const int64_t block = table[j / block_size];
-          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+          FOLIO_CHECK(block >= 0 && block < num_blocks, "block id %lld out of range",
+                      static_cast<long long>(block));
           const int64_t end = std::min<int64_t>(hi + 1, (j / block_size + 1) * block_size);
           for (; j < end; ++j) offs[j - lo] = (block * block_size + j % block_size) * row + kvh * D;
         }
@@ -409,7 +410,8 @@ void attend(float* out, const Heads& query, const T* cache, const int64_t* table
         // Scores, block by block (one table lookup per block).
         for (int64_t j = lo; j <= pos;) {
           const int64_t block = table[j / block_size];
-          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+          FOLIO_CHECK(block >= 0 && block < num_blocks, "block id %lld out of range",
+                      static_cast<long long>(block));
           const int64_t end = std::min<int64_t>(pos + 1, (j / block_size + 1) * block_size);
           for (; j < end; ++j) {
             const T* k = cache + (block * block_size + j % block_size) * row + kvh * D;
@@ -523,7 +525,8 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key,
   const int64_t slots_total = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " out of range");
+    FOLIO_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot %lld out of range",
+                static_cast<long long>(slots[t]));
   }
   // Each token's request and position.
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -533,8 +536,10 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key,
   std::vector<int64_t> token_req(T_tokens), token_pos(T_tokens);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = qsl[b + 1] - qsl[b];
-    TORCH_CHECK(n >= 0 && lens[b] >= n && lens[b] <= max_ctx,
-                "request ", b, ": seq_len ", lens[b], " does not hold its ", n, " query tokens");
+    FOLIO_CHECK(n >= 0 && lens[b] >= n && lens[b] <= max_ctx,
+                "request %lld: seq_len %lld does not hold its %lld query tokens",
+                static_cast<long long>(b), static_cast<long long>(lens[b]),
+                static_cast<long long>(n));
     for (int64_t i = 0; i < n; ++i) {
       token_req[qsl[b] + i] = b;
       token_pos[qsl[b] + i] = lens[b] - n + i;
