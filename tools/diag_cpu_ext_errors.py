@@ -7,6 +7,29 @@ from __future__ import annotations
 import subprocess
 import sys
 
+
+def _minimal_extension(name: str, *bodies: str) -> str:
+    """A probe building an extension of ATen and torch's pybind header alone, with one
+    function per body (boom0, boom1, ...), each called once."""
+    functions = "".join(f"void boom{i}(at::Tensor x) {{ {b} }}\\n" for i, b in enumerate(bodies))
+    defs = " ".join(f'm.def("boom{i}", &boom{i});' for i in range(len(bodies)))
+    return f"""
+import os, tempfile, torch
+from torch.utils.cpp_extension import load
+d = tempfile.mkdtemp()
+open(os.path.join(d, "b.cpp"), "w").write(
+    '#include <ATen/core/Tensor.h>\\n#include <torch/csrc/utils/pybind.h>\\n'
+    '{functions}'
+    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ {defs} }}\\n')
+m = load("{name}", sources=[os.path.join(d, "b.cpp")], verbose=False)
+for i in reversed(range({len(bodies)})):
+    try:
+        getattr(m, f"boom{{i}}")(torch.zeros(3))
+    except RuntimeError as exc:
+        print("RuntimeError:", str(exc).splitlines()[0])
+"""
+
+
 PROBES = {
     "folio q4_matmul bad shape (TORCH_CHECK)": """
 import torch
@@ -28,22 +51,9 @@ try:
 except RuntimeError as exc:
     print("RuntimeError:", str(exc).splitlines()[0])
 """,
-    "inline ATen + utils/pybind.h TORCH_CHECK": """
-import os, tempfile, torch
-from torch.utils.cpp_extension import load
-d = tempfile.mkdtemp()
-open(os.path.join(d, "b.cpp"), "w").write(
-    '#include <ATen/core/Tensor.h>\\n#include <torch/csrc/utils/pybind.h>\\n'
-    'void boom(at::Tensor x) { TORCH_CHECK(false, "boom"); }\\n'
-    'void boom_std(at::Tensor x) { throw std::runtime_error("boom_std"); }\\n'
-    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("boom", &boom); m.def("boom_std", &boom_std); }\\n')
-m = load("diag_ext_min", sources=[os.path.join(d, "b.cpp")], verbose=False)
-for f in (m.boom_std, m.boom):
-    try:
-        f(torch.zeros(1))
-    except RuntimeError as exc:
-        print("RuntimeError:", str(exc).splitlines()[0])
-""",
+    "inline ATen + utils/pybind.h TORCH_CHECK": _minimal_extension(
+        "diag_ext_min", 'TORCH_CHECK(false, "boom");',
+        'throw std::runtime_error("boom_std");'),
     # session 19: folio's rotary range check crashed on an H100 host where the checks above
     # raised; its message is formatted (a number in it), theirs are plain strings
     "folio rotary position out of range (formatted TORCH_CHECK)": """
@@ -56,20 +66,8 @@ try:
 except RuntimeError as exc:
     print("RuntimeError:", str(exc).splitlines()[0])
 """,
-    "inline ATen + utils/pybind.h formatted TORCH_CHECK": """
-import os, tempfile, torch
-from torch.utils.cpp_extension import load
-d = tempfile.mkdtemp()
-open(os.path.join(d, "f.cpp"), "w").write(
-    '#include <ATen/core/Tensor.h>\\n#include <torch/csrc/utils/pybind.h>\\n'
-    'void boom(at::Tensor x) { TORCH_CHECK(false, "boom ", x.size(0), " formatted"); }\\n'
-    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("boom", &boom); }\\n')
-m = load("diag_ext_fmt", sources=[os.path.join(d, "f.cpp")], verbose=False)
-try:
-    m.boom(torch.zeros(3))
-except RuntimeError as exc:
-    print("RuntimeError:", str(exc).splitlines()[0])
-""",
+    "inline ATen + utils/pybind.h formatted TORCH_CHECK": _minimal_extension(
+        "diag_ext_fmt", 'TORCH_CHECK(false, "boom ", x.size(0), " formatted");'),
 }
 
 for name, code in PROBES.items():
