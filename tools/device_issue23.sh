@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -19,6 +19,26 @@ kv_tiers_bench() {
       --max-model-len 2048 --num-gpu-blocks-override 400 --kv-offloading-size 4 \
       --output-json "$OUT/$2.json"
   tail -1 "$OUT/$2.log" | cut -c1-220
+}
+# prefill and decode as two servers on the one GPU, 8k-token prompts arriving while 16
+# requests decode; the single server gets the same cache. $1: time limit, $2: name, $3: KV
+# bytes per server, $4: more server arguments; the rest: more bench arguments. The servers'
+# logs land in $OUT/$2_logs.
+disagg_bench() {
+  local limit=$1 name=$2 kv=$3 more=$4
+  shift 4
+  step "$limit" "$name" python3 -m folio.entrypoints.cli bench disagg --model "$(llama8b)" "$@" \
+      --server-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory-bytes $kv $more" \
+      --num-decoders 16 --decode-input-len 128 --decode-output-len 256 --num-long 5 \
+      --long-input-len 7936 --long-output-len 8 --long-interval 1.0 \
+      --output-json "$OUT/$name.json"
+  grep -E "^single|^disagg|^P/D|^ +(long|stalls)" "$OUT/$name.log" | cut -c1-400
+  local logs
+  logs=$(python3 -c "import json; print(json.load(open('$OUT/$name.json'))['logs'])" 2>/dev/null)
+  if [ -n "$logs" ]; then
+    mkdir -p "$OUT/${name}_logs"
+    for f in "$logs"/*.log; do tail -c 2000000 "$f" > "$OUT/${name}_logs/$(basename "$f")"; done
+  fi
 }
 case "${PART:-tests}" in
 tests)
@@ -76,14 +96,33 @@ s19b)
   step 200 splits python3 tools/gpu_sweep_decode_splits.py --batches 1,4,16,64 \
       --ctx 128,256,512,2048,8192 --json "$OUT/splits.json"
   grep "^b=" "$OUT/splits.log" | cut -c1-250 ;;
+s20)
+  # session 20: where the P/D decoders stall. A second process's GPU bursts beside one server
+  # (does time-slicing between processes stall decoding?), then the P/D bench with its stall
+  # timeline and the servers' debug logs (fetch times, slow engine steps); the H100 holds two
+  # servers only with 12 GiB of KV each. Last, the CPU kernels' formatted checks here.
+  command -v nvidia-cuda-mps-control || echo "no nvidia-cuda-mps-control"
+  nvidia-smi -q | grep -iE "compute mode|product name" | head -3
+  step 200 colocated python3 tools/gpu_diag_colocated.py --model "$(llama8b)" \
+      --server-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory-bytes 12884901888" \
+      --bursts 0.6:200:big,1.5:50:big,2.2:200:small --json "$OUT/colocated.json"
+  grep -E "^ITL|^burst|^all stalls" "$OUT/colocated.log" | cut -c1-400
+  disagg_bench 330 disagg_s20 12884901888 "--log-level debug"
+  step 60 cpu_checks python3 -m pytest -q -p no:cacheprovider --noconftest -rf --tb=short \
+      tests/model/test_cpu_attention.py tests/model/test_cpu_elementwise.py ;;
+s20b)
+  # session 20, second call: the engine loop no longer idles 0.5 s before a finished prefill's
+  # hold goes out (the decode side's fetch waited for it); then the decoders' stalls under
+  # the prefill's kernels: an MPS daemon (all SMs, then 60 % for the prefill), and a prefill
+  # server that leaves the GPU between 1,024-token steps
+  disagg_bench 120 disagg_loop 12884901888 "--log-level debug"
+  disagg_bench 120 disagg_mps 12884901888 "--log-level debug" --mps
+  disagg_bench 120 disagg_mps60 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
+  disagg_bench 120 disagg_chunks 12884901888 "--log-level debug" \
+      --prefill-server-args "--max-num-batched-tokens 1024 --no-async-scheduling" ;;
 bench)
   kv_tiers_bench 500 kv_tiers_llama8b ;;
 disagg)
-  # prefill and decode as two servers on the one GPU (each 24 GiB of KV cache), 8k-token
-  # prompts arriving while 16 requests decode; the single server gets the same cache
-  step 560 disagg_llama8b python3 -m folio.entrypoints.cli bench disagg --model "$(llama8b)" \
-      --server-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory-bytes 25769803776" \
-      --num-decoders 16 --decode-input-len 128 --decode-output-len 256 --num-long 5 \
-      --long-input-len 7936 --long-output-len 8 --long-interval 1.0 \
-      --output-json "$OUT/disagg_llama8b.json" ;;
+  # prefill and decode as two servers on the one GPU (each 24 GiB of KV cache: an H200)
+  disagg_bench 560 disagg_llama8b 25769803776 "" ;;
 esac

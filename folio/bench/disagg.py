@@ -2,7 +2,9 @@
 
 Runs one workload twice: against a single `folio serve`, then against `folio router` in front
 of a prefill server (kv_producer) and a decode server (kv_consumer), all started here (on one
-GPU the two share it: give each --gpu-memory-utilization in --server-args). The workload:
+GPU the two share it: give each --gpu-memory-utilization in --server-args; --mps runs them
+under an MPS daemon of the benchmark's own, so that their kernels share the GPU at once
+instead of in turns). The workload:
 `--num-decoders` streaming requests of short prompts and long outputs start together; while
 they decode, `--num-long` prompts of `--long-input-len` tokens arrive every `--long-interval`
 seconds. Reported: the decoders' inter-token latency (median, p99) and the whole run's output
@@ -23,6 +25,7 @@ import tempfile
 import time
 from typing import Any
 
+from folio.bench.mps import mps_control, mps_daemon
 from folio.bench.serve import BenchRequest, RequestResult, build_payload, send_request
 from folio.bench.server_process import ServerProcess, free_port
 
@@ -31,6 +34,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="the model (default: folio's default)")
     parser.add_argument("--server-args", default="",
                         help="extra `folio serve` arguments for every server (one string)")
+    parser.add_argument("--prefill-server-args", default="",
+                        help="more arguments for the prefill server only (one string)")
+    parser.add_argument("--decode-server-args", default="",
+                        help="more arguments for the decode server only (one string)")
+    parser.add_argument("--mps", action="store_true",
+                        help="run the prefill and decode servers under a CUDA MPS daemon of "
+                             "the benchmark's own, so that on one GPU their kernels run side "
+                             "by side rather than in turns (default: off)")
+    parser.add_argument("--mps-prefill-sm-percentage", type=int, default=None,
+                        help="with --mps: the share of SMs the prefill server may use "
+                             "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; default: all)")
     parser.add_argument("--num-decoders", type=int, default=16)
     parser.add_argument("--decode-input-len", type=int, default=128)
     parser.add_argument("--decode-output-len", type=int, default=512)
@@ -83,11 +97,54 @@ async def _workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     itl = sorted(x for r in decoded for x in r.itl)
     tokens = sum(r.output_tokens for r in decoded + long_done)
-    return {"itl_median_ms": 1e3 * statistics.median(itl),
+    median = statistics.median(itl)
+    return {"itl_median_ms": 1e3 * median,
             "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
             "long_ttft_median_ms": 1e3 * statistics.median(r.ttft for r in long_done),
             "output_tokens": tokens, "duration_s": duration,
-            "output_throughput": tokens / duration}
+            "output_throughput": tokens / duration,
+            "stalls": stalls(decoded, max(_STALL_MIN_S, _STALL_FACTOR * median)),
+            "long_prompts": [{"sent_s": round(r.send_time, 4),
+                              "first_token_s": round(r.send_time + r.ttft, 4),
+                              "done_s": round(r.send_time + r.latency, 4)} for r in long_done]}
+
+
+# A gap between two of a decoder's tokens counts as a stall when it is this many times the
+# median inter-token latency, and at least _STALL_MIN_S.
+_STALL_FACTOR = 3.0
+_STALL_MIN_S = 0.02
+
+
+def stalls(results: list[RequestResult], threshold: float) -> list[dict[str, float]]:
+    """Where the decoders stopped: every gap of a decoder's tokens longer than `threshold`,
+    gaps that overlap in time merged into one event (start, end, seconds since the
+    benchmark started; how many decoders it held). Read beside the long prompts' send and
+    first-token times, they say which phase of a long prompt stalls the others."""
+    gaps = []
+    for r in results:
+        t = r.send_time + r.ttft
+        for x in r.itl:
+            if x > threshold:
+                gaps.append((t, t + x))
+            t += x
+    events: list[dict[str, float]] = []
+    for start, end in sorted(gaps):
+        if events and start < events[-1]["end_s"]:
+            last = events[-1]
+            last["end_s"] = max(last["end_s"], end)
+            last["longest_ms"] = max(last["longest_ms"], 1e3 * (end - start))
+            last["decoders"] += 1
+        else:
+            events.append({"start_s": start, "end_s": end, "longest_ms": 1e3 * (end - start),
+                           "decoders": 1})
+    for e in events:
+        e["start_s"], e["end_s"] = round(e["start_s"], 4), round(e["end_s"], 4)
+        e["longest_ms"] = round(e["longest_ms"], 2)
+    return events
+
+
+# stall events printed per run (all of them are in the JSON)
+_STALLS_PRINTED = 24
 
 
 def _serve_cmd(args: argparse.Namespace, port: int, extra: list[str]) -> list[str]:
@@ -98,16 +155,24 @@ def _serve_cmd(args: argparse.Namespace, port: int, extra: list[str]) -> list[st
 
 
 def _start(stack: contextlib.ExitStack, name: str, cmd: list[str], port: int, logs: str,
-           timeout: float) -> str:
-    """Start a server in `stack` (stopped when it closes), wait until it is ready; its URL."""
-    server = stack.enter_context(ServerProcess(name, cmd,
-                                               log_path=os.path.join(logs, f"{name}.log")))
+           timeout: float, env: dict[str, str] | None = None) -> str:
+    """Start a server in `stack` (stopped when it closes), wait until it is ready; its URL.
+    `env`: variables added to this process's environment for it."""
+    server = stack.enter_context(ServerProcess(
+        name, cmd, log_path=os.path.join(logs, f"{name}.log"),
+        env=None if env is None else {**os.environ, **env}))
     url = f"http://127.0.0.1:{port}"
     server.wait_ready(url + "/health", timeout)
     return url
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mps_prefill_sm_percentage is not None and not (
+            args.mps and 1 <= args.mps_prefill_sm_percentage <= 100):
+        raise ValueError("--mps-prefill-sm-percentage needs --mps and a value in 1..100, "
+                         f"got {args.mps_prefill_sm_percentage}")
+    if args.mps:
+        mps_control()             # before the single server's run, not after it
     logs = tempfile.mkdtemp(prefix="folio-bench-disagg-")
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
                                        if not callable(v)}, "logs": logs}
@@ -121,10 +186,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "P2pConnector",
                                                     "kv_role": role})]
     with contextlib.ExitStack() as stack:
-        prefill = _start(stack, "prefill", _serve_cmd(args, p_port, p2p("kv_producer")), p_port,
-                         logs, args.ready_timeout)
-        decode = _start(stack, "decode", _serve_cmd(args, d_port, p2p("kv_consumer")), d_port,
-                        logs, args.ready_timeout)
+        mps = stack.enter_context(mps_daemon()) if args.mps else None
+        prefill_env = decode_env = mps
+        if mps is not None and args.mps_prefill_sm_percentage is not None:
+            prefill_env = {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE":
+                           str(args.mps_prefill_sm_percentage)}
+        prefill = _start(stack, "prefill", _serve_cmd(
+            args, p_port, [*p2p("kv_producer"), *args.prefill_server_args.split()]), p_port,
+            logs, args.ready_timeout, prefill_env)
+        decode = _start(stack, "decode", _serve_cmd(
+            args, d_port, [*p2p("kv_consumer"), *args.decode_server_args.split()]), d_port,
+            logs, args.ready_timeout, decode_env)
         router = _start(stack, "router", [sys.executable, "-m", "folio.entrypoints.cli",
                                           "router", "--port", str(r_port), "--prefill", prefill,
                                           "--decode", decode], r_port, logs, 60)
@@ -137,6 +209,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:7s}: ITL median {r['itl_median_ms']:.2f} ms, p99 {r['itl_p99_ms']:.2f} ms; "
               f"long prompts' TTFT median {r['long_ttft_median_ms']:.1f} ms; output "
               f"{r['output_throughput']:.1f} tok/s over {r['duration_s']:.1f} s")
+        longs = ", ".join(f"{p['sent_s']:.3f}-{p['first_token_s']:.3f}"
+                          for p in r["long_prompts"])
+        print(f"         long prompts (sent-first token, s): {longs}")
+        print("         stalls (start s +ms longest, decoders): " + ", ".join(
+            f"{e['start_s']:.3f}+{e['longest_ms']:.0f}({e['decoders']})"
+            for e in r["stalls"][:_STALLS_PRINTED]))
     print(f"P/D over single: p99 ITL {report['itl_p99_ratio']:.2f}x (target <= 0.5x), "
           f"throughput {report['throughput_ratio']:.2f}x (target >= 0.9x)")
     if args.output_json:

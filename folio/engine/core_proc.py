@@ -108,21 +108,40 @@ def startup_timeline(spawned_at: float, entered_at: float, imported_at: float, i
             "after spawn")
 
 
+# What the loop logs at DEBUG as slow: where a server's streams stall (bench disagg's stalls).
+_SLOW_S = 0.04
+
+
+def _log_if_slow(start: float, what: str, *args) -> None:
+    took = time.perf_counter() - start
+    if took > _SLOW_S and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("engine core: " + what + " took %.1f ms", *args, 1e3 * took)
+
+
+def _poll_timeout_ms(core) -> int:
+    """How long the loop may wait for messages before its next step: 0 with work queued
+    (just drain what has arrived), long only when idle. Notifications for the workers count
+    as work: a disaggregated prefill's hold goes out with the step after the request
+    finished, and a consumer waits for it (idle, it waited a whole poll: +0.5 s of TTFT).
+    Asleep, queued requests wait for wake_up: wait too."""
+    busy = core.has_unfinished_requests() and not core.is_sleeping()
+    return 0 if busy or core.has_pending_notifications() else _IDLE_POLL_MS
+
+
 def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     last_parent_check = time.monotonic()
     last_stats = None
     while True:
-        # Block only while idle; with work queued, just drain what has arrived.
-        # (asleep, queued requests wait for wake_up: block too)
-        busy = core.has_unfinished_requests() and not core.is_sleeping()
-        timeout = 0 if busy else _IDLE_POLL_MS
+        timeout = _poll_timeout_ms(core)
         while poller.poll(timeout):
             kind, payload = msg.decode(inbox.recv_multipart())
             if kind == msg.SHUTDOWN:
                 return
+            start = time.perf_counter()
             _handle(core, kind, payload, outbox)
+            _log_if_slow(start, "handling a %s message", kind)
             timeout = 0
         now = time.monotonic()
         if now - last_parent_check > 1.0:
@@ -132,7 +151,9 @@ def _busy_loop(core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> 
                 return
         if (core.has_unfinished_requests() and not core.is_sleeping()) \
                 or core.has_pending_notifications():
+            start = time.perf_counter()
             outputs = core.step()
+            _log_if_slow(start, "a step (%d outputs)", len(outputs))
             last_stats = core.stats()
             outbox.send_multipart(msg.encode(msg.OUTPUTS, msg.StepOutputs(
                 outputs, last_stats)))

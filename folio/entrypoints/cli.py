@@ -50,6 +50,13 @@ def _chat(args: argparse.Namespace) -> int:
             print(answer(line.strip()), flush=True)
 
 
+def _log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """--log-level after a server's command too (`folio serve MODEL --log-level debug`), as
+    before it; absent there, the one before the command (or the default) holds."""
+    parser.add_argument("--log-level", default=argparse.SUPPRESS,
+                        help="logging level (default: INFO)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="folio: LLM inference and serving engine",
                                      formatter_class=FolioHelpFormatter)
@@ -69,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         from folio.entrypoints.openai.api_server import serve as run_server
         return run_server(args)
     serve.set_defaults(func=_serve)
+    _log_level_arg(serve)
 
     router = sub.add_parser("router", help="the front of disaggregated prefill: prompts to "
                             "prefill servers, generation to decode servers (default "
@@ -80,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         return run_router(args)
     add_router_args(router)
     router.set_defaults(func=_router)
+    _log_level_arg(router)
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one-shot with --prompt)",
                           formatter_class=FolioHelpFormatter)

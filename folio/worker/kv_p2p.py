@@ -287,11 +287,15 @@ class P2PKVTransfer:
 
     def _fetch(self, load: KVTransferLoad) -> None:
         ok = False
+        start = time.perf_counter()
         try:
             ok = self._fetch_blocks(load)
         except Exception as exc:              # noqa: BLE001 - any failure means recompute
             logger.warning("KV transfer for %s failed (%s); it computes its prompt instead",
                            load.req_id, exc)
+        if ok:
+            logger.debug("KV transfer for %s: %d blocks in %.1f ms", load.req_id,
+                         len(load.local_block_ids), 1e3 * (time.perf_counter() - start))
         self._finish(load.req_id, ok)
 
     def _finish(self, req_id: str, ok: bool) -> None:

@@ -118,3 +118,13 @@ def test_bad_pooling_flags_are_argparse_errors(capsys, argv, message):
 def test_max_pooling_inputs_must_be_positive():
     with pytest.raises(ValueError, match="max_pooling_inputs"):
         _config("--max-pooling-inputs", "0")
+
+
+def test_log_level_is_taken_after_the_server_command_too():
+    from folio.entrypoints.cli import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m", "--log-level", "debug"]).log_level == "debug"
+    assert parser.parse_args(["--log-level", "info", "serve", "m"]).log_level == "info"
+    assert parser.parse_args(["serve", "m"]).log_level is None
+    assert parser.parse_args(["router", "--prefill", "http://a:1", "--decode", "http://b:2",
+                              "--log-level", "DEBUG"]).log_level == "DEBUG"
