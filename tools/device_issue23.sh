@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b|s20c bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -35,10 +35,8 @@ disagg_bench() {
   grep -E "^single|^disagg|^P/D|^ +(long|stalls)" "$OUT/$name.log" | cut -c1-400
   local logs
   logs=$(python3 -c "import json; print(json.load(open('$OUT/$name.json'))['logs'])" 2>/dev/null)
-  if [ -n "$logs" ]; then
-    mkdir -p "$OUT/${name}_logs"
-    for f in "$logs"/*.log; do tail -c 2000000 "$f" > "$OUT/${name}_logs/$(basename "$f")"; done
-  fi
+  # one file: a call brings back only a few
+  [ -n "$logs" ] && tar czf "$OUT/${name}_logs.tgz" -C "$logs" .
 }
 case "${PART:-tests}" in
 tests)
@@ -120,6 +118,13 @@ s20b)
   disagg_bench 120 disagg_mps60 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
   disagg_bench 120 disagg_chunks 12884901888 "--log-level debug" \
       --prefill-server-args "--max-num-batched-tokens 1024 --no-async-scheduling" ;;
+s20c)
+  # session 20, third call: is the MPS daemon with 60 % of the SMs for the prefill reliable
+  # (0.34x once)? Twice more, and once at 50 %; the logs' slow steps and fetches carry wall
+  # times to set beside the stall timeline
+  disagg_bench 120 disagg_mps60_2 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
+  disagg_bench 120 disagg_mps60_3 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
+  disagg_bench 120 disagg_mps50 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 50 ;;
 bench)
   kv_tiers_bench 500 kv_tiers_llama8b ;;
 disagg)

@@ -77,7 +77,7 @@ async def _workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
 
         def send(request: BenchRequest):
             payload = build_payload(request, model, chat=False, temperature=0.0, ignore_eos=True)
@@ -98,7 +98,8 @@ async def _workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
     itl = sorted(x for r in decoded for x in r.itl)
     tokens = sum(r.output_tokens for r in decoded + long_done)
     median = statistics.median(itl)
-    return {"itl_median_ms": 1e3 * median,
+    return {"start_wall": start_wall,      # time.time() at the timeline's 0 (servers' logs)
+            "itl_median_ms": 1e3 * median,
             "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
             "long_ttft_median_ms": 1e3 * statistics.median(r.ttft for r in long_done),
             "output_tokens": tokens, "duration_s": duration,

@@ -294,8 +294,9 @@ class P2PKVTransfer:
             logger.warning("KV transfer for %s failed (%s); it computes its prompt instead",
                            load.req_id, exc)
         if ok:
-            logger.debug("KV transfer for %s: %d blocks in %.1f ms", load.req_id,
-                         len(load.local_block_ids), 1e3 * (time.perf_counter() - start))
+            logger.debug("KV transfer for %s: %d blocks in %.1f ms, ended at %.3f",
+                         load.req_id, len(load.local_block_ids),
+                         1e3 * (time.perf_counter() - start), time.time())
         self._finish(load.req_id, ok)
 
     def _finish(self, req_id: str, ok: bool) -> None:
