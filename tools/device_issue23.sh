@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b|s20c bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b|s20c|s20d bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -125,6 +125,12 @@ s20c)
   disagg_bench 120 disagg_mps60_2 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
   disagg_bench 120 disagg_mps60_3 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 60
   disagg_bench 120 disagg_mps50 12884901888 "--log-level debug" --mps --mps-prefill-sm-percentage 50 ;;
+s20d)
+  # session 20, fourth call: the bench's defaults now (MPS where installed, the prefill at
+  # 60 % of the SMs) twice, and without MPS once, the engine loop's fix in all
+  disagg_bench 200 disagg_default_1 12884901888 ""
+  disagg_bench 110 disagg_default_2 12884901888 ""
+  disagg_bench 110 disagg_no_mps 12884901888 "" --mps off ;;
 bench)
   kv_tiers_bench 500 kv_tiers_llama8b ;;
 disagg)

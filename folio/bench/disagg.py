@@ -1,10 +1,12 @@
 """`folio bench disagg`: does disaggregated prefill protect decoding from long prompts?
 
 Runs one workload twice: against a single `folio serve`, then against `folio router` in front
-of a prefill server (kv_producer) and a decode server (kv_consumer), all started here (on one
-GPU the two share it: give each --gpu-memory-utilization in --server-args; --mps runs them
-under an MPS daemon of the benchmark's own, so that their kernels share the GPU at once
-instead of in turns). The workload:
+of a prefill server (kv_producer) and a decode server (kv_consumer), all started here. On one
+GPU the two share it (give each --gpu-memory-utilization or --kv-cache-memory-bytes in
+--server-args), under an MPS daemon of the benchmark's own where NVIDIA's is installed
+(--mps): without MPS the GPU runs one process's kernels at a time, and a prefill's long
+kernels hold the decode server's steps for their whole duration; under MPS the prefill gets
+--mps-prefill-sm-percentage of the SMs and decoding goes on beside it. The workload:
 `--num-decoders` streaming requests of short prompts and long outputs start together; while
 they decode, `--num-long` prompts of `--long-input-len` tokens arrive every `--long-interval`
 seconds. Reported: the decoders' inter-token latency (median, p99) and the whole run's output
@@ -25,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from folio.bench.mps import mps_control, mps_daemon
+from folio.bench.mps import mps_available, mps_control, mps_daemon
 from folio.bench.serve import BenchRequest, RequestResult, build_payload, send_request
 from folio.bench.server_process import ServerProcess, free_port
 
@@ -38,13 +40,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="more arguments for the prefill server only (one string)")
     parser.add_argument("--decode-server-args", default="",
                         help="more arguments for the decode server only (one string)")
-    parser.add_argument("--mps", action="store_true",
+    parser.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                         help="run the prefill and decode servers under a CUDA MPS daemon of "
                              "the benchmark's own, so that on one GPU their kernels run side "
-                             "by side rather than in turns (default: off)")
-    parser.add_argument("--mps-prefill-sm-percentage", type=int, default=None,
-                        help="with --mps: the share of SMs the prefill server may use "
-                             "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; default: all)")
+                             "by side rather than in turns; auto: when the daemon's control "
+                             "program is on PATH and the servers are not told --device cpu "
+                             "(default: %(default)s)")
+    parser.add_argument("--mps-prefill-sm-percentage", type=int, default=60,
+                        help="under MPS: the share of SMs the prefill server may use "
+                             "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100: all; default: "
+                             "%(default)s)")
     parser.add_argument("--num-decoders", type=int, default=16)
     parser.add_argument("--decode-input-len", type=int, default=128)
     parser.add_argument("--decode-output-len", type=int, default=512)
@@ -167,16 +172,33 @@ def _start(stack: contextlib.ExitStack, name: str, cmd: list[str], port: int, lo
     return url
 
 
+def _server_device(server_args: str) -> str | None:
+    """The --device the servers are given, if any."""
+    tokens = server_args.split()
+    for i, token in enumerate(tokens):
+        if token.startswith("--device="):
+            return token.split("=", 1)[1]
+        if token == "--device" and i + 1 < len(tokens):
+            return tokens[i + 1]
+    return None
+
+
+def _use_mps(args: argparse.Namespace) -> bool:
+    if args.mps == "on":
+        mps_control()            # a clear error where there is none
+        return True
+    return (args.mps == "auto" and _server_device(args.server_args) != "cpu"
+            and mps_available())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.mps_prefill_sm_percentage is not None and not (
-            args.mps and 1 <= args.mps_prefill_sm_percentage <= 100):
-        raise ValueError("--mps-prefill-sm-percentage needs --mps and a value in 1..100, "
-                         f"got {args.mps_prefill_sm_percentage}")
-    if args.mps:
-        mps_control()             # before the single server's run, not after it
+    if not 1 <= args.mps_prefill_sm_percentage <= 100:
+        raise ValueError("--mps-prefill-sm-percentage must be in 1..100, got "
+                         f"{args.mps_prefill_sm_percentage}")
+    use_mps = _use_mps(args)       # decided before the single server's run, not after it
     logs = tempfile.mkdtemp(prefix="folio-bench-disagg-")
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
-                                       if not callable(v)}, "logs": logs}
+                                       if not callable(v)}, "logs": logs, "mps": use_mps}
     port = free_port()
     with contextlib.ExitStack() as stack:
         url = _start(stack, "single", _serve_cmd(args, port, []), port, logs, args.ready_timeout)
@@ -187,9 +209,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "P2pConnector",
                                                     "kv_role": role})]
     with contextlib.ExitStack() as stack:
-        mps = stack.enter_context(mps_daemon()) if args.mps else None
+        mps = stack.enter_context(mps_daemon()) if use_mps else None
         prefill_env = decode_env = mps
-        if mps is not None and args.mps_prefill_sm_percentage is not None:
+        if mps is not None and args.mps_prefill_sm_percentage < 100:
             prefill_env = {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE":
                            str(args.mps_prefill_sm_percentage)}
         prefill = _start(stack, "prefill", _serve_cmd(
@@ -217,7 +239,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{e['start_s']:.3f}+{e['longest_ms']:.0f}({e['decoders']})"
             for e in r["stalls"][:_STALLS_PRINTED]))
     print(f"P/D over single: p99 ITL {report['itl_p99_ratio']:.2f}x (target <= 0.5x), "
-          f"throughput {report['throughput_ratio']:.2f}x (target >= 0.9x)")
+          f"throughput {report['throughput_ratio']:.2f}x (target >= 0.9x); prefill and decode "
+          + (f"under MPS (prefill {args.mps_prefill_sm_percentage} % of the SMs)" if use_mps
+             else "without MPS"))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)

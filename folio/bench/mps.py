@@ -19,6 +19,11 @@ from typing import Iterator
 _CONTROL = "nvidia-cuda-mps-control"
 
 
+def mps_available() -> bool:
+    """Whether the MPS control program is on PATH (it comes with the NVIDIA driver)."""
+    return shutil.which(_CONTROL) is not None
+
+
 def mps_control() -> str:
     """The control program's path; ValueError when it is not on PATH."""
     exe = shutil.which(_CONTROL)
