@@ -246,20 +246,28 @@ class LLM(PoolingAPI):
                                            priority=priority, cache_salt=salt,
                                            lora_request=lora_request)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+    def _step(self, results: dict[str, Any], progress: Any = None) -> None:
+        """One engine step; its finished outputs into `results`."""
+        for output in self.llm_engine.step():
+            if output.finished:
+                results[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool,
+             results: dict[str, Any] | None = None) -> list[Any]:
+        """Step until every request is done; outputs in `request_ids` order (`results`:
+        outputs finished in steps run before)."""
         engine = self.llm_engine
-        results: dict[str, Any] = {}
+        results = {} if results is None else results
         progress = None
         if use_tqdm and len(request_ids) > 1:
             from tqdm.auto import tqdm
-            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            progress = tqdm(total=len(request_ids), initial=len(results),
+                            desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        if progress is not None:
-                            progress.update(1)
+                self._step(results, progress)
         finally:
             if progress is not None:
                 progress.close()

@@ -115,6 +115,35 @@ def test_minilm_bad_input_is_a_value_error_naming_the_field(minilm: LLM) -> None
     assert len(minilm.embed(["still fine"], use_tqdm=False)[0].outputs.embedding) == 384
 
 
+def test_texts_tokenized_ahead_in_chunks_match_and_keep_their_order(
+        minilm: LLM, reference: np.ndarray, monkeypatch) -> None:
+    # chunks of 16: the engine runs steps on the first chunks while the next are tokenized
+    from folio.entrypoints import pooling_api
+    monkeypatch.setattr(pooling_api, "_TOKENIZE_CHUNK", 16)
+    engine = minilm.llm_engine
+    added, queued_at_steps = [], []
+    add, step = engine.add_pooling_request, engine.step
+    monkeypatch.setattr(engine, "add_pooling_request",
+                        lambda *a, **k: added.append(1) or add(*a, **k))
+    monkeypatch.setattr(engine, "step", lambda: queued_at_steps.append(len(added)) or step())
+    outputs = minilm.embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)
+    got = np.array([o.outputs.embedding for o in outputs])
+    assert _cosines(got, reference).min() >= 0.99999     # row by row: in the texts' order
+    assert queued_at_steps[0] == 16       # the first step ran with one chunk queued
+
+
+def test_a_text_too_long_in_a_later_chunk_fails_the_call_and_nothing_stays_queued(
+        minilm: LLM, monkeypatch) -> None:
+    from folio.entrypoints import pooling_api
+    monkeypatch.setattr(pooling_api, "_TOKENIZE_CHUNK", 16)
+    texts = TEXTS[:40]
+    texts[25] = "word " * 20000               # past the tokenizer's character bound
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        minilm.embed(texts, use_tqdm=False)
+    assert not minilm.llm_engine.has_unfinished_requests()
+    assert len(minilm.embed(["still fine"], use_tqdm=False)[0].outputs.embedding) == 384
+
+
 # ---- tiny random models against transformers ---------------------------------------------------
 
 
