@@ -19,10 +19,12 @@ With a disk tier (`--kv-disk-path DIR --kv-disk-size GiB`, `DiskKVIndex`) a bloc
 pool evicts is spilled to a file named by its hash (in a directory of the model, dtype and
 layout: another model never reads it), and files survive a restart. A prompt's blocks past
 its host hits that the disk holds are read back into host slots first: the request waits a
-step while the workers read and check the files (size, header, checksum) and report each
-read; a bad file is dropped and its blocks are computed, never used. A step's file work runs
-first on the worker, in this order: spills, disk reads, saves, loads (a disk read fills
-another slot than any save of its step, so the saves and loads can run as one pipeline).
+step or more while the workers read and check the files (size, header, checksum) on a thread
+of their own and report each read in a later step's output; a bad file is dropped and its
+blocks are computed, never used. A step's file work is queued first on the worker, in this
+order: spills, disk reads, saves, loads (a disk read fills another slot than any save of its
+step, so the saves and loads can run as one pipeline); the slot a read fills stays the
+read's until it is reported.
 
 Torch-free, like the rest of folio/core.
 """
@@ -243,6 +245,9 @@ class HostKVTier:
     def is_reading(self, block_hash: BlockHash) -> bool:
         return block_hash in self._reading
 
+    def reads_in_flight(self) -> bool:
+        return bool(self._reading)
+
     def read_from_disk(self, block_hashes: list[BlockHash]) -> int:
         """Have the workers read these blocks' files into host slots this step (each found
         in the host pool once its read is reported good). Returns how many were asked for
@@ -359,7 +364,8 @@ class OffloadingConnectorScheduler:
 
     Its tokens arrive within the step that needs them (a load runs before the forward
     pass), so it never parks a request; a request whose blocks are on disk waits a step
-    (None tokens: asked again) while the workers read them into host slots."""
+    (None tokens: asked again) while the workers read them into host slots, which they
+    report in a later step's output."""
 
     # Preempted requests' full blocks stay cached and go to the host tier when the device
     # evicts them: preemption is a swap for them (the scheduler logs it so).
@@ -475,7 +481,9 @@ class OffloadingConnectorScheduler:
             self.tier.save_again(skipped)
 
     def has_pending_work(self) -> bool:
-        return False     # a disk read reports in the reply of the step that asks for it
+        # disk reads report in the output of a later step (the workers read files on a
+        # thread): steps must keep coming while one is in flight
+        return self.tier.reads_in_flight()
 
     def reset(self) -> None:
         self.tier.reset()

@@ -55,8 +55,16 @@ class DiskKVStore:
         return [block_hash for _, block_hash in sorted(found)]
 
     def spill(self, slot: int, block_hash: bytes) -> None:
-        payload = b"".join(host[slot].view(torch.uint8).numpy().tobytes()
-                           for host in self.pool.host)
+        """Host slot `slot`'s block into its file."""
+        self.write(block_hash, self.payload_of(slot))
+
+    def payload_of(self, slot: int) -> bytes:
+        """A copy of host slot `slot`'s bytes, every layer's in layer order."""
+        return b"".join(host[slot].view(torch.uint8).numpy().tobytes()
+                        for host in self.pool.host)
+
+    def write(self, block_hash: bytes, payload: bytes) -> None:
+        """A block's file from its payload (payload_of)."""
         header = _HEADER.pack(_MAGIC, _VERSION, block_hash, len(payload),
                               hashlib.sha256(payload).digest())
         path = self._path(block_hash)

@@ -3,11 +3,14 @@ KV of finished prompts' blocks to consumers; a consumer's worker fetches them in
 blocks. The scheduler decides what is held and what is fetched (folio/core/kv_p2p.py); this
 moves the bytes.
 
-Transport: ZMQ over TCP between the two workers' processes (a DEALER per fetch, a ROUTER
-per producer rank). A fetch is one request frame and one reply of a header plus one frame per
-layer: the blocks' K and V, copied to host memory on the producer and from it on the
-consumer. On a GPU the copies run on a side stream and the reply is staged in host memory;
-an NCCL or NIXL transport would skip the host, and is not built (one GPU is lent here).
+Transports. Between GPUs of one host (two servers on one GPU included): CUDA IPC
+(folio/worker/cuda_ipc.py): the consumer maps the producer's cache tensors once and copies
+the blocks device to device on a side stream; over the socket go only the request and the
+confirmation. Otherwise (CPU caches, another host, a mapping that failed): ZMQ over TCP
+between the two workers' processes (a DEALER per fetch, a ROUTER per producer rank), a fetch
+one request frame and one reply of a header plus one frame per layer — the blocks' K and V,
+staged in pinned host memory on a GPU producer and copied from the received frames on the
+consumer, on side streams. NCCL (between hosts) and NIXL are not built: one GPU is lent here.
 
 Blocks are read and written off the step loop, in threads, so that neither side's forward
 passes wait for a transfer. That is safe because no step touches them meanwhile: a held
@@ -242,13 +245,22 @@ class P2PKVTransfer:
         caches = self._kv_caches()
         device = caches[0].device
         index = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        frames, dtypes, shapes = [], [], []
+        frames, dtypes, shapes, staged = [], [], [], []
         with torch.inference_mode(), _on_stream(self._stream):
             for cache in caches:
-                blocks = cache.index_select(1, index).to("cpu")
-                frames.append(blocks.contiguous().view(torch.uint8).numpy())
+                blocks = cache.index_select(1, index)
+                if blocks.is_cuda:
+                    # pinned staging: the copy is one DMA at the link's speed (torch's host
+                    # allocator keeps the pinned blocks for the next fetch)
+                    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+                    blocks = host.copy_(blocks, non_blocking=True)
+                staged.append(blocks)
                 dtypes.append(str(cache.dtype).removeprefix("torch."))
                 shapes.append(list(blocks.shape))
+            if self._stream is not None:
+                self._stream.synchronize()
+        for blocks in staged:
+            frames.append(blocks.contiguous().view(torch.uint8).numpy())
         return frames, dtypes, shapes
 
     def _send_handles(self, socket: zmq.Socket, peer: bytes, transfer_id: str) -> None:
