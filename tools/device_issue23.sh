@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b|s20c|s20d bash tools/device_issue23.sh
+# Issue 23 (KV tiers) on the lent GPU:   PART=tests|bench|disagg|s16b|s16c|s18|s19|s19b|s20|s20b|s20c|s20d|s21 bash tools/device_issue23.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says.
 #   tests: tests/gpu/test_gpu_kv_tiers.py (pinned host pool, CUDA graphs, disk tier restart),
 #          tests/gpu/test_gpu_disagg.py (a consumer engine fetching prompts' KV from a producer)
@@ -131,6 +131,13 @@ s20d)
   disagg_bench 200 disagg_default_1 12884901888 ""
   disagg_bench 110 disagg_default_2 12884901888 ""
   disagg_bench 110 disagg_no_mps 12884901888 "" --mps off ;;
+s21)
+  # next session: the producer's pinned staging (test_gpu_disagg: one process, so the bytes
+  # go through host memory) and the disk tier's reads on a thread, on the GPU
+  step 400 kv_tiers_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      --tb=short tests/gpu/test_gpu_kv_tiers.py tests/gpu/test_gpu_disagg.py \
+      tests/gpu/test_gpu_host_kv_pool.py
+  tail -3 "$OUT/kv_tiers_tests.log" ;;
 bench)
   kv_tiers_bench 500 kv_tiers_llama8b ;;
 disagg)
