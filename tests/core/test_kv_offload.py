@@ -11,6 +11,7 @@ from folio.core.kv_offload import DiskKVIndex, HostKVTier
 from folio.core.request import Request
 from folio.core.scheduler import Scheduler
 from folio.core.step_messages import ModelRunnerOutput
+from folio.lora.request import LoRARequest
 from folio.sampling_params import SamplingParams
 
 BS = 4
@@ -102,6 +103,19 @@ def test_a_salted_prompt_finds_nothing_of_another_tenant() -> None:
     messages = _run_to_end(s, salted)
     assert messages[0].kv_loads == [] and messages[0].num_scheduled_tokens == {"s": 17}
 
+
+
+def test_an_adapters_prompt_finds_nothing_of_the_base_models() -> None:
+    """A LoRA adapter is another tenant: its K/V differ from the base model's, so its blocks
+    hash apart in the host tier too. The base model's prompt still finds its own."""
+    _, _, s, prompt, _ = _evicting_scheduler()
+    adapted = Request("l", prompt, SamplingParams(max_tokens=1, temperature=0), (2,),
+                      block_size=BS, max_model_len=256,
+                      lora_request=LoRARequest("a", 1, "/unused/adapter"))
+    messages = _run_to_end(s, adapted)
+    assert messages[0].kv_loads == [] and messages[0].num_scheduled_tokens == {"l": 17}
+    messages = _run_to_end(s, _request("a2", prompt))
+    assert len(messages[0].kv_loads) == 4 and messages[0].num_scheduled_tokens == {"a2": 1}
 
 def test_the_tier_needs_one_cached_group() -> None:
     with pytest.raises(ValueError, match="prefix caching"):

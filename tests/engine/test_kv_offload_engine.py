@@ -6,7 +6,10 @@ greedy answers are the engine's without the tier; a salted request finds nothing
 tenant; the tier's metrics count it."""
 from __future__ import annotations
 
+import logging
 import os
+import random
+import shutil
 
 import pytest
 
@@ -63,6 +66,49 @@ def test_an_evicted_prefix_is_served_from_the_host_tier() -> None:
     llm.llm_engine.shutdown()
 
 
+def test_a_lora_adapter_finds_nothing_the_base_model_saved(tiny_model_dir, tmp_path) -> None:
+    """An adapter's K/V differ from the base model's: its request on a prefix the base model
+    left in the host tier loads nothing and answers as it does without the tier; the base
+    model's request on it still loads every full block."""
+    pytest.importorskip("peft")
+    from lora_utils import make_adapter
+
+    from folio import LoRARequest
+    model = tiny_model_dir("llama")
+    adapter = LoRARequest("r8", 1, make_adapter(model, str(tmp_path / "r8"), seed=12, std=0.2,
+                                                r=8, lora_alpha=8,
+                                                target_modules=["q_proj", "k_proj", "v_proj"]))
+    prompts = _random_prompts()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def make(**kw) -> LLM:
+        return LLM(model, dtype="float32", max_model_len=192, num_gpu_blocks_override=12,
+                   max_num_seqs=1, device="cpu", enable_lora=True, max_loras=1,
+                   max_lora_rank=8, **kw)
+
+    def ask(llm, lora=None):
+        return llm.generate(prompts[0], params, lora_request=lora, use_tqdm=False)[0]
+
+    plain = make()
+    want_base = list(ask(plain).outputs[0].token_ids)
+    want_lora = list(ask(plain, adapter).outputs[0].token_ids)
+    plain.llm_engine.shutdown()
+    assert want_lora != want_base            # else the adapter proves nothing
+
+    llm = make(kv_offloading_size=0.01)
+    ask(llm)
+    for prompt in prompts[1:]:               # evict the base model's blocks to the host
+        llm.generate(prompt, params, use_tqdm=False)
+    adapted = ask(llm, adapter)
+    assert adapted.num_cached_tokens == 0 and list(adapted.outputs[0].token_ids) == want_lora
+    assert llm.llm_engine.engine_core.scheduler.stats().kv_offload_hit_blocks == 0
+    base = ask(llm)
+    assert base.num_cached_tokens == PROMPT_LEN - 1
+    assert list(base.outputs[0].token_ids) == want_base
+    assert llm.llm_engine.engine_core.scheduler.stats().kv_offload_hit_blocks == 8
+    llm.llm_engine.shutdown()
+
+
 def test_bad_settings_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="kv_offloading_size"):
         _make(kv_offloading_size=-1)
@@ -109,6 +155,90 @@ def test_the_disk_tier_survives_a_restart_and_a_bad_file_is_a_miss(tmp_path, cap
     assert stats.kv_disk_bad_blocks >= 1 and stats.kv_disk_read_blocks == 0
     llm.llm_engine.shutdown()
 
+
+def _random_prompts() -> list[dict]:
+    """Four PROMPT_LEN-token prompts for the tiny models (random ids, fixed seed)."""
+    rng = random.Random(3)
+    return [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(PROMPT_LEN)]}
+            for _ in range(4)]
+
+
+_TINY_SLOT = 3 * 2 * BLOCK * 2 * 16 * 4     # layers, planes, tokens, KV heads, dim, float32
+
+
+def _tiny_answers(model: str, batch: list[dict], **kw):
+    """([(answer, cached tokens)] of each prompt in turn, scheduler stats) of a tiny model
+    with a 12-block device pool."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model, dtype="float32", max_model_len=192, num_gpu_blocks_override=12,
+              max_num_seqs=1, device="cpu", **kw)
+    outs = [llm.generate(p, params, use_tqdm=False)[0] for p in batch]
+    stats = llm.llm_engine.engine_core.scheduler.stats()
+    llm.llm_engine.shutdown()
+    return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs], stats
+
+
+def _tiny_tiers(disk) -> dict:
+    return dict(kv_offloading_size=6 * _TINY_SLOT / 2**30, kv_disk_path=str(disk),
+                kv_disk_size=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_disk(tiny_model_dir, tmp_path_factory):
+    """(tiny llama, prompts, first prompt's [(answer, 0)] without tiers, a disk tier
+    directory holding that prompt's blocks): built once, tests damage copies of it."""
+    model = tiny_model_dir("llama")
+    prompts = _random_prompts()
+    want, _ = _tiny_answers(model, prompts[:1])
+    disk = tmp_path_factory.mktemp("kv_disk")
+    _tiny_answers(model, prompts, **_tiny_tiers(disk))
+    return model, prompts, want, disk
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda data: data[:-10], "bytes, expected"),
+    (lambda data: b"NOTFOLI" + data[7:], "not a folio KV block file"),
+], ids=["truncated", "bad-magic"])
+def test_a_short_or_foreign_disk_block_file_is_a_miss(tiny_disk, tmp_path, caplog, damage,
+                                                      problem) -> None:
+    """Only the checksum test above reaches the payload: a short file and a bad header
+    fail earlier checks, and must also be misses (logged, deleted), not crashes."""
+    model, prompts, want, populated = tiny_disk
+    disk = tmp_path / "disk"
+    shutil.copytree(populated, disk)
+    files = [p for p in disk.rglob("*") if p.is_file()]
+    assert len(files) >= 6
+    for path in files:
+        path.write_bytes(damage(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="folio"):
+        got, stats = _tiny_answers(model, prompts[:1], **_tiny_tiers(disk))
+    assert got == want                       # the same answer, nothing cached
+    assert problem in caplog.text and "computed instead" in caplog.text
+    assert stats.kv_disk_bad_blocks >= 1 and stats.kv_disk_read_blocks == 0
+    assert sum(p.is_file() for p in files) < len(files)       # bad files are deleted
+
+
+@pytest.mark.parametrize("other", ["kv-dtype", "model"])
+def test_another_kv_dtype_or_model_reads_nothing_from_a_shared_disk_dir(
+        tiny_disk, tmp_path, smollm2_tokenizer, other) -> None:
+    """The directory is shared, its blocks are not: another KV dtype (other file size) or
+    another model of the same shapes (files that would pass every check) reads none, marks
+    none bad, answers as without tiers; the first engine still reads all of them after."""
+    import model_utils
+    model, prompts, want, populated = tiny_disk
+    disk = tmp_path / "disk"
+    shutil.copytree(populated, disk)
+    if other == "kv-dtype":
+        kw = dict(model=model, kv_cache_dtype="bfloat16")
+    else:
+        kw = dict(model=model_utils.build_tiny_model("llama", str(tmp_path / "llama2"),
+                                                     smollm2_tokenizer, seed=7))
+    plain, _ = _tiny_answers(batch=prompts[:1], **kw)
+    got, stats = _tiny_answers(batch=prompts[:1], **kw, **_tiny_tiers(disk))
+    assert got == plain and got[0][1] == 0
+    assert stats.kv_disk_read_blocks == 0 and stats.kv_disk_bad_blocks == 0
+    again, stats = _tiny_answers(model, prompts[:1], **_tiny_tiers(disk))
+    assert again == [(want[0][0], 6 * BLOCK)] and stats.kv_disk_read_blocks == 6
 
 def _preempting_run(**kw):
     """Four 49-token prompts, 40 tokens each, in a 14-block pool: requests are preempted.
