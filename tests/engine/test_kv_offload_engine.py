@@ -273,27 +273,12 @@ def test_a_tiny_host_pool_spills_only_written_slots(tiny_model_dir, tmp_path) ->
     restart the first prompt's blocks are read back from disk and the answer is the one the
     engine gives without tiers (a spill of a slot saved in the same step once wrote stale
     bytes to disk here)."""
-    import random
     model = tiny_model_dir("llama")
-    rng = random.Random(3)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(PROMPT_LEN)]}
-               for _ in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=16)
-
-    def answers(batch, **kw):
-        llm = LLM(model, dtype="float32", max_model_len=192, num_gpu_blocks_override=12,
-                  max_num_seqs=1, device="cpu", **kw)
-        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in batch]
-        stats = llm.llm_engine.engine_core.scheduler.stats()
-        llm.llm_engine.shutdown()
-        return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs], stats
-
-    want, _ = answers(prompts[:1])
-    slot = 3 * 2 * BLOCK * 2 * 16 * 4          # layers, planes, tokens, KV heads, dim, float32
-    tiers = dict(kv_offloading_size=6 * slot / 2**30, kv_disk_path=str(tmp_path),
-                 kv_disk_size=0.5)
-    answers(prompts, **tiers)
-    again, stats = answers(prompts[:1], **tiers)
+    prompts = _random_prompts()
+    want, _ = _tiny_answers(model, prompts[:1])
+    tiers = _tiny_tiers(tmp_path)
+    _tiny_answers(model, prompts, **tiers)
+    again, stats = _tiny_answers(model, prompts[:1], **tiers)
     assert again[0][0] == want[0][0]
     assert stats.kv_disk_read_blocks == 6 and again[0][1] == 6 * BLOCK
 
