@@ -95,6 +95,8 @@ class EngineCore:
         self.sleep_level = 0
         # Async scheduling: the step queued on the device whose sampled ids are not yet read.
         self._in_flight: tuple[ScheduledStep, PendingOutput] | None = None
+        # When the verify step in flight was scheduled (its cost for the draft length).
+        self._in_flight_start = 0.0
         # Pipeline parallelism: up to one step per stage in flight, oldest first, each of
         # other requests (the scheduler leaves out those with a token still in flight).
         self._max_in_flight = config.parallel.pipeline_parallel_size
@@ -148,12 +150,20 @@ class EngineCore:
         if self._max_in_flight > 1:
             return outputs + self._step_pipelined()
         if self._in_flight is not None and (_needs_tokens_first(self._in_flight[0])
+                                            or _verifies(self._in_flight[0])
                                             or self.scheduler.next_step_drafts()):
             # A request in flight needs its new token on the host before its next step can be
-            # built (penalties, a grammar's mask, drafts to verify): finish that step first.
+            # built (penalties, a grammar's mask, drafts to verify, a verify step's kept
+            # count): finish that step first.
+            verify_start = self._in_flight_start if _verifies(self._in_flight[0]) else None
+            verified = self._in_flight[0]
             outputs += self._finish_in_flight()
-        if self._time_steps:
-            step_start = time.perf_counter()
+            if self._time_steps and verify_start is not None:
+                # a verify step's cost, from its scheduling to its kept tokens on the host
+                self.scheduler.observe_step_time(verified.total_num_scheduled_tokens,
+                                                 time.perf_counter() - verify_start, True,
+                                                 len(verified.message.kv_loads))
+        step_start = time.perf_counter()
         times = self.step_times
         if times is not None:
             start = time.perf_counter()
@@ -176,11 +186,16 @@ class EngineCore:
         if overlapped:
             outputs += self._finish_in_flight()
         self._in_flight = (step, pending)
-        verify = bool(step.message.scheduled_spec_decode_tokens)
-        finished = not self.async_scheduling or verify
+        verify = _verifies(step)
+        # Under async scheduling a verify step stays in flight too: the next call finishes it
+        # before it schedules (above), so what the caller does with these outputs (the
+        # front end's output processing) runs while the device verifies.
+        finished = not self.async_scheduling
         if finished:
             outputs += self._finish_in_flight()
-        if self._time_steps and (finished or overlapped):
+        elif verify:
+            self._in_flight_start = step_start
+        if self._time_steps and (finished or (overlapped and not verify)):
             # speculative decoding's cost model: what a step of this size took, from its
             # scheduling to the end of this call (overlapped: the wait for the step before
             # it; a step left in flight with none before it has no time yet)
@@ -376,6 +391,11 @@ def _needs_tokens_first(step: ScheduledStep) -> bool:
         if item.samples and (request.needs_host_history or request.structured_output is not None):
             return True
     return False
+
+
+def _verifies(step: ScheduledStep) -> bool:
+    """Whether the step checks drafts: its kept count decides the next step's positions."""
+    return bool(step.message.scheduled_spec_decode_tokens)
 
 
 def _load_tokenizer(config: EngineConfig, source: ModelSource) -> Any:

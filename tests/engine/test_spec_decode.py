@@ -203,8 +203,9 @@ class _Resting:
 
 
 def test_async_scheduling_runs_beside_speculation(plain_llm) -> None:
-    """Asked for together, both run: steps that verify drafts are synchronous (the next step
-    needs their kept tokens), the others overlap. The answers are the engine's without
+    """Asked for together, both run: a step that verifies drafts stays in flight when the
+    call that queued it returns, and the next call finishes it before it schedules (the next
+    step needs its kept tokens); the others overlap. The answers are the engine's without
     speculation, drafts are kept, and while the policy drafts nothing every step overlaps
     (a step stays in flight as the next is scheduled)."""
     llm = _make(SPEC, async_scheduling=True)
@@ -213,14 +214,29 @@ def test_async_scheduling_runs_beside_speculation(plain_llm) -> None:
     prompts = _editing_prompts()[:2]
     params = SamplingParams(temperature=0, max_tokens=24)
     want = _ids(plain_llm.generate(prompts, params, use_tqdm=False))
-    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert _spec_stats(llm).spec_num_accepted_tokens > 0
-    core.scheduler.draft_length = _Resting()
     engine = llm.llm_engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"rest-{i}", prompt, params)
+
+    def run(prefix: str) -> tuple[list[list[int]], list[bool]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{prefix}-{i}", prompt, params)
+        got: dict[str, list[int]] = {}
+        verifying = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            verifying.append(core._in_flight is not None
+                             and bool(core._in_flight[0].message.scheduled_spec_decode_tokens))
+        return [got[f"{prefix}-{i}"] for i in range(len(prompts))], verifying
+    answers, verifying = run("spec")
+    assert answers == want
+    assert _spec_stats(llm).spec_num_accepted_tokens > 0
+    assert any(verifying)                 # verify steps left in flight as the call returned
+    core.scheduler.draft_length = _Resting()
     got: dict[str, list[int]] = {}
     in_flight = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"rest-{i}", prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
