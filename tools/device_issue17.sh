@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,14 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s21)
+  # next session: verify steps left in flight (session 20), the verify cost twice, then the
+  # speculative decoding GPU tests
+  for r in 1 2; do
+    step 240 verify_llama8b_$r python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
+  done
+  step 240 spec_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_spec_decode.py ;;
 verify)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA
   step 300 verify_llama8b python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --profile
