@@ -22,6 +22,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -191,6 +192,19 @@ def _use_mps(args: argparse.Namespace) -> bool:
             and mps_available())
 
 
+def _start_mps(stack: contextlib.ExitStack, mode: str) -> dict[str, str] | None:
+    """The MPS daemon's client environment (the daemon stopped when `stack` closes); None
+    when it did not start and `mode` is auto (the servers then share the GPU in turns)."""
+    try:
+        return stack.enter_context(mps_daemon())
+    except (OSError, subprocess.SubprocessError) as exc:
+        if mode == "on":
+            raise RuntimeError(f"--mps on: the MPS daemon did not start: {exc}") from exc
+        print(f"MPS daemon did not start ({exc}); prefill and decode run without it",
+              flush=True)
+        return None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not 1 <= args.mps_prefill_sm_percentage <= 100:
         raise ValueError("--mps-prefill-sm-percentage must be in 1..100, got "
@@ -209,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "P2pConnector",
                                                     "kv_role": role})]
     with contextlib.ExitStack() as stack:
-        mps = stack.enter_context(mps_daemon()) if use_mps else None
+        mps = _start_mps(stack, args.mps) if use_mps else None
+        use_mps = report["mps"] = mps is not None
         prefill_env = decode_env = mps
         if mps is not None and args.mps_prefill_sm_percentage < 100:
             prefill_env = {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE":

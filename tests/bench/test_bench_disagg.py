@@ -45,3 +45,41 @@ def test_mps_is_used_on_its_own_only_where_the_daemon_exists_and_not_on_the_cpu(
         mps_control()
     with pytest.raises(ValueError, match="nvidia-cuda-mps-control"):
         disagg._use_mps(args("on"))
+
+
+def test_a_daemon_that_does_not_start_is_no_mps_on_auto_and_an_error_on_on(tmp_path,
+                                                                           monkeypatch):
+    import contextlib
+    import os
+
+    from folio.bench import disagg
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\nexit 1\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with contextlib.ExitStack() as stack:
+        assert disagg._start_mps(stack, "auto") is None
+    with contextlib.ExitStack() as stack, pytest.raises(RuntimeError, match="did not start"):
+        disagg._start_mps(stack, "on")
+
+
+def test_the_daemon_gets_private_directories_and_is_told_to_quit(tmp_path, monkeypatch):
+    import contextlib
+    import os
+
+    from folio.bench import disagg
+    calls = tmp_path / "calls"
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\n"                  # -d: start; else a command on stdin
+                       f'if [ "$1" = -d ]; then echo "-d $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+                       f'else echo "$(cat -) $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; fi\n')
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with contextlib.ExitStack() as stack:
+        env = disagg._start_mps(stack, "auto")
+        assert env is not None and os.path.isdir(env["CUDA_MPS_PIPE_DIRECTORY"])
+        assert os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
+        started = calls.read_text().split()
+        assert started[0] == "-d" and started[-1] == env["CUDA_MPS_PIPE_DIRECTORY"]
+    stopped = calls.read_text().splitlines()[-1].split()
+    assert stopped == ["quit", env["CUDA_MPS_PIPE_DIRECTORY"]]
