@@ -149,20 +149,18 @@ class EngineCore:
             return outputs      # asleep: requests wait for wake_up
         if self._max_in_flight > 1:
             return outputs + self._step_pipelined()
-        if self._in_flight is not None and (_needs_tokens_first(self._in_flight[0])
-                                            or _verifies(self._in_flight[0])
-                                            or self.scheduler.next_step_drafts()):
+        waiting = None if self._in_flight is None else self._in_flight[0]
+        if waiting is not None and (_needs_tokens_first(waiting) or _verifies(waiting)
+                                    or self.scheduler.next_step_drafts()):
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, drafts to verify, a verify step's kept
             # count): finish that step first.
-            verify_start = self._in_flight_start if _verifies(self._in_flight[0]) else None
-            verified = self._in_flight[0]
             outputs += self._finish_in_flight()
-            if self._time_steps and verify_start is not None:
+            if self._time_steps and _verifies(waiting):
                 # a verify step's cost, from its scheduling to its kept tokens on the host
-                self.scheduler.observe_step_time(verified.total_num_scheduled_tokens,
-                                                 time.perf_counter() - verify_start, True,
-                                                 len(verified.message.kv_loads))
+                self.scheduler.observe_step_time(waiting.total_num_scheduled_tokens,
+                                                 time.perf_counter() - self._in_flight_start,
+                                                 True, len(waiting.message.kv_loads))
         step_start = time.perf_counter()
         times = self.step_times
         if times is not None:

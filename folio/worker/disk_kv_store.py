@@ -54,10 +54,6 @@ class DiskKVStore:
                 continue
         return [block_hash for _, block_hash in sorted(found)]
 
-    def spill(self, slot: int, block_hash: bytes) -> None:
-        """Host slot `slot`'s block into its file."""
-        self.write(block_hash, self.payload_of(slot))
-
     def payload_of(self, slot: int) -> bytes:
         """A copy of host slot `slot`'s bytes, every layer's in layer order."""
         return b"".join(host[slot].view(torch.uint8).numpy().tobytes()

@@ -1,8 +1,9 @@
 """The worker's side of a KV connector: it moves the bytes a step message asks for (the
 scheduler's side, folio/core/kv_connector.py, decides what moves). Implementations:
 `TierConnectorWorker` (here: the host tier's copies, in stream order before the forward
-pass, and the disk tier's files on a thread of their own) and `P2PKVTransfer` (folio/worker/kv_p2p.py: disaggregated prefill's fetches
-and the producer's server, in background threads, overlapping the steps).
+pass, and the disk tier's files on a thread of their own) and `P2PKVTransfer`
+(folio/worker/kv_p2p.py: disaggregated prefill's fetches and the producer's server, in
+background threads, overlapping the steps).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def _finished(worker: TierConnectorWorker, tokens: int) -> list:
 
 def test_a_read_holds_no_step_and_reports_once_done(tmp_path, monkeypatch):
     caches, pool, disk, worker = _worker(tmp_path)
-    disk.spill(0, H1)
+    disk.write(H1, disk.payload_of(0))
     release = threading.Event()
     read = disk.read
     monkeypatch.setattr(disk, "read", lambda h, s: release.wait(30) and read(h, s))
