@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,12 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s21)  # session 21: profile1's kernel breakdown of batch-1 decode alone (FP8, W4A16)
+  for q in "--quantization fp8" "--random-quantization w4a16"; do
+    name=prof_$(echo "$q" | awk '{print $2}')
+    step 120 "$name" python3 tools/gpu_profile_batch_kernels.py 1 128 128 --config llama3-8b $q
+    cut -c1-200 "$OUT/$name.log" | tail -32
+  done ;;
 profile1)  # third session: where batch-1 decode's GPU time goes (FP8, W4A16), then
            # speculative decoding's GPU test
   for q in "--quantization fp8" "--random-quantization w4a16"; do

@@ -1,12 +1,34 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
+#   PART=s21|s21b|s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
 STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_over|passed|failed|Error|error"
 . tools/device_common.sh
 case "${PART:-kernels}" in
+s21b)  # session 21, second call: the tiles chosen from s21's sweep, chained, twice; the tests
+  PEAK=$(python3 -c "from folio.bench.roofline import measure_copy_bandwidth as m; print(m('cuda') / 1e12)")
+  echo "copy bandwidth: $PEAK TB/s"
+  for r in 1 2; do
+    step 150 moe_layer_$r python3 tools/gpu_bench_moe.py --batches 1,2,4 --peak "$PEAK"
+    grep '"batch"' "$OUT/moe_layer_$r.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    d = json.loads(line); print(d['batch'], 'chained', round(d['chained_us'], 2), 'floor', round(d['floor_us'], 2), 'ratio', round(d['chained_over_floor'], 3))"
+  done
+  step 200 moe_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_moe.py ;;
+s21)  # session 21 (on whichever card is lent): the card's copy bandwidth (best of large
+  # copies) for the floor, then s15's chained layer and tile sweep against it
+  PEAK=$(python3 -c "from folio.bench.roofline import measure_copy_bandwidth as m; print(m('cuda') / 1e12)")
+  echo "copy bandwidth: $PEAK TB/s"; nvidia-smi --query-gpu=name --format=csv,noheader
+  step 150 moe_layer python3 tools/gpu_bench_moe.py --batches 1,2,4,64 --peak "$PEAK" \
+      --out "$OUT/moe_layer.json"
+  grep -v "^{" "$OUT/moe_layer.log" | tail -5; grep '"batch"' "$OUT/moe_layer.log" | cut -c1-400
+  step 400 moe_sweep python3 tools/gpu_bench_moe.py --sweep --batches 1,2,4 --iters 30 \
+      --peak "$PEAK" --out "$OUT/moe_sweep.json"
+  grep BEST "$OUT/moe_sweep.log" | cut -c1-300 ;;
 s15)  # session 15: the few-token MoE layer chained in a graph (8 calls a replay, as a decode
   # graph runs layers back to back), then its tiles swept at 1, 2 and 4 tokens
   step 150 moe_layer python3 tools/gpu_bench_moe.py --batches 1,2,4,64 --out "$OUT/moe_layer.json"

@@ -13,6 +13,12 @@ step 540 embed_bert_large python3 -m folio.bench.throughput --random-weights \
     --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
     --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large.json"
 fi
+if [ "${PART:-bench}" = timeline ]; then   # session 21: where a pass's wall time goes
+  python3 -c "from folio.bench.random_model import build_random_model; build_random_model('bert-large')"
+  step 200 timeline_embed python3 tools/gpu_profile_embed.py \
+      /tmp/folio-cache/random/bert-large 16384 --timeline
+  grep -E "pass|kernel time" "$OUT/timeline_embed.log"
+fi
 if [ "${PART:-bench}" = profile ]; then
   python3 -c "from folio.bench.random_model import build_random_model; build_random_model('bert-large')"
   step 300 profile_embed python3 tools/gpu_profile_embed.py \

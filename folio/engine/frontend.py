@@ -164,13 +164,14 @@ def check_pooling_params(params: PoolingParams, info: PoolingModelInfo | None) -
         raise ValueError("task: this model runs the generate runner; pooling requests "
                          "(embeddings, scores, classification) need a pooling model "
                          "(--runner pooling)")
-    params = params.clone()
     task = params.pooling_task or info.default_task
     if task not in info.tasks:
         raise ValueError(f"task {task.value!r} is not supported by this model ({info.architecture},"
                          f" a{'n embedding' if info.kind == 'embed' else ' classification'} "
                          f"model); it supports {sorted(t.value for t in info.tasks)}")
-    params.task = task.value
+    if params.task != task.value:   # a copy only where the task is filled in (no copy per
+        params = params.clone()     # request of a batch sharing one params object)
+        params.task = task.value
     dims = params.dimensions
     if dims is not None:
         if info.kind != "embed" or task not in (PoolingTask.EMBED, PoolingTask.TOKEN_EMBED):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from folio.model.host_copy import to_device
+
 # A group grows while its padded cost (inputs x longest^2) stays within this factor of what
 # its inputs need (sum of length^2).
 _GROUP_SLACK = 1.25
@@ -81,7 +83,8 @@ def plan_attention(query_start_loc: list[int], device: torch.device,
     if min(lengths) == max(lengths):
         return EncoderLayout((AttentionGroup(len(lengths), lengths[0], None, None, None),))
     if varlen_attention(device) is not None and dtype in (torch.float16, torch.bfloat16):
-        return EncoderLayout((), torch.tensor(qsl, dtype=torch.int32).to(device), max(lengths))
+        return EncoderLayout((), to_device(torch.tensor(qsl, dtype=torch.int32), device),
+                             max(lengths))
     groups = []
     for members in group_by_length(lengths):
         longest = lengths[members[0]]
@@ -92,10 +95,11 @@ def plan_attention(query_start_loc: list[int], device: torch.device,
             slots = torch.cat([torch.arange(lengths[i]) + j * longest
                                for j, i in enumerate(members)])
             lens = torch.tensor([lengths[i] for i in members])
-            mask = (torch.arange(longest)[None, :] < lens[:, None]).view(
-                len(members), 1, 1, longest).to(device)
-            slots = slots.to(device)
-        groups.append(AttentionGroup(len(members), longest, rows.to(device), slots, mask))
+            mask = to_device((torch.arange(longest)[None, :] < lens[:, None]).view(
+                len(members), 1, 1, longest), device)
+            slots = to_device(slots, device)
+        groups.append(AttentionGroup(len(members), longest, to_device(rows, device), slots,
+                                     mask))
     return EncoderLayout(tuple(groups))
 
 

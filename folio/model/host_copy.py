@@ -14,7 +14,12 @@ import torch
 
 def device_tensor(values: Sequence, device: torch.device,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, queued through pinned memory on CUDA (the caching host
+    allocator keeps the pinned buffer until the copy is done); as it is elsewhere."""
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

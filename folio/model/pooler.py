@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.model.encoder import strip_base_prefix
+from folio.model.host_copy import device_tensor, to_device
 from folio.pooling_params import PoolingModelInfo, PoolingParams, PoolingTask, PoolingType
 
 _BERT_HEAD = {"pooler.dense.weight": "dense.weight", "pooler.dense.bias": "dense.bias",
@@ -176,10 +177,10 @@ class Pooler(nn.Module):
             lengths = torch.tensor([b - a for a, b in zip(qsl[:-1], qsl[1:])])
             segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
             sums = hidden.new_zeros(len(lengths), hidden.shape[-1], dtype=torch.float32)
-            sums.index_add_(0, segment.to(hidden.device), hidden.float())
-            means = sums / lengths.to(sums)[:, None]
-            return means[torch.tensor(requests, device=hidden.device)]
-        return hidden[torch.tensor(index, device=hidden.device)].float()
+            sums.index_add_(0, to_device(segment, hidden.device), hidden.float())
+            means = sums / to_device(lengths, hidden.device).to(sums)[:, None]
+            return means[device_tensor(requests, hidden.device)]
+        return hidden[device_tensor(index, hidden.device)].float()
 
     def _embeddings(self, rows: torch.Tensor, params: list[PoolingParams],
                     counts: list[int] | None = None) -> list[torch.Tensor]:
@@ -232,4 +233,4 @@ def _where_rows(flags: list[bool], counts: list[int] | None, yes: torch.Tensor,
     mask = torch.tensor(flags)
     if counts is not None:
         mask = torch.repeat_interleave(mask, torch.tensor(counts))
-    return torch.where(mask.to(yes.device)[:, None], yes, no)
+    return torch.where(to_device(mask, yes.device)[:, None], yes, no)

