@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=s21|s21b|s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
+#   PART=s21|s21b|s21c|s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
 STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_over|passed|failed|Error|error"
 . tools/device_common.sh
 case "${PART:-kernels}" in
+s21c)  # session 21, third call: FP8 experts (--quantization fp8) -- the GPU tests, the layer
+  # against its floor (bytes of FP8 codes), batch-1 decode of Qwen3-30B-A3B shapes bf16 / FP8
+  step 300 moe_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_moe.py
+  PEAK=$(python3 -c "from folio.bench.roofline import measure_copy_bandwidth as m; print(m('cuda') / 1e12)")
+  echo "copy bandwidth: $PEAK TB/s"
+  for f in "" "--fp8"; do
+    step 150 moe_layer$f python3 tools/gpu_bench_moe.py --batches 1,2,4,64 --peak "$PEAK" $f
+    grep '"batch"' "$OUT/moe_layer$f.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    d = json.loads(line); print('$f', d['batch'], 'chained', round(d['chained_us'], 2), 'floor', round(d['floor_us'], 2), 'ratio', round(d['chained_over_floor'], 3), 'err', round(d['rel_err_vs_torch'], 4))"
+  done
+  M="--random-weights --config qwen3-30b-a3b --random-num-layers 12 --input-len 128 --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
+  step 200 lat_qwen3moe_bf16 python3 -m folio.bench.latency $M
+  step 200 lat_qwen3moe_fp8 python3 -m folio.bench.latency $M --quantization fp8 ;;
 s21b)  # session 21, second call: the tiles chosen from s21's sweep, chained, twice; the tests
   PEAK=$(python3 -c "from folio.bench.roofline import measure_copy_bandwidth as m; print(m('cuda') / 1e12)")
   echo "copy bandwidth: $PEAK TB/s"

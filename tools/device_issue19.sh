@@ -13,6 +13,10 @@ step 540 embed_bert_large python3 -m folio.bench.throughput --random-weights \
     --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
     --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large.json"
 fi
+if [ "${PART:-bench}" = tests ]; then   # session 21: LLM.embed on the GPU against transformers
+  step 200 pooling_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_pooling.py
+fi
 if [ "${PART:-bench}" = timeline ]; then   # session 21: where a pass's wall time goes
   python3 -c "from folio.bench.random_model import build_random_model; build_random_model('bert-large')"
   step 200 timeline_embed python3 tools/gpu_profile_embed.py \

@@ -72,7 +72,7 @@ def chain_timed(fn, routes: list, calls: int, iters: int) -> float:
 
 
 def sweep(moe, batches: list[int], E: int, H: int, k: int, floor_of, calls: int,
-          iters: int) -> list[dict]:
+          iters: int, scales: dict) -> list[dict]:
     """The few-token form's tiles (kernels/moe_gemv.py `_config`) at each batch: gate_up's
     tile with the default down tile, then down's with the best gate_up, then num_stages; each
     config timed by chain_timed and checked against the default config's output."""
@@ -86,11 +86,12 @@ def sweep(moe, batches: list[int], E: int, H: int, k: int, floor_of, calls: int,
         w = torch.rand(batch, k, device=dev).softmax(-1)
         floor = floor_of(routes)
         with torch.no_grad():
-            ref = few_token_experts(x, moe.gate_up_proj, moe.down_proj, w, routes[0]).float()
+            ref = few_token_experts(x, moe.gate_up_proj, moe.down_proj, w, routes[0],
+                                    **scales).float()
 
         def run(config: dict) -> float | None:
             fn = lambda ids: few_token_experts(x, moe.gate_up_proj, moe.down_proj, w, ids,
-                                               _config=config)
+                                               _config=config, **scales)
             try:
                 with torch.no_grad():
                     out = fn(routes[0]).float()
@@ -141,6 +142,9 @@ def main() -> None:
                          "figure: a decode graph's way, without one launch per layer")
     ap.add_argument("--sweep", action="store_true",
                     help="sweep the few-token form's tiles at the batches up to 4 instead")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 experts (--quantization fp8: e4m3 codes, a scale per expert row); "
+                         "the floor counts their bytes")
     args = ap.parse_args()
     from folio.model.kernels.fused_moe import fused_experts
     from folio.model.moe.layer import FusedMoE
@@ -154,6 +158,11 @@ def main() -> None:
         moe.gate_up_proj.normal_(0, 0.02)
         moe.down_proj.normal_(0, 0.02)
     expert_bytes = (2 * I * H + H * I) * 2
+    scales = {}
+    if args.fp8:
+        moe.quantize_fp8()
+        expert_bytes = (2 * I * H + H * I) * 1 + (2 * I + H) * 4
+        scales = dict(gate_up_scale=moe.gate_up_scale, down_scale=moe.down_scale)
 
     def floor_of(routes: list) -> float:
         touched = statistics.median(int(r.unique().numel()) for r in routes)
@@ -163,7 +172,7 @@ def main() -> None:
         from folio.model.kernels.moe_gemv import MAX_TOKENS
         rows = sweep(moe, [b for b in (int(b) for b in args.batches.split(","))
                            if b <= MAX_TOKENS], E, H, k, floor_of, args.calls_per_graph,
-                     args.iters)
+                     args.iters, scales)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(shape=dict(experts=E, hidden=H, inter=I, top_k=k), sweep=rows),
@@ -176,7 +185,7 @@ def main() -> None:
                   for _ in range(args.iters + 5)]
         w = torch.rand(batch, k, device=dev).softmax(-1)
         with torch.no_grad():
-            fused = fused_experts(x, moe.gate_up_proj, moe.down_proj, w, routes[0])
+            fused = fused_experts(x, moe.gate_up_proj, moe.down_proj, w, routes[0], **scales)
             ref = moe._grouped_torch(x, w, routes[0])
         err = float((fused.float() - ref.float()).norm() / ref.float().norm())
 
@@ -194,18 +203,19 @@ def main() -> None:
             return statistics.median(times)
 
         with torch.no_grad():
-            t_fused = timed(lambda ids: fused_experts(x, moe.gate_up_proj, moe.down_proj, w, ids))
+            t_fused = timed(lambda ids: fused_experts(x, moe.gate_up_proj, moe.down_proj, w, ids,
+                                                  **scales))
             t_torch = timed(lambda ids: moe._grouped_torch(x, w, ids))
             t_graph = graph_timed(lambda ids: fused_experts(x, moe.gate_up_proj, moe.down_proj,
-                                                            w, ids), routes)
+                                                            w, ids, **scales), routes)
             # the grouped GEMMs forced where the few-token form serves (the same run's peer)
             t_grouped = graph_timed(lambda ids: fused_experts(
-                x, moe.gate_up_proj, moe.down_proj, w, ids, few_tokens=False), routes)
+                x, moe.gate_up_proj, moe.down_proj, w, ids, few_tokens=False, **scales), routes)
             t_chain = chain_timed(lambda ids: fused_experts(
-                x, moe.gate_up_proj, moe.down_proj, w, ids), routes, args.calls_per_graph,
+                x, moe.gate_up_proj, moe.down_proj, w, ids, **scales), routes, args.calls_per_graph,
                 args.iters)
             grouped = fused_experts(x, moe.gate_up_proj, moe.down_proj, w, routes[0],
-                                    few_tokens=False)
+                                    few_tokens=False, **scales)
             err_grouped = float((grouped.float() - ref.float()).norm() / ref.float().norm())
         touched = statistics.median(int(r.unique().numel()) for r in routes)
         floor = touched * expert_bytes / (args.peak * 1e12)

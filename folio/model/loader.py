@@ -19,7 +19,8 @@ from folio.model.discovery import ModelSource
 from folio.model.families import ArchSpec, arch_spec_from_hf_config, decoder_weight_name
 from folio.model.kernel_config import KernelConfig, resolve_kernel_config
 from folio.model.pipeline_parallel import WHOLE, PPStage
-from folio.model.quant.scheme import CHECKPOINT_METHODS, parse_quant_config
+from folio.model.moe.layer import FusedMoE
+from folio.model.quant.scheme import CHECKPOINT_METHODS, ON_LOAD_FP8, parse_quant_config
 from folio.model.tensor_parallel import (SINGLE, TPGroup, check_tp_support, local_spec,
                                          plan_shards)
 
@@ -163,9 +164,15 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
     if spec.mla is not None and kv_cache_dtype is not None and is_fp8(kv_cache_dtype):
         raise ValueError("an FP8 KV cache is not supported for multi-head latent attention "
                          "(DeepSeek) models yet; use --kv-cache-dtype auto")
-    if (spec.moe is not None or spec.mla is not None) and quantization != "none":
+    fp8_experts = (spec.moe is not None and quantization == "fp8"
+                   and parse_quant_config(hf_config, quantization) is ON_LOAD_FP8)
+    if spec.mla is not None and quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not supported for latent-attention "
+                         "(DeepSeek) models yet (they load in the model's dtype only)")
+    if spec.moe is not None and quantization != "none" and not fp8_experts:
         raise ValueError(f"quantization {quantization!r} is not supported for mixture-of-experts "
-                         f"or latent-attention models yet (they load in the model's dtype only)")
+                         "models yet; --quantization fp8 on a float checkpoint is (the experts "
+                         "and projections quantized on load)")
     if tp.sharded or pp.size > 1:
         check_tp_support(spec, tp.size, tp.expert_parallel)
         if quantization != "none":
@@ -208,6 +215,10 @@ def load_model(source: ModelSource, hf_config: Any, dtype: torch.dtype, device: 
         config = parse_quant_config(hf_config, quantization)
         model = load_quantized(model, config, iter_decoder_weights(source, hf_config), dtype, device,
                                kernel_config)
+        if fp8_experts:
+            for module in model.modules():
+                if isinstance(module, FusedMoE):
+                    module.quantize_fp8()
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(iter_decoder_weights(source, hf_config))  # copy_ casts each tensor

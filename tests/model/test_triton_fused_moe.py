@@ -2,7 +2,8 @@
 per-slot loop, under the interpreter (a child process with TRITON_INTERPRET=1, as
 test_triton_attention.py does). Routes: random, skewed (most pairs on two experts, so one
 expert spans several row blocks) and sparse (most experts empty); sizes that cross every tile
-bucket of the kernel, K and N not multiples of the tiles; fp32 and fp16."""
+bucket of the kernel, K and N not multiples of the tiles; fp32 and fp16; FP8 experts (e4m3
+codes with a scale per expert row) against the loop on the dequantized weights."""
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,17 @@ CASES = [
     # GPT-OSS's experts: biases on both projections, the clamped SwiGLU
     dict(name="t21_k2_e5_bias_swiglu_fp32", T=21, k=2, E=5, H=40, I=24, dtype="float32",
          routes="random", act="swiglu_oai", bias=True),
+    # FP8 experts (--quantization fp8): both forms, both activation paths, with biases
+    dict(name="fp8_t13_k2_e8_skewed_fp32", T=13, k=2, E=8, H=64, I=24, dtype="float32",
+         routes="skewed", fp8=True),
+    dict(name="fp8_t300_k4_e6_skewed_fp16", T=300, k=4, E=6, H=32, I=32, dtype="float16",
+         routes="skewed", fp8=True),
+    dict(name="fp8_t21_k2_e5_bias_swiglu_fp32", T=21, k=2, E=5, H=40, I=24, dtype="float32",
+         routes="random", act="swiglu_oai", bias=True, fp8=True),
+    dict(name="fp8_few_t1_k4_e8_fp32", T=1, k=4, E=8, H=48, I=40, dtype="float32",
+         routes="random", few=True, fp8=True),
+    dict(name="fp8_few_t3_k2_e5_skewed_fp16_bias", T=3, k=2, E=5, H=40, I=24, dtype="float16",
+         routes="skewed", bias=True, few=True, fp8=True),
 ]
 
 
@@ -64,6 +76,26 @@ def _run(case: dict) -> dict:
     else:
         gated, ref_kw = None, {}
     cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+    if case.get("fp8"):
+        from folio.model.quant.formats import quantize_fp8_per_channel
+        scales = {}
+        for name, weight in (("gate_up", gate_up), ("down", down)):
+            parts = [quantize_fp8_per_channel(e.to(dtype)) for e in weight]
+            codes = torch.stack([p.codes for p in parts])
+            scales[name] = torch.stack([p.scale for p in parts]).float()
+            # the reference multiplies the weights the codes stand for
+            dequantized = codes.float() * scales[name][:, :, None]
+            if name == "gate_up":
+                gate_up, gate_up_codes = dequantized, codes
+            else:
+                down, down_codes = dequantized, codes
+        out = fused_experts(x.to(dtype), gate_up_codes, down_codes, w, ids, gated, cast(b13),
+                            cast(b2), few_tokens=case.get("few"),
+                            gate_up_scale=scales["gate_up"], down_scale=scales["down"])
+        ref = experts_loop(x.to(dtype).float(), gate_up, down, w, ids, b13=b13, b2=b2, **ref_kw)
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "finite": bool(torch.isfinite(out).all()), "dtype": str(out.dtype),
+                "shape": list(out.shape), "codes": str(gate_up_codes.dtype)}
     if "tiles" in case:
         from folio.model.kernels.moe_gemv import few_token_experts
         out = few_token_experts(x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids,
@@ -91,6 +123,8 @@ def test_fused_moe_kernel_matches_loop(results: dict, case: dict) -> None:
     assert res["finite"]
     assert res["shape"] == [case["T"], case["H"]]
     assert res["dtype"] == f"torch.{case['dtype']}"
+    if case.get("fp8"):
+        assert res["codes"] == "torch.float8_e4m3fn"
     tol = 1e-5 if case["dtype"] == "float32" else 3e-3
     assert res["err"] < tol, f"rel err {res['err']:.2e} >= {tol}"
 

@@ -14,6 +14,8 @@ input on the CUDA cores:
   their experts' down rows, all slots in one tile, times the routing weights, summed over the
   slots in fp32 and rounded once, as fused_experts sums its fp32 partials.
 The expert of each pair is read on the device (no host sync, so a CUDA graph holds it).
+FP8 experts: the codes are widened in registers and each output row's sum is scaled once
+(scales [E, 2I] / [E, H], float32).
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ _INTERPRET_TILE = (4, 16, 4)
 if HAS_TRITON:
 
     @triton.jit
-    def _gate_up_kernel(X, W, BIAS, IDS, ACT, I, K, stride_x, stride_we, stride_wn,
-                        stride_be, stride_act, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _gate_up_kernel(X, W, BIAS, SCALE, IDS, ACT, I, K, stride_x, stride_we, stride_wn,
+                        stride_be, stride_se, stride_act, TOP_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -63,6 +66,10 @@ if HAS_TRITON:
                 .to(tl.float32) * xk
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
+        if HAS_SCALE:
+            s_row = SCALE + expert * stride_se
+            gate = gate * tl.load(s_row + cols_c)
+            up = up * tl.load(s_row + I + cols_c)
         if HAS_BIAS:
             b_row = BIAS + expert * stride_be
             gate += tl.load(b_row + cols_c).to(tl.float32)
@@ -74,9 +81,10 @@ if HAS_TRITON:
         tl.store(ACT + pair.to(tl.int64) * stride_act + cols, (act * up).to(dt), mask=cols < I)
 
     @triton.jit
-    def _down_kernel(ACT, W, BIAS, IDS, WEIGHTS, OUT, H, K, stride_act, stride_we, stride_wn,
-                     stride_be, stride_out, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(ACT, W, BIAS, SCALE, IDS, WEIGHTS, OUT, H, K, stride_act, stride_we,
+                     stride_wn, stride_be, stride_se, stride_out, TOP_K: tl.constexpr,
+                     SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # All k slots of the token in one [SLOTS, BLOCK_N, BLOCK_K] tile per step, so each
         # program keeps k experts' rows in flight at once (a loop over the slots kept one).
         token = tl.program_id(0)
@@ -98,6 +106,8 @@ if HAS_TRITON:
             acc += tl.load(rows + kk[None, None, :], mask=k_ok[None, None, :], other=0.0) \
                 .to(tl.float32) * a[:, None, :]
         part = tl.sum(acc, axis=2)                                  # [SLOTS, BLOCK_N]
+        if HAS_SCALE:
+            part = part * tl.load(SCALE + experts[:, None] * stride_se + cols_c[None, :])
         if HAS_BIAS:
             part += tl.load(BIAS + experts[:, None] * stride_be + cols_c[None, :]) \
                 .to(tl.float32)
@@ -116,10 +126,13 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       gate_up_bias: torch.Tensor | None = None,
                       down_bias: torch.Tensor | None = None, *,
+                      gate_up_scale: torch.Tensor | None = None,
+                      down_scale: torch.Tensor | None = None,
                       _config: dict | None = None) -> torch.Tensor:
     """fused_experts with silu(gate) * up, for a few tokens: x [T, H], gate_up [E, 2I, H]
     (gate rows first), down [E, H, I] (both with contiguous rows), topk_weights [T, k],
-    topk_ids [T, k], biases [E, 2I] / [E, H] or None -> [T, H] in x's dtype. `_config`
+    topk_ids [T, k], biases [E, 2I] / [E, H] or None -> [T, H] in x's dtype; FP8 experts
+    with their scales [E, 2I] / [E, H] (float32). `_config`
     (tile sweeps, tools/gpu_bench_moe.py): {"gate_up": (BLOCK_N, BLOCK_K, num_warps),
     "down": (...), "stages": num_stages}, each key optional."""
     require_triton()
@@ -135,17 +148,23 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     stages = config.get("stages", 2)
     bn, bk, warps = config.get("gate_up", _INTERPRET_TILE if INTERPRET else _GATE_UP_TILE)
     _gate_up_kernel[(t * k, triton.cdiv(inter, bn))](
-        x, gate_up, gate_up_bias if gate_up_bias is not None else x, ids, act, inter, h,
+        x, gate_up, gate_up_bias if gate_up_bias is not None else x,
+        gate_up_scale if gate_up_scale is not None else x, ids, act, inter, h,
         x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, act.stride(0),
-        TOP_K=k, HAS_BIAS=gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0,
+        gate_up_scale.stride(0) if gate_up_scale is not None else 0, act.stride(0),
+        TOP_K=k, HAS_BIAS=gate_up_bias is not None, HAS_SCALE=gate_up_scale is not None,
+        BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages)
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     bn, bk, warps = config.get("down", _INTERPRET_TILE if INTERPRET else _DOWN_TILE)
     _down_kernel[(t, triton.cdiv(h, bn))](
-        act, down, down_bias if down_bias is not None else act, ids, weights, out, h, inter,
+        act, down, down_bias if down_bias is not None else act,
+        down_scale if down_scale is not None else act, ids, weights, out, h, inter,
         act.stride(0), down.stride(0), down.stride(1),
-        down_bias.stride(0) if down_bias is not None else 0, out.stride(0),
-        TOP_K=k, SLOTS=triton.next_power_of_2(k), HAS_BIAS=down_bias is not None, BLOCK_N=bn,
+        down_bias.stride(0) if down_bias is not None else 0,
+        down_scale.stride(0) if down_scale is not None else 0, out.stride(0),
+        TOP_K=k, SLOTS=triton.next_power_of_2(k), HAS_BIAS=down_bias is not None,
+        HAS_SCALE=down_scale is not None, BLOCK_N=bn,
         BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out

@@ -6,6 +6,11 @@ The experts' weights are stored stacked, as transformers 5 holds them: gate_up_p
 [E, 2I, H] (each expert's gate rows then its up rows) and down_proj [E, H, I]. Checkpoints
 that store one tensor per expert (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) load into
 their expert's slice (`load_shard`).
+
+FP8 experts (`--quantization fp8`, on load): `quantize_fp8` turns both stacked weights into
+e4m3 codes with one float32 scale per expert row (vLLM's per-channel FP8 MoE weights); the
+Triton paths read the codes and scale each output column, halving the bytes a decode step
+reads; the CPU path widens one expert at a time.
 """
 from __future__ import annotations
 
@@ -54,6 +59,10 @@ class FusedMoE(nn.Module):
         self.act = gate_activation(act) if activation is ExpertActivation.GATED else None
         self.transposed_interleaved = transposed_interleaved_checkpoint
         self.kernels = kernels
+        # FP8 experts: per-row scales [E, 2I] / [E, H] (float32); None for float weights.
+        # Buffers, so they follow the module between devices (sleep mode).
+        self.register_buffer("gate_up_scale", None, persistent=False)
+        self.register_buffer("down_scale", None, persistent=False)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2I] (gate | up) -> [rows, I]."""
@@ -107,6 +116,27 @@ class FusedMoE(nn.Module):
                              f"expected {tuple(target.shape)}")
         target.copy_(tensor)
 
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Both stacked weights to FP8 e4m3, scale = max|row| / 448 per expert row, one expert
+        at a time (the float32 copy of a whole stack would be 4 bytes a weight)."""
+        from folio.model.quant.formats import quantize_fp8_per_channel
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            parts = [quantize_fp8_per_channel(w) for w in weight]
+            setattr(self, name, nn.Parameter(torch.stack([p.codes for p in parts]),
+                                             requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"),
+                    torch.stack([p.scale for p in parts]).to(torch.float32))
+
+    def _weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's weight in `dtype`: FP8 codes widened and scaled per row."""
+        weight = getattr(self, name)[expert]
+        scale = getattr(self, name.replace("_proj", "_scale"))
+        if scale is None:
+            return weight
+        return (weight.to(torch.float32) * scale[expert][:, None]).to(dtype)
+
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -114,7 +144,8 @@ class FusedMoE(nn.Module):
             from folio.model.kernels.fused_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
                                  None if self.silu else self.gated,
-                                 self.gate_up_proj_bias, self.down_proj_bias)
+                                 self.gate_up_proj_bias, self.down_proj_bias,
+                                 gate_up_scale=self.gate_up_scale, down_scale=self.down_scale)
         return self._grouped_torch(x, weights, ids)
 
     def _grouped_torch(self, x: torch.Tensor, weights: torch.Tensor,
@@ -133,10 +164,11 @@ class FusedMoE(nn.Module):
             seg = rows[start:start + n]
             b13 = self.gate_up_proj_bias[expert] if self.gate_up_proj_bias is not None else None
             b2 = self.down_proj_bias[expert] if self.down_proj_bias is not None else None
-            gate_up = F.linear(seg, self.gate_up_proj[expert], b13)
+            gate_up = F.linear(seg, self._weight("gate_up_proj", expert, seg.dtype), b13)
             ops = cpu_kernel_ops(gate_up, self.kernels) if self.silu else None
             act = ops.silu_and_mul(gate_up) if ops is not None else self.gated(gate_up)
-            out[order[start:start + n]] = F.linear(act, self.down_proj[expert], b2).float()
+            out[order[start:start + n]] = F.linear(
+                act, self._weight("down_proj", expert, act.dtype), b2).float()
             start += n
         out = out.view(t, k, -1) * weights.unsqueeze(-1)
         return out.sum(dim=1).to(x.dtype)
