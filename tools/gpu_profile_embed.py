@@ -79,6 +79,7 @@ def main() -> None:
         print(f"budget {budget}: {len(texts) / elapsed:.1f} sentences/s, "
               f"{core.scheduler._step_id - steps_before} steps, {elapsed:.3f} s", flush=True)
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
         llm.llm_engine.shutdown()
 
 
