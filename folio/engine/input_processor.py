@@ -139,8 +139,12 @@ class InputProcessor:
         bound = limit * _CHARS_PER_TOKEN_BOUND
         batch = [t if head is None else t[:head] for t in texts]
         fits = [keep is not None or len(t) <= bound for t in batch]
+        # ids only: the masks and segment ids transformers builds per text by default held
+        # the GIL for a third of the call
         encoded = self.tokenizer([t for t, ok in zip(batch, fits) if ok],
-                                 truncation=keep is not None, max_length=keep)["input_ids"]
+                                 truncation=keep is not None, max_length=keep,
+                                 return_attention_mask=False,
+                                 return_token_type_ids=False)["input_ids"]
         found = iter(encoded)
         return [list(next(found)) if ok else [] for ok in fits]
 
