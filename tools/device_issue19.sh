@@ -13,6 +13,15 @@ step 540 embed_bert_large python3 -m folio.bench.throughput --random-weights \
     --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
     --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large.json"
 fi
+if [ "${PART:-bench}" = s21 ]; then   # session 21, last call: the GPU tests, the bench twice
+  step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_pooling.py tests/gpu/test_gpu_moe.py
+  for r in 1 2; do
+    step 200 embed_bert_large_$r python3 -m folio.bench.throughput --random-weights \
+        --config bert-large --task embed --num-prompts 1000 --peer sentence-transformers \
+        --peer-batch-sizes 32 64 128 256 --no-tqdm --output-json "$OUT/embed_bert_large_$r.json"
+  done
+fi
 if [ "${PART:-bench}" = tests ]; then   # session 21: LLM.embed on the GPU against transformers
   step 200 pooling_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_pooling.py
