@@ -24,7 +24,7 @@ from folio.model.moe.layer import FusedMoE
 from folio.model.quant.formats import quantize_fp8_per_channel
 from model_utils import hf_greedy_batch, torch_threads
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 MAX_TOKENS = 16
 
 
@@ -47,14 +47,21 @@ def _quantized_name(name: str) -> bool:
     return name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
-def _write_dequantized(src: str, dst: str) -> int:
+def _write_dequantized(src: str, dst: str, transposed_experts: bool) -> int:
+    """`transposed_experts`: GPT-OSS stores stacked experts as [E, K, N] (folio's rows are
+    its columns; the gate/up interleave only reorders them)."""
     shutil.copytree(src, dst)
     changed = 0
     for path in glob.glob(os.path.join(dst, "*.safetensors")):
         tensors = load_file(path)
         for name in list(tensors):
             if _quantized_name(name):
-                tensors[name] = _dequantized(tensors[name])
+                weight = tensors[name]
+                if transposed_experts and weight.dim() == 3:
+                    tensors[name] = _dequantized(weight.transpose(1, 2)).transpose(1, 2) \
+                        .contiguous()
+                else:
+                    tensors[name] = _dequantized(weight)
                 changed += 1
         save_file(tensors, path, metadata={"format": "pt"})
     return changed
@@ -94,7 +101,7 @@ def test_greedy_matches_transformers_on_dequantized(tiny_model_dir: Callable[[st
                                                     tmp_path, arch: str) -> None:
     path = tiny_model_dir(arch)
     reference = str(tmp_path / f"{arch}-dequantized")
-    assert _write_dequantized(path, reference) > 0
+    assert _write_dequantized(path, reference, transposed_experts=arch == "gpt_oss") > 0
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 17, 40, 90)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -121,3 +128,9 @@ def test_unsupported_moe_quantization_is_named(tiny_model_dir: Callable[[str], s
                                          r"mixture-of-experts models yet"):
         load_model(source, hf_config, torch.float32, torch.device("cpu"), 256,
                    quantization="int8")
+    source = ModelSource("hf_dir", tiny_model_dir("deepseek_v2"))
+    hf_config, _ = load_hf_config(source)
+    with pytest.raises(ValueError, match=r"quantization 'fp8' is not supported for "
+                                         r"latent-attention"):
+        load_model(source, hf_config, torch.float32, torch.device("cpu"), 256,
+                   quantization="fp8")
