@@ -121,16 +121,14 @@ def test_greedy_matches_transformers_on_dequantized(tiny_model_dir: Callable[[st
     assert got != [p.token_ids for p in plain], arch
 
 
-def test_unsupported_moe_quantization_is_named(tiny_model_dir: Callable[[str], str]) -> None:
-    source = ModelSource("hf_dir", tiny_model_dir("qwen3_moe"))
+@pytest.mark.parametrize("arch,quantization,message", [
+    ("qwen3_moe", "int8", r"quantization 'int8' is not supported for mixture-of-experts models"),
+    ("deepseek_v2", "fp8", r"quantization 'fp8' is not supported for latent-attention"),
+])
+def test_unsupported_moe_quantization_is_named(tiny_model_dir: Callable[[str], str], arch: str,
+                                               quantization: str, message: str) -> None:
+    source = ModelSource("hf_dir", tiny_model_dir(arch))
     hf_config, _ = load_hf_config(source)
-    with pytest.raises(ValueError, match=r"quantization 'int8' is not supported for "
-                                         r"mixture-of-experts models yet"):
+    with pytest.raises(ValueError, match=message):
         load_model(source, hf_config, torch.float32, torch.device("cpu"), 256,
-                   quantization="int8")
-    source = ModelSource("hf_dir", tiny_model_dir("deepseek_v2"))
-    hf_config, _ = load_hf_config(source)
-    with pytest.raises(ValueError, match=r"quantization 'fp8' is not supported for "
-                                         r"latent-attention"):
-        load_model(source, hf_config, torch.float32, torch.device("cpu"), 256,
-                   quantization="fp8")
+                   quantization=quantization)
