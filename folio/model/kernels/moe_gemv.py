@@ -34,6 +34,9 @@ MAX_TOKENS = 4
 # one-row down tile puts 2,048 programs in flight at one token.
 _GATE_UP_TILE = (4, 256, 4)
 _DOWN_TILE = (1, 128, 4)
+# FP8 experts' gate_up: two rows a program, two warps (the same sweep with --fp8: 19.19 against
+# 22.47 us at one token, 60.66 against 62.55 at four).
+_GATE_UP_TILE_FP8 = (2, 256, 2)
 _INTERPRET_TILE = (4, 16, 4)
 
 if HAS_TRITON:
@@ -146,7 +149,8 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     config = _config or {}
     stages = config.get("stages", 2)
-    bn, bk, warps = config.get("gate_up", _INTERPRET_TILE if INTERPRET else _GATE_UP_TILE)
+    default = _GATE_UP_TILE_FP8 if gate_up_scale is not None else _GATE_UP_TILE
+    bn, bk, warps = config.get("gate_up", _INTERPRET_TILE if INTERPRET else default)
     _gate_up_kernel[(t * k, triton.cdiv(inter, bn))](
         x, gate_up, gate_up_bias if gate_up_bias is not None else x,
         gate_up_scale if gate_up_scale is not None else x, ids, act, inter, h,
