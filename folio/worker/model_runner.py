@@ -458,8 +458,10 @@ class ModelRunner:
                      eager_inputs) -> PendingRunnerOutput:
         """A step carrying draft tokens (speculative decoding): logits at each drafting
         request's last token and after each of its drafts, verified (worker/spec_verify.py);
-        the other sampling requests sample one token as usual. Synchronous: speculation runs
-        with async scheduling off, and the kept tokens are needed on the host."""
+        the other sampling requests sample one token as usual. The kept tokens are decided on
+        the host: here, or, when every request verifies greedily without logprobs, when the
+        output is taken (the engine builds no step on it before then: its kept counts decide
+        the next step's positions)."""
         from folio.worker.spec_verify import accept_greedy, needs_own_pass, verify
         spec = step.scheduled_spec_decode_tokens
         sampling = step.sampling_req_ids
@@ -492,6 +494,18 @@ class ModelRunner:
         argmax_t = (logits.argmax(dim=-1)
                     if any(rid in spec and not own for rid, own in zip(sampling, own_pass))
                     else None)
+        if (argmax_t is not None and self.draft_proposer is None and not any(own_pass)
+                and all(rid in spec and states[j].sampling.params.logprobs is None
+                        for j, rid in enumerate(sampling))):
+            # Every request greedy on drafts of its own, no logprobs, no draft model: the
+            # kept tokens are decided on the host when the step's output is taken
+            # (PendingRunnerOutput.get), so the step returns with its argmax still on the
+            # device and the engine's work meanwhile overlaps the verify.
+            self._prev_sampled, self._prev_rows = None, {}
+            return PendingRunnerOutput(
+                list(sampling), prompt_logprobs=prompt_logprobs,
+                greedy_verify=(argmax_t, [(first_row[j], list(spec[rid]))
+                                          for j, rid in enumerate(sampling)]))
         logprobs = None
         if plain:
             plain_logits = logits[device_tensor([first_row[j] for j in plain], self.device,
@@ -608,7 +622,9 @@ class PendingRunnerOutput:
                  token_lists: list[list[int]] | None = None,
                  logprobs_lists: tuple[list[str], LogprobsLists] | None = None,
                  draft_token_ids: dict[str, list[int]] | None = None,
-                 pooled: PendingPooled | None = None) -> None:
+                 pooled: PendingPooled | None = None,
+                 greedy_verify: tuple[torch.Tensor, list[tuple[int, list[int]]]] | None = None
+                 ) -> None:
         # Requests this step could not run (their LoRA adapter failed to load): reason.
         self.failed_req_ids: dict[str, str] = {}
         # Expert parallelism's per-rank load since the last report (the worker sets it).
@@ -630,9 +646,18 @@ class PendingRunnerOutput:
         self._event: torch.cuda.Event | None = None
         self._host = sampled
         self._output: ModelRunnerOutput | None = None
+        # A greedy verify step decided at get(): the argmax of every verified position, and
+        # per request (its first row there, its drafts).
+        self._verify_argmax: torch.Tensor | None = None
+        self._verify_rows: list[tuple[int, list[int]]] = []
+        if greedy_verify is not None:
+            self._verify_argmax, self._verify_rows = greedy_verify
         on_cuda = sampled.is_cuda if sampled is not None else any(
-            t.tensors[0].is_cuda for t in self._all_logprobs_tensors())
+            t.tensors[0].is_cuda for t in self._all_logprobs_tensors()) or (
+            self._verify_argmax is not None and self._verify_argmax.is_cuda)
         if on_cuda:
+            if self._verify_argmax is not None:
+                self._verify_argmax = to_host_async(self._verify_argmax)
             if sampled is not None:
                 self._host = to_host_async(sampled)
             for tensors in self._all_logprobs_tensors():
@@ -651,6 +676,12 @@ class PendingRunnerOutput:
             return self._output
         if self._event is not None:
             self._event.synchronize()
+        if self._verify_argmax is not None:
+            from folio.worker.spec_verify import accept_greedy
+            argmax = self._verify_argmax.tolist()
+            self._token_lists = [accept_greedy(drafts, argmax[first:first + len(drafts) + 1])
+                                 for first, drafts in self._verify_rows]
+            self._verify_argmax = None
         output = ModelRunnerOutput()
         if self._host is not None:
             output.req_ids = self._request_ids

@@ -220,18 +220,30 @@ def test_async_scheduling_runs_beside_speculation(plain_llm) -> None:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{prefix}-{i}", prompt, params)
         got: dict[str, list[int]] = {}
-        verifying = []
+        verifying, undecided = [], []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     got[out.request_id] = list(out.outputs[0].token_ids)
-            verifying.append(core._in_flight is not None
-                             and bool(core._in_flight[0].message.scheduled_spec_decode_tokens))
-        return [got[f"{prefix}-{i}"] for i in range(len(prompts))], verifying
-    answers, verifying = run("spec")
+            verify = (core._in_flight is not None
+                      and bool(core._in_flight[0].message.scheduled_spec_decode_tokens))
+            verifying.append(verify)
+            if verify:
+                # every request drafting, greedy, no logprobs: its kept tokens are decided
+                # when the output is taken (a request without drafts is sampled at once)
+                message = core._in_flight[0].message
+                pending = core._in_flight[1]
+                pending = getattr(pending, "_pending", pending)   # the step-message check's
+                all_drafting = set(message.sampling_req_ids) <= set(
+                    message.scheduled_spec_decode_tokens)
+                undecided.append((all_drafting, pending._verify_argmax is not None))
+        return [got[f"{prefix}-{i}"] for i in range(len(prompts))], verifying, undecided
+    answers, verifying, undecided = run("spec")
     assert answers == want
     assert _spec_stats(llm).spec_num_accepted_tokens > 0
     assert any(verifying)                 # verify steps left in flight as the call returned
+    assert any(all_drafting for all_drafting, _ in undecided)
+    assert all(all_drafting == deferred for all_drafting, deferred in undecided)
     core.scheduler.draft_length = _Resting()
     got: dict[str, list[int]] = {}
     in_flight = []
