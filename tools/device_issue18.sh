@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Issue 18 (model families) on the lent GPU, in parts that each fit one device call:
-#   PART=s21|s21b|s21c|s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
+#   PART=s22|s21|s21b|s21c|s15|kernels|moe_models|mla|s7|s8 bash tools/device_issue18.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. Logs and JSON go to
 # $OUT.
 set -uo pipefail
 STEP_PATTERN="latency:|decode:|roofline|Throughput|output tok/s|KV cache|fused_over|passed|failed|Error|error"
 . tools/device_common.sh
 case "${PART:-kernels}" in
+s22)  # next session: the FP8 experts' gate_up tile (session 21's last sweep) through the GPU
+  # tests, and the layer against its floor bf16 / FP8
+  step 300 moe_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_moe.py
+  PEAK=$(python3 -c "from folio.bench.roofline import measure_copy_bandwidth as m; print(m('cuda') / 1e12)")
+  for f in "" "--fp8"; do
+    step 150 moe_layer$f python3 tools/gpu_bench_moe.py --batches 1,4 --peak "$PEAK" $f
+  done ;;
 s21c)  # session 21, third call: FP8 experts (--quantization fp8) -- the GPU tests, the layer
   # against its floor (bytes of FP8 codes), batch-1 decode of Qwen3-30B-A3B shapes bf16 / FP8
   step 300 moe_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
