@@ -134,15 +134,26 @@ def count_params(cfg: Mapping[str, Any], active_batch: int | None = None) -> int
     return embed + body + hidden + lm_head  # + final norm
 
 
-def projection_params(cfg: Mapping[str, Any]) -> int:
-    """Weights of the decoder layers' projections (q, k, v, o, gate, up, down): the matrices a
-    quantized checkpoint stores in fewer bits (biases, norms, embeddings and the lm_head stay
-    in the model dtype)."""
+def projection_params(cfg: Mapping[str, Any], active_batch: int | None = None) -> int:
+    """Weights of the decoder layers' projections (q, k, v, o, gate, up, down; of a mixture
+    of experts' sparse layers, the experts (those `active_batch` tokens are expected to read,
+    as count_params counts them) and the shared expert in place of the dense MLP): the
+    matrices a quantized checkpoint stores in fewer bits (biases, norms, routers, embeddings
+    and the lm_head stay in the model dtype)."""
     hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    layers = int(cfg["num_hidden_layers"])
     q_out = int(cfg["num_attention_heads"]) * _head_dim(cfg)
     kv_out = _num_kv_heads(cfg) * _head_dim(cfg)
-    per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
-    return int(cfg["num_hidden_layers"]) * per_layer
+    attention = 2 * hidden * q_out + 2 * hidden * kv_out
+    dense_mlp = 3 * hidden * inter
+    total = layers * (attention + dense_mlp)
+    moe = _moe(cfg)
+    if moe is not None:
+        experts, top_k, expert_inter, shared, sparse = moe
+        read = experts if active_batch is None else _experts_read(experts, top_k, active_batch)
+        sparse_mlp = read * 3 * hidden * expert_inter + 3 * hidden * shared
+        total += sparse * (round(sparse_mlp) - dense_mlp)
+    return total
 
 
 def weight_bytes(cfg: Mapping[str, Any], dtype_bytes: int = 2,
@@ -155,7 +166,7 @@ def weight_bytes(cfg: Mapping[str, Any], dtype_bytes: int = 2,
     params = count_params(cfg, active_batch)
     if projection_bits is None:
         return float(params * dtype_bytes)
-    proj = projection_params(cfg)
+    proj = projection_params(cfg, active_batch)
     return (params - proj) * dtype_bytes + proj * projection_bits / 8
 
 

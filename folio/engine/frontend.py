@@ -169,9 +169,10 @@ def check_pooling_params(params: PoolingParams, info: PoolingModelInfo | None) -
         raise ValueError(f"task {task.value!r} is not supported by this model ({info.architecture},"
                          f" a{'n embedding' if info.kind == 'embed' else ' classification'} "
                          f"model); it supports {sorted(t.value for t in info.tasks)}")
-    if params.task != task.value:   # a copy only where the task is filled in (no copy per
-        params = params.clone()     # request of a batch sharing one params object)
-        params.task = task.value
+    # Always a copy, validated again: the engine keeps it while the request runs, and a
+    # caller may change its own object meanwhile (4-5 us a request).
+    params = params.clone()
+    params.task = task.value
     dims = params.dimensions
     if dims is not None:
         if info.kind != "embed" or task not in (PoolingTask.EMBED, PoolingTask.TOKEN_EMBED):

@@ -245,7 +245,7 @@ class DecoderLM(nn.Module):
         dtype = self.__dict__.get("_act_dtype")
         if dtype is None:
             dtype = next((p.dtype for p in self.parameters()
-                          if p.is_floating_point() and p.dtype != torch.float32), torch.float32)
+                          if p.is_floating_point() and p.element_size() == 2), torch.float32)
             self.__dict__["_act_dtype"] = dtype
         return dtype
 

@@ -29,6 +29,25 @@ def test_projection_params_by_hand() -> None:
     assert bf16 - fp8 == pytest.approx(proj + kv / 2, rel=1e-9)
 
 
+def test_projection_params_of_a_mixture_of_experts_by_hand() -> None:
+    """FP8 experts: the experts a step reads are projections (stored in 8 bits), in place of
+    the dense MLP the config's intermediate_size would give every layer; routers stay."""
+    cfg = dict(RANDOM_CONFIGS["qwen3-30b-a3b"], num_hidden_layers=4)
+    hidden, heads, kv_heads, head_dim = 2048, 32, 4, 128
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    experts = 3 * hidden * 768
+    assert roofline.projection_params(cfg) == 4 * (attention + 128 * experts)
+    read = 128 * (1 - (1 - 8 / 128) ** 1)       # one token reads its top 8
+    assert roofline.projection_params(cfg, active_batch=1) == 4 * (attention
+                                                                 + round(read * experts))
+    total = roofline.count_params(cfg, active_batch=1)
+    proj = roofline.projection_params(cfg, active_batch=1)
+    assert roofline.weight_bytes(cfg, 2, projection_bits=8, active_batch=1) == \
+        (total - proj) * 2 + proj
+    # the layers' non-projection weights (norms, routers) are a small share
+    assert 0 < (total - proj) - 2 * 151936 * hidden < 0.01 * total
+
+
 def _model(path, quantization_config: dict | None) -> str:
     path.mkdir()
     config = dict(LLAMA)

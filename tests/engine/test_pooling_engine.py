@@ -115,6 +115,23 @@ def test_minilm_bad_input_is_a_value_error_naming_the_field(minilm: LLM) -> None
     assert len(minilm.embed(["still fine"], use_tqdm=False)[0].outputs.embedding) == 384
 
 
+def test_a_request_keeps_the_params_it_was_given(minilm: LLM) -> None:
+    """The engine holds a copy: the caller's object changed after a request was added does
+    not change that request (one object shared by two requests, normalize flipped between)."""
+    engine = minilm.llm_engine
+    params = PoolingParams(task="embed", normalize=True)
+    engine.add_pooling_request("kept-a", "hello world", params)
+    params.normalize = False
+    engine.add_pooling_request("kept-b", "hello world", params)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = np.linalg.norm(np.asarray(out.outputs.data))
+    assert got["kept-a"] == pytest.approx(1.0, abs=1e-5)
+    assert got["kept-b"] != pytest.approx(1.0, abs=1e-3)
+
+
 def test_texts_tokenized_ahead_in_chunks_match_and_keep_their_order(
         minilm: LLM, reference: np.ndarray, monkeypatch) -> None:
     # chunks of 16: the engine runs steps on the first chunks while the next are tokenized

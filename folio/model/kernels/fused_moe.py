@@ -99,6 +99,8 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, alig
     [E, N] or None."""
     block_m, block_n, block_k, warps = tiles
     n, k = weights.shape[1], weights.shape[2]
+    if scale is not None and (scale.shape != weights.shape[:2] or scale.stride(1) != 1):
+        raise ValueError("FP8 expert scales must be [E, N] with contiguous rows")
     grid = (alignment.block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_weights if pair_weights is not None else out,

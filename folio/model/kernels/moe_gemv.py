@@ -143,6 +143,9 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     h, inter = x.shape[1], down.shape[2]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("expert weights need contiguous rows")
+    for scale, weight in ((gate_up_scale, gate_up), (down_scale, down)):
+        if scale is not None and (scale.shape != weight.shape[:2] or scale.stride(1) != 1):
+            raise ValueError("FP8 expert scales must be [E, N] with contiguous rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()

@@ -119,15 +119,21 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def quantize_fp8(self) -> None:
         """Both stacked weights to FP8 e4m3, scale = max|row| / 448 per expert row, one expert
-        at a time (the float32 copy of a whole stack would be 4 bytes a weight)."""
-        from folio.model.quant.formats import quantize_fp8_per_channel
+        at a time into the codes' tensor (the float32 copy of a whole stack would be 4 bytes a
+        weight). The float weights were loaded first: loading needs the float model's memory,
+        decode then reads half of it. Once only (the codes cannot be quantized again)."""
+        from folio.model.quant.formats import FP8_DTYPE, quantize_fp8_per_channel
+        if self.gate_up_scale is not None:
+            raise ValueError("the experts are FP8 already")
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(self, name)
-            parts = [quantize_fp8_per_channel(w) for w in weight]
-            setattr(self, name, nn.Parameter(torch.stack([p.codes for p in parts]),
-                                             requires_grad=False))
-            setattr(self, name.replace("_proj", "_scale"),
-                    torch.stack([p.scale for p in parts]).to(torch.float32))
+            codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scales = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for e, w in enumerate(weight):
+                q = quantize_fp8_per_channel(w)
+                codes[e], scales[e] = q.codes, q.scale
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), scales)
 
     def _weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's weight in `dtype`: FP8 codes widened and scaled per row."""
