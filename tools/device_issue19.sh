@@ -2,9 +2,18 @@
 # Issue 19 (pooling models) on the lent GPU: embeddings throughput of a BERT-large-shaped
 # encoder (random weights) against sentence-transformers, same texts, dtype and device.
 #   bash tools/device_issue19.sh
-# Carry `.whl` (../shared/tools/device-wheels.sh plus sentence-transformers==6.3.0
-# scikit-learn==1.9.1 scipy==1.17.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0) and
-# `device_tokenizer/`. Logs and JSON go to $OUT.
+#   PART=bench|s21|tests|timeline|profile
+# Carry `.whl19` and `device_tokenizer/`: .whl and sentence-transformers' wheels together pass
+# a call's 64 MiB, so .whl19 holds the server's wheels without the grammar backends and the
+# openai client, plus the peer's:
+#   ../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3 \
+#       opentelemetry-api==1.45.3 annotated-doc sentence-transformers==6.3.0 \
+#       scikit-learn==1.9.1 scipy==1.17.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0
+#   mkdir -p .whl19 && mv .whl/{scipy,scikit_learn,sentence_transformers,joblib,threadpoolctl,narwhals}* .whl19/
+#   for f in .whl/*.whl; do case $f in *llguidance*|*tvm_ffi*|*xgrammar*|*openai*|*jiter*) ;;
+#       *) cp $f .whl19/;; esac; done; echo /.whl19/ >> .git/info/exclude
+# (tools/device_common.sh installs .whl19 in place of .whl where it is there.) Logs and JSON go
+# to $OUT.
 set -uo pipefail
 STEP_PATTERN="sentences/s|agreement|at its best|passed|failed|Error|error"
 . tools/device_common.sh
