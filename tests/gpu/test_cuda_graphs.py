@@ -13,22 +13,13 @@ import time
 
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 VOCAB = 2048
 MAX_NUM_SEQS = 64
-
-
-def _save_tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
 
 
 def _save_model(kind: str, path: str) -> str:
@@ -52,7 +43,7 @@ def _save_model(kind: str, path: str) -> str:
     else:  # qk-norm and an explicit head_dim: the other attention layout folio supports
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **shapes))
     model.to(torch.bfloat16).save_pretrained(path)
-    _save_tokenizer(path)
+    save_word_tokenizer(path, VOCAB)
     return path
 
 

@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -163,19 +164,14 @@ def test_triton_fp8_kernels_match_the_reference(case):
 # ---------------------------------------------------------------------------------------------
 
 def _save_model(path: str) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=2, initializer_range=0.05))
     model.to(torch.bfloat16).save_pretrained(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    save_word_tokenizer(path, VOCAB)
     return path
 
 

@@ -13,25 +13,13 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 VOCAB = 2048
 MAX_TOKENS = 24
-
-
-def _tokenizer(path: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, VOCAB):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.save_pretrained(path)
 
 
 def _build(kind: str, path: str, max_positions: int = 4096) -> str:
@@ -46,7 +34,7 @@ def _build(kind: str, path: str, max_positions: int = 4096) -> str:
     else:
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common))
     model.to(torch.bfloat16).save_pretrained(path)
-    _tokenizer(path)
+    save_word_tokenizer(path, VOCAB)
     return path
 
 

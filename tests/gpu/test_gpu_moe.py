@@ -4,10 +4,9 @@ grouped GEMMs (kernels/fused_moe.py) against the per-expert torch path, with and
 biases, inside a CUDA graph as decode replays them. Skipped without a GPU."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -151,12 +150,9 @@ def test_engine_fp8_moe_model(tmp_path) -> None:
     each prompt's next-token distribution stays near the float engine's (a random model's
     greedy answers part at near-ties within a few tokens, so the first step is compared:
     the float engine's choice among the FP8 engine's top 5, its logprob close)."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from folio import LLM, SamplingParams
-    tok_dir = os.environ.get("FOLIO_RANDOM_TOKENIZER")
-    if tok_dir is None:
-        pytest.skip("needs FOLIO_RANDOM_TOKENIZER (a tokenizer directory)")
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024,
                             moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
@@ -165,7 +161,7 @@ def test_engine_fp8_moe_model(tmp_path) -> None:
                             eos_token_id=2, initializer_range=0.05)
     path = str(tmp_path / "qwen3moe")
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(path)
+    save_word_tokenizer(path, 2048)
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(3, 2048, (n,), generator=gen).tolist()}
                for n in (3, 9, 30, 70, 150, 300)]

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu,
@@ -26,20 +27,14 @@ DEVICE = "cuda"
 
 
 def _build(path: str) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    from transformers import BertConfig, BertModel
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=512,
                         max_position_embeddings=512, type_vocab_size=2)
     BertModel(config, add_pooling_layer=False).eval().save_pretrained(path)
-    vocab = {"[UNK]": 0, "[PAD]": 1}
-    for i in range(2, VOCAB):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                            model_max_length=512).save_pretrained(path)
+    save_word_tokenizer(path, VOCAB, {"unk_token": "[UNK]", "pad_token": "[PAD]"},
+                        model_max_length=512)
     # sentence-transformers' layout, as all-MiniLM-L6-v2 ships it: mean pooling, normalize
     modules = [{"idx": 0, "name": "0", "path": "",
                 "type": "sentence_transformers.models.Transformer"},

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from word_tokenizer import save_word_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -290,18 +291,6 @@ def test_fp8_gate_up_silu_matches_reference() -> None:
 VOCAB = 2048
 
 
-def _tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, VOCAB):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def float_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -315,7 +304,7 @@ def float_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
                          # greedy answers (measured: bf16-level noise after 2-6 tokens)
                          initializer_range=0.2)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    _tokenizer(path)
+    save_word_tokenizer(path, VOCAB)
     return path
 
 
