@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from folio.model.host_copy import device_tensor
+
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(start in `pairs`, first slot, length) of each run of consecutive slots, for pairs
@@ -38,17 +40,6 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
             runs.append((start, pairs[start][0], i - start))
             start = i
     return runs
-
-
-def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on `device`, copied without making the host wait: from pageable
-    memory a host-to-device copy first waits for the stream (behind this step's saves and
-    the previous step's work, under async scheduling); from pinned memory it is queued. The
-    caching host allocator keeps the pinned buffer until the copy is done."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 # Device staging of a step's copies: at most this many bytes of slots at a time (a long
@@ -151,7 +142,7 @@ class HostKVPool:
             with torch.cuda.stream(side):
                 # Allocated on the side stream and used only there: the caching allocator
                 # hands their memory to other work of this stream only, after these copies.
-                blocks = _device_index([b for _, b in pairs], device)
+                blocks = device_tensor([b for _, b in pairs], device, torch.int64)
                 staged = self._stage(kv_caches, chunks[0][1])
             copied = side.record_event()
         if saves:
@@ -185,7 +176,7 @@ class HostKVPool:
             return
         pairs = sorted((slot, block) for block, slot in saves)
         device = kv_caches[0].device
-        blocks = _device_index([b for _, b in pairs], device)
+        blocks = device_tensor([b for _, b in pairs], device, torch.int64)
         for first, chunk in _chunks(_runs(pairs), self._chunk_slots):
             count = sum(length for _, _, length in chunk)
             index = blocks[first:first + count]

@@ -20,7 +20,7 @@ import torch
 
 from folio.core.engine_core_outputs import SampledTokenLogprobs
 from folio.core.step_messages import LogprobsLists
-from folio.model.host_copy import device_tensor, to_host_async
+from folio.model.host_copy import device_tensor, to_device, to_host_async
 from folio.sampling_params import SamplingParams
 from folio.worker.sampling_columns import SamplingColumns
 
@@ -215,9 +215,7 @@ def _column_tensor(values: np.ndarray, device: torch.device,
     host = torch.from_numpy(np.ascontiguousarray(values))
     if dtype is not None:
         host = host.to(dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(host, device)
 
 
 # ---------------------------------------------------------------------------
