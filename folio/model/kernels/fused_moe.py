@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from folio.model.kernels._common import HAS_TRITON, require_triton, tl, triton
+from folio.model.kernels import moe_gemv
 from folio.model.moe.dispatch import align_to_blocks
 
 if HAS_TRITON:
@@ -99,8 +100,7 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, alig
     [E, N] or None."""
     block_m, block_n, block_k, warps = tiles
     n, k = weights.shape[1], weights.shape[2]
-    if scale is not None and (scale.shape != weights.shape[:2] or scale.stride(1) != 1):
-        raise ValueError("FP8 expert scales must be [E, N] with contiguous rows")
+    moe_gemv.check_scale(scale, weights)
     grid = (alignment.block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_weights if pair_weights is not None else out,
@@ -132,7 +132,6 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         raise ValueError("FP8 experts need both gate_up_scale and down_scale")
     require_triton()
     t, k = topk_ids.shape
-    from folio.model.kernels import moe_gemv
     if few_tokens is None:
         few_tokens = gated is None and moe_gemv.wanted(x, t)
     if few_tokens:

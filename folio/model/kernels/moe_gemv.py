@@ -120,6 +120,12 @@ if HAS_TRITON:
                  total.to(OUT.dtype.element_ty), mask=cols < H)
 
 
+def check_scale(scale: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """FP8 experts' scales: [E, N] float32 rows the kernels index by column (stride 1)."""
+    if scale is not None and (scale.shape != weight.shape[:2] or scale.stride(1) != 1):
+        raise ValueError("FP8 expert scales must be [E, N] with contiguous rows")
+
+
 def wanted(x: torch.Tensor, num_tokens: int) -> bool:
     """Whether the few-token form should serve a step of `num_tokens` tokens."""
     return HAS_TRITON and 0 < num_tokens <= MAX_TOKENS and (x.is_cuda or INTERPRET)
@@ -143,9 +149,8 @@ def few_token_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     h, inter = x.shape[1], down.shape[2]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("expert weights need contiguous rows")
-    for scale, weight in ((gate_up_scale, gate_up), (down_scale, down)):
-        if scale is not None and (scale.shape != weight.shape[:2] or scale.stride(1) != 1):
-            raise ValueError("FP8 expert scales must be [E, N] with contiguous rows")
+    check_scale(gate_up_scale, gate_up)
+    check_scale(down_scale, down)
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
