@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    args.random_quantization)
         kwargs["model"] = random_model["path"]
     lora_engine_kwargs(args, kwargs)
+    early_bandwidth = None if args.no_roofline else \
+        roofline.copy_bandwidth_before_engine(args.device)
 
     start = time.perf_counter()
     llm = LLM(**kwargs)
@@ -231,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     release_device_memory()
 
     if not args.no_roofline and per_token_s and per_token_s > 0 and device is not None:
-        report["roofline"] = _roofline(args, model_path, device, dtype, per_token_s)
+        report["roofline"] = _roofline(args, model_path, device, dtype, per_token_s,
+                                       early_bandwidth)
     if not args.no_roofline and device is not None:
         report["prefill_roofline"] = _prefill_roofline(args, model_path, device,
                                                        stats["median_prefill_latency_s"])
@@ -334,7 +337,7 @@ def _median(values: list[float]) -> float:
 
 
 def _roofline(args: argparse.Namespace, model_path: str, device: Any, dtype: Any,
-              per_token_s: float) -> dict[str, Any]:
+              per_token_s: float, early_bandwidth: float | None = None) -> dict[str, Any]:
     from folio.bench import quant_bytes
     dtype_bytes = int(getattr(dtype, "itemsize", 2))
     bits = quant_bytes.projection_bits(model_path, getattr(args, "quantization", None))
@@ -344,7 +347,7 @@ def _roofline(args: argparse.Namespace, model_path: str, device: Any, dtype: Any
     context = args.input_len + args.output_len // 2
     step_bytes = roofline.decode_bytes_per_step(model_path, args.batch_size, context, dtype_bytes,
                                                 projection_bits=bits, kv_dtype_bytes=kv_bytes)
-    bandwidth = roofline.measure_copy_bandwidth(device)
+    bandwidth = roofline.best_copy_bandwidth(device, early_bandwidth)
     floor_s = step_bytes / bandwidth  # one step yields one token for every sequence
     return {"bytes_per_step": step_bytes, "context_len": context, "dtype_bytes": dtype_bytes,
             "projection_bits": bits, "kv_dtype_bytes": kv_bytes,

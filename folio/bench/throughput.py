@@ -160,6 +160,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _plot(args, report)
         return report
 
+    from folio.bench import roofline
+    early_bandwidth = None if args.no_roofline else \
+        roofline.copy_bandwidth_before_engine(args.device)
     folio_result, info = _run_folio(args, kwargs)
     info["random_model"] = random_model
     info["quantization"] = args.quantization
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info["lora_adapters"] = args.lora
     info["lora_rank"] = args.lora_rank if args.lora else None
     requests: list[SampleRequest] = info.pop("requests")
-    info["roofline"] = None if args.no_roofline else _roofline(info, requests, folio_result)
+    info["roofline"] = None if args.no_roofline else _roofline(info, requests, folio_result,
+                                                               early_bandwidth)
     results = [folio_result]
     peers = [p for p in args.peer if p != "none"]
     if peers:
@@ -275,7 +279,8 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
 
 
 
-def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult) -> dict | None:
+def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult,
+              early_bandwidth: float | None = None) -> dict | None:
     """The workload's floor (folio.bench.roofline.offline_floor) at the copy bandwidth and
     matmul peak measured now on folio's device, and folio's share of it."""
     from folio.bench import roofline
@@ -286,7 +291,7 @@ def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult) ->
     dtype_bytes = 4 if info.get("dtype") == "float32" else 2
     bits = quant_bytes.projection_bits(info["model_source"]["path"], info.get("quantization"))
     kv_bytes = quant_bytes.kv_dtype_bytes(info.get("kv_cache_dtype"), dtype_bytes)
-    bandwidth = roofline.measure_copy_bandwidth(info["device"])
+    bandwidth = roofline.best_copy_bandwidth(info["device"], early_bandwidth)
     flops = roofline.matmul_peak_flops(info["device"])
     floor = roofline.offline_floor(info["model_source"]["path"],
                                    [r.prompt_len for r in requests],

@@ -79,6 +79,17 @@ def test_measured_roofs_are_positive() -> None:
     assert line == "roofline: 1.000 ms/token at 50.0 GB/s measured → achieved 25.0% of roofline"
 
 
+def test_the_roof_is_the_better_of_the_probes_before_and_after_the_engine(monkeypatch) -> None:
+    """The bench probes the copy bandwidth before its engine starts (on a GPU) and after it
+    is gone, and takes the better: a probe can read low (2.62 against 3.03 TB/s on an H100),
+    never above what the card allows. No probe before an engine on the CPU."""
+    assert roofline.copy_bandwidth_before_engine("cpu") is None
+    monkeypatch.setattr(roofline, "measure_copy_bandwidth", lambda device: 2.62e12)
+    assert roofline.best_copy_bandwidth("cuda", 3.03e12) == 3.03e12
+    assert roofline.best_copy_bandwidth("cuda", 2.0e12) == 2.62e12
+    assert roofline.best_copy_bandwidth("cpu", None) == 2.62e12
+
+
 def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
     out_json = tmp_path / "latency.json"
     args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "6",

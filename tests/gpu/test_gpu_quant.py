@@ -268,6 +268,22 @@ def test_int4_gemv_every_config() -> None:
                                                         mins=mins, _config=config))
 
 
+def test_int4_gemv_keeps_activations_of_any_range() -> None:
+    """The one-row 4-bit GEMV multiplies in fp16 pairs: x's elements from 1e-20 to 1e20
+    (bf16 holds them, fp16 does not) are scaled per word into range, not overflowed."""
+    from folio.model.kernels.int4_matmul import int4_matmul
+    torch.manual_seed(3)
+    n, k = 4096, 4096
+    for zeros in (False, True):
+        w = _int4(n, k, 128, zeros, False)
+        x = (torch.randn(1, k, device=CUDA) * 10 ** (torch.rand(1, k, device=CUDA) * 40 - 20))
+        x = x.to(torch.bfloat16)
+        out = int4_matmul(x, w.packed, w.scales, w.zeros, 128)
+        ref = x.double() @ w.dequantize().double().t()
+        assert torch.isfinite(out).all()
+        assert _rel(out.double(), ref) < 1e-2, zeros
+
+
 def test_fp8_gate_up_silu_matches_reference() -> None:
     """A merged FP8 gate|up projection at one row: silu(gate) * up fused in the GEMV."""
     from folio.model.quant.eight_bit_linear import EightBitLinear

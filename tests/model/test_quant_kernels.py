@@ -55,6 +55,8 @@ CASES += [
          bias=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=2)),
     dict(name="gemv4_sym_split4", kind="int4", M=1, N=40, K=256, G=64, zero=False,
          bias=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
+    dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
+         bias=False, wide_x=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
     dict(name="gemv4_autotuned_k576_g32", kind="int4", M=1, N=24, K=576, G=32, zero="mins",
          bias=False),
     dict(name="int8_group16", kind="int8g", M=3, N=40, K=96, G=16),
@@ -115,7 +117,11 @@ def _run(case: dict) -> dict:
         w = _int4_weight(case["N"], case["K"], case["G"], case["zero"])
         # a strided row view of x: the kernel takes rows with any stride
         x = torch.randn(case["M"], case["K"] + 8, dtype=torch.float16)[:, 4:case["K"] + 4]
-        bias = torch.randn(case["N"], dtype=torch.float16) if case["bias"] else None
+        if case.get("wide_x"):
+            # elements from 1e-6 to 1e6 (past fp16's range): the one-row GEMV's fp16 pairs
+            # must scale each word's elements into range
+            x = x.float() * 10 ** (torch.rand(x.shape) * 12 - 6)
+        bias = torch.randn(case["N"], dtype=x.dtype) if case["bias"] else None
         out = int4_matmul.int4_matmul(x, w.packed, w.scales, w.zeros, w.group_size, bias,
                                       mins=w.mins, _config=case.get("config"))
         ref = x.double() @ w.dequantize().double().t()

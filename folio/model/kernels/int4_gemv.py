@@ -4,18 +4,25 @@ codes packed eight to an int32 along K (nibble i of word w is column 8w + i), wi
 kernels/int4_matmul.py (ZERO_MODE 0: (q - 8) s, 1: (q - z) s, 2: q s + m).
 
 At one row the product is a pass over the codes, and what bounds it is the work per code, not
-the bytes: at the H200's 4.3 TB/s an SM must turn ~33 codes per clock into products, and a first
-version spending ~9 instructions per code (shift, extract, OR, subtract, FMA, plus a gathered
-and widened x element each) reached a quarter of the copy bandwidth. Here a code costs three:
-- nibble j (0..3) of each 16-bit half of a word is masked in place and OR-ed into the mantissa
-  of 2^23 by one LOP3 (inline PTX: the compiler otherwise emits an AND and an OR), which read
-  as a float32 is exactly 2^23 + q 2^(4j); one FADD gives (q - 8) 2^(4j) (or q 2^(4j));
-- one FFMA with x's element pre-scaled by 2^-4j (exact), into an fp32 partial per word.
-x's elements are loaded, widened and scaled once per tile and shared by the two rows each
-thread holds (the configs of 16-word tiles are laid out so). Scales and offsets are applied
-once per word, not per code: a word's eight codes share a group, so its partial
-sum_i q_i x_i is multiplied by the group's scale, and a zero point or minimum enters through
-the word's sum of x (s (Σ q x - z Σ x), s Σ q x + m Σ x).
+the bytes: at the H200's 4.3 TB/s the GPU must turn ~8.6e12 codes a second into products, ~33
+per SM per clock, against four warp instructions an SM issues per clock. A float32 form (each
+nibble OR-ed into the mantissa of 2^23, an FADD and an FFMA: ~5.9 instructions a code in its
+loop as compiled) reached 25-45 % of the copy bandwidth. Here the arithmetic is in fp16 pairs:
+- one LOP3 masks nibbles i and i + 4 of a word (the same place in its two 16-bit halves) and
+  ORs them into the mantissa of fp16 1024: the pair (1024 + q_i, 1024 + q_{i+4}) exactly (or
+  1024 + 16 q for the nibbles one place up, scaled back in the next step);
+- one f16x2 SUB (or FMA) takes the pair to (q - z) exactly, z the zero point (8 for the
+  symmetric form, 0 with minimums);
+- one f16x2 FMA adds both lanes' products with x's pair to a per-word partial; the lanes are
+  added and widened to float32 once a word. Thirteen instructions for a word's eight codes.
+fp16 holds x's elements exactly only within its range, so each word's eight elements are
+scaled by the power of two that brings the largest into [1, 2) (exact), and 2^e is applied
+with the scale: a partial is at most 8 * 16 * 2 and cannot overflow, and elements far below
+their word's largest lose only what cannot move its sum. Products are rounded to fp16's 11
+bits (relative error ~5e-4 a product, in an fp32 sum), well inside the 4-bit codes' own error.
+x's elements are loaded, scaled and packed once per word and shared by the rows a thread
+holds (eight in the main configs). Scales and minimums are applied once per word: a word's
+eight codes share a group (s 2^e Σ (q - z) x', + m Σ x for minimums).
 
 Tiles are [BLOCK_N rows, GROUPS, INNER words], INNER the words of one group (or of the tile,
 if narrower): each [BLOCK_N, GROUPS] scale is one load per tile, and no reshape is needed.
@@ -32,14 +39,16 @@ from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, t
 # (BLOCK_N, BLOCK_W words, SPLIT_K, num_warps, num_stages); N and K are runtime arguments, so
 # each config compiles once per (G, ZERO_MODE, bias) for all of a model's shapes.
 _CONFIGS = [
-    # 16-word (one group of 128) tiles laid out two rows of four words per thread, so each
-    # element of x is loaded, widened and rescaled once for two rows; warps from 1 to 8 keep
-    # the programs many at every N, and narrow outputs split K
-    (64, 16, 1, 4, 2), (32, 16, 1, 2, 2), (16, 16, 1, 1, 2), (128, 16, 1, 8, 2),
-    (32, 16, 2, 2, 2), (16, 16, 2, 1, 2), (16, 16, 4, 1, 2), (32, 16, 4, 2, 2),
-    (64, 16, 4, 4, 2),
-    # wider tiles (and groups narrower than 16 words)
-    (8, 64, 1, 4, 2), (16, 32, 1, 2, 2), (32, 32, 1, 4, 2),
+    # 128-word tiles: a warp's 32 threads take four words (16 bytes) each of one row, so
+    # each thread holds eight rows and its x elements are prepared once for the eight
+    # (compiled for sm_90 here: ~3.0-3.3 instructions a code in the loop, against ~5.9 for
+    # the float32 form's tiles); narrow outputs split K
+    (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
+    (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1), (64, 128, 1, 4, 1),
+    # 64-word tiles, two rows a warp
+    (32, 64, 1, 2, 1), (32, 64, 2, 2, 1), (32, 64, 4, 2, 1),
+    # 16-word tiles (one group of 128), for Ks the wider tiles do not divide
+    (64, 16, 1, 4, 1),
 ]
 _INTERPRET_CONFIGS = [(4, 8, 1, 4, 1)]
 
@@ -87,53 +96,133 @@ if HAS_TRITON:
     from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
-    # float32 2^23: a nibble OR-ed into its mantissa reads as exactly 2^23 + q
-    _MAGIC = tl.constexpr(0x4B000000)
-    _MAGIC_F = tl.constexpr(8388608.0)
-    # The interpreter runs no PTX: it takes the two-operation form of the same bits.
+    # The interpreter runs no PTX: it takes the plain-Triton form of the same arithmetic.
     _ASM = tl.constexpr(not INTERPRET)
+    # fp16 bits of 1024 + z and of -(64 + z) in both halves of a word (z = 0): the dequant
+    # subtrahends, made per group from an integer zero point z by adding z (z * 16).
+    _LO_BASE = tl.constexpr(0x6400)
+    _HI_BASE = tl.constexpr(0xD400)
 
     @triton.jit
-    def _nibble_bits(v, J: tl.constexpr):
-        """(v & (0xF << 4J)) | 2^23's bits, as one LOP3 (the compiler otherwise emits an AND
-        and an OR)."""
-        if not _ASM:
-            out = (v & (0xF << (4 * J))) | _MAGIC
-        elif J == 0:
-            out = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 0xEA;", "=r,r",
-                                            [v], dtype=tl.uint32, is_pure=True, pack=1)
-        elif J == 1:
-            out = tl.inline_asm_elementwise("lop3.b32 $0, $1, 240, 1258291200, 0xEA;", "=r,r",
-                                            [v], dtype=tl.uint32, is_pure=True, pack=1)
-        elif J == 2:
-            out = tl.inline_asm_elementwise("lop3.b32 $0, $1, 3840, 1258291200, 0xEA;",
-                                            "=r,r", [v], dtype=tl.uint32, is_pure=True, pack=1)
+    def _half2(lo, hi):
+        """Two float32 tensors -> their fp16 values packed in a uint32 (lo in bits 0-15), one
+        cvt.rn.f16x2.f32 (which takes the high half first)."""
+        if _ASM:
+            out = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo],
+                                            dtype=tl.uint32, is_pure=True, pack=1)
         else:
-            out = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1258291200, 0xEA;",
-                                            "=r,r", [v], dtype=tl.uint32, is_pure=True, pack=1)
+            out = (lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                   | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
         return out
 
     @triton.jit
-    def _apply_group(part, xsum, s_ptrs, z_ptrs, ZERO_MODE: tl.constexpr):
-        """A word's partial sum_i q_i x_i (q - 8 in form 0) with its group's scale, zero point
-        or minimum (pointers shaped [BLOCK_N, GROUPS], broadcast over the words)."""
-        s = tl.load(s_ptrs).to(tl.float32)[:, :, None]
+    def _half_lane(v, SHIFT: tl.constexpr):
+        return ((v >> SHIFT) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _pair_ref(word, xp, c_lo, SHIFT: tl.constexpr):
+        """Interpreter form of one f16x2 lane pair: nibbles SHIFT/4 and SHIFT/4 + 4 of the word
+        against x's pair, in float32."""
+        z = ((c_lo & 0xFFFF) - _LO_BASE).to(tl.float32)
+        q_lo = ((word >> SHIFT) & 0xF).to(tl.float32) - z
+        q_hi = ((word >> (SHIFT + 16)) & 0xF).to(tl.float32) - z
+        return q_lo * _half_lane(xp, 0) + q_hi * _half_lane(xp, 16)
+
+    @triton.jit
+    def _word_dot(word, x04, x15, x26, x37, c_lo, c_hi):
+        """sum_i (q_i - z) x'_i over the eight codes of each word, in fp16 pairs: x_ab packs
+        x' of columns a (low half) and b of the word; c_lo, c_hi are the group's fp16x2
+        subtrahends 1024 + z and -(64 + z).
+
+        Nibbles 0 and 4 (bits 0-3, 16-19) masked and OR-ed into fp16 1024's mantissa by one
+        LOP3 read as the pair 1024 + q exactly; nibbles 1 and 5 the same way read as
+        1024 + 16 q. One f16x2 SUB (FMA by 1/16) gives q - z for both lanes, one f16x2 FMA
+        takes their products with x; a word's shift by 8 brings nibbles 2, 3, 6, 7 into the
+        same places. Thirteen instructions for eight codes where the float32 form took three
+        a code; the two lanes are added and widened once a word."""
+        if _ASM:
+            out = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a, b, c, d, t, m, acc;
+                .reg .f16 h0, h1;
+                mov.b32 m, 0x2c002c00;
+                lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
+                shr.u32 t, $1, 8;
+                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+                sub.f16x2 a, a, $6;
+                fma.rn.f16x2 b, b, m, $7;
+                sub.f16x2 c, c, $6;
+                fma.rn.f16x2 d, d, m, $7;
+                mul.f16x2 acc, a, $2;
+                fma.rn.f16x2 acc, b, $3, acc;
+                fma.rn.f16x2 acc, c, $4, acc;
+                fma.rn.f16x2 acc, d, $5, acc;
+                mov.b32 {h0, h1}, acc;
+                add.f16 h0, h0, h1;
+                cvt.f32.f16 $0, h0;
+                }""",
+                "=f,r,r,r,r,r,r,r", [word, x04, x15, x26, x37, c_lo, c_hi],
+                dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            out = (_pair_ref(word, x04, c_lo, 0) + _pair_ref(word, x15, c_lo, 4)
+                   + _pair_ref(word, x26, c_lo, 8) + _pair_ref(word, x37, c_lo, 12))
+        return out
+
+    @triton.jit
+    def _x_pairs(x_base):
+        """x's eight elements of each word of the tile, each word's scaled by a power of two
+        2^-e that brings its largest into [1, 2) (so the fp16 products cannot overflow, and
+        lose nothing to fp16's range), packed in the four fp16 pairs of _word_dot; with 2^e
+        and the word's sum of x (for minimums)."""
+        x0 = tl.load(x_base).to(tl.float32)
+        x1 = tl.load(x_base + 1).to(tl.float32)
+        x2 = tl.load(x_base + 2).to(tl.float32)
+        x3 = tl.load(x_base + 3).to(tl.float32)
+        x4 = tl.load(x_base + 4).to(tl.float32)
+        x5 = tl.load(x_base + 5).to(tl.float32)
+        x6 = tl.load(x_base + 6).to(tl.float32)
+        x7 = tl.load(x_base + 7).to(tl.float32)
+        mx = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                                   tl.maximum(tl.abs(x2), tl.abs(x3))),
+                        tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                                   tl.maximum(tl.abs(x6), tl.abs(x7))))
+        # exponent bits of the largest: 2^e; 254 - (e + 127) is 2^-e's (0 -> 2^127 x 0 = 0)
+        e_bits = mx.to(tl.int32, bitcast=True) & 0x7F800000
+        inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
+        esc = e_bits.to(tl.float32, bitcast=True)
+        x04 = _half2(x0 * inv, x4 * inv)
+        x15 = _half2(x1 * inv, x5 * inv)
+        x26 = _half2(x2 * inv, x6 * inv)
+        x37 = _half2(x3 * inv, x7 * inv)
+        xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        return x04, x15, x26, x37, esc, xsum
+
+    @triton.jit
+    def _subtrahends(z_ptrs, ZERO_MODE: tl.constexpr):
+        """The fp16x2 subtrahends of _word_dot per [BLOCK_N, GROUPS] (1024 + z, -(64 + z)):
+        z = 8 (form 0), the group's integer zero point (form 1), 0 (form 2, minimums)."""
         if ZERO_MODE == 1:
-            z = tl.load(z_ptrs).to(tl.float32)[:, :, None]
-            out = s * (part - z * xsum[None, :, :])
-        elif ZERO_MODE == 2:
-            mn = tl.load(z_ptrs).to(tl.float32)[:, :, None]
-            out = s * part + mn * xsum[None, :, :]
+            z = tl.load(z_ptrs).to(tl.float32).to(tl.int32).to(tl.uint32)
+            lo = _LO_BASE + z
+            hi = _HI_BASE + z * 16
+            c_lo = lo | (lo << 16)
+            c_hi = hi | (hi << 16)
         else:
-            out = s * part
-        return out
+            zc: tl.constexpr = 8 if ZERO_MODE == 0 else 0
+            lo_c: tl.constexpr = _LO_BASE + zc
+            hi_c: tl.constexpr = _HI_BASE + zc * 16
+            c_lo = tl.full((1, 1), lo_c | (lo_c << 16), tl.uint32)
+            c_hi = tl.full((1, 1), hi_c | (hi_c << 16), tl.uint32)
+        return c_lo, c_hi
 
     @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW, G: tl.constexpr,
-                      ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         WPG: tl.constexpr = G // 8
@@ -152,10 +241,6 @@ if HAS_TRITON:
         w_in = (tl.arange(0, GROUPS) * INNER)[:, None] + tl.arange(0, INNER)[None, :]
         g_in = tl.arange(0, GROUPS) * INNER
         x_in = w_in * 8     # word w, nibble i: column 8 w + i
-        if ZERO_MODE == 0:
-            bias_f = _MAGIC_F + 8.0     # (2^23 + q) - (2^23 + 8) = q - 8, exactly
-        else:
-            bias_f = _MAGIC_F
         tiles = KW // (BLOCK_W * SPLIT_K)
         t_lo = pid_k * tiles
         t_hi = t_lo + tiles
@@ -174,28 +259,18 @@ if HAS_TRITON:
             ahead1 = ahead2
             ahead2 = tl.load(w_rows + (w0 + 2 * BLOCK_W + w_in)[None, :, :],
                              mask=t + 2 < t_hi, other=0)
-            x_base = X + t * (BLOCK_W * 8) + x_in
-            # Nibble j (0..3) of each 16-bit half, masked in place and OR-ed into the
-            # mantissa of 2^23, reads as 2^23 + q 2^(4j), exactly, with no shift (one LOP3);
-            # minus 2^23 (+ 8 2^(4j)) that is (q - 8) 2^(4j), and x's element is scaled by
-            # 2^-4j instead (once per element, shared by the two rows a thread holds), so a
-            # code costs a LOP3, an FADD and an FFMA.
-            hi = cur >> 16
-            part = tl.zeros((BLOCK_N, GROUPS, INNER), dtype=tl.float32)
-            xsum = tl.zeros((GROUPS, INNER), dtype=tl.float32)
-            for j in tl.static_range(4):
-                x_lo = tl.load(x_base + j).to(tl.float32)
-                x_hi = tl.load(x_base + (j + 4)).to(tl.float32)
-                if ZERO_MODE != 0:
-                    xsum += x_lo + x_hi
-                unit = 1 << (4 * j)
-                off = _MAGIC_F + (8.0 * unit if ZERO_MODE == 0 else 0.0)
-                q_lo = _nibble_bits(cur, j).to(tl.float32, bitcast=True) - off
-                q_hi = _nibble_bits(hi, j).to(tl.float32, bitcast=True) - off
-                part += q_lo * (x_lo * (1.0 / unit))[None, :, :]
-                part += q_hi * (x_hi * (1.0 / unit))[None, :, :]
+            # x's elements are loaded, scaled and packed once per word for all the rows a
+            # thread holds (eight in the main configs), so their cost is shared.
+            x04, x15, x26, x37, esc, xsum = _x_pairs(X + t * (BLOCK_W * 8) + x_in)
             g_off = ((w0 + g_in) // WPG)[None, :]
-            acc += _apply_group(part, xsum, s_rows + g_off, z_rows + g_off, ZERO_MODE)
+            c_lo, c_hi = _subtrahends(z_rows + g_off, ZERO_MODE)
+            part = _word_dot(cur, x04[None, :, :], x15[None, :, :], x26[None, :, :],
+                             x37[None, :, :], c_lo[:, :, None], c_hi[:, :, None])
+            s = tl.load(s_rows + g_off).to(tl.float32)[:, :, None]
+            acc += part * (s * esc[None, :, :])
+            if ZERO_MODE == 2:
+                mn = tl.load(z_rows + g_off).to(tl.float32)[:, :, None]
+                acc += mn * xsum[None, :, :]
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
         is_last = True
