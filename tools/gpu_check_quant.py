@@ -115,6 +115,8 @@ def main() -> int:
                 if m == 1 and name == "gate_up" else None,
                 "int8": ([lambda l=l: l(x) for l in int8], 1.0),
                 "int4": ([lambda l=l: l(x) for l in int4], 0.5 + 2 / 128),
+                "int4-gu": ([lambda l=l: l.gate_up_silu(x, None) for l in int4], 0.5 + 2 / 128)
+                if m == 1 and name == "gate_up" else None,
                 "int4-tri": ([lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128)
                               for l in int4], 0.5 + 2 / 128),
                 "tinygemm": ([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])

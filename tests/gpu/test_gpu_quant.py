@@ -268,6 +268,36 @@ def test_int4_gemv_every_config() -> None:
                                                         mins=mins, _config=config))
 
 
+def test_int4_gate_up_silu_every_config() -> None:
+    """The one-row 4-bit GEMV on a merged gate|up weight with SiLU-and-mul fused
+    (GroupQuantLinear.gate_up_silu, the W4A16 MLP at batch 1): every offset form through the
+    layer, then each config forced, against silu(gate) * up of the dequantized weight."""
+    from folio.model.kernels import int4_gemv
+    from folio.model.quant.group_linear import GroupQuantLinear
+    torch.manual_seed(2)
+    inter, k = 1536, 4096
+    for form in ("sym", "zeros", "act_order"):
+        w = _int4(2 * inter, k, 128, form == "zeros", act_order=form == "act_order")
+        layer = GroupQuantLinear(w)
+        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+        assert layer.gate_up_silu_wanted(x, None)
+        out = layer.gate_up_silu(x, None)
+        gate, up = (x.double() @ w.dequantize().double().t()).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        assert out.shape == (1, inter) and _rel(out, ref) < 1e-2, form
+        if form != "sym":
+            continue
+        for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
+            if not int4_gemv.fits(2 * inter, k, 128, bn, bw, sk):
+                continue
+            config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
+                          num_stages=stages)
+            forced = torch.empty(1, inter, device=CUDA, dtype=torch.bfloat16)
+            int4_gemv.int4_gemv(x, w.packed, w.scales, None, 0, 128, None, forced,
+                                gate_up=True, _config=config)
+            assert _rel(forced, ref) < 1e-2, config
+
+
 def test_int4_gemv_keeps_activations_of_any_range() -> None:
     """The one-row 4-bit GEMV multiplies in fp16 pairs: x's elements from 1e-20 to 1e20
     (bf16 holds them, fp16 does not) are scaled per word into range, not overflowed."""

@@ -55,6 +55,15 @@ CASES += [
          bias=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=2)),
     dict(name="gemv4_sym_split4", kind="int4", M=1, N=40, K=256, G=64, zero=False,
          bias=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
+    # the same GEMV on a merged gate|up weight with SiLU-and-mul fused: every offset form,
+    # an output count no tile divides (the last tile's outputs masked), split-K
+    dict(name="gemv4_gate_up_sym", kind="int4_gate_up", N=20, K=256, G=64, zero=False,
+         config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
+    dict(name="gemv4_gate_up_zero_split2", kind="int4_gate_up", N=12, K=256, G=32, zero=True,
+         config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=2)),
+    dict(name="gemv4_gate_up_mins_ragged_split4", kind="int4_gate_up", N=13, K=256, G=32,
+         zero="mins", config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=4)),
+    dict(name="gemv4_gate_up_autotuned", kind="int4_gate_up", N=24, K=128, G=32, zero=True),
     dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
          bias=False, wide_x=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
     dict(name="gemv4_autotuned_k576_g32", kind="int4", M=1, N=24, K=576, G=32, zero="mins",
@@ -127,6 +136,20 @@ def _run(case: dict) -> dict:
         ref = x.double() @ w.dequantize().double().t()
         if bias is not None:
             ref = ref + bias.double()
+        return {"name": case["name"], "err": rel_err(out, ref),
+                "nan": bool(torch.isnan(out).any())}
+    if kind == "int4_gate_up":
+        # the one-row GEMV on a merged gate|up weight, SiLU-and-mul fused (gate rows first)
+        from folio.model.kernels import int4_gemv
+        w = _int4_weight(2 * case["N"], case["K"], case["G"], case["zero"])
+        x = torch.randn(1, case["K"], dtype=torch.float16)
+        out = torch.empty(1, case["N"], dtype=torch.float16)
+        offsets = w.zeros if w.zeros is not None else w.mins
+        int4_gemv.int4_gemv(x, w.packed, w.scales, offsets,
+                            int4_matmul.zero_mode(w.zeros, w.mins), w.group_size, None, out,
+                            gate_up=True, _config=case.get("config"))
+        gate, up = (x.double() @ w.dequantize().double().t()).chunk(2, dim=-1)
+        ref = gate * torch.sigmoid(gate) * up
         return {"name": case["name"], "err": rel_err(out, ref),
                 "nan": bool(torch.isnan(out).any())}
     if kind == "int8g":

@@ -191,12 +191,15 @@ if HAS_TRITON:
         return offs_m
 
     @triton.jit
-    def _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N_P,
+    def _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N_P, N_OK,
                       SPLIT_K: tl.constexpr):
         """Store this program's partial; the last of the SPLIT_K programs of this column
-        block gets the sum over splits in split order. Returns (is_last, total)."""
+        block gets the sum over splits in split order. Returns (is_last, total). Partials
+        are [SPLIT_K, M, N_P]; only columns below N_OK are stored and read (a ragged last
+        block's columns past it would land in the next split's, or the other half's, rows,
+        which another program writes)."""
         p_off = offs_m[:, None] * N_P + cols[None, :]
-        p_mask = offs_m[:, None] < M
+        p_mask = (offs_m[:, None] < M) & (cols[None, :] < N_OK)
         tl.store(P + pid_k * (M * N_P) + p_off, acc, mask=p_mask)
         # Every thread's partial is written before the (single-thread) release of the ticket.
         tl.debug_barrier()
@@ -244,7 +247,8 @@ if HAS_TRITON:
         acc = _acc_finish(acc, M_PAD, DOT)
         is_last = True
         if SPLIT_K > 1:
-            is_last, acc = _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N, SPLIT_K)
+            is_last, acc = _split_reduce(acc, P, C, pid_n, pid_k, offs_m, cols, M, N, N,
+                                         SPLIT_K)
         if is_last:
             if HAS_SCALE:  # 8-bit weights: one scale per output row, applied once
                 acc *= tl.load(S + cols, mask=cols < N, other=0.0)[None, :]
@@ -292,13 +296,13 @@ if HAS_TRITON:
         if SPLIT_K > 1:
             # Partials laid out [SPLIT_K, M, 2I] like the merged output: gate | up. The up
             # half is stored first; the gate's ticket then orders both.
+            p_mask = (offs_m[:, None] < M) & (cols[None, :] < N)
             tl.store(P + pid_k * (M * 2 * N) + offs_m[:, None] * (2 * N) + N + cols[None, :],
-                     acc_u, mask=offs_m[:, None] < M)
+                     acc_u, mask=p_mask)
             is_last, acc_g = _split_reduce(acc_g, P, C, pid_n, pid_k, offs_m, cols, M, 2 * N,
-                                           SPLIT_K)
+                                           N, SPLIT_K)
             if is_last:
                 p_off = offs_m[:, None] * (2 * N) + N + cols[None, :]
-                p_mask = offs_m[:, None] < M
                 acc_u = tl.zeros_like(acc_u)
                 for s in tl.static_range(SPLIT_K):
                     acc_u += tl.load(P + s * (M * 2 * N) + p_off, mask=p_mask, other=0.0,

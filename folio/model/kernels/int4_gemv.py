@@ -76,6 +76,8 @@ def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int) -> bo
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
     args = {**named_args, **kwargs}
     n, k, g = args["N"], args["K"], args["G"]
+    if args.get("GATE_UP"):
+        n *= 2      # both halves' rows are in the tiles and the split-K partials
     kept = [c for c in configs
             if fits(n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"])]
     if kept:
@@ -217,20 +219,29 @@ if HAS_TRITON:
             c_hi = tl.full((1, 1), hi_c | (hi_c << 16), tl.uint32)
         return c_lo, c_hi
 
-    @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE"],
+    @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW, G: tl.constexpr,
-                      ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         WPG: tl.constexpr = G // 8
         INNER: tl.constexpr = WPG if WPG < BLOCK_W else BLOCK_W
         GROUPS: tl.constexpr = BLOCK_W // INNER
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Columns past N read row N - 1 (valid memory) and are never stored.
-        cols_c = tl.minimum(cols, N - 1).to(tl.int64)
+        if GATE_UP:
+            # a merged gate|up weight [2N, K] (gate rows first): the tile's rows alternate
+            # gate row c, up row N + c for its BLOCK_N / 2 outputs c, so the two halves of
+            # an output come out side by side (split after the sum)
+            c_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+            rows = tl.minimum(c_out, N - 1) + (tl.arange(0, BLOCK_N) % 2) * N
+        else:
+            # Columns past N read row N - 1 (valid memory) and are never stored.
+            rows = tl.minimum(cols, N - 1)
+        cols_c = rows.to(tl.int64)
         # KW = K / 8 is an argument (not computed here) so that its divisibility by 16 is
         # known and rows of words load as 16-byte vectors.
         n_groups = K // G
@@ -275,9 +286,21 @@ if HAS_TRITON:
         offs_m = tl.arange(0, 1)
         is_last = True
         if SPLIT_K > 1:
-            is_last, total = gemv._split_reduce(total, P, C, pid_n, pid_k, offs_m, cols, 1, N,
-                                                SPLIT_K)
-        if is_last:
+            # (gate|up: the partials of output block pid_n are its tile's 2 x BLOCK_N / 2 rows)
+            n_p = 2 * N if GATE_UP else N
+            is_last, total = gemv._split_reduce(total, P, C, pid_n, pid_k, offs_m, cols, 1,
+                                                n_p, n_p, SPLIT_K)
+        if GATE_UP:
+            if is_last:
+                gate, up = tl.split(tl.reshape(total, (BLOCK_N // 2, 2)))
+                # rounded as F.linear and activation.silu_and_mul round them
+                dt = OUT.dtype.element_ty
+                gate = gate.to(dt).to(tl.float32)
+                up = up.to(dt).to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+                o_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(OUT + o_cols, (act * up).to(dt), mask=o_cols < N)
+        elif is_last:
             if HAS_BIAS:
                 total += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + cols[None, :], total.to(OUT.dtype.element_ty),
@@ -291,24 +314,33 @@ def supported(k: int, group_size: int) -> bool:
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
               offsets: torch.Tensor | None, zero_mode: int, group_size: int,
-              bias: torch.Tensor | None, out: torch.Tensor, *, pdl: bool = False, _config: dict | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None, out: torch.Tensor, *, pdl: bool = False,
+              gate_up: bool = False, _config: dict | None = None) -> torch.Tensor:
     """x [1, K] (contiguous) @ W^T (+ bias) into out [1, N]; the arguments as
-    int4_matmul.int4_matmul has checked them. `pdl`: launch with programmatic dependent
+    int4_matmul.int4_matmul has checked them. `gate_up`: W is a merged gate|up weight
+    [2N, K] (gate rows first) and out [1, N] gets silu(gate) * up, rounded as F.linear and
+    activation.silu_and_mul round them (no bias). `pdl`: launch with programmatic dependent
     launch where the GPU has it (kernels/_common.pdl_launch). `_config` (tests) forces one
     tile config."""
-    n, k = packed.shape[0], packed.shape[1] * 8
+    rows, k = packed.shape[0], packed.shape[1] * 8
+    if gate_up and (bias is not None or rows % 2):
+        raise ValueError("the fused gate|up GEMV takes an even number of rows and no bias")
+    n = rows // 2 if gate_up else rows
+    if out.shape[-1] != n:
+        raise ValueError(f"out has {out.shape[-1]} columns, the product {n}")
     partials, counters = gemv._workspace(x.device)
     args = (x, packed, scales, offsets if offsets is not None else scales,
             bias if bias is not None else scales, out, partials, counters, n, k, k // 8)
     pdl = pdl_launch(x, pdl)
-    meta = dict(G=group_size, ZERO_MODE=zero_mode, HAS_BIAS=bias is not None, USE_PDL=pdl, launch_pdl=pdl)
+    meta = dict(G=group_size, ZERO_MODE=zero_mode, HAS_BIAS=bias is not None, GATE_UP=gate_up,
+                USE_PDL=pdl, launch_pdl=pdl)
     if _config is None:
-        _gemv4_kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
+        _gemv4_kernel[lambda c: (triton.cdiv(rows, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
         return out
     config = dict(_config)
     warps, stages = config.pop("num_warps", 4), config.pop("num_stages", 1)
-    if not fits(n, k, group_size, config["BLOCK_N"], config["BLOCK_W"], config["SPLIT_K"]):
-        raise ValueError(f"config {_config} does not fit N={n}, K={k}, G={group_size}")
-    _gemv4_kernel.fn[(triton.cdiv(n, config["BLOCK_N"]), config["SPLIT_K"])](
+    if not fits(rows, k, group_size, config["BLOCK_N"], config["BLOCK_W"], config["SPLIT_K"]):
+        raise ValueError(f"config {_config} does not fit N={rows}, K={k}, G={group_size}")
+    _gemv4_kernel.fn[(triton.cdiv(rows, config["BLOCK_N"]), config["SPLIT_K"])](
         *args, **meta, **config, num_warps=warps, num_stages=stages)
     return out

@@ -195,7 +195,7 @@ if HAS_TRITON:
         if SPLIT_K > 1:
             # One row block (the prune allows splits at <= 16 rows only): partials as [M, N].
             is_last, acc_t = gemv._split_reduce(tl.trans(acc), P, C, pid_n, pid_k, offs_m,
-                                                cols, M, N, SPLIT_K)
+                                                cols, M, N, N, SPLIT_K)
             acc = tl.trans(acc_t)
         if is_last:
             if HAS_BIAS:
@@ -257,7 +257,9 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return n, k
 
 
-def _zero_mode(zeros: torch.Tensor | None, mins: torch.Tensor | None) -> int:
+def zero_mode(zeros: torch.Tensor | None, mins: torch.Tensor | None) -> int:
+    """The kernels' ZERO_MODE for a weight with these offsets (zero points, minimums, or
+    neither: the symmetric form)."""
     if zeros is not None and mins is not None:
         raise ValueError("give zero points or minimums, not both")
     return ZERO_INT if zeros is not None else ZERO_MIN if mins is not None else ZERO_NONE
@@ -273,7 +275,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     its programmatic dependent launch). `_config` (tests) forces one tile config past the
     autotuner (int4_gemv's when it names BLOCK_W)."""
     n, k = _check(x, packed, scales, zeros if zeros is not None else mins, group_size, bits)
-    mode = _zero_mode(zeros, mins)
+    mode = zero_mode(zeros, mins)
     offsets = zeros if zeros is not None else mins
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -317,7 +319,7 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
                     bits: int = 4) -> torch.Tensor:
     """W [N, K] in `dtype` (one pass over the codes)."""
     n, k = _check(None, packed, scales, zeros if zeros is not None else mins, group_size, bits)
-    mode = _zero_mode(zeros, mins)
+    mode = zero_mode(zeros, mins)
     offsets = zeros if zeros is not None else mins
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     block_k = min(128, k)

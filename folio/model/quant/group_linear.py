@@ -72,6 +72,31 @@ class GroupQuantLinear(nn.Module):
                                           **kw)
         return out.view(*shape[:-1], self.out_features)
 
+    def gate_up_silu_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether gate_up_silu serves x: one row of 4-bit codes on CUDA (batch-1 decode)
+        through the one-row GEMV, no bias."""
+        from folio.model.kernels import int4_gemv
+        return (self.bits == 4 and bias is None and x.is_cuda and x.dim() > 0
+                and x.shape[-1] == self.in_features and x.numel() == self.in_features
+                and x.dtype in (torch.float16, torch.bfloat16) and self.out_features % 2 == 0
+                and int4_gemv.supported(self.in_features, self.group_size))
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """For a merged gate|up projection (gate rows first): silu(gate) * up in one pass
+        over the codes where gate_up_silu_wanted (the SiLU-and-mul launch saved, as the bf16
+        and 8-bit MLPs fuse it); None elsewhere (the caller runs the two apart)."""
+        if not self.gate_up_silu_wanted(x, bias):
+            return None
+        from folio.model.kernels import int4_gemv, int4_matmul
+        x2 = x.reshape(1, self.in_features)
+        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
+        out = torch.empty((1, self.out_features // 2), dtype=x.dtype, device=x.device)
+        offsets = self.zeros if self.zeros is not None else self.mins
+        int4_gemv.int4_gemv(x2, self.codes, self.scales, offsets,
+                            int4_matmul.zero_mode(self.zeros, self.mins), self.group_size, None,
+                            out, pdl=self.kernels.pdl_on, gate_up=True)
+        return out.view(*x.shape[:-1], self.out_features // 2)
+
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = x.to(torch.float32) @ self.dequantize().t()
         return out if bias is None else out + bias.to(torch.float32)
