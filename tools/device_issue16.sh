@@ -224,15 +224,18 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
-s22b)  # session 22, second call: the 4-bit gate|up GEMV with SiLU fused, its GPU tests, batch-1
-       # W4A16 / bf16 / FP8 decode with the roofline probed before the engine too
-  step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
-  grep -E " int4 | int4-gu|bf16|fp8 " "$OUT/sweep.log" | cut -c1-100
+s22b)  # session 22, second call: the 4-bit gate|up GEMV with SiLU fused and the decode
+       # attention's merge fused into its last split -- their GPU tests; batch-1 W4A16 / bf16
+       # / FP8 decode with the roofline probed before the engine too; the one-row kernels
   step 200 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py -k "gemv or int4"
+  step 200 attn_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_fp8_kv_cache_gpu.py
   step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   step 120 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
-  step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
+  step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
+  grep -E " int4 | int4-gu|bf16|fp8 " "$OUT/sweep.log" | cut -c1-100 ;;
 s22)  # session 22: the one-row 4-bit GEMV in fp16 pairs -- its configs at one row against
       # bf16 / FP8 / tinygemm, its GPU tests, batch-1 W4A16 decode with bf16 beside it
   step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"

@@ -110,6 +110,17 @@ def _run_case(case: dict) -> dict:
         tk.paged_attention_decode(q, tri_cache, st.seq_lens, st.block_tables, scale, win,
                                   num_splits=splits, out=out, **extra)
         record(f"decode_splits{splits}", out)
+        if splits > 1:
+            # the merge kernel, where the batch has more (request, KV head) pairs than the
+            # fused merge's tickets
+            tickets, tk._MERGE_TICKETS = tk._MERGE_TICKETS, 0
+            try:
+                out = torch.full_like(q, float("nan"))
+                tk.paged_attention_decode(q, tri_cache, st.seq_lens, st.block_tables, scale,
+                                          win, num_splits=splits, out=out, **extra)
+            finally:
+                tk._MERGE_TICKETS = tickets
+            record(f"decode_splits{splits}_merge_kernel", out)
     return result
 
 

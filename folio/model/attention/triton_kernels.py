@@ -334,14 +334,15 @@ if HAS_TRITON:
     )
     @triton.jit(do_not_specialize=["stride_bt", "num_splits", "window"])
     def _decode_kernel(
-        Q, KV, O, M_PART, L_PART, ACC_PART, SEQ, BT, K_SCALE, V_SCALE, SINKS,
+        Q, KV, O, M_PART, L_PART, ACC_PART, CNT, SEQ, BT, K_SCALE, V_SCALE, SINKS,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_c0, stride_cblk, stride_coff, stride_ch, stride_bt,
         num_splits, window, qk_scale, soft_cap,
         G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
         FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        USE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, G_P: tl.constexpr,
+        S_PAD: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         b = tl.program_id(0)
@@ -412,10 +413,48 @@ if HAS_TRITON:
             tl.store(M_PART + part, m_i, mask=h_ok)
             tl.store(L_PART + part, l_i, mask=h_ok)
             tl.store(ACC_PART + part[:, None] * D_PAD + d[None, :], acc, mask=h_ok[:, None])
+            if FUSED_MERGE:
+                # The last split of this (request, KV head) to finish merges all of them:
+                # one launch fewer per layer than a merge kernel (at batch 1 a decode graph
+                # splits for its longest context, so every step had both). The ticket only
+                # counts; the partials are read in split order, so the sum is the same
+                # whichever split comes last.
+                tl.debug_barrier()   # every thread's partial is written before the ticket
+                cnt = CNT + b64 * tl.num_programs(1) + kvh
+                ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
+                if ticket == num_splits - 1:
+                    _merge_splits(O, M_PART, L_PART, ACC_PART, b64, kvh, G * tl.num_programs(1),
+                                  num_splits, stride_ot, stride_oh, G, G_P, D, D_PAD, S_PAD)
+                    tl.store(cnt, 0)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      out.to(O.dtype.element_ty), mask=q_mask)
+
+    @triton.jit
+    def _merge_splits(O, M_PART, L_PART, ACC_PART, b64, kvh, num_heads, num_splits,
+                      stride_ot, stride_oh, G: tl.constexpr, G_P: tl.constexpr,
+                      D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+        """The G query heads of KV head `kvh` of request b64: their num_splits partials
+        merged (as _decode_merge_kernel merges one head's) into O. The partials are read
+        from L2 (.cg): other programs wrote them."""
+        g = tl.arange(0, G_P)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        heads = kvh * G + g
+        part = (b64 * num_heads + heads)[None, :] * num_splits + sp[:, None]   # [S_PAD, G_P]
+        ok = (sp[:, None] < num_splits) & (g[None, :] < G)
+        m = tl.load(M_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(L_PART + part, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(ACC_PART + part[:, :, None] * D_PAD + d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        # finite for every real head (split 0 holds the last key); padding heads take 0
+        m_max = tl.where(g < G, tl.max(m, 0), 0.0)
+        w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max[None, :]))
+        den = tl.sum(l * w, 0)
+        out = tl.sum(acc * w[:, :, None], 0) / tl.where(den == 0.0, 1.0, den)[:, None]
+        tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
@@ -565,6 +604,18 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     return out
 
 
+# Ticket counters for the decode kernel's fused merge, one per (request, KV head) of a step,
+# zero between launches (the last split of each resets its own); per device, made on first
+# use (a warm-up step, before any graph is captured). Larger batches merge in a second kernel.
+_MERGE_TICKETS = 16384
+_merge_workspaces: dict = {}
+
+
+def _merge_tickets(device: torch.device) -> torch.Tensor:
+    from folio.model.kernels._common import split_k_workspace
+    return split_k_workspace(_merge_workspaces, device, 1, _MERGE_TICKETS)[1]
+
+
 def choose_num_splits(num_reqs: int, kv_heads: int, max_seq_len: int, num_sms: int = 132,
                       min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
     """Flash-decoding split count: enough (request, KV head, split) programs for ~2 waves of
@@ -586,7 +637,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                            sinks: torch.Tensor | None = None,
                            _config: dict | None = None) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
-    With num_splits > 1 the context is split (flash-decoding) and merged by a second kernel.
+    With num_splits > 1 the context is split (flash-decoding) and the last split of each
+    (request, KV head) merges them (a second kernel past _MERGE_TICKETS of those).
     An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch both with
     programmatic dependent launch where the GPU has it. `logits_soft_cap`, `sinks` (float32
     [H]): as AttentionBackend.forward. `_config` (sweeps, tests) forces one tile config:
@@ -615,6 +667,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                                dtype=torch.float32)
     else:  # unused by the kernel; any valid pointer will do
         m_part = l_part = acc_part = out
+    fused = use_splits and B * kvh <= _MERGE_TICKETS
+    tickets = _merge_tickets(query.device) if fused else out
     pdl = pdl_launch(query, pdl)
     kernel, forced = _decode_kernel, {}
     if _config is not None:
@@ -623,16 +677,18 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         forced.setdefault("num_stages", 2)
         kernel = _decode_kernel.fn
     kernel[(B, kvh, num_splits)](
-        query, kv_cache, out, m_part, l_part, acc_part, seq_lens, block_tables, k_scale, v_scale,
+        query, kv_cache, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables, k_scale,
+        v_scale,
         sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_splits, sliding_window if sliding else 0, scale * _LOG2E, soft_cap,
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
-        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits, USE_PDL=pdl,
-        launch_pdl=pdl, **forced,
+        FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits,
+        FUSED_MERGE=fused, G_P=_next_pow2(g), S_PAD=_next_pow2(num_splits) if fused else 1,
+        USE_PDL=pdl, launch_pdl=pdl, **forced,
     )
-    if use_splits:
+    if use_splits and not fused:
         _decode_merge_kernel[(B, num_heads)](
             out, m_part, l_part, acc_part, out.stride(0), out.stride(1), num_heads, num_splits,
             D=d, D_PAD=d_pad, S_PAD=_next_pow2(num_splits), USE_PDL=pdl, launch_pdl=pdl,
