@@ -45,8 +45,10 @@ _CONFIGS = [
     # the float32 form's tiles); narrow outputs split K
     (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
     (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1), (64, 128, 1, 4, 1),
+    # four rows a thread: twice the programs for the narrow outputs (qkv, o)
+    (16, 128, 1, 4, 1), (8, 128, 1, 2, 1),
     # 64-word tiles, two rows a warp
-    (32, 64, 1, 2, 1), (32, 64, 2, 2, 1), (32, 64, 4, 2, 1),
+    (32, 64, 1, 2, 1), (32, 64, 2, 2, 1), (32, 64, 4, 2, 1), (16, 64, 1, 2, 1),
     # 16-word tiles (one group of 128), for Ks the wider tiles do not divide
     (64, 16, 1, 4, 1),
 ]
