@@ -224,17 +224,16 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
-s22c)  # session 22, last call (device time short): s22b's GPU tests and batch-1 decode, then
-       # issue 17's verify cost once
+s22c)  # session 22, last call (device time short): s22b's GPU tests, batch-1 W4A16 decode,
+       # issue 17's verify cost once, batch-1 FP8 decode
   step 120 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py -k "gemv or int4"
   step 150 attn_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_cuda_graphs.py tests/gpu/test_fp8_kv_cache_gpu.py
   step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
-  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
-  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
   STEP_PATTERN="verify|plain|ms/step|passed|failed|Error" \
-      step 150 verify_llama8b python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 ;;
+      step 200 verify_llama8b python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
 s22b)  # session 22, second call: the 4-bit gate|up GEMV with SiLU fused and the decode
        # attention's merge fused into its last split -- their GPU tests; batch-1 W4A16 / bf16
        # / FP8 decode with the roofline probed before the engine too; the one-row kernels
