@@ -6,6 +6,9 @@ k + 1 tokens whatever the random weights say. Steps of the prefill are left out 
 medians by timing only after the first token.
 
 python tools/gpu_verify_cost.py [--config llama3-8b] [--k 4] [--output-len 256]
+
+Each run also prints the host's time per step in each part of EngineCore.step (schedule,
+launch, wait, update) over 64 more steps.
 """
 from __future__ import annotations
 
@@ -56,6 +59,22 @@ def _profile(llm: LLM, prompt: list[int], label: str) -> None:
               f"{e.count:6d}x {e.key[:90]}")
 
 
+def _breakdown(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> None:
+    """Host milliseconds per step in each part of EngineCore.step (schedule, launch, wait
+    for the device, update): where a verify step's exposed host work goes."""
+    from folio.engine.engine_core import StepTimes
+    core = llm.llm_engine.engine_core
+    times = core.step_times = StepTimes()
+    try:
+        _step_times(llm, prompt, steps + 1)
+    finally:
+        core.step_times = None
+    n = max(1, times.steps)
+    print(f"{label} breakdown ({times.steps} steps): schedule "
+          f"{times.schedule_s / n * 1e3:.3f}, launch {times.launch_s / n * 1e3:.3f}, wait "
+          f"{times.wait_s / n * 1e3:.3f}, update {times.update_s / n * 1e3:.3f} ms/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="llama3-8b")
@@ -82,9 +101,10 @@ def main() -> None:
                       speculative_config=spec, enforce_eager=args.enforce_eager)
             _step_times(llm, prompt, 32)  # warm-up: autotune, graphs
             times, steps = _step_times(llm, prompt, args.output_len)
+            stats = llm.llm_engine.engine_core.scheduler.stats()
+            _breakdown(llm, prompt, label)
             if args.profile:
                 _profile(llm, prompt, label)
-            stats = llm.llm_engine.engine_core.scheduler.stats()
         finally:
             NgramProposer.propose = original
         median = statistics.median(times) * 1e3
