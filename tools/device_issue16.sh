@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,14 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s23)  # next session: what session 22 could not time -- the one-row kernels (the fused 4-bit
+      # gate|up against the plain GEMV + SiLU-and-mul; the four-rows-a-thread configs), then
+      # batch-1 decode W4A16 / FP8 / bf16 in one call (the decode merge fused in all three)
+  step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
+  grep -E " int4 | int4-gu|int4/|bf16|fp8 " "$OUT/sweep.log" | cut -c1-100
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json" ;;
 s22c)  # session 22, last call (device time short): s22b's GPU tests, batch-1 W4A16 decode,
        # issue 17's verify cost once, batch-1 FP8 decode
   step 120 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \

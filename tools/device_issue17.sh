@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,7 +34,12 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
-s22)  # next session: the verify cost with greedy verify steps decided when their output is
+s23)  # next session: the verify cost with the host's time per step in each part of
+  # EngineCore.step (schedule, launch, wait, update), plain and verify; the GPU tests
+  step 240 verify_llama8b python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
+  step 240 spec_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_spec_decode.py ;;
+s22)  # session 22 (not run: the verify cost ran in device_issue16.sh s22c): the verify cost with greedy verify steps decided when their output is
   # taken (session 21), twice, with the profile once; then the GPU tests
   step 240 verify_llama8b_1 python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --profile
   step 200 verify_llama8b_2 python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
