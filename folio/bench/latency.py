@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["model"] = random_model["path"]
     lora_engine_kwargs(args, kwargs)
     early_bandwidth = None if args.no_roofline else \
-        roofline.copy_bandwidth_before_engine(args.device)
+        roofline.copy_bandwidth_before_engine(kwargs)
 
     start = time.perf_counter()
     llm = LLM(**kwargs)

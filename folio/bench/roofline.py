@@ -22,8 +22,8 @@ import time
 from typing import Any, Mapping
 
 __all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
-           "best_copy_bandwidth", "copy_bandwidth_before_engine", "matmul_peak_flops", "measure_copy_bandwidth",
-           "offline_floor", "prefill_flops",
+           "best_copy_bandwidth", "copy_bandwidth_before_engine", "matmul_peak_flops",
+           "measure_copy_bandwidth", "offline_floor", "prefill_flops",
            "projection_params", "roofline_line", "weight_bytes"]
 
 
@@ -313,16 +313,23 @@ def measure_copy_bandwidth(device: Any = "cpu", nbytes: int | None = None,
     return moved / best
 
 
-def copy_bandwidth_before_engine(device_arg: str) -> float | None:
-    """The copy bandwidth of the CUDA device a benchmark's engine is about to use (`--device`
-    auto or cuda, with a GPU present), measured before the engine starts; None on the CPU.
-    Its buffers go back to the driver at once, so the engine's memory profile sees them free.
+def copy_bandwidth_before_engine(engine_kwargs: Mapping[str, Any]) -> float | None:
+    """The copy bandwidth of the CUDA device a benchmark's engine is about to use, measured
+    before the engine starts; None where the engine runs on the CPU (`device` "cpu", or
+    "auto" without a GPU) or outside this process (the mp and ray executors, tensor or
+    pipeline parallelism: their benches take no roofline, and a CUDA context here would sit
+    on the first GPU beside a worker). The probe's buffers go back to the driver at once, so
+    the engine's memory profile sees them free.
 
     Why before: on an H100 the probe after a latency run read 2.62 TB/s where the same card's
     fresh probes read 3.03 TB/s, which put bf16 decode at 109 % of its roofline. The bench
-    takes the better of the two probes (`best_copy_bandwidth`): a copy can only run slow, never
-    faster than the card allows."""
-    if device_arg == "cpu":
+    takes the better of the two probes (`best_copy_bandwidth`): a copy can only run slow,
+    never faster than the card allows."""
+    if engine_kwargs.get("device", "auto") == "cpu":
+        return None
+    if engine_kwargs.get("distributed_executor_backend") in ("mp", "ray") \
+            or engine_kwargs.get("tensor_parallel_size", 1) != 1 \
+            or engine_kwargs.get("pipeline_parallel_size", 1) != 1:
         return None
     import torch
     if not torch.cuda.is_available():

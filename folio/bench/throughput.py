@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from folio.bench import roofline
     early_bandwidth = None if args.no_roofline else \
-        roofline.copy_bandwidth_before_engine(args.device)
+        roofline.copy_bandwidth_before_engine(kwargs)
     folio_result, info = _run_folio(args, kwargs)
     info["random_model"] = random_model
     info["quantization"] = args.quantization

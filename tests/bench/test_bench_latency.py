@@ -83,7 +83,11 @@ def test_the_roof_is_the_better_of_the_probes_before_and_after_the_engine(monkey
     """The bench probes the copy bandwidth before its engine starts (on a GPU) and after it
     is gone, and takes the better: a probe can read low (2.62 against 3.03 TB/s on an H100),
     never above what the card allows. No probe before an engine on the CPU."""
-    assert roofline.copy_bandwidth_before_engine("cpu") is None
+    assert roofline.copy_bandwidth_before_engine({"device": "cpu"}) is None
+    # an engine outside this process: no CUDA context here beside its workers
+    assert roofline.copy_bandwidth_before_engine({"tensor_parallel_size": 2}) is None
+    assert roofline.copy_bandwidth_before_engine(
+        {"distributed_executor_backend": "ray"}) is None
     monkeypatch.setattr(roofline, "measure_copy_bandwidth", lambda device: 2.62e12)
     assert roofline.best_copy_bandwidth("cuda", 3.03e12) == 3.03e12
     assert roofline.best_copy_bandwidth("cuda", 2.0e12) == 2.62e12

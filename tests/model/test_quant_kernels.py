@@ -64,6 +64,8 @@ CASES += [
     dict(name="gemv4_gate_up_mins_ragged_split4", kind="int4_gate_up", N=13, K=256, G=32,
          zero="mins", config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_gate_up_autotuned", kind="int4_gate_up", N=24, K=128, G=32, zero=True),
+    dict(name="gemv4_ragged_split4_sentinel", kind="split_sentinel", M=1, N=40, K=256, G=64,
+         zero=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
          bias=False, wide_x=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
     dict(name="gemv4_autotuned_k576_g32", kind="int4", M=1, N=24, K=576, G=32, zero="mins",
@@ -152,6 +154,19 @@ def _run(case: dict) -> dict:
         ref = gate * torch.sigmoid(gate) * up
         return {"name": case["name"], "err": rel_err(out, ref),
                 "nan": bool(torch.isnan(out).any())}
+    if kind == "split_sentinel":
+        # split-K partials of a ragged last column block stay inside the workspace rows of
+        # their own split: past SPLIT_K * N nothing is written
+        from folio.model.kernels import gemv
+        partials, _ = gemv._workspace(torch.device("cpu"))
+        partials.fill_(12345.0)
+        w = _int4_weight(case["N"], case["K"], case["G"], case["zero"])
+        x = torch.randn(1, case["K"], dtype=torch.float16)
+        out = int4_matmul.int4_matmul(x, w.packed, w.scales, w.zeros, w.group_size,
+                                      _config=case["config"])
+        past = partials[case["config"]["SPLIT_K"] * case["N"]:]
+        return {"name": case["name"], "err": rel_err(out, x.double() @ w.dequantize().double().t()),
+                "nan": bool(torch.isnan(out).any()), "untouched": bool((past == 12345.0).all())}
     if kind == "int8g":
         w = _int8_weight(case["N"], case["K"], case["G"])
         x = torch.randn(case["M"], case["K"], dtype=torch.float16)
@@ -281,6 +296,8 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
         assert res["res_equal"], res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
+    elif case["kind"] == "split_sentinel":
+        assert res["untouched"] and res["err"] < 2e-3, res
     elif case["kind"] == "fp8mm":
         assert res["dtype"] == "torch.float16" and res["err"] < 2e-3, res
     else:
@@ -326,6 +343,19 @@ def test_int4_refuses_bad_shapes() -> None:
     with pytest.raises(ValueError, match="scales"):
         int4_matmul(torch.zeros(1, 64, dtype=torch.float16), packed,
                     torch.ones(8, 3, dtype=torch.float16), None, 32)
+
+
+def test_int4_zero_points_outside_the_kernels_range_are_refused() -> None:
+    """The one-row 4-bit GEMV builds its fp16 subtrahends from integer zero points 0..63: a
+    negative or fractional one is refused at load, naming the range."""
+    from folio.model.quant.formats import Int4Weight, pack_rows
+    from folio.model.quant.group_linear import GroupQuantLinear
+    q = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    s = torch.full((8, 2), 0.01)
+    GroupQuantLinear(Int4Weight(pack_rows(q), s, torch.full((8, 2), 16.0), 32))
+    for bad in (-1.0, 2.5, 64.0):
+        with pytest.raises(ValueError, match="zero points must be integers in 0..63"):
+            GroupQuantLinear(Int4Weight(pack_rows(q), s, torch.full((8, 2), bad), 32))
 
 
 if __name__ == "__main__":

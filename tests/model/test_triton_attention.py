@@ -41,6 +41,13 @@ CASES: list[dict[str, Any]] = [
          reqs=[(0, 1), (16, 1), (99, 1), (180, 1)], splits=[1, 4]),
     dict(name="decode_fp16_g2_d128_bs32_window", dtype="float16", H=4, KVH=2, D=128, bs=32,
          win=40, reqs=[(130, 1), (7, 1), (64, 1)], splits=[1, 3]),
+    # the fused merge reads _MERGE_BLOCK // (G_P * D_PAD) splits a load (the child sets the
+    # block to 1024 for this case: 2 splits), so 4 and 5 splits merge over several loads
+    # (the running maximum rescaled), with 3 heads per KV head padded to 4, and a sink
+    # counted once
+    dict(name="decode_fp32_g3_d128_merge_chunks", dtype="float32", H=6, KVH=2, D=128, bs=16,
+         win=None, reqs=[(0, 1), (70, 1), (250, 1)], splits=[4, 5], sinks=True,
+         merge_block=1024),
     dict(name="decode_fp32_g1_d128_bs16_window", dtype="float32", H=2, KVH=2, D=128, bs=16,
          win=33, reqs=[(150, 1), (31, 1)], splits=[2]),
     dict(name="backend_mixed_fp16", dtype="float16", H=4, KVH=2, D=64, bs=16, win=None,
@@ -105,6 +112,20 @@ def _run_case(case: dict) -> dict:
         block_tables=st.block_tables, max_query_len=st.max_query_len,
         max_seq_len=st.max_seq_len, scale=scale, sliding_window=win, out=out, **extra)
     record("varlen", out)
+    merge_block = tk._MERGE_BLOCK
+    tk._MERGE_BLOCK = case.get("merge_block", merge_block)
+    try:
+        _decode_splits(case, q, tri_cache, st, scale, win, extra, record)
+    finally:
+        tk._MERGE_BLOCK = merge_block
+    return result
+
+
+def _decode_splits(case, q, tri_cache, st, scale, win, extra, record) -> None:
+    """The decode kernel at each of the case's split counts, merged in its last split and,
+    forced, by the merge kernel."""
+    import torch
+    from folio.model.attention import triton_kernels as tk
     for splits in case.get("splits", []):
         out = torch.full_like(q, float("nan"))
         tk.paged_attention_decode(q, tri_cache, st.seq_lens, st.block_tables, scale, win,
@@ -121,7 +142,6 @@ def _run_case(case: dict) -> dict:
             finally:
                 tk._MERGE_TICKETS = tickets
             record(f"decode_splits{splits}_merge_kernel", out)
-    return result
 
 
 def _run_reshape_and_cache_padding() -> dict:

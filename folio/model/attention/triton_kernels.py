@@ -5,8 +5,9 @@ Three launchers:
   * `paged_attention_varlen`: one launch for a whole mixed batch (fresh prefills, prefills over a
     cached prefix, chunked prefills, decodes). Grid = (query tiles of all requests, KV heads).
   * `paged_attention_decode`: one query token per request, split-K along the context
-    (flash-decoding) so that a few long sequences still fill the GPU; a second small kernel
-    merges the splits.
+    (flash-decoding) so that a few long sequences still fill the GPU; the last split of each
+    (request, KV head) to finish merges them (a second small kernel where the merge would not
+    fit the decode kernel's registers, or the batch has too many such pairs).
 
 Layouts: query/out [T, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables
 [B, max_blocks] int32; query_start_loc [B+1] int32; seq_lens [B] int32 (context after this step).
@@ -342,7 +343,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
         FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         USE_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, G_P: tl.constexpr,
-        S_PAD: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+        S_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         b = tl.program_id(0)
@@ -424,7 +425,7 @@ if HAS_TRITON:
                 ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
                 if ticket == num_splits - 1:
                     _merge_splits(O, M_PART, L_PART, ACC_PART, b64, kvh, G * tl.num_programs(1),
-                                  num_splits, stride_ot, stride_oh, G, G_P, D, D_PAD, S_PAD)
+                                  num_splits, stride_ot, stride_oh, G, G_P, D, D_PAD, S_CHUNK)
                     tl.store(cnt, 0)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -434,27 +435,39 @@ if HAS_TRITON:
     @triton.jit
     def _merge_splits(O, M_PART, L_PART, ACC_PART, b64, kvh, num_heads, num_splits,
                       stride_ot, stride_oh, G: tl.constexpr, G_P: tl.constexpr,
-                      D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                      D: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
         """The G query heads of KV head `kvh` of request b64: their num_splits partials
-        merged (as _decode_merge_kernel merges one head's) into O. The partials are read
-        from L2 (.cg): other programs wrote them."""
+        merged into O, S_CHUNK splits a load (a [S_CHUNK, G_P, D_PAD] block kept small, so
+        the decode kernel's registers do not grow for it), rescaled online as the running
+        maximum rises. Split order is fixed, so the result does not depend on which split
+        came last. The partials are read from L2 (.cg): other programs wrote them."""
         g = tl.arange(0, G_P)
-        sp = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
         heads = kvh * G + g
-        part = (b64 * num_heads + heads)[None, :] * num_splits + sp[:, None]   # [S_PAD, G_P]
-        ok = (sp[:, None] < num_splits) & (g[None, :] < G)
-        m = tl.load(M_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(L_PART + part, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(ACC_PART + part[:, :, None] * D_PAD + d[None, None, :],
-                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        # finite for every real head (split 0 holds the last key); padding heads take 0
-        m_max = tl.where(g < G, tl.max(m, 0), 0.0)
-        w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max[None, :]))
-        den = tl.sum(l * w, 0)
-        out = tl.sum(acc * w[:, :, None], 0) / tl.where(den == 0.0, 1.0, den)[:, None]
+        h_ok = g < G
+        row = (b64 * num_heads + heads) * num_splits     # [G_P]
+        m_run = tl.full([G_P], float("-inf"), tl.float32)
+        num = tl.zeros([G_P, D_PAD], tl.float32)
+        den = tl.zeros([G_P], tl.float32)
+        for s0 in range(0, num_splits, S_CHUNK):
+            sp = s0 + tl.arange(0, S_CHUNK)
+            part = row[None, :] + sp[:, None]                    # [S_CHUNK, G_P]
+            ok = (sp[:, None] < num_splits) & h_ok[None, :]
+            m = tl.load(M_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l = tl.load(L_PART + part, mask=ok, other=0.0, cache_modifier=".cg")
+            acc = tl.load(ACC_PART + part[:, :, None] * D_PAD + d[None, None, :],
+                          mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            # -inf until a head has seen a key (empty splits, padding heads): weigh nothing
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_run == float("-inf"), 0.0, tl.math.exp2(m_run - m_ref))
+            w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_ref[None, :]))
+            num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 0)
+            den = den * alpha + tl.sum(l * w, 0)
+            m_run = m_new
+        out = num / tl.where(den == 0.0, 1.0, den)[:, None]
         tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+                 out.to(O.dtype.element_ty), mask=h_ok[:, None] & (d < D)[None, :])
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_merge_kernel(
@@ -471,7 +484,7 @@ if HAS_TRITON:
         m = tl.load(M_PART + part, mask=ok, other=float("-inf"))
         l = tl.load(L_PART + part, mask=ok, other=0.0)
         acc = tl.load(ACC_PART + part[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0)
-        m_max = tl.max(m, 0)  # finite: split 0 always holds the last key
+        m_max = tl.max(m, 0)  # finite: split 0 is never empty (it holds the first key)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
         tl.store(O + b * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
@@ -609,6 +622,16 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
 # use (a warm-up step, before any graph is captured). Larger batches merge in a second kernel.
 _MERGE_TICKETS = 16384
 _merge_workspaces: dict = {}
+# The fused merge reads S_CHUNK = _MERGE_BLOCK // (G_P * D_PAD) splits' partials a load
+# (Llama-3-8B's 4 x 128 per KV head: 16, a batch-1 decode graph's splits in one load).
+# Only the decode kernel's split variant carries it, which runs at small batches (few
+# programs), so its registers matter less there; compiled for sm_90 here it took the
+# 4-warp tiles from 96 to 154-168 registers (254 at G = 16), without spilling. Heads whose
+# [G_P, D_PAD] passes _MERGE_HEADS (latent attention: 16-128 query heads of 576 dims on one
+# KV head) merge in the second kernel: all of their splits at once passed Triton's largest
+# tensor, and fewer spilled.
+_MERGE_BLOCK = 8192
+_MERGE_HEADS = 2048
 
 
 def _merge_tickets(device: torch.device) -> torch.Tensor:
@@ -639,7 +662,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
     With num_splits > 1 the context is split (flash-decoding) and the last split of each
     (request, KV head) merges them (a second kernel past _MERGE_TICKETS of those).
-    An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch both with
+    An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch the kernels with
     programmatic dependent launch where the GPU has it. `logits_soft_cap`, `sinks` (float32
     [H]): as AttentionBackend.forward. `_config` (sweeps, tests) forces one tile config:
     BLOCK_N, num_warps, num_stages."""
@@ -667,7 +690,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                                dtype=torch.float32)
     else:  # unused by the kernel; any valid pointer will do
         m_part = l_part = acc_part = out
-    fused = use_splits and B * kvh <= _MERGE_TICKETS
+    g_p = _next_pow2(g)
+    fused = use_splits and B * kvh <= _MERGE_TICKETS and g_p * d_pad <= _MERGE_HEADS
     tickets = _merge_tickets(query.device) if fused else out
     pdl = pdl_launch(query, pdl)
     kernel, forced = _decode_kernel, {}
@@ -685,7 +709,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
         FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits,
-        FUSED_MERGE=fused, G_P=_next_pow2(g), S_PAD=_next_pow2(num_splits) if fused else 1,
+        FUSED_MERGE=fused, G_P=g_p, S_CHUNK=max(1, _MERGE_BLOCK // (g_p * d_pad)),
         USE_PDL=pdl, launch_pdl=pdl, **forced,
     )
     if use_splits and not fused:

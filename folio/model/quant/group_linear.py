@@ -35,6 +35,8 @@ class GroupQuantLinear(nn.Module):
         else:
             self.bits = 4
             codes, zeros, mins, perm = weight.packed, weight.zeros, weight.mins, weight.perm
+            if zeros is not None:
+                _check_zero_points(zeros)
         self.register_buffer("codes", codes.contiguous(), persistent=False)
         self.register_buffer("scales", weight.scales.contiguous(), persistent=False)
         self.register_buffer("zeros", None if zeros is None else zeros.contiguous(),
@@ -76,7 +78,8 @@ class GroupQuantLinear(nn.Module):
         """Whether gate_up_silu serves x: one row of 4-bit codes on CUDA (batch-1 decode)
         through the one-row GEMV, no bias."""
         from folio.model.kernels import int4_gemv
-        return (self.bits == 4 and bias is None and x.is_cuda and x.dim() > 0
+        return (self.bits == 4 and bias is None and self.kernels.gemv_on and x.is_cuda
+                and x.dim() > 0
                 and x.shape[-1] == self.in_features and x.numel() == self.in_features
                 and x.dtype in (torch.float16, torch.bfloat16) and self.out_features % 2 == 0
                 and int4_gemv.supported(self.in_features, self.group_size))
@@ -107,3 +110,18 @@ class GroupQuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.bits}-bit, groups of {self.group_size}, {offsets}, "
                 f"act_order={self.perm is not None}")
+
+
+# The one-row 4-bit GEMV subtracts zero points in fp16 pairs built from their integer value
+# (kernels/int4_gemv.py): exact for integers 0..63. Every format's zero points are 4-bit
+# codes (0..15, GPTQ v1's stored zero - 1 read back as 1..16).
+_MAX_ZERO_POINT = 63
+
+
+def _check_zero_points(zeros: torch.Tensor) -> None:
+    """ValueError unless every zero point is an integer in 0.._MAX_ZERO_POINT (read once, at
+    load)."""
+    z = zeros.float()
+    if not bool(((z == z.round()) & (z >= 0) & (z <= _MAX_ZERO_POINT)).all()):
+        raise ValueError(f"4-bit zero points must be integers in 0..{_MAX_ZERO_POINT}; got "
+                         f"values from {float(z.min())} to {float(z.max())}")
