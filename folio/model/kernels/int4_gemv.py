@@ -103,8 +103,9 @@ if HAS_TRITON:
 
     # The interpreter runs no PTX: it takes the plain-Triton form of the same arithmetic.
     _ASM = tl.constexpr(not INTERPRET)
-    # fp16 bits of 1024 + z and of -(64 + z) in both halves of a word (z = 0): the dequant
-    # subtrahends, made per group from an integer zero point z by adding z (z * 16).
+    # fp16 bits of 1024 and of -64. The dequant subtrahends of a zero point z, 1024 + z and
+    # -(64 + z), are these bits plus z and plus 16 z (fp16's step is 1 at 1024 and 1/16 at
+    # 64), put in both halves of a word (_subtrahends).
     _LO_BASE = tl.constexpr(0x6400)
     _HI_BASE = tl.constexpr(0xD400)
 
@@ -122,6 +123,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _half_lane(v, SHIFT: tl.constexpr):
+        """The fp16 in bits SHIFT..SHIFT+15 of a uint32, as float32 (the interpreter form)."""
         return ((v >> SHIFT) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
