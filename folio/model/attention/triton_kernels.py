@@ -661,7 +661,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
                            _config: dict | None = None) -> torch.Tensor:
     """Decode attention: query [B, H, D], one token per request at position seq_lens[b] - 1.
     With num_splits > 1 the context is split (flash-decoding) and the last split of each
-    (request, KV head) merges them (a second kernel past _MERGE_TICKETS of those).
+    (request, KV head) merges them (a second kernel past _MERGE_TICKETS of those, or where a
+    KV head's query heads are wider than _MERGE_HEADS floats).
     An FP8 cache is read with its scales (reshape_and_cache). `pdl`: launch the kernels with
     programmatic dependent launch where the GPU has it. `logits_soft_cap`, `sinks` (float32
     [H]): as AttentionBackend.forward. `_config` (sweeps, tests) forces one tile config:
@@ -701,9 +702,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         forced.setdefault("num_stages", 2)
         kernel = _decode_kernel.fn
     kernel[(B, kvh, num_splits)](
-        query, kv_cache, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables, k_scale,
-        v_scale,
-        sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        query, kv_cache, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables,
+        k_scale, v_scale, sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_splits, sliding_window if sliding else 0, scale * _LOG2E, soft_cap,
         G=g, G_M=max(16, _next_pow2(g)), D=d, D_PAD=d_pad,

@@ -19,8 +19,9 @@ fp16 holds x's elements exactly only within its range, so each word's eight elem
 scaled by the power of two that brings the largest into [1, 2) (exact), and 2^e is applied
 with the scale: a partial is at most 8 * 16 * 2 and cannot overflow, and elements far below
 their word's largest lose only what cannot move its sum. (A word whose largest element is
-subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.) Products are rounded to fp16's 11
-bits (relative error ~5e-4 a product, in an fp32 sum), well inside the 4-bit codes' own error.
+subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.) Products are
+rounded to fp16's 11 bits (relative error ~5e-4 a product, in an fp32 sum), well inside the
+4-bit codes' own error.
 x's elements are loaded, scaled and packed once per word and shared by the rows a thread
 holds (eight in the main configs). Scales and minimums are applied once per word: a word's
 eight codes share a group (s 2^e Σ (q - z) x', + m Σ x for minimums).
