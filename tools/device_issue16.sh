@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,31 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s23c)  # session 23, second call: where batch-1 W4A16 decode's GPU time goes (PDL off, so each
+       # kernel's time is its own), session 22's decode-merge review fix through the attention
+       # GPU tests, the one-row kernels (fused 4-bit gate|up against GEMV + SiLU-and-mul)
+  step 130 prof_w4a16 env FOLIO_PDL=0 python3 tools/gpu_profile_batch_kernels.py 1 128 128 \
+      --config llama3-8b --random-quantization w4a16
+  cut -c1-160 "$OUT/prof_w4a16.log" | tail -28
+  step 250 attn_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_fp8_kv_cache_gpu.py
+  step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
+  grep -E " int4 | int4-gu|int4/|bf16|fp8 " "$OUT/sweep.log" | cut -c1-100 ;;
+s23b)  # session 23 (s23a's start failed): issue 17's verify cost with the profile and the host
+       # breakdown first, then s23a's GPU tests and batch-1 FP8 / W4A16 decode
+  STEP_PATTERN="verify|plain|ms/step|passed|failed|Error" \
+      step 200 verify_prof python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --profile
+  step 130 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "gemv or int4"
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
+s23a)  # session 23, first call: session 22's review fixes on the GPU (the 4-bit GEMV and fused
+       # gate|up), then batch-1 decode W4A16 / FP8 / bf16 in one call
+  step 130 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "gemv or int4"
+  step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json" ;;
 s23)  # next session: what session 22 could not time -- the one-row kernels (the fused 4-bit
       # gate|up against the plain GEMV + SiLU-and-mul; the four-rows-a-thread configs), then
       # batch-1 decode W4A16 / FP8 / bf16 in one call (the decode merge fused in all three)

@@ -75,6 +75,25 @@ def _breakdown(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> None
           f"{times.wait_s / n * 1e3:.3f}, update {times.update_s / n * 1e3:.3f} ms/step")
 
 
+def _host_profile(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> None:
+    """cProfile over `steps` engine steps: which host functions the step's exposed time goes
+    to (a verify step's scheduling and launch are not hidden behind the device)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _step_times(llm, prompt, steps + 1)
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(28)
+        body = text.getvalue().split("filename:lineno(function)", 1)[-1]
+        print(f"{label} host profile by {key} ({steps + 1} steps):")
+        for line in body.strip().splitlines():
+            print(f"  {label} {line[:150]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="llama3-8b")
@@ -83,6 +102,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 16 steps of each (GPU time per step, top kernels)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also cProfile 65 steps of each (host functions)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU check)")
     args = parser.parse_args()
     from folio.core.spec.ngram import NgramProposer
@@ -105,6 +126,8 @@ def main() -> None:
             _breakdown(llm, prompt, label)
             if args.profile:
                 _profile(llm, prompt, label)
+            if args.host_profile:
+                _host_profile(llm, prompt, label)
         finally:
             NgramProposer.propose = original
         median = statistics.median(times) * 1e3

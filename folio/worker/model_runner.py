@@ -474,8 +474,12 @@ class ModelRunner:
             n = len(spec.get(rid, ())) + 1
             first_row.append(len(logit_rows))
             logit_rows.extend(range(end - n, end))
-        logits = self.model.compute_logits(
-            hidden[device_tensor(logit_rows, self.device, torch.int64)])
+        if logit_rows == list(range(hidden.shape[0])):
+            # Every row is verified, in order (e.g. batch 1): no index copy, no gather.
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(
+                hidden[device_tensor(logit_rows, self.device, torch.int64)])
         states = [requests[rid] for rid in sampling]
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         # The grammars' rows line up with the logits rows: one per position verified.
