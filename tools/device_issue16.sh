@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,14 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s23d)  # session 23, last call: the 4-bit GEMV over four words a thread in one fp16 partial
+       # (2.5-2.7 instructions a code) through its GPU tests, batch-1 W4A16 decode; then
+       # issue 17's verify cost with the host profile
+  step 130 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "gemv or int4"
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  STEP_PATTERN="breakdown|median|/step|passed|failed|Error" \
+      step 240 verify_host python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-profile ;;
 s23c)  # session 23, second call: where batch-1 W4A16 decode's GPU time goes (PDL off, so each
        # kernel's time is its own), session 22's decode-merge review fix through the attention
        # GPU tests, the one-row kernels (fused 4-bit gate|up against GEMV + SiLU-and-mul)

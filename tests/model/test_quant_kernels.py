@@ -68,6 +68,9 @@ CASES += [
          zero=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
          bias=False, wide_x=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
+    # an odd number of tiles per program (the loop takes them in pairs)
+    dict(name="gemv4_zero_three_tiles", kind="int4", M=1, N=20, K=192, G=64, zero=True,
+         bias=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
     dict(name="gemv4_autotuned_k576_g32", kind="int4", M=1, N=24, K=576, G=32, zero="mins",
          bias=False),
     dict(name="int8_group16", kind="int8g", M=3, N=40, K=96, G=16),

@@ -13,15 +13,17 @@ loop as compiled) reached 25-45 % of the copy bandwidth. Here the arithmetic is 
   1024 + 16 q for the nibbles one place up, scaled back in the next step);
 - one f16x2 SUB (or FMA) takes the pair to (q - z) exactly, z the zero point (8 for the
   symmetric form, 0 with minimums);
-- one f16x2 FMA adds both lanes' products with x's pair to a per-word partial; the lanes are
-  added and widened to float32 once a word. Thirteen instructions for a word's eight codes.
-fp16 holds x's elements exactly only within its range, so each word's eight elements are
+- one f16x2 FMA adds both lanes' products with x's pair to an fp16x2 partial over a
+  thread's four consecutive words (its 16-byte load, _quad_dot); the lanes are added and
+  widened to float32 once for those 32 codes. Thirteen instructions for a word's eight codes.
+fp16 holds x's elements exactly only within its range, so the 32 elements of four words are
 scaled by the power of two that brings the largest into [1, 2) (exact), and 2^e is applied
-with the scale: a partial is at most 8 * 16 * 2 and cannot overflow, and elements far below
-their word's largest lose only what cannot move its sum. (A word whose largest element is
-subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.) Products are
-rounded to fp16's 11 bits (relative error ~5e-4 a product, in an fp32 sum), well inside the
-4-bit codes' own error.
+with the scale: a lane's partial is at most 16 * 63 * 2 and cannot overflow, and elements far
+below their four words' largest lose only what cannot move the sum. (A word whose largest element is
+subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.) Products and the
+partial are rounded to fp16's 11 bits (emulated in numpy on Llama-sized rows with outliers:
+relative error 6.7e-4 against 5.3e-4 when widened every word), well inside the 4-bit codes'
+own error.
 x's elements are loaded, scaled and packed once per word and shared by the rows a thread
 holds (eight in the main configs). Scales and minimums are applied once per word: a word's
 eight codes share a group (s 2^e Σ (q - z) x', + m Σ x for minimums).
@@ -43,8 +45,8 @@ from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, t
 _CONFIGS = [
     # 128-word tiles: a warp's 32 threads take four words (16 bytes) each of one row, so
     # each thread holds eight rows and its x elements are prepared once for the eight
-    # (compiled for sm_90 here: ~3.0-3.3 instructions a code in the loop, against ~5.9 for
-    # the float32 form's tiles); narrow outputs split K
+    # (compiled for sm_90 here: ~2.5-2.7 instructions a code in the loop, against ~5.9 for
+    # the float32 form's tiles and 3.0-3.3 when widened every word); narrow outputs split K
     (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
     (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1),
     # four rows a thread: twice the programs for the narrow outputs (qkv, o)
@@ -179,11 +181,104 @@ if HAS_TRITON:
         return out
 
     @triton.jit
-    def _x_pairs(x_base):
+    def _quad_dot(w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2,
+                  a3, b3, c3, d3, c_lo, c_hi):
+        """_word_dot over a thread's four consecutive words (its 16-byte load) with one
+        fp16x2 partial: the four words' x pairs (a_j, b_j, c_j, d_j = x04, x15, x26, x37 of
+        word j) share a power of two, so the lanes are added and widened once for 32 codes,
+        not once a word (the widening, its FMUL and FFMA had been a fifth of the loop). A
+        lane sums 16 products of at most 63 x 2: at most 2016, far inside fp16."""
+        if _ASM:
+            out = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a, b, c, d, t, m, acc;
+                .reg .f16 h0, h1;
+                mov.b32 m, 0x2c002c00;
+                lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
+                shr.u32 t, $1, 8;
+                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+                sub.f16x2 a, a, $21;
+                fma.rn.f16x2 b, b, m, $22;
+                sub.f16x2 c, c, $21;
+                fma.rn.f16x2 d, d, m, $22;
+                mul.f16x2 acc, a, $5;
+                fma.rn.f16x2 acc, b, $6, acc;
+                fma.rn.f16x2 acc, c, $7, acc;
+                fma.rn.f16x2 acc, d, $8, acc;
+                lop3.b32 a, $2, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 b, $2, 0x00f000f0, 0x64006400, 0xea;
+                shr.u32 t, $2, 8;
+                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+                sub.f16x2 a, a, $21;
+                fma.rn.f16x2 b, b, m, $22;
+                sub.f16x2 c, c, $21;
+                fma.rn.f16x2 d, d, m, $22;
+                fma.rn.f16x2 acc, a, $9, acc;
+                fma.rn.f16x2 acc, b, $10, acc;
+                fma.rn.f16x2 acc, c, $11, acc;
+                fma.rn.f16x2 acc, d, $12, acc;
+                lop3.b32 a, $3, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 b, $3, 0x00f000f0, 0x64006400, 0xea;
+                shr.u32 t, $3, 8;
+                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+                sub.f16x2 a, a, $21;
+                fma.rn.f16x2 b, b, m, $22;
+                sub.f16x2 c, c, $21;
+                fma.rn.f16x2 d, d, m, $22;
+                fma.rn.f16x2 acc, a, $13, acc;
+                fma.rn.f16x2 acc, b, $14, acc;
+                fma.rn.f16x2 acc, c, $15, acc;
+                fma.rn.f16x2 acc, d, $16, acc;
+                lop3.b32 a, $4, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 b, $4, 0x00f000f0, 0x64006400, 0xea;
+                shr.u32 t, $4, 8;
+                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+                sub.f16x2 a, a, $21;
+                fma.rn.f16x2 b, b, m, $22;
+                sub.f16x2 c, c, $21;
+                fma.rn.f16x2 d, d, m, $22;
+                fma.rn.f16x2 acc, a, $17, acc;
+                fma.rn.f16x2 acc, b, $18, acc;
+                fma.rn.f16x2 acc, c, $19, acc;
+                fma.rn.f16x2 acc, d, $20, acc;
+                mov.b32 {h0, h1}, acc;
+                add.f16 h0, h0, h1;
+                cvt.f32.f16 $0, h0;
+                }""",
+                "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2,
+                 a3, b3, c3, d3, c_lo, c_hi],
+                dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            out = (_word_dot(w0, a0, b0, c0, d0, c_lo, c_hi)
+                   + _word_dot(w1, a1, b1, c1, d1, c_lo, c_hi)
+                   + _word_dot(w2, a2, b2, c2, d2, c_lo, c_hi)
+                   + _word_dot(w3, a3, b3, c3, d3, c_lo, c_hi))
+        return out
+
+    @triton.jit
+    def _quads(v, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+        """[A, B, C] -> the four [A, B, C // 4] of words 4j, 4j + 1, 4j + 2, 4j + 3 (a
+        thread's 16-byte load holds them, so the split moves nothing)."""
+        r = tl.reshape(v, (A, B, C // 4, 2, 2))
+        even, odd = tl.split(r)
+        w0, w2 = tl.split(even)
+        w1, w3 = tl.split(odd)
+        return w0, w1, w2, w3
+
+    @triton.jit
+    def _x_pairs(x_base, GROUPS: tl.constexpr, INNER: tl.constexpr, QUAD: tl.constexpr):
         """x's eight elements of each word of the tile, each word's scaled by a power of two
         2^-e that brings its largest into [1, 2) (so the fp16 products cannot overflow, and
         lose nothing to fp16's range), packed in the four fp16 pairs of _word_dot; with 2^e
-        and the word's sum of x (for minimums)."""
+        and the word's sum of x (for minimums). QUAD: the power of two is the largest of four
+        consecutive words' (_quad_dot adds their products in fp16); 2^e and the sum are
+        then per four words, [GROUPS, INNER // 4]."""
         x0 = tl.load(x_base).to(tl.float32)
         x1 = tl.load(x_base + 1).to(tl.float32)
         x2 = tl.load(x_base + 2).to(tl.float32)
@@ -196,6 +291,10 @@ if HAS_TRITON:
                                    tl.maximum(tl.abs(x2), tl.abs(x3))),
                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
                                    tl.maximum(tl.abs(x6), tl.abs(x7))))
+        if QUAD:
+            q_mx = tl.max(tl.reshape(mx, (GROUPS, INNER // 4, 4)), axis=2)
+            mx = tl.reshape(tl.broadcast_to(q_mx[:, :, None], (GROUPS, INNER // 4, 4)),
+                            (GROUPS, INNER))
         # exponent bits of the largest: 2^e; 254 - (e + 127) is 2^-e's (0 -> 2^127 x 0 = 0)
         e_bits = mx.to(tl.int32, bitcast=True) & 0x7F800000
         inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
@@ -205,6 +304,9 @@ if HAS_TRITON:
         x26 = _half2(x2 * inv, x6 * inv)
         x37 = _half2(x3 * inv, x7 * inv)
         xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        if QUAD:
+            esc = tl.max(tl.reshape(esc, (GROUPS, INNER // 4, 4)), axis=2)
+            xsum = tl.sum(tl.reshape(xsum, (GROUPS, INNER // 4, 4)), axis=2)
         return x04, x15, x26, x37, esc, xsum
 
     @triton.jit
@@ -225,6 +327,38 @@ if HAS_TRITON:
             c_hi = tl.full((1, 1), hi_c | (hi_c << 16), tl.uint32)
         return c_lo, c_hi
 
+    @triton.jit
+    def _tile_dot(acc, cur, t, X, s_rows, z_rows, x_in, g_in, BLOCK_N: tl.constexpr,
+                  BLOCK_W: tl.constexpr, GROUPS: tl.constexpr, INNER: tl.constexpr,
+                  WPG: tl.constexpr, QUAD: tl.constexpr, ZERO_MODE: tl.constexpr):
+        """acc plus tile t's products: its codes `cur` [BLOCK_N, GROUPS, INNER] against x's
+        columns, scaled per group. x's elements are loaded, scaled and packed once per word
+        for all the rows a thread holds (eight in the main configs), so their cost is
+        shared."""
+        w0 = t * BLOCK_W
+        x04, x15, x26, x37, esc, xsum = _x_pairs(X + t * (BLOCK_W * 8) + x_in, GROUPS, INNER,
+                                                 QUAD)
+        g_off = ((w0 + g_in) // WPG)[None, :]
+        c_lo, c_hi = _subtrahends(z_rows + g_off, ZERO_MODE)
+        if QUAD:
+            wq0, wq1, wq2, wq3 = _quads(cur, BLOCK_N, GROUPS, INNER)
+            a0, a1, a2, a3 = _quads(x04[None, :, :], 1, GROUPS, INNER)
+            b0, b1, b2, b3 = _quads(x15[None, :, :], 1, GROUPS, INNER)
+            e0, e1, e2, e3 = _quads(x26[None, :, :], 1, GROUPS, INNER)
+            d0, d1, d2, d3 = _quads(x37[None, :, :], 1, GROUPS, INNER)
+            part = _quad_dot(wq0, wq1, wq2, wq3, a0, b0, e0, d0, a1, b1, e1, d1,
+                             a2, b2, e2, d2, a3, b3, e3, d3,
+                             c_lo[:, :, None], c_hi[:, :, None])
+        else:
+            part = _word_dot(cur, x04[None, :, :], x15[None, :, :], x26[None, :, :],
+                             x37[None, :, :], c_lo[:, :, None], c_hi[:, :, None])
+        s = tl.load(s_rows + g_off).to(tl.float32)[:, :, None]
+        acc += part * (s * esc[None, :, :])
+        if ZERO_MODE == 2:
+            mn = tl.load(z_rows + g_off).to(tl.float32)[:, :, None]
+            acc += mn * xsum[None, :, :]
+        return acc
+
     @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
@@ -237,6 +371,9 @@ if HAS_TRITON:
         WPG: tl.constexpr = G // 8
         INNER: tl.constexpr = WPG if WPG < BLOCK_W else BLOCK_W
         GROUPS: tl.constexpr = BLOCK_W // INNER
+        # Four words at a time (_quad_dot) where a group holds whole fours of them.
+        QUAD: tl.constexpr = INNER % 4 == 0
+        INNER_A: tl.constexpr = INNER // 4 if QUAD else INNER
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if GATE_UP:
             # a merged gate|up weight [2N, K] (gate rows first): the tile's rows alternate
@@ -262,32 +399,28 @@ if HAS_TRITON:
         t_lo = pid_k * tiles
         t_hi = t_lo + tiles
         # The first tiles are no kernel's output: under PDL they stream in while the kernel
-        # before this one finishes. Each iteration then loads the tile two ahead before
-        # working on its own (the loop is not software-pipelined for loads that feed no
-        # tl.dot, and one program's two tiles in flight are what hides the memory latency).
-        ahead1 = tl.load(w_rows + (t_lo * BLOCK_W + w_in)[None, :, :])
-        ahead2 = tl.load(w_rows + ((t_lo + 1) * BLOCK_W + w_in)[None, :, :],
-                         mask=t_lo + 1 < t_hi, other=0)
+        # before this one finishes. Two tiles are in flight: the loop takes them in pairs,
+        # each loading its successor two ahead before working on its own (the loop is not
+        # software-pipelined for loads that feed no tl.dot), and without rotating one
+        # buffer into the other, which had cost a move a word.
+        # Loads past the program's last tile read that tile again (never used): no masks,
+        # so no registers zeroed for them.
+        last = t_hi - 1
+        tile_a = tl.load(w_rows + (t_lo * BLOCK_W + w_in)[None, :, :])
+        tile_b = tl.load(w_rows + (tl.minimum(t_lo + 1, last) * BLOCK_W + w_in)[None, :, :])
         pdl_entry(USE_PDL)
-        acc = tl.zeros((BLOCK_N, GROUPS, INNER), dtype=tl.float32)
-        for t in range(t_lo, t_hi):
-            w0 = t * BLOCK_W
-            cur = ahead1.to(tl.uint32, bitcast=True)   # logical shifts
-            ahead1 = ahead2
-            ahead2 = tl.load(w_rows + (w0 + 2 * BLOCK_W + w_in)[None, :, :],
-                             mask=t + 2 < t_hi, other=0)
-            # x's elements are loaded, scaled and packed once per word for all the rows a
-            # thread holds (eight in the main configs), so their cost is shared.
-            x04, x15, x26, x37, esc, xsum = _x_pairs(X + t * (BLOCK_W * 8) + x_in)
-            g_off = ((w0 + g_in) // WPG)[None, :]
-            c_lo, c_hi = _subtrahends(z_rows + g_off, ZERO_MODE)
-            part = _word_dot(cur, x04[None, :, :], x15[None, :, :], x26[None, :, :],
-                             x37[None, :, :], c_lo[:, :, None], c_hi[:, :, None])
-            s = tl.load(s_rows + g_off).to(tl.float32)[:, :, None]
-            acc += part * (s * esc[None, :, :])
-            if ZERO_MODE == 2:
-                mn = tl.load(z_rows + g_off).to(tl.float32)[:, :, None]
-                acc += mn * xsum[None, :, :]
+        acc = tl.zeros((BLOCK_N, GROUPS, INNER_A), dtype=tl.float32)
+        for t in range(t_lo, t_hi, 2):
+            cur = tile_a.to(tl.uint32, bitcast=True)   # logical shifts
+            tile_a = tl.load(w_rows + (tl.minimum(t + 2, last) * BLOCK_W + w_in)[None, :, :])
+            acc = _tile_dot(acc, cur, t, X, s_rows, z_rows, x_in, g_in, BLOCK_N, BLOCK_W,
+                            GROUPS, INNER, WPG, QUAD, ZERO_MODE)
+            if t + 1 < t_hi:
+                cur = tile_b.to(tl.uint32, bitcast=True)
+                tile_b = tl.load(w_rows + (tl.minimum(t + 3, last) * BLOCK_W
+                                           + w_in)[None, :, :])
+                acc = _tile_dot(acc, cur, t + 1, X, s_rows, z_rows, x_in, g_in, BLOCK_N,
+                                BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE)
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
         is_last = True
