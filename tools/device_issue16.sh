@@ -225,13 +225,11 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
 s23d)  # session 23, last call: the 4-bit GEMV over four words a thread in one fp16 partial
-       # (2.5-2.7 instructions a code) through its GPU tests, batch-1 W4A16 decode; then
-       # issue 17's verify cost with the host profile
+       # (2.5-2.7 instructions a code) through its GPU tests, then batch-1 W4A16 decode
+       # (issue 17's host profile waits: PART=s23b bash tools/device_issue17.sh)
   step 130 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py -k "gemv or int4"
-  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
-  STEP_PATTERN="breakdown|median|/step|passed|failed|Error" \
-      step 240 verify_host python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-profile ;;
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
 s23c)  # session 23, second call: where batch-1 W4A16 decode's GPU time goes (PDL off, so each
        # kernel's time is its own), session 22's decode-merge review fix through the attention
        # GPU tests, the one-row kernels (fused 4-bit gate|up against GEMV + SiLU-and-mul)
