@@ -100,12 +100,51 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
                           num_warps=base.num_warps, num_stages=base.num_stages)]
 
 
+def dot_ptx(words: int) -> str:
+    """The PTX of _word_dot (words=1) and _quad_dot (words=4): operand $0 the float32 sum,
+    $1..$W the words, then four fp16x2 x pairs per word (columns 8w+0|8w+4, 1|5, 2|6, 3|7),
+    then the subtrahends 1024 + z and -(64 + z). Per word: nibbles 0 and 4 (bits 0-3,
+    16-19) masked and OR-ed into fp16 1024's mantissa by one LOP3 read as the pair 1024 + q
+    exactly; nibbles 1 and 5 the same way read as 1024 + 16 q; a shift by 8 brings nibbles
+    2, 3, 6, 7 into the same places. One f16x2 SUB (FMA by 1/16) gives q - z for both lanes,
+    one f16x2 FMA adds their products with x to the fp16x2 partial; thirteen instructions
+    for a word's eight codes. The partial's lanes are added and widened once at the end.
+    Public for the CPU test that emulates it (the interpreter runs no PTX)."""
+    x0 = words + 1                    # first x pair
+    sub_lo, sub_hi = f"${x0 + 4 * words}", f"${x0 + 4 * words + 1}"
+    lines = ["{", ".reg .b32 a, b, c, d, t, m, acc;", ".reg .f16 h0, h1;",
+             "mov.b32 m, 0x2c002c00;"]
+    for w in range(words):
+        word, xs = f"${w + 1}", [f"${x0 + 4 * w + i}" for i in range(4)]
+        lines += [f"lop3.b32 a, {word}, 0x000f000f, 0x64006400, 0xea;",
+                  f"lop3.b32 b, {word}, 0x00f000f0, 0x64006400, 0xea;",
+                  f"shr.u32 t, {word}, 8;",
+                  "lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;",
+                  "lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;",
+                  f"sub.f16x2 a, a, {sub_lo};", f"fma.rn.f16x2 b, b, m, {sub_hi};",
+                  f"sub.f16x2 c, c, {sub_lo};", f"fma.rn.f16x2 d, d, m, {sub_hi};"]
+        lines.append(f"mul.f16x2 acc, a, {xs[0]};" if w == 0
+                     else f"fma.rn.f16x2 acc, a, {xs[0]}, acc;")
+        lines += [f"fma.rn.f16x2 acc, {r}, {x}, acc;" for r, x in zip("bcd", xs[1:])]
+    lines += ["mov.b32 {h0, h1}, acc;", "add.f16 h0, h0, h1;", "cvt.f32.f16 $0, h0;", "}"]
+    return "\n".join(lines)
+
+
+def dot_constraints(words: int) -> str:
+    """The inline asm constraints of dot_ptx(words): one float32 out, 32-bit registers in."""
+    return ",".join(["=f"] + ["r"] * (words + 4 * words + 2))
+
+
 if HAS_TRITON:
     from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
 
     # The interpreter runs no PTX: it takes the plain-Triton form of the same arithmetic.
     _ASM = tl.constexpr(not INTERPRET)
+    _WORD_PTX = tl.constexpr(dot_ptx(1))
+    _WORD_CONSTRAINTS = tl.constexpr(dot_constraints(1))
+    _QUAD_PTX = tl.constexpr(dot_ptx(4))
+    _QUAD_CONSTRAINTS = tl.constexpr(dot_constraints(4))
     # fp16 bits of 1024 and of -64. The dequant subtrahends of a zero point z, 1024 + z and
     # -(64 + z), are these bits plus z and plus 16 z (fp16's step is 1 at 1024 and 1/16 at
     # 64), put in both halves of a word (_subtrahends).
@@ -140,40 +179,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _word_dot(word, x04, x15, x26, x37, c_lo, c_hi):
-        """sum_i (q_i - z) x'_i over the eight codes of each word, in fp16 pairs: x_ab packs
-        x' of columns a (low half) and b of the word; c_lo, c_hi are the group's fp16x2
-        subtrahends 1024 + z and -(64 + z).
-
-        Nibbles 0 and 4 (bits 0-3, 16-19) masked and OR-ed into fp16 1024's mantissa by one
-        LOP3 read as the pair 1024 + q exactly; nibbles 1 and 5 the same way read as
-        1024 + 16 q. One f16x2 SUB (FMA by 1/16) gives q - z for both lanes, one f16x2 FMA
-        takes their products with x; a word's shift by 8 brings nibbles 2, 3, 6, 7 into the
-        same places. Thirteen instructions for eight codes where the float32 form took three
-        a code; the two lanes are added and widened once a word."""
+        """sum_i (q_i - z) x'_i over the eight codes of each word, in fp16 pairs (dot_ptx):
+        x_ab packs x' of columns a (low half) and b of the word; c_lo, c_hi are the group's
+        fp16x2 subtrahends 1024 + z and -(64 + z)."""
         if _ASM:
             out = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 a, b, c, d, t, m, acc;
-                .reg .f16 h0, h1;
-                mov.b32 m, 0x2c002c00;
-                lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
-                shr.u32 t, $1, 8;
-                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
-                sub.f16x2 a, a, $6;
-                fma.rn.f16x2 b, b, m, $7;
-                sub.f16x2 c, c, $6;
-                fma.rn.f16x2 d, d, m, $7;
-                mul.f16x2 acc, a, $2;
-                fma.rn.f16x2 acc, b, $3, acc;
-                fma.rn.f16x2 acc, c, $4, acc;
-                fma.rn.f16x2 acc, d, $5, acc;
-                mov.b32 {h0, h1}, acc;
-                add.f16 h0, h0, h1;
-                cvt.f32.f16 $0, h0;
-                }""",
-                "=f,r,r,r,r,r,r,r", [word, x04, x15, x26, x37, c_lo, c_hi],
+                _WORD_PTX, _WORD_CONSTRAINTS,
+                [word, x04, x15, x26, x37, c_lo, c_hi],
                 dtype=tl.float32, is_pure=True, pack=1)
         else:
             out = (_pair_ref(word, x04, c_lo, 0) + _pair_ref(word, x15, c_lo, 4)
@@ -190,67 +202,7 @@ if HAS_TRITON:
         lane sums 16 products of at most 63 x 2: at most 2016, far inside fp16."""
         if _ASM:
             out = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 a, b, c, d, t, m, acc;
-                .reg .f16 h0, h1;
-                mov.b32 m, 0x2c002c00;
-                lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
-                shr.u32 t, $1, 8;
-                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
-                sub.f16x2 a, a, $21;
-                fma.rn.f16x2 b, b, m, $22;
-                sub.f16x2 c, c, $21;
-                fma.rn.f16x2 d, d, m, $22;
-                mul.f16x2 acc, a, $5;
-                fma.rn.f16x2 acc, b, $6, acc;
-                fma.rn.f16x2 acc, c, $7, acc;
-                fma.rn.f16x2 acc, d, $8, acc;
-                lop3.b32 a, $2, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 b, $2, 0x00f000f0, 0x64006400, 0xea;
-                shr.u32 t, $2, 8;
-                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
-                sub.f16x2 a, a, $21;
-                fma.rn.f16x2 b, b, m, $22;
-                sub.f16x2 c, c, $21;
-                fma.rn.f16x2 d, d, m, $22;
-                fma.rn.f16x2 acc, a, $9, acc;
-                fma.rn.f16x2 acc, b, $10, acc;
-                fma.rn.f16x2 acc, c, $11, acc;
-                fma.rn.f16x2 acc, d, $12, acc;
-                lop3.b32 a, $3, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 b, $3, 0x00f000f0, 0x64006400, 0xea;
-                shr.u32 t, $3, 8;
-                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
-                sub.f16x2 a, a, $21;
-                fma.rn.f16x2 b, b, m, $22;
-                sub.f16x2 c, c, $21;
-                fma.rn.f16x2 d, d, m, $22;
-                fma.rn.f16x2 acc, a, $13, acc;
-                fma.rn.f16x2 acc, b, $14, acc;
-                fma.rn.f16x2 acc, c, $15, acc;
-                fma.rn.f16x2 acc, d, $16, acc;
-                lop3.b32 a, $4, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 b, $4, 0x00f000f0, 0x64006400, 0xea;
-                shr.u32 t, $4, 8;
-                lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
-                lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
-                sub.f16x2 a, a, $21;
-                fma.rn.f16x2 b, b, m, $22;
-                sub.f16x2 c, c, $21;
-                fma.rn.f16x2 d, d, m, $22;
-                fma.rn.f16x2 acc, a, $17, acc;
-                fma.rn.f16x2 acc, b, $18, acc;
-                fma.rn.f16x2 acc, c, $19, acc;
-                fma.rn.f16x2 acc, d, $20, acc;
-                mov.b32 {h0, h1}, acc;
-                add.f16 h0, h0, h1;
-                cvt.f32.f16 $0, h0;
-                }""",
-                "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                _QUAD_PTX, _QUAD_CONSTRAINTS,
                 [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2,
                  a3, b3, c3, d3, c_lo, c_hi],
                 dtype=tl.float32, is_pure=True, pack=1)
