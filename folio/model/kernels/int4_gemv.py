@@ -45,8 +45,9 @@ from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, t
 _CONFIGS = [
     # 128-word tiles: a warp's 32 threads take four words (16 bytes) each of one row, so
     # each thread holds eight rows and its x elements are prepared once for the eight
-    # (compiled for sm_90 here: ~2.5-2.7 instructions a code in the loop, against ~5.9 for
-    # the float32 form's tiles and 3.0-3.3 when widened every word); narrow outputs split K
+    # (compiled for sm_90 here: ~2.3-2.6 instructions a code in the loop, against ~5.9 for
+    # the float32 form's tiles and 3.0-3.3 for session 22's, widened every word and laid out
+    # one row a thread); narrow outputs split K
     (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
     (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1),
     # four rows a thread: twice the programs for the narrow outputs (qkv, o)
@@ -340,11 +341,17 @@ if HAS_TRITON:
         # KW = K / 8 is an argument (not computed here) so that its divisibility by 16 is
         # known and rows of words load as 16-byte vectors.
         n_groups = K // G
-        w_rows = QW + cols_c[:, None, None] * KW
+        # A tile's words are loaded as [BLOCK_N, BLOCK_W], one row's words contiguous, so a
+        # warp's lanes take 4 words each of one row (coalesced 512 bytes) and each thread
+        # holds BLOCK_N / num_warps rows; viewed as [BLOCK_N, GROUPS, INNER] after the load.
+        # (Loaded in the 3-D shape, the layout put a thread on one row across the tile's
+        # groups: four times the x pairs per word through shared memory.)
+        w_rows = QW + cols_c[:, None] * KW
         s_rows = SC + cols_c[:, None] * n_groups
         z_rows = ZP + cols_c[:, None] * n_groups
         # word offsets within a tile [GROUPS, INNER], and their first columns of x
         w_in = (tl.arange(0, GROUPS) * INNER)[:, None] + tl.arange(0, INNER)[None, :]
+        w_flat = tl.arange(0, BLOCK_W)[None, :]
         g_in = tl.arange(0, GROUPS) * INNER
         x_in = w_in * 8     # word w, nibble i: column 8 w + i
         tiles = KW // (BLOCK_W * SPLIT_K)
@@ -358,19 +365,19 @@ if HAS_TRITON:
         # Loads past the program's last tile read that tile again (never used): no masks,
         # so no registers zeroed for them.
         last = t_hi - 1
-        tile_a = tl.load(w_rows + (t_lo * BLOCK_W + w_in)[None, :, :])
-        tile_b = tl.load(w_rows + (tl.minimum(t_lo + 1, last) * BLOCK_W + w_in)[None, :, :])
+        tile_a = tl.load(w_rows + t_lo * BLOCK_W + w_flat)
+        tile_b = tl.load(w_rows + tl.minimum(t_lo + 1, last) * BLOCK_W + w_flat)
         pdl_entry(USE_PDL)
         acc = tl.zeros((BLOCK_N, GROUPS, INNER_A), dtype=tl.float32)
         for t in range(t_lo, t_hi, 2):
-            cur = tile_a.to(tl.uint32, bitcast=True)   # logical shifts
-            tile_a = tl.load(w_rows + (tl.minimum(t + 2, last) * BLOCK_W + w_in)[None, :, :])
+            cur = tl.reshape(tile_a.to(tl.uint32, bitcast=True),   # logical shifts
+                             (BLOCK_N, GROUPS, INNER))
+            tile_a = tl.load(w_rows + tl.minimum(t + 2, last) * BLOCK_W + w_flat)
             acc = _tile_dot(acc, cur, t, X, s_rows, z_rows, x_in, g_in, BLOCK_N, BLOCK_W,
                             GROUPS, INNER, WPG, QUAD, ZERO_MODE)
             if t + 1 < t_hi:
-                cur = tile_b.to(tl.uint32, bitcast=True)
-                tile_b = tl.load(w_rows + (tl.minimum(t + 3, last) * BLOCK_W
-                                           + w_in)[None, :, :])
+                cur = tl.reshape(tile_b.to(tl.uint32, bitcast=True), (BLOCK_N, GROUPS, INNER))
+                tile_b = tl.load(w_rows + tl.minimum(t + 3, last) * BLOCK_W + w_flat)
                 acc = _tile_dot(acc, cur, t + 1, X, s_rows, z_rows, x_in, g_in, BLOCK_N,
                                 BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE)
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
