@@ -224,12 +224,16 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
-s23d)  # session 23, last call: the 4-bit GEMV over four words a thread in one fp16 partial
-       # (2.5-2.7 instructions a code) through its GPU tests, then batch-1 W4A16 decode
-       # (issue 17's host profile waits: PART=s23b bash tools/device_issue17.sh)
+s23d)  # next session's first call (session 23's device time ran out before it): the 4-bit
+       # GEMV over four words a thread in one fp16 partial (2.3-2.6 instructions a code)
+       # through its GPU tests, batch-1 W4A16 decode, the one-row kernels, bf16 beside them
+       # (then issue 17: PART=s23b bash tools/device_issue17.sh)
   step 130 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py -k "gemv or int4"
-  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
+  step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 150 sweep python3 tools/gpu_check_quant.py --sweep --m 1 --json "$OUT/sweep.json"
+  grep -E " int4 | int4-gu|bf16|fp8 " "$OUT/sweep.log" | cut -c1-100
+  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json" ;;
 s23c)  # session 23, second call: where batch-1 W4A16 decode's GPU time goes (PDL off, so each
        # kernel's time is its own), session 22's decode-merge review fix through the attention
        # GPU tests, the one-row kernels (fused 4-bit gate|up against GEMV + SiLU-and-mul)

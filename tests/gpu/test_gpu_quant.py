@@ -241,30 +241,33 @@ def test_int4_split_k_is_deterministic() -> None:
 
 def test_int4_gemv_every_config() -> None:
     """The one-row 4-bit GEMV (kernels/int4_gemv.py), each config forced, every offset form,
-    at a narrow and a wide Llama-3-8B shape; split configs twice, bit-equal."""
+    at a narrow and a wide Llama-3-8B shape with groups of 128, and groups of 32 (GGUF's;
+    several groups a tile) and 16 (one word at a time) at the narrow one; split configs
+    twice, bit-equal."""
     from folio.model.kernels import int4_gemv
     from folio.model.kernels.int4_matmul import int4_matmul
     torch.manual_seed(1)
-    for n, k in ((1024, 4096), (4096, 14336)):
+    for n, k, g in ((1024, 4096, 128), (4096, 14336, 128), (1024, 4096, 32),
+                    (1024, 4096, 16)):
         for form in ("sym", "zeros", "mins"):
-            w = _int4(n, k, 128, form == "zeros", False)
-            mins = (-torch.rand(n, k // 128, device=CUDA) * 0.02) if form == "mins" else None
+            w = _int4(n, k, g, form == "zeros", False)
+            mins = (-torch.rand(n, k // g, device=CUDA) * 0.02) if form == "mins" else None
             scales = w.scales.float() if mins is not None else w.scales
             x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
             q = w.codes().float()
-            deq = (q * scales.float().repeat_interleave(128, 1)
-                   + mins.repeat_interleave(128, 1)) if mins is not None else w.dequantize()
+            deq = (q * scales.float().repeat_interleave(g, 1)
+                   + mins.repeat_interleave(g, 1)) if mins is not None else w.dequantize()
             ref = x.float() @ deq.t()
             for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
-                if not int4_gemv.fits(n, k, 128, bn, bw, sk):
+                if not int4_gemv.fits(n, k, g, bn, bw, sk):
                     continue
                 config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
                               num_stages=stages)
-                out = int4_matmul(x, w.packed, scales, w.zeros, 128, mins=mins,
+                out = int4_matmul(x, w.packed, scales, w.zeros, g, mins=mins,
                                   _config=config)
-                assert _rel(out, ref) < 1e-2, (n, k, form, config)
+                assert _rel(out, ref) < 1e-2, (n, k, g, form, config)
                 if sk > 1:
-                    assert torch.equal(out, int4_matmul(x, w.packed, scales, w.zeros, 128,
+                    assert torch.equal(out, int4_matmul(x, w.packed, scales, w.zeros, g,
                                                         mins=mins, _config=config))
 
 

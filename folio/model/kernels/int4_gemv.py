@@ -15,21 +15,26 @@ loop as compiled) reached 25-45 % of the copy bandwidth. Here the arithmetic is 
   symmetric form, 0 with minimums);
 - one f16x2 FMA adds both lanes' products with x's pair to an fp16x2 partial over a
   thread's four consecutive words (its 16-byte load, _quad_dot); the lanes are added and
-  widened to float32 once for those 32 codes. Thirteen instructions for a word's eight codes.
+  widened to float32 once for those 32 codes. Thirteen instructions for a word's eight codes
+  (dot_ptx builds the PTX; tests/model/test_int4_gemv_ptx.py emulates it). Where a group
+  holds fewer than four words (groups of 16 columns), each word is widened (_word_dot).
 fp16 holds x's elements exactly only within its range, so the 32 elements of four words are
 scaled by the power of two that brings the largest into [1, 2) (exact), and 2^e is applied
 with the scale: a lane's partial is at most 16 * 63 * 2 and cannot overflow, and elements far
-below their four words' largest lose only what cannot move the sum. (A word whose largest element is
-subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.) Products and the
-partial are rounded to fp16's 11 bits (emulated in numpy on Llama-sized rows with outliers:
-relative error 6.7e-4 against 5.3e-4 when widened every word), well inside the 4-bit codes'
-own error.
+below their block's largest lose only what cannot move the sum. (A block whose largest
+element is subnormal, or 2^127 or more, contributes nothing; an infinite one gives NaN.)
+Products and the partial are rounded to fp16's 11 bits: relative errors of 7-8e-4 against
+float64 on Llama-sized rows (numpy emulation; 4.5e-4 when widened every word), up to 2.4e-3
+for minimums with x of nonzero mean, where the m Σ x term cancels much of the sum, all well
+inside the 4-bit codes' own error.
 x's elements are loaded, scaled and packed once per word and shared by the rows a thread
-holds (eight in the main configs). Scales and minimums are applied once per word: a word's
-eight codes share a group (s 2^e Σ (q - z) x', + m Σ x for minimums).
+holds (eight in the main configs). Scales and minimums are applied once per block of four
+words (one word where groups are narrower): its codes share a group (s 2^e Σ (q - z) x',
++ m Σ x for minimums).
 
-Tiles are [BLOCK_N rows, GROUPS, INNER words], INNER the words of one group (or of the tile,
-if narrower): each [BLOCK_N, GROUPS] scale is one load per tile, and no reshape is needed.
+Tiles are loaded as [BLOCK_N rows, BLOCK_W words] (a warp's lanes on one row's contiguous
+words) and viewed as [BLOCK_N, GROUPS, INNER], INNER the words of one group (or of the tile,
+if narrower): each [BLOCK_N, GROUPS] scale is one load per tile.
 Narrow outputs split K over SPLIT_K programs, reduced in split order through the skinny GEMV's
 workspace (kernels/gemv.py).
 """
@@ -45,9 +50,9 @@ from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, t
 _CONFIGS = [
     # 128-word tiles: a warp's 32 threads take four words (16 bytes) each of one row, so
     # each thread holds eight rows and its x elements are prepared once for the eight
-    # (compiled for sm_90 here: ~2.3-2.6 instructions a code in the loop, against ~5.9 for
-    # the float32 form's tiles and 3.0-3.3 for session 22's, widened every word and laid out
-    # one row a thread); narrow outputs split K
+    # (compiled for sm_90 here, groups of 128 columns: 2.3-2.6 instructions a code in the
+    # loop, against ~5.9 for the float32 form's tiles and 3.0-3.3 widened every word and laid
+    # out one row a thread; 2.9 for groups of 32); narrow outputs split K
     (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
     (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1),
     # four rows a thread: twice the programs for the narrow outputs (qkv, o)
@@ -72,7 +77,7 @@ def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int) -> bo
     tiles per split, groups that tile the tile or a tile inside one group, split-K only where
     the GEMV workspace holds the partials (one row: split_k * N floats) and the tickets."""
     kw, wpg = k // 8, g // 8
-    if k % 8 or g % 8 or kw % (block_w * split_k):
+    if k <= 0 or k % 8 or g % 8 or kw % (block_w * split_k):
         return False
     if (block_w > wpg and block_w % wpg) or (block_w < wpg and wpg % block_w):
         return False
@@ -245,20 +250,20 @@ if HAS_TRITON:
                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
                                    tl.maximum(tl.abs(x6), tl.abs(x7))))
         if QUAD:
-            q_mx = tl.max(tl.reshape(mx, (GROUPS, INNER // 4, 4)), axis=2)
-            mx = tl.reshape(tl.broadcast_to(q_mx[:, :, None], (GROUPS, INNER // 4, 4)),
-                            (GROUPS, INNER))
+            mx = tl.max(tl.reshape(mx, (GROUPS, INNER // 4, 4)), axis=2)
         # exponent bits of the largest: 2^e; 254 - (e + 127) is 2^-e's (0 -> 2^127 x 0 = 0)
         e_bits = mx.to(tl.int32, bitcast=True) & 0x7F800000
         inv = (0x7F000000 - e_bits).to(tl.float32, bitcast=True)
         esc = e_bits.to(tl.float32, bitcast=True)
+        if QUAD:   # 2^-e back to each word of its block
+            inv = tl.reshape(tl.broadcast_to(inv[:, :, None], (GROUPS, INNER // 4, 4)),
+                             (GROUPS, INNER))
         x04 = _half2(x0 * inv, x4 * inv)
         x15 = _half2(x1 * inv, x5 * inv)
         x26 = _half2(x2 * inv, x6 * inv)
         x37 = _half2(x3 * inv, x7 * inv)
         xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
         if QUAD:
-            esc = tl.max(tl.reshape(esc, (GROUPS, INNER // 4, 4)), axis=2)
             xsum = tl.sum(tl.reshape(xsum, (GROUPS, INNER // 4, 4)), axis=2)
         return x04, x15, x26, x37, esc, xsum
 
@@ -362,8 +367,10 @@ if HAS_TRITON:
         # each loading its successor two ahead before working on its own (the loop is not
         # software-pipelined for loads that feed no tl.dot), and without rotating one
         # buffer into the other, which had cost a move a word.
-        # Loads past the program's last tile read that tile again (never used): no masks,
-        # so no registers zeroed for them.
+        # Loads past the program's last tile read that tile again (never used; from L1 or
+        # L2): masked, they cost a zeroed register a word every tile (sm_90: +3 % of the
+        # loop); unmasked, two extra loads of one tile per program (T + 2 loads for T tiles,
+        # 3 for 1). Which is faster is for the GPU to say (PART=s23d).
         last = t_hi - 1
         tile_a = tl.load(w_rows + t_lo * BLOCK_W + w_flat)
         tile_b = tl.load(w_rows + tl.minimum(t_lo + 1, last) * BLOCK_W + w_flat)
