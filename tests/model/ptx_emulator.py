@@ -92,8 +92,8 @@ def run_ptx(asm: str, constraints: str, operands: Sequence[np.ndarray]) -> np.nd
             regs[dst] = _pack(lo, hi)
         else:
             raise AssertionError(f"the emulator does not know {op}")
-    out = np.broadcast_to(regs["$0"], shape)
-    return np.ascontiguousarray(out.astype(np.float32) if kinds[0] == "=f" else _as_u32(out))
+    out = np.broadcast_to(regs["$0"], shape)     # a copy keeps a 0-d result 0-d
+    return (out.astype(np.float32) if kinds[0] == "=f" else _as_u32(out)).copy()
 
 
 def install_in_interpreter() -> None:
