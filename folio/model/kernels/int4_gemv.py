@@ -106,6 +106,12 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
                           num_warps=base.num_warps, num_stages=base.num_stages)]
 
 
+# The largest zero point the fp16 subtrahends hold exactly (1024 + z and -(64 + z), the
+# latter in steps of 1/16 below 128): the loader refuses others (GroupQuantLinear). Every
+# format's zero points are 4-bit codes (0..15; GPTQ v1's stored zero - 1 read back as 1..16).
+MAX_ZERO_POINT = 63
+
+
 def dot_ptx(words: int) -> str:
     """The PTX of _word_dot (words=1) and _quad_dot (words=4): operand $0 the float32 sum,
     $1..$W the words, then four fp16x2 x pairs per word (columns 8w+0|8w+4, 1|5, 2|6, 3|7),

@@ -112,16 +112,11 @@ class GroupQuantLinear(nn.Module):
                 f"act_order={self.perm is not None}")
 
 
-# The one-row 4-bit GEMV subtracts zero points in fp16 pairs built from their integer value
-# (kernels/int4_gemv.py): exact for integers 0..63. Every format's zero points are 4-bit
-# codes (0..15, GPTQ v1's stored zero - 1 read back as 1..16).
-_MAX_ZERO_POINT = 63
-
-
 def _check_zero_points(zeros: torch.Tensor) -> None:
-    """ValueError unless every zero point is an integer in 0.._MAX_ZERO_POINT (read once, at
-    load)."""
+    """ValueError unless every zero point is an integer in 0..int4_gemv.MAX_ZERO_POINT, the
+    range the one-row GEMV's fp16 subtrahends hold exactly (read once, at load)."""
+    from folio.model.kernels.int4_gemv import MAX_ZERO_POINT
     z = zeros.float()
-    if not bool(((z == z.round()) & (z >= 0) & (z <= _MAX_ZERO_POINT)).all()):
-        raise ValueError(f"4-bit zero points must be integers in 0..{_MAX_ZERO_POINT}; got "
+    if not bool(((z == z.round()) & (z >= 0) & (z <= MAX_ZERO_POINT)).all()):
+        raise ValueError(f"4-bit zero points must be integers in 0..{MAX_ZERO_POINT}; got "
                          f"values from {float(z.min())} to {float(z.max())}")
