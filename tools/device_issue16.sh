@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,30 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s24d)  # session 24, third call: the 4-bit GEMV's split configs for narrow outputs (batch-1
+       # W4A16, then their GPU tests); issue 17's verify step in the new 8-token mixed graph,
+       # with the skinny kernel's tl.dot path (x's padding rows masked, narrower tiles) and
+       # with cuBLAS, the device's idle gaps; the skinny kernel against cuBLAS at 2, 5, 8 rows
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 170 int4_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "int4_gemv_every_config or int4_gate_up_silu_every_config"
+  STEP_PATTERN="verify|plain|ms/step|gap|Error" \
+      step 140 verify_gemv_all env FOLIO_GEMV=all python3 tools/gpu_verify_cost.py \
+      --config llama3-8b --k 4 --gaps
+  STEP_PATTERN="verify|plain|ms/step|Error" \
+      step 80 verify_cublas python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
+  STEP_PATTERN="ALL OK|FAILED|Error" \
+      step 80 gemv_rows python3 tools/gpu_check_gemv.py --models llama-3-8b --m 5,8 --timings
+  grep -E "^llama" "$OUT/gemv_rows.log" | cut -c1-150 ;;
+s24c)  # session 24, second call: the 4-bit GEMV's GPU tests given the time their compiles take
+       # (s23d's 130 s ran out after 12 passed), then issue 17's verify step with the skinny
+       # kernel for its 5 rows (FOLIO_GEMV=all) profiled: where its device time goes now
+  step 330 gemv_tests python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "gemv or int4"
+  tail -4 "$OUT/gemv_tests.log" | cut -c1-300
+  STEP_PATTERN="verify|plain|ms/step|passed|failed|Error" \
+      step 220 verify_prof env FOLIO_GEMV=all python3 tools/gpu_verify_cost.py --config llama3-8b \
+      --k 4 --profile ;;
 s23d)  # next session's first call (session 23's device time ran out before it): the 4-bit
        # GEMV over four words a thread in one fp16 partial (2.3-2.6 instructions a code)
        # through its GPU tests, batch-1 W4A16 decode, the one-row kernels, bf16 beside them

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,15 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s24b)  # session 24: the verify cost with the skinny kernel for the 5 rows (FOLIO_GEMV=all)
+  # against cuBLAS, where a verify step's host time goes (cProfile), and the skinny kernel
+  # against cuBLAS per Llama-3-8B projection at 1, 5 and 8 rows, every config timed
+  step 200 verify_gemv_all env FOLIO_GEMV=all python3 tools/gpu_verify_cost.py --config llama3-8b --k 4
+  step 220 verify_host python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-profile
+  grep -E "breakdown|median|/step" "$OUT/verify_host.log" | cut -c1-200
+  STEP_PATTERN="ALL OK|FAILED|Error" \
+      step 170 gemv_rows python3 tools/gpu_check_gemv.py --models llama-3-8b --m 1,5,8 --timings
+  grep -E "^llama" "$OUT/gemv_rows.log" | cut -c1-150 ;;
 s23b)  # session 23: where a verify step's host time goes (cProfile of 65 plain and 65 verify
   # steps, with the per-part breakdown); then issue 16's batch-1 decode attention per split
   # count and tile at the latency bench's contexts; the verify cost with the skinny kernel

@@ -8,7 +8,7 @@ medians by timing only after the first token.
 python tools/gpu_verify_cost.py [--config llama3-8b] [--k 4] [--output-len 256]
 
 Each run also prints the host's time per step in each part of EngineCore.step (schedule,
-launch, wait, update) over 64 more steps.
+launch, wait, update) over 64 more steps; --gaps, the device's idle time between kernels.
 """
 from __future__ import annotations
 
@@ -59,6 +59,31 @@ def _profile(llm: LLM, prompt: list[int], label: str) -> None:
               f"{e.count:6d}x {e.key[:90]}")
 
 
+def _gaps(llm: LLM, prompt: list[int], label: str, steps: int = 16) -> None:
+    """The device's idle time per step: the gaps between consecutive kernels in a profile of
+    `steps` decode steps (a verify step's exposed host work shows as a gap before it), the
+    sum per step and the largest, with the kernels on either side."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _step_times(llm, prompt, steps + 1)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type.name == "CUDA")
+    gaps = []
+    busy_end = kernels[0][1] if kernels else 0.0
+    for (_, _, before), (start, end, after) in zip(kernels, kernels[1:]):
+        if start > busy_end:
+            gaps.append((start - busy_end, before, after))
+        busy_end = max(busy_end, end)
+    span = (busy_end - kernels[0][0]) / 1e3 if kernels else 0.0
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    big = sorted(gaps, reverse=True)
+    print(f"{label} gaps: {len(kernels)} kernels over {span:.3f} ms ({steps + 1} steps), idle "
+          f"{idle:.3f} ms = {idle / (steps + 1):.3f} ms/step; gaps > 50 us: "
+          f"{sum(1 for g, _, _ in gaps if g > 50)}")
+    for g, before, after in big[:6]:
+        print(f"  {label} gap {g:8.1f} us after {before[:50]} before {after[:50]}")
+
+
 def _breakdown(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> None:
     """Host milliseconds per step in each part of EngineCore.step (schedule, launch, wait
     for the device, update): where a verify step's exposed host work goes."""
@@ -104,6 +129,8 @@ def main() -> None:
                         help="also profile 16 steps of each (GPU time per step, top kernels)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile 65 steps of each (host functions)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also the device's idle gaps between kernels over 17 steps of each")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU check)")
     args = parser.parse_args()
     from folio.core.spec.ngram import NgramProposer
@@ -126,6 +153,8 @@ def main() -> None:
             _breakdown(llm, prompt, label)
             if args.profile:
                 _profile(llm, prompt, label)
+            if args.gaps:
+                _gaps(llm, prompt, label)
             if args.host_profile:
                 _host_profile(llm, prompt, label)
         finally:

@@ -40,10 +40,13 @@ logger = logging.getLogger(__name__)
 
 
 def mixed_capture_sizes(max_num_tokens: int) -> list[int]:
-    """Token counts to capture: powers of two from 16 to 512, then even steps of about an
+    """Token counts to capture: powers of two from 8 to 512, then even steps of about an
     eighth of the budget (a multiple of 256), and the budget itself. Most mixed steps under
-    chunked prefill fill the budget, so the coarse steps above 512 cost little padding."""
-    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s < max_num_tokens]
+    chunked prefill fill the budget, so the coarse steps above 512 cost little padding. The
+    smallest, 8, holds a batch-1 verify step of speculative decoding (1 + k tokens, k <= 7)
+    in rows the few-row GEMV serves (gemv.MAX_M), where 16 ran its projections at three
+    times its rows through cuBLAS and its attention over 11 padding tokens."""
+    sizes = [s for s in (8, 16, 32, 64, 128, 256, 512) if s < max_num_tokens]
     step = max(512, -(-max_num_tokens // 8 // 256) * 256)
     sizes += [s for s in range(step, max_num_tokens, step) if s > 512]
     sizes.append(max_num_tokens)

@@ -18,11 +18,12 @@ BS = 4
 
 
 def test_capture_sizes():
-    assert mixed_capture_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
-    assert mixed_capture_sizes(8192) == [16, 32, 64, 128, 256, 512] + list(range(1024, 8193, 1024))
-    assert mixed_capture_sizes(600) == [16, 32, 64, 128, 256, 512, 600]
-    assert mixed_capture_sizes(100) == [16, 32, 64, 100]
-    assert mixed_capture_sizes(16) == [16]
+    assert mixed_capture_sizes(2048) == [8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert mixed_capture_sizes(8192) == [8, 16, 32, 64, 128, 256, 512] + list(
+        range(1024, 8193, 1024))
+    assert mixed_capture_sizes(600) == [8, 16, 32, 64, 128, 256, 512, 600]
+    assert mixed_capture_sizes(100) == [8, 16, 32, 64, 100]
+    assert mixed_capture_sizes(16) == [8, 16]
     assert mixed_capture_sizes(5) == [5]
     for budget in (5, 16, 100, 2048, 3000, 16384):
         sizes = mixed_capture_sizes(budget)

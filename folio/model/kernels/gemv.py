@@ -12,8 +12,11 @@ ways the autotuner picks between per (N, K, M_PAD):
   CUDA-core FMAs cost more than streaming the weight (measured on an H200); the tensor cores
   do not, and the pipelined loads tl.dot gets keep more of the weight in flight.
 M_PAD, the next power of two of M, is the only compiled dimension of x (3 and 4 rows share a
-variant); M itself is not specialized on. Rows of x past M and of W past N are clamped reads,
-never stored, so only a ragged K edge needs masking.
+variant); M itself is not specialized on. Rows of W past N are clamped reads, never stored, so
+only a ragged K edge needs masking there. Rows of x past M are clamped on the CUDA cores; for
+tl.dot they are masked instead (zeros, no memory read): the padding rows are 11 of the 16 at
+a k = 4 verify step's 5, and clamped they streamed the last row's tile into shared memory
+eleven more times an iteration, a quarter to a half of the weight tile's own bytes.
 
 When N / BLOCK_N gives too few programs to cover the SMs (N = 1024 above), configs may split K
 over SPLIT_K programs per column block. Each writes its fp32 partial to a workspace; a ticket
@@ -62,6 +65,12 @@ _FULL_CONFIGS = [
     (16, 256, 4, 1, 4, 3),
     (32, 256, 2, 1, 4, 3),
     (32, 128, 4, 1, 4, 4),
+    # narrow tiles: more programs for 4096-6144 outputs (64-row tiles leave SMs idle there).
+    # Not yet measured on a GPU.
+    (16, 256, 1, 1, 4, 4),
+    (16, 512, 1, 1, 4, 3),
+    (32, 128, 2, 1, 4, 5),
+    (16, 256, 2, 1, 4, 4),
     # 8-bit weights only (the prune drops them for 16-bit ones): the same bytes per row-tile
     # as the 1024-wide configs of a bf16 weight. Not yet measured on a GPU.
     (4, 2048, 1, 0, 4, 2),
@@ -170,6 +179,24 @@ if HAS_TRITON:
         return tile
 
     @triton.jit
+    def _load_x(x_rows, row_ok, offs_k, k_hi, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K: tl.constexpr, DOT: tl.constexpr, FIRST: tl.constexpr):
+        """The [rows, BLOCK_K] tile of x at offs_k (FIRST: the program's first tile, which
+        a split may find empty). For tl.dot the padding rows (row_ok false) are masked to
+        zeros, not read; the CUDA-core path's padding rows are clamped reads, as the weight's
+        (one row: no mask at all)."""
+        if DOT:
+            mask = row_ok[:, None]
+            if SPLIT_K > 1 or K % BLOCK_K != 0:
+                mask = mask & (offs_k < k_hi)[None, :]
+            tile = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+        elif FIRST and SPLIT_K > 1:
+            tile = tl.load(x_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+        else:
+            tile = load_k_tile(x_rows, offs_k, K, BLOCK_K)
+        return tile
+
+    @triton.jit
     def _k_range(pid_k, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         if SPLIT_K == 1:
             k_lo = 0
@@ -227,8 +254,8 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         offs_m = _row_offsets(M_PAD, DOT)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Padding rows of x and columns past N read valid memory (clamped) and are never
-        # stored, so the weight and x loads need no row masks.
+        # Columns past N read valid memory (clamped) and are never stored: the weight loads
+        # need no row masks. x's padding rows: _load_x.
         x_rows = X + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
         w_rows = W + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
         k_lo, k_hi = _k_range(pid_k, K, BLOCK_K, SPLIT_K)
@@ -237,12 +264,13 @@ if HAS_TRITON:
         w = _load_first(w_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
         pdl_entry(USE_PDL)
         acc = _acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT)
-        acc = _mac(acc, _load_first(x_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K), w, M_PAD, DOT,
-                   PRECISION)
+        row_ok = offs_m < M
+        acc = _mac(acc, _load_x(x_rows, row_ok, k_lo + tl.arange(0, BLOCK_K), k_hi, K, BLOCK_K,
+                                SPLIT_K, DOT, True), w, M_PAD, DOT, PRECISION)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = load_k_tile(w_rows, offs_k, K, BLOCK_K)
-            x = load_k_tile(x_rows, offs_k, K, BLOCK_K)
+            x = _load_x(x_rows, row_ok, offs_k, k_hi, K, BLOCK_K, SPLIT_K, DOT, False)
             acc = _mac(acc, x, w, M_PAD, DOT, PRECISION)
         acc = _acc_finish(acc, M_PAD, DOT)
         is_last = True
@@ -280,14 +308,16 @@ if HAS_TRITON:
         wg = _load_first(g_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
         wu = _load_first(u_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
         pdl_entry(USE_PDL)
-        x = _load_first(x_rows, k_lo, k_hi, K, BLOCK_K, SPLIT_K)
+        row_ok = offs_m < M
+        x = _load_x(x_rows, row_ok, k_lo + tl.arange(0, BLOCK_K), k_hi, K, BLOCK_K, SPLIT_K, DOT,
+                    True)
         acc_g = _mac(_acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT), x, wg, M_PAD, DOT, PRECISION)
         acc_u = _mac(_acc_init(M_PAD, BLOCK_N, BLOCK_K, DOT), x, wu, M_PAD, DOT, PRECISION)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             wg = load_k_tile(g_rows, offs_k, K, BLOCK_K)
             wu = load_k_tile(u_rows, offs_k, K, BLOCK_K)
-            x = load_k_tile(x_rows, offs_k, K, BLOCK_K)
+            x = _load_x(x_rows, row_ok, offs_k, k_hi, K, BLOCK_K, SPLIT_K, DOT, False)
             acc_g = _mac(acc_g, x, wg, M_PAD, DOT, PRECISION)
             acc_u = _mac(acc_u, x, wu, M_PAD, DOT, PRECISION)
         acc_g = _acc_finish(acc_g, M_PAD, DOT)

@@ -55,8 +55,10 @@ _CONFIGS = [
     # out one row a thread; 2.9 for groups of 32); narrow outputs split K
     (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
     (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1),
-    # four rows a thread: twice the programs for the narrow outputs (qkv, o)
+    # four rows a thread: twice the programs for the narrow outputs (qkv, o); split in K
+    # too, four to eight programs an SM there (not yet measured on a GPU)
     (16, 128, 1, 4, 1), (8, 128, 1, 2, 1),
+    (16, 128, 2, 4, 1), (8, 128, 2, 2, 1), (8, 128, 4, 2, 1),
     # 64-word tiles, two rows a warp
     (32, 64, 1, 2, 1), (32, 64, 2, 2, 1), (32, 64, 4, 2, 1), (16, 64, 1, 2, 1),
     # 16-word tiles (one group of 128), for Ks the wider tiles do not divide
