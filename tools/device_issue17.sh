@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s25a|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,18 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s25a)  # next session: small mixed steps captured in graph pieces (one layer, three, the
+  # rest) so a verify step's first kernel need not wait for the whole graph's launch (the
+  # ~0.6-0.85 ms gap session 24 found); the GPU graph tests first, then the verify cost with
+  # the gaps, in pieces and whole, cuBLAS and the skinny kernel for the 8 rows
+  STEP_PATTERN="passed|failed|Error" step 260 graph_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_cuda_graphs.py \
+      tests/gpu/test_gpu_spec_decode.py
+  step 110 verify_pieces python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --gaps
+  step 90 verify_whole python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --gaps \
+      --whole-graphs
+  step 90 verify_pieces_gemv env FOLIO_GEMV=all python3 tools/gpu_verify_cost.py \
+      --config llama3-8b --k 4 ;;
 s24b)  # session 24: the verify cost with the skinny kernel for the 5 rows (FOLIO_GEMV=all)
   # against cuBLAS, where a verify step's host time goes (cProfile), and the skinny kernel
   # against cuBLAS per Llama-3-8B projection at 1, 5 and 8 rows, every config timed

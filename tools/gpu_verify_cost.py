@@ -131,9 +131,15 @@ def main() -> None:
                         help="also cProfile 65 steps of each (host functions)")
     parser.add_argument("--gaps", action="store_true",
                         help="also the device's idle gaps between kernels over 17 steps of each")
+    parser.add_argument("--whole-graphs", action="store_true",
+                        help="capture small mixed steps as one graph, not in pieces (the A/B "
+                             "of worker/mixed_graphs.PIECEWISE_MAX_TOKENS)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU check)")
     args = parser.parse_args()
     from folio.core.spec.ngram import NgramProposer
+    if args.whole_graphs:
+        from folio.worker import mixed_graphs
+        mixed_graphs.PIECEWISE_MAX_TOKENS = 0
     model = build_random_model(args.config, num_layers=args.num_layers)
     prompt = list(range(1000, 1128))
     results = {}

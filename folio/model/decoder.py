@@ -219,17 +219,32 @@ class DecoderLM(nn.Module):
         aux = self.aux_hidden_layers
         if aux:
             kept: dict[int, torch.Tensor] = {}
-        for i, kv_cache in zip(self.stage_layers, kv_caches):
-            if aux and i in aux:
-                kept[i] = hidden if residual is None else hidden + residual
-            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, metadata)
-        if aux:
+            for i, kv_cache in zip(self.stage_layers, kv_caches):
+                if i in aux:
+                    kept[i] = hidden if residual is None else hidden + residual
+                hidden, residual = self.layers[i](positions, hidden, residual, kv_cache,
+                                                  metadata)
             self.aux_hidden_states = [kept[i] for i in aux]
+        else:
+            hidden, residual = self.run_layers(0, len(self.stage_layers), positions, hidden,
+                                               residual, kv_caches, metadata)
         if not pp.is_last:
             pp.send(hidden, residual)
             return None
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def run_layers(self, first: int, last: int, positions: torch.Tensor, hidden: torch.Tensor,
+                   residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
+                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers first..last-1 (indices into stage_layers, whose caches are
+        kv_caches[first:last]) on the residual stream (hidden, residual); residual is None
+        before the first layer. The forward between the embedding and the final norm, or a
+        piece of it (worker/mixed_graphs.py captures small steps as several graphs)."""
+        for j in range(first, last):
+            hidden, residual = self.layers[self.stage_layers[j]](positions, hidden, residual,
+                                                                  kv_caches[j], metadata)
+        return hidden, residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings."""

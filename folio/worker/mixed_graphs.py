@@ -38,6 +38,26 @@ from folio.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
+# Steps of up to this many tokens are captured as several graphs (graph_pieces), replayed one
+# after another. A graph's first kernel starts only once the whole graph has been launched,
+# which for a model's few hundred kernels took ~0.6-0.85 ms on the lent H100 (the gap between
+# a verify step's input copies and its embedding; tools/gpu_verify_cost.py --gaps). Under
+# async scheduling a plain step's launch hides behind the step before it, but a verify step
+# is launched only after the previous one's kept tokens are known, so at batch 1 the device
+# idled that long each step. In pieces, the first (one layer) starts at once and each later
+# launch runs while the pieces before it execute. Large steps run long enough to hide it.
+PIECEWISE_MAX_TOKENS = 64
+
+
+def graph_pieces(num_layers: int) -> list[tuple[int, int]]:
+    """The layer ranges [first, last) of a piecewise-captured step: one layer, then three,
+    then the rest, each launched while the pieces before it run (a layer's work outlasts the
+    next piece's launch; tools/gpu_verify_cost.py --gaps shows what is left). Models of four
+    layers or fewer stay whole."""
+    if num_layers <= 4:
+        return [(0, num_layers)]
+    return [(0, 1), (1, 4), (4, num_layers)]
+
 
 def mixed_capture_sizes(max_num_tokens: int) -> list[int]:
     """Token counts to capture: powers of two from 8 to 512, then even steps of about an
@@ -60,7 +80,9 @@ class MixedGraphRunner:
 
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], *, block_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, piecewise: bool = True) -> None:
+        """`piecewise`: capture steps of up to PIECEWISE_MAX_TOKENS tokens as graph_pieces
+        (where the model is one pipeline stage without EAGLE-3's kept states)."""
         backend = triton_backend_of(model)
         assert backend is not None, "mixed-step graphs need the Triton attention backend"
         self.backend = backend
@@ -88,11 +110,23 @@ class MixedGraphRunner:
         self.seq_lens = buffer((slots,), torch.int32)
         self.block_tables = buffer((slots, w), torch.int32)
         self.hidden = buffer((n, model.spec.hidden_size), dtype)
+        # Piecewise capture: the residual stream between pieces, in buffers outside the graph
+        # pool (no graph's temporaries outlive its own replay).
+        pieces = graph_pieces(len(model.stage_layers))
+        if not (piecewise and len(pieces) > 1 and model.pp.is_first and model.pp.is_last
+                and not model.aux_hidden_layers):
+            pieces = [(0, len(model.stage_layers))]
+        self.pieces = pieces
+        self.piece_max_tokens = min(PIECEWISE_MAX_TOKENS, n) if len(pieces) > 1 else 0
+        m = self.piece_max_tokens
+        self.mid_hidden = buffer((m, model.spec.hidden_size), model.norm_dtype())
+        self.mid_residual = buffer((m, model.spec.hidden_size), model.norm_dtype())
 
         # Host mirrors, written by the flat-batch builder (pinned on CUDA).
         self._host = StepBuffers(n, slots, w, pin=device.type == "cuda")
 
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Keyed (token count, piece): one piece per count but the smallest (_pieces_for).
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.replayed_sizes: set[int] = set()
@@ -126,13 +160,42 @@ class MixedGraphRunner:
         self._metas[n] = meta
         return meta
 
-    def _forward(self, n: int) -> None:
-        out = self.model(self.input_ids[:n], self.positions[:n], self.kv_caches, self._meta(n))
-        self.hidden[:n].copy_(out)
+    def _pieces_for(self, n: int) -> int:
+        return len(self.pieces) if n <= self.piece_max_tokens else 1
 
-    def _stage_padding_only(self, n: int) -> None:
+    def _forward(self, key: tuple[int, int]) -> None:
+        """Piece p of the forward of an n-token step (key (n, p)); the whole forward where
+        n has one piece."""
+        n, p = key
+        if self._pieces_for(n) == 1:
+            out = self.model(self.input_ids[:n], self.positions[:n], self.kv_caches,
+                             self._meta(n))
+            self.hidden[:n].copy_(out)
+            return
+        model = self.model
+        first, last = self.pieces[p]
+        if first == 0:
+            hidden, residual = model.embed(self.input_ids[:n]), None
+        else:
+            hidden, residual = self.mid_hidden[:n], self.mid_residual[:n]
+        hidden, residual = model.run_layers(first, last, self.positions[:n], hidden, residual,
+                                            self.kv_caches, self._meta(n))
+        if last == len(model.stage_layers):
+            hidden, _ = model.norm(hidden, residual)
+            self.hidden[:n].copy_(hidden)
+        else:
+            self.mid_hidden[:n].copy_(hidden)
+            self.mid_residual[:n].copy_(residual)
+
+    def _keys(self) -> list[tuple[int, int]]:
+        """(count, piece) for every graph, in the order capture_graphs takes them reversed:
+        the largest count first, each count's pieces in replay order."""
+        return [(n, p) for n in self.sizes for p in reversed(range(self._pieces_for(n)))]
+
+    def _stage_padding_only(self, key: tuple[int, int]) -> None:
         """Buffers for an all-padding step of n tokens (capture and its warm-up write nothing
         to the KV cache)."""
+        n = key[0]
         self._copy_to_device(self._build(_EMPTY_STEP, None, {}, n), n)
 
     def _build(self, step: SchedulerOutput, batch: InputBatch | None, prev_rows: dict[str, int],
@@ -157,11 +220,12 @@ class MixedGraphRunner:
     def capture(self) -> None:
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         start = time.perf_counter()
-        self.graphs = capture_graphs(self.sizes, self._stage_padding_only, self._forward,
+        self.graphs = capture_graphs(self._keys(), self._stage_padding_only, self._forward,
                                      self.device)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs for mixed steps (token counts %s) in %.1f s",
-                    len(self.graphs), self.sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs for mixed steps (token counts %s; up to %d "
+                    "tokens in %d pieces) in %.1f s", len(self.graphs), self.sizes,
+                    self.piece_max_tokens, len(self.pieces), self.capture_seconds)
 
     # ---- replay ---------------------------------------------------------------------------
 
@@ -193,14 +257,16 @@ class MixedGraphRunner:
         self._copy_to_device(flat, n)
         if flat.pending_dst:
             fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)
-        graph = self.graphs.get(n)
-        if graph is not None:
-            graph.replay()
+        pieces = self._pieces_for(n)
+        if (n, 0) in self.graphs:
+            for p in range(pieces):
+                self.graphs[(n, p)].replay()
             self.num_replays += 1
             self.replayed_sizes.add(n)
         else:
             with torch.inference_mode():
-                self._forward(n)
+                for p in range(pieces):
+                    self._forward((n, p))
         return self.hidden[:T], flat.query_start_loc
 
 

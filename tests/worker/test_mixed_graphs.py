@@ -38,12 +38,23 @@ def test_padded_path_matches_eager_under_interpreter():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "model"))
     from interpreter_harness import interpreter_results
     results = interpreter_results(__file__, timeout=600)
-    res = results.get("padded_path")
-    assert res is not None, results["_stderr"]
-    assert "error" not in res, res["error"]
-    assert res["steps"] >= 8 and res["padded_steps"] >= 4 and res["pending"] >= 2, res
-    assert res["max_hidden_err"] < 1e-4, res
-    assert res["cache_equal"], res
+    # Two layers: each step one forward; five: steps of up to 64 tokens in graph pieces
+    # (one layer, three, one), the residual stream handed between them in static buffers.
+    for name, pieces in (("padded_path", 1), ("padded_path_pieces", 3)):
+        res = results.get(name)
+        assert res is not None, results["_stderr"]
+        assert "error" not in res, res["error"]
+        assert res["pieces"] == pieces, res
+        assert res["steps"] >= 8 and res["padded_steps"] >= 4 and res["pending"] >= 2, res
+        assert res["max_hidden_err"] < 1e-4, res
+        assert res["cache_equal"], res
+
+
+def test_graph_pieces():
+    from folio.worker.mixed_graphs import graph_pieces
+    assert graph_pieces(4) == [(0, 4)]
+    assert graph_pieces(5) == [(0, 1), (1, 4), (4, 5)]
+    assert graph_pieces(32) == [(0, 1), (1, 4), (4, 32)]
 
 
 def _run_padded_path(case: dict) -> dict:
@@ -58,7 +69,7 @@ def _run_padded_path(case: dict) -> dict:
     from folio.worker.mixed_graphs import MixedGraphRunner
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=case["layers"], num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=97,
                       max_position_embeddings=256, tie_word_embeddings=True,
                       architectures=["Qwen3ForCausalLM"])
@@ -80,7 +91,8 @@ def _run_padded_path(case: dict) -> dict:
     from folio.worker.input_batch import InputBatch
     from scheduler_steps import scheduler_steps
     batch = InputBatch(max_reqs, -(-max_len // BS), torch.device("cpu"), max_len)
-    stats = dict(name=case["name"], steps=0, padded_steps=0, pending=0, max_hidden_err=0.0)
+    stats = dict(name=case["name"], steps=0, padded_steps=0, pending=0, max_hidden_err=0.0,
+                 pieces=len(runner.pieces) if max_tokens <= runner.piece_max_tokens else 1)
     for step_case in scheduler_steps(case["seed"], block_size=BS, max_model_len=max_len,
                                      max_reqs=max_reqs, budget=max_tokens, num_blocks=60,
                                      async_scheduling=True, num_steps=16):
@@ -137,4 +149,5 @@ if __name__ == "__main__":
                                     "model"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from interpreter_harness import child_main
-    child_main([dict(name="padded_path", seed=5)], _run_padded_path)
+    child_main([dict(name="padded_path", seed=5, layers=2),
+                dict(name="padded_path_pieces", seed=6, layers=5)], _run_padded_path)
