@@ -62,14 +62,15 @@ _Key = TypeVar("_Key", bound=Hashable)
 def capture_graphs(sizes: list[_Key], prepare: Callable[[_Key], None],
                    forward: Callable[[_Key], None], device: torch.device
                    ) -> dict[_Key, torch.cuda.CUDAGraph]:
-    """One CUDA graph per size (or key: mixed_graphs.py captures (size, piece) pairs), the
-    list's last first: sizes in ascending order, so that later, smaller graphs reuse the pool
-    memory the larger ones reserved (graphs sharing the pool never run at once, and no
-    graph's temporaries outlive its replay). `prepare(size)` stages padding-only inputs;
-    eager runs precede each capture, because Triton compiles and autotunes on a new key, which cannot happen inside
-    one: two when the first benchmarked autotune configs (a first start: as before, so the
-    state benchmarking leaves behind is run over before capture), one when it only read the
-    choices from disk (a restart: a third of its capture time saved)."""
+    """One CUDA graph per size (or key: mixed_graphs.py captures (size, piece) pairs),
+    captured from the list's end: sizes come in ascending order, so the largest is captured
+    first and later, smaller graphs reuse the pool memory it reserved (graphs sharing the
+    pool never run at once, and no graph's temporaries outlive its replay). `prepare(size)`
+    stages padding-only inputs; eager runs precede each capture, because Triton compiles and
+    autotunes on a new key, which cannot happen inside one: two when the first benchmarked
+    autotune configs (a first start: as before, so the state benchmarking leaves behind is
+    run over before capture), one when it only read the choices from disk (a restart: a third
+    of its capture time saved)."""
     from folio.model.kernels._common import autotune_benchmarks
     pool = torch.cuda.graph_pool_handle()
     graphs: dict[_Key, torch.cuda.CUDAGraph] = {}

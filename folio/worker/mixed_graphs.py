@@ -80,9 +80,9 @@ class MixedGraphRunner:
 
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], *, block_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_tokens: int,
-                 device: torch.device, piecewise: bool = True) -> None:
-        """`piecewise`: capture steps of up to PIECEWISE_MAX_TOKENS tokens as graph_pieces
-        (where the model is one pipeline stage without EAGLE-3's kept states)."""
+                 device: torch.device) -> None:
+        """Steps of up to PIECEWISE_MAX_TOKENS tokens are captured as graph_pieces where the
+        model is one pipeline stage without EAGLE-3's kept states."""
         backend = triton_backend_of(model)
         assert backend is not None, "mixed-step graphs need the Triton attention backend"
         self.backend = backend
@@ -113,7 +113,7 @@ class MixedGraphRunner:
         # Piecewise capture: the residual stream between pieces, in buffers outside the graph
         # pool (no graph's temporaries outlive its own replay).
         pieces = graph_pieces(len(model.stage_layers))
-        if not (piecewise and len(pieces) > 1 and model.pp.is_first and model.pp.is_last
+        if not (len(pieces) > 1 and model.pp.is_first and model.pp.is_last
                 and not model.aux_hidden_layers):
             pieces = [(0, len(model.stage_layers))]
         self.pieces = pieces

@@ -14,9 +14,10 @@ ways the autotuner picks between per (N, K, M_PAD):
 M_PAD, the next power of two of M, is the only compiled dimension of x (3 and 4 rows share a
 variant); M itself is not specialized on. Rows of W past N are clamped reads, never stored, so
 only a ragged K edge needs masking there. Rows of x past M are clamped on the CUDA cores; for
-tl.dot they are masked instead (zeros, no memory read): the padding rows are 11 of the 16 at
-a k = 4 verify step's 5, and clamped they streamed the last row's tile into shared memory
-eleven more times an iteration, a quarter to a half of the weight tile's own bytes.
+tl.dot they are masked instead (zeros, no memory read): a k = 4 verify step has 5 rows (8 in
+its CUDA graph), so 8-11 of the 16 are padding, and clamped they streamed the last row's tile
+into shared memory that many more times an iteration, a quarter to a half of the weight
+tile's own bytes (on the H100 the o projection at 5 rows went from 16.9 to 15.4 µs).
 
 When N / BLOCK_N gives too few programs to cover the SMs (N = 1024 above), configs may split K
 over SPLIT_K programs per column block. Each writes its fp32 partial to a workspace; a ticket
@@ -65,12 +66,6 @@ _FULL_CONFIGS = [
     (16, 256, 4, 1, 4, 3),
     (32, 256, 2, 1, 4, 3),
     (32, 128, 4, 1, 4, 4),
-    # narrow tiles: more programs for 4096-6144 outputs (64-row tiles leave SMs idle there).
-    # Not yet measured on a GPU.
-    (16, 256, 1, 1, 4, 4),
-    (16, 512, 1, 1, 4, 3),
-    (32, 128, 2, 1, 4, 5),
-    (16, 256, 2, 1, 4, 4),
     # 8-bit weights only (the prune drops them for 16-bit ones): the same bytes per row-tile
     # as the 1024-wide configs of a bf16 weight. Not yet measured on a GPU.
     (4, 2048, 1, 0, 4, 2),
