@@ -50,13 +50,13 @@ PIECEWISE_MAX_TOKENS = 64
 
 
 def graph_pieces(num_layers: int) -> list[tuple[int, int]]:
-    """The layer ranges [first, last) of a piecewise-captured step: one layer, then three,
-    then the rest, each launched while the pieces before it run (a layer's work outlasts the
-    next piece's launch; tools/gpu_verify_cost.py --gaps shows what is left). Models of four
-    layers or fewer stay whole."""
-    if num_layers <= 4:
-        return [(0, num_layers)]
-    return [(0, 1), (1, 4), (4, num_layers)]
+    """The layer ranges [first, last) of a piecewise-captured step: one layer, then up to
+    three, then the rest, each launched while the pieces before it run (a layer's work
+    outlasts the next piece's launch; tools/gpu_verify_cost.py --gaps shows what is left).
+    Small models split too (nothing to gain there, but the GPU tests' models then take the
+    same path as large ones); a one-layer model stays whole."""
+    bounds = [b for b in (0, 1, 4) if b < num_layers] + [num_layers]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def mixed_capture_sizes(max_num_tokens: int) -> list[int]:
@@ -125,7 +125,7 @@ class MixedGraphRunner:
         # Host mirrors, written by the flat-batch builder (pinned on CUDA).
         self._host = StepBuffers(n, slots, w, pin=device.type == "cuda")
 
-        # Keyed (token count, piece): one piece per count but the smallest (_pieces_for).
+        # Keyed (token count, piece): len(pieces) pieces up to piece_max_tokens, one above.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0

@@ -38,9 +38,10 @@ def test_padded_path_matches_eager_under_interpreter():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "model"))
     from interpreter_harness import interpreter_results
     results = interpreter_results(__file__, timeout=600)
-    # Two layers: each step one forward; five: steps of up to 64 tokens in graph pieces
-    # (one layer, three, one), the residual stream handed between them in static buffers.
-    for name, pieces in (("padded_path", 1), ("padded_path_pieces", 3)):
+    # Small steps in graph pieces, the residual stream handed between them in static buffers:
+    # two layers (one and one) for steps of up to 16 tokens, larger ones whole; five layers
+    # (one, three, one) for every step (PIECEWISE_MAX_TOKENS: 64).
+    for name, pieces in (("padded_path", 2), ("padded_path_pieces", 3)):
         res = results.get(name)
         assert res is not None, results["_stderr"]
         assert "error" not in res, res["error"]
@@ -48,11 +49,14 @@ def test_padded_path_matches_eager_under_interpreter():
         assert res["steps"] >= 8 and res["padded_steps"] >= 4 and res["pending"] >= 2, res
         assert res["max_hidden_err"] < 1e-4, res
         assert res["cache_equal"], res
+    assert results["padded_path"]["whole_steps"] >= 1, results["padded_path"]
 
 
 def test_graph_pieces():
     from folio.worker.mixed_graphs import graph_pieces
-    assert graph_pieces(4) == [(0, 4)]
+    assert graph_pieces(1) == [(0, 1)]
+    assert graph_pieces(2) == [(0, 1), (1, 2)]
+    assert graph_pieces(4) == [(0, 1), (1, 4)]
     assert graph_pieces(5) == [(0, 1), (1, 4), (4, 5)]
     assert graph_pieces(32) == [(0, 1), (1, 4), (4, 32)]
 
@@ -85,6 +89,8 @@ def _run_padded_path(case: dict) -> dict:
     for c in eager_caches:
         c.normal_()
     graph_caches = [c.clone() for c in eager_caches]
+    from folio.worker import mixed_graphs
+    mixed_graphs.PIECEWISE_MAX_TOKENS = case["piece_max_tokens"]
     runner = MixedGraphRunner(model, graph_caches, block_size=BS, max_num_seqs=max_reqs,
                               max_model_len=max_len, max_num_tokens=max_tokens,
                               device=torch.device("cpu"))
@@ -92,7 +98,7 @@ def _run_padded_path(case: dict) -> dict:
     from scheduler_steps import scheduler_steps
     batch = InputBatch(max_reqs, -(-max_len // BS), torch.device("cpu"), max_len)
     stats = dict(name=case["name"], steps=0, padded_steps=0, pending=0, max_hidden_err=0.0,
-                 pieces=len(runner.pieces) if max_tokens <= runner.piece_max_tokens else 1)
+                 pieces=len(runner.pieces), whole_steps=0)
     for step_case in scheduler_steps(case["seed"], block_size=BS, max_model_len=max_len,
                                      max_reqs=max_reqs, budget=max_tokens, num_blocks=60,
                                      async_scheduling=True, num_steps=16):
@@ -133,7 +139,9 @@ def _run_padded_path(case: dict) -> dict:
         assert got_qsl == qsl
         T = qsl[-1]
         stats["steps"] += 1
-        stats["padded_steps"] += int(runner.sizes[np.searchsorted(runner.sizes, T)] > T)
+        size = runner.sizes[np.searchsorted(runner.sizes, T)]
+        stats["padded_steps"] += int(size > T)
+        stats["whole_steps"] += int(size > runner.piece_max_tokens)
         err = float((hidden - ref).abs().max() / ref.abs().max())
         stats["max_hidden_err"] = max(stats["max_hidden_err"], err)
     stats["cache_equal"] = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5)
@@ -149,5 +157,6 @@ if __name__ == "__main__":
                                     "model"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from interpreter_harness import child_main
-    child_main([dict(name="padded_path", seed=5, layers=2),
-                dict(name="padded_path_pieces", seed=6, layers=5)], _run_padded_path)
+    child_main([dict(name="padded_path", seed=5, layers=2, piece_max_tokens=16),
+                dict(name="padded_path_pieces", seed=6, layers=5, piece_max_tokens=64)],
+               _run_padded_path)
