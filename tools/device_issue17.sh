@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22|s25a|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,18 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s25c)  # session 25: the deepseek_v2 mixed-graph test that failed in s25a (prompt 31, top-5
+  # rule), in pieces and whole (PIECEWISE_MAX_TOKENS=0 set in-process), to tell a piece
+  # hazard from an MoE routing near-tie; then issue 16's FP8 batch-1 decode kernel by kernel
+  T="tests/gpu/test_cuda_graphs.py::test_mixed_step_graphs_match_eager_mixed_steps[deepseek_v2]"
+  STEP_PATTERN="passed|failed|position|Error" step 100 ds_pieces python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf "$T"
+  STEP_PATTERN="passed|failed|position|Error" step 100 ds_whole python3 -c \
+      "import sys, pytest, folio.worker.mixed_graphs as m; m.PIECEWISE_MAX_TOKENS = 0; \
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--noconftest', '-rf', '$T']))"
+  STEP_PATTERN="kernels/token|Error" step 200 census_fp8 env FOLIO_PDL=0 python3 \
+      tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
+  head -40 "$OUT/census_fp8.log" | cut -c1-170 ;;
 s25a)  # next session: small mixed steps captured in graph pieces (one layer, three, the
   # rest) so a verify step's first kernel need not wait for the whole graph's launch (the
   # ~0.6-0.85 ms gap session 24 found); the GPU graph tests first, then the verify cost with

@@ -118,11 +118,20 @@ class KernelConfig:
 DEFAULT_KERNEL_CONFIG = KernelConfig()
 
 
-def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
+# With speculative decoding a batch-1 verify step is k + 1 <= 8 rows (the 8-token mixed
+# graph), where the skinny GEMV's masked tl.dot path beat cuBLAS end to end: the Llama-3-8B
+# verify step 5.030 against 5.203 ms on the H200, 6.711 against 6.823 on the H100
+# (tools/gpu_verify_cost.py, docs/benchmarks.md sessions 24-25).
+SPECULATIVE_GEMV = "all"
+
+
+def resolve_kernel_config(env: Mapping[str, str] | None = None, *,
+                          speculative: bool = False) -> KernelConfig:
     """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
     FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER from `env` (os.environ when None) applied over them.
     An unknown value is an error naming the variable: it used to fall back silently
-    (FOLIO_KERNELS=eager meant torch), which hid typos."""
+    (FOLIO_KERNELS=eager meant torch), which hid typos. `speculative`: the engine verifies
+    drafts, so the GEMV default is SPECULATIVE_GEMV (FOLIO_GEMV still overrides it)."""
     env = os.environ if env is None else env
     overrides = {}
     for var, (field_name, allowed) in _ENV_OVERRIDES.items():
@@ -132,4 +141,6 @@ def resolve_kernel_config(env: Mapping[str, str] | None = None) -> KernelConfig:
         if value not in allowed:
             raise ValueError(f"{var} must be one of {list(allowed)}, got {value!r}")
         overrides[field_name] = value
-    return replace(DEFAULT_KERNEL_CONFIG, **overrides)
+    defaults = replace(DEFAULT_KERNEL_CONFIG, gemv=SPECULATIVE_GEMV) if speculative \
+        else DEFAULT_KERNEL_CONFIG
+    return replace(defaults, **overrides)

@@ -155,7 +155,7 @@ class Worker:
         # any weight is read.
         self.kv_cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, self.dtype,
                                                   self.quantization)
-        kernel_config = resolve_kernel_config()
+        kernel_config = resolve_kernel_config(speculative=config.speculative is not None)
         check_kv_cache_dtype(self.device, self.dtype, self.kv_cache_dtype, kernel_config)
         torch.manual_seed(config.model.seed)
         # Seconds spent in each start-up stage, for benchmarks' start-to-ready split. A stage that

@@ -275,3 +275,17 @@ def test_suffix_greedy_outputs_equal_and_learn_across_requests(plain_llm) -> Non
     accepted_first = s1.spec_num_accepted_tokens
     accepted_second = s2.spec_num_accepted_tokens - s1.spec_num_accepted_tokens
     assert accepted_first > 0 and accepted_second > accepted_first
+
+
+def test_speculation_builds_the_layers_for_few_row_verify_steps(plain_llm, spec_llm) -> None:
+    """With speculation the layers' GEMV default covers the verify step's k + 1 rows
+    (kernel_config.SPECULATIVE_GEMV), FOLIO_GEMV overriding it as ever."""
+    from folio.model.kernel_config import resolve_kernel_config
+    from folio.model.layers import Linear
+
+    def gemv_modes(llm: LLM) -> set[str]:
+        model = llm.llm_engine.engine_core.executor.worker.model
+        return {m.kernels.gemv for m in model.modules() if isinstance(m, Linear)}
+
+    assert gemv_modes(spec_llm) == {resolve_kernel_config(speculative=True).gemv}
+    assert gemv_modes(plain_llm) == {resolve_kernel_config().gemv}

@@ -8,12 +8,13 @@ config it was built with, and no code under folio/model reads the environment an
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, KernelConfig,
+from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, SPECULATIVE_GEMV, KernelConfig,
                                        resolve_kernel_config)
 
 ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL", "FOLIO_LORA",
@@ -193,3 +194,14 @@ def test_the_checker_sees_reads() -> None:
                     "from os import environ\nenviron['X']", "import os\nx = os.environ"):
         assert _environment_reads(ast.parse(snippet)), snippet
     assert not _environment_reads(ast.parse("import os\nos.path.join('a')"))
+
+
+def test_speculative_decoding_defaults_the_gemv_to_every_row_count() -> None:
+    # A batch-1 verify step is k + 1 <= 8 rows: the skinny GEMV serves them by default ...
+    cfg = resolve_kernel_config({}, speculative=True)
+    assert cfg.gemv == SPECULATIVE_GEMV == "all"
+    assert cfg == replace(DEFAULT_KERNEL_CONFIG, gemv="all")
+    # ... and FOLIO_GEMV still decides when set.
+    assert resolve_kernel_config({"FOLIO_GEMV": "1"}, speculative=True).gemv == "1"
+    assert not resolve_kernel_config({"FOLIO_GEMV": "0"}, speculative=True).gemv_on
+    assert resolve_kernel_config({}, speculative=False) == DEFAULT_KERNEL_CONFIG
