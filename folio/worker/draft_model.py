@@ -21,6 +21,7 @@ import torch
 
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor
+from folio.model.kernels.sampling import argmax_rows
 from folio.worker.input_batch import InputBatch
 from folio.worker.spec_propose import DraftInputs, drafting_requests, gather_drafts, one_token_meta
 
@@ -60,6 +61,6 @@ class DraftModelProposer:
             meta = one_token_meta(batch, rows[active], pos, self.block_size, self.device)
             hidden = self.model(tokens, device_tensor(pos.tolist(), self.device, torch.int64),
                                 self.kv_caches, meta)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens = argmax_rows(self.model.compute_logits(hidden))
             drafted.append((active, tokens))
         return gather_drafts(drafted, req_ids, self.device)

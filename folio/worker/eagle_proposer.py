@@ -23,6 +23,7 @@ import torch
 from folio.model.decoder import DecoderLM
 from folio.model.eagle import EagleHead
 from folio.model.host_copy import device_tensor
+from folio.model.kernels.sampling import argmax_rows
 from folio.worker.input_batch import InputBatch
 from folio.worker.spec_propose import DraftInputs, drafting_requests, gather_drafts, one_token_meta
 
@@ -60,7 +61,7 @@ class EagleProposer:
         # 2. the first draft from each request's newest row, then k - 1 chained steps
         req_ids, rows, newest, steps = d.req_ids, d.rows, d.newest, d.steps
         at = device_tensor([inputs.last_rows[i] for i in d.which], self.device, torch.int64)
-        tokens = self.head.compute_logits(out_logits[at]).argmax(dim=-1)
+        tokens = argmax_rows(self.head.compute_logits(out_logits[at]))
         hidden = out_next[at]
         active = np.flatnonzero(steps > 0)
         if len(active) < len(req_ids):
@@ -80,6 +81,6 @@ class EagleProposer:
             out_logits, hidden = self.head(tokens, device_tensor(pos.tolist(), self.device,
                                                                  torch.int64),
                                            hidden, self.kv_caches, meta)
-            tokens = self.head.compute_logits(out_logits).argmax(dim=-1)
+            tokens = argmax_rows(self.head.compute_logits(out_logits))
             drafted.append((active, tokens))
         return gather_drafts(drafted, req_ids, self.device)

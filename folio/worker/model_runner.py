@@ -13,6 +13,7 @@ from folio.core.step_messages import (GrammarBitmask, GrammarBitmaskFn, Logprobs
 from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor, to_device, to_host_async
+from folio.model.kernels.sampling import argmax_rows
 from folio.worker.flat_batch import StepBuffers, build_flat_batch
 from folio.worker.image_embeds import ImageEmbedder
 from folio.worker.input_batch import InputBatch
@@ -495,7 +496,7 @@ class ModelRunner:
         # plain rows are sampled, so their copy to the host waits for both at once.
         own_pass = [rid in spec and needs_own_pass(states[j].sampling, columns, j)
                     for j, rid in enumerate(sampling)]
-        argmax_t = (logits.argmax(dim=-1)
+        argmax_t = (argmax_rows(logits)
                     if any(rid in spec and not own for rid, own in zip(sampling, own_pass))
                     else None)
         if (argmax_t is not None and self.draft_proposer is None and not any(own_pass)

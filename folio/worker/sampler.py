@@ -21,6 +21,7 @@ import torch
 from folio.core.engine_core_outputs import SampledTokenLogprobs
 from folio.core.step_messages import LogprobsLists
 from folio.model.host_copy import device_tensor, to_device, to_host_async
+from folio.model.kernels.sampling import argmax_rows
 from folio.sampling_params import SamplingParams
 from folio.worker.sampling_columns import SamplingColumns
 
@@ -118,7 +119,7 @@ class Sampler:
         """Rows that need nothing but a temperature: the argmax (ARGMAX), or Gumbel-max in two
         kernel launches (GUMBEL), read straight from the model's logits (no float32 copy)."""
         if path is SamplePath.ARGMAX:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             from folio.model.kernels.sampling import gumbel_sample
             self._calls += 1
@@ -463,8 +464,8 @@ def _sample(logits: torch.Tensor, states: list[SamplingState],
     greedy = columns.greedy
 
     if columns.all_greedy:
-        return logits.argmax(dim=-1)
-    sampled = logits.argmax(dim=-1) if greedy.any() else None
+        return argmax_rows(logits)
+    sampled = argmax_rows(logits) if greedy.any() else None
 
     random_rows = np.flatnonzero(~greedy)
     all_random = sampled is None

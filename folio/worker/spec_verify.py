@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from folio.model.kernels.sampling import argmax_rows
 from folio.worker.sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p
 from folio.worker.sampling_columns import SamplingColumns, needs_processors
 
@@ -66,7 +67,7 @@ def verify(logits: torch.Tensor, drafts: list[int], state: SamplingState,
         logits = logits.to(torch.float32, copy=True)
         Sampler._apply_processors(logits, [state] * (k + 1), positions)
     if columns.greedy[row]:
-        return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
+        return accept_greedy(drafts, argmax_rows(logits).tolist())
     return sample_verified(target_probs(logits, columns, row), drafts, state.generator)
 
 

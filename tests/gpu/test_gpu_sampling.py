@@ -57,3 +57,18 @@ def test_sampler_fast_path_mixed_greedy_and_random_rows():
     for row, entry in zip(logprobs.rows, logprobs.tensors.entries()):
         assert entry.token_id == sampled[row].item()
         assert abs(entry.logprob - ref[row, entry.token_id].item()) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_argmax_rows_equals_torch_argmax(rows):
+    """The greedy path's chunked argmax (bf16 logits, Llama-3's vocabulary) is torch.argmax:
+    planted ties across chunks go to the lowest id, a NaN ranks first."""
+    from folio.model.kernels.sampling import argmax_rows
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, 128256, device="cuda", generator=gen).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 128000] = 30.0
+    if rows > 1:
+        logits[1, 99999] = float("nan")
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[0].item() == 7

@@ -6,7 +6,9 @@ report one JSON line each. Checked:
     that mix greedy and random rows and across several vocabulary chunks;
   * random rows follow softmax(logits / T): a chi-square test over thousands of draws (the
     seed is fixed, so the test is deterministic), for one chunk and for several, fp32 and fp16;
-  * the same seed gives the same tokens, another seed other tokens.
+  * the same seed gives the same tokens, another seed other tokens;
+  * the argmax-only form (`argmax_rows` on CUDA) equals torch.argmax: ties across chunks, a
+    NaN (ranked above everything), a row of -inf, rows of one chunk and of several.
 """
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ CASES = [
     dict(name="distribution_multichunk_fp32_t13", kind="dist", dtype="float32", V=4100,
          rows=200, T=1.3, peaked=True),
     dict(name="seeds", kind="seeds", dtype="float32", V=300, rows=64),
+    dict(name="argmax_only_multichunk_fp32", kind="argmax", dtype="float32", V=5000, rows=5),
+    dict(name="argmax_only_fp16", kind="argmax", dtype="float16", V=700, rows=3),
 ]
 
 
 def _run(case: dict) -> dict:
     import torch
 
-    from folio.model.kernels.sampling import gumbel_sample, num_chunks_for
+    from folio.model.kernels.sampling import _chunked_argmax, gumbel_sample, num_chunks_for
 
     dtype = getattr(torch, case["dtype"])
     gen = torch.Generator().manual_seed(len(case["name"]))
@@ -50,6 +54,14 @@ def _run(case: dict) -> dict:
         out["greedy_equal"] = bool((got[greedy_rows] == ref[greedy_rows]).all())
         out["row0"], out["row1"] = int(got[0]), int(got[1])
         out["in_range"] = bool(((got >= 0) & (got < V)).all())
+    elif case["kind"] == "argmax":
+        logits = torch.randn(rows, V, generator=gen).to(dtype)
+        logits[0, 10] = logits[0, V - 3] = 9.0             # a tie across chunks
+        logits[1, V // 2] = float("nan")                    # NaN ranks first, as in torch
+        logits[2] = float("-inf")                           # nothing finite: id 0, as torch
+        got = _chunked_argmax(logits, None, 0, argmax_only=True)
+        out["equal"] = got.tolist() == logits.argmax(dim=-1).tolist()
+        out["got"] = got.tolist()
     elif case["kind"] == "dist":
         base = torch.randn(V, generator=gen) * 1.5
         if case.get("peaked"):  # most mass on ids in the first and the last chunk
@@ -104,6 +116,11 @@ def test_gumbel_kernel(results: dict, case: dict) -> None:
         assert res["in_range"], res
         assert res["chi2"] < _chi2_limit(res["dof"]), res
         if case.get("peaked"):
+            assert res["chunks"] > 1, res
+    elif case["kind"] == "argmax":
+        assert res["equal"], res
+        assert res["got"][:3] == [10, case["V"] // 2, 0], res
+        if case["name"].endswith("multichunk_fp32"):
             assert res["chunks"] > 1, res
     else:
         assert res["same_seed_equal"], res

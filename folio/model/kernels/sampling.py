@@ -33,17 +33,18 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["seed", "inv_temp"])
     def _gumbel_argmax_partial_kernel(
         LOGITS, INV_TEMP, PART_SCORE, PART_ID, stride_row, vocab, chunk_len, seed, inv_temp,
-        PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
+        PER_ROW: tl.constexpr, BLOCK: tl.constexpr, ARGMAX_ONLY: tl.constexpr,
     ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         num_chunks = tl.num_programs(1)
-        if PER_ROW:
-            inv_t = tl.load(INV_TEMP + row)  # 0.0 marks a greedy row
-        else:
-            inv_t = inv_temp
-        greedy = inv_t == 0.0
-        scale = tl.where(greedy, 1.0, inv_t)
+        if not ARGMAX_ONLY:
+            if PER_ROW:
+                inv_t = tl.load(INV_TEMP + row)  # 0.0 marks a greedy row
+            else:
+                inv_t = inv_temp
+            greedy = inv_t == 0.0
+            scale = tl.where(greedy, 1.0, inv_t)
         base = LOGITS + row.to(tl.int64) * stride_row
         start = chunk * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
@@ -53,9 +54,13 @@ if HAS_TRITON:
             cols = off + tl.arange(0, BLOCK)
             ok = cols < end
             x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            u = tl.rand(seed, row * vocab + cols)
-            gumbel = -tl.log(-tl.log(u))  # u = 0 gives -inf: that token cannot win
-            score = tl.where(greedy, x, x * scale + gumbel)
+            if ARGMAX_ONLY:
+                # NaN ranks above everything, as in torch.argmax
+                score = tl.where(x != x, float("inf"), x)
+            else:
+                u = tl.rand(seed, row * vocab + cols)
+                gumbel = -tl.log(-tl.log(u))  # u = 0 gives -inf: that token cannot win
+                score = tl.where(greedy, x, x * scale + gumbel)
             score = tl.where(ok, score, float("-inf"))
             better = score > best  # strict: the earlier column keeps a tie
             best = tl.where(better, score, best)
@@ -85,6 +90,18 @@ def num_chunks_for(rows: int, vocab: int) -> int:
     return max(1, min(_MAX_CHUNKS, by_rows, -(-vocab // _BLOCK)))
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of [rows, vocab] logits, ties to the lowest id and NaN above
+    everything as torch's. On CUDA through the chunked kernels below, two launches over
+    ~1,024 programs: torch's reduction gives a row to one block, which took 37 us for a
+    128,256-token row on the H100 (Llama-3's output; the bytes take ~0.1 us), once per
+    greedy decode step (tools/gpu_kernel_census.py). Elsewhere, torch's."""
+    rows, vocab = logits.shape
+    if not (HAS_TRITON and logits.is_cuda) or logits.stride(1) != 1 or rows * vocab >= 2**31:
+        return logits.argmax(dim=-1)
+    return _chunked_argmax(logits, None, 0, argmax_only=True)
+
+
 def gumbel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) -> torch.Tensor:
     """One token id per row of logits [rows, vocab] (any float dtype): a draw from
     softmax(logits / T) for rows with T > 0, the argmax for rows with T == 0. `seed` keys the
@@ -97,6 +114,14 @@ def gumbel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) ->
         raise ValueError("logits rows must be contiguous")
     if rows * vocab >= 2**31:
         raise ValueError("more than 2**31 logits: the draw counter is 32-bit")
+    return _chunked_argmax(logits, temperatures, seed, argmax_only=False)
+
+
+def _chunked_argmax(logits: torch.Tensor, temperatures: list[float] | None, seed: int, *,
+                    argmax_only: bool) -> torch.Tensor:
+    """The two launches: per-(row, chunk) winners, then each row's (`temperatures` and
+    `seed` unread where argmax_only)."""
+    rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -106,18 +131,19 @@ def gumbel_sample(logits: torch.Tensor, temperatures: list[float], seed: int) ->
     chunks = -(-vocab // chunk_len)
     part_score = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     part_id = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    first = temperatures[0]
-    per_row = any(t != first for t in temperatures)
-    if per_row:
-        inv_temp = device_tensor([0.0 if t == 0.0 else 1.0 / t for t in temperatures],
-                                 logits.device, torch.float32)
-        scalar = 0.0
-    else:
-        inv_temp = part_score  # unread
-        scalar = 0.0 if first == 0.0 else 1.0 / first
+    inv_temp, scalar, per_row = part_score, 0.0, False   # unread where argmax_only
+    if not argmax_only:
+        first = temperatures[0]
+        per_row = any(t != first for t in temperatures)
+        if per_row:
+            inv_temp = device_tensor([0.0 if t == 0.0 else 1.0 / t for t in temperatures],
+                                     logits.device, torch.float32)
+        else:
+            scalar = 0.0 if first == 0.0 else 1.0 / first
     _gumbel_argmax_partial_kernel[(rows, chunks)](
         logits, inv_temp, part_score, part_id, logits.stride(0), vocab, chunk_len,
-        seed & 0x7FFFFFFF, scalar, PER_ROW=per_row, BLOCK=_BLOCK, num_warps=4)
+        seed & 0x7FFFFFFF, scalar, PER_ROW=per_row, BLOCK=_BLOCK, ARGMAX_ONLY=argmax_only,
+        num_warps=4)
     _argmax_chunks_kernel[(rows,)](part_score, part_id, out, chunks, C_PAD=_MAX_CHUNKS,
                                    num_warps=1)
     return out
