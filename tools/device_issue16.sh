@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,16 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s26b)  # next session: batch 1 after the argmax change (bf16, FP8, W4A16), then the FP8 and
+       # W4A16 steps kernel by kernel on the H200 (PDL off: each kernel's own time)
+  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
+  step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  STEP_PATTERN="kernels/token|Error" step 120 census_fp8 env FOLIO_PDL=0 python3 \
+      tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
+  STEP_PATTERN="kernels/token|Error" step 120 census_w4a16 env FOLIO_PDL=0 python3 \
+      tools/gpu_kernel_census.py 64 --config llama3-8b --random-quantization w4a16 --graphs-only
+  grep -h -A14 "=== eager" "$OUT/census_fp8.log" "$OUT/census_w4a16.log" | cut -c1-150 ;;
 s25b)  # next session, when an H200 is lent (the issue's card; only H100s since session 16):
        # every batch-1 target in one call, bf16 beside them, then the 8k TTFT both ways
   step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"

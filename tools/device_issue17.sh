@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s26a|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,16 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s26a)  # next session: the GPU tests of session 25's changes (argmax_rows, the GEMV default
+  # under speculation, graph pieces; the deepseek_v2 mixed-graph test that failed once on the
+  # H200), then the verify cost as shipped (skinny kernel by default) with its gaps, and its
+  # kernels one by one (PDL off) to find the verify step's extra device time
+  STEP_PATTERN="passed|failed|Error" step 300 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_sampling.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_spec_decode.py
+  step 100 verify python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --gaps
+  STEP_PATTERN="verify|plain|profile|Error" step 120 verify_kernels env FOLIO_PDL=0 \
+      python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --profile ;;
 s25c)  # session 25: the deepseek_v2 mixed-graph test that failed in s25a (prompt 31, top-5
   # rule), in pieces and whole (PIECEWISE_MAX_TOKENS=0 set in-process), to tell a piece
   # hazard from an MoE routing near-tie; then issue 16's FP8 batch-1 decode kernel by kernel
