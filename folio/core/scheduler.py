@@ -614,8 +614,9 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             has_grammar=any(item.samples and item.request.structured_output is not None
                             for item in items),
-            scheduled_spec_decode_tokens=spec, pooling_req_ids=pooling,
-            removed_lora_ids=removed_loras, **connector_meta)
+            scheduled_spec_decode_tokens=spec,
+            propose_drafts=self.draft_length is None or self.draft_length.wants_proposals(),
+            pooling_req_ids=pooling, removed_lora_ids=removed_loras, **connector_meta)
 
     def _take_lora_removals(self) -> list[int]:
         """The removed adapters whose requests from before the removal have all finished,

@@ -109,6 +109,11 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     has_grammar: bool = False
     # Draft tokens per request for speculative decoding (empty until it lands).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Whether the worker's proposer (a draft model, an EAGLE head) drafts after this step.
+    # False while the adaptive draft length rests at k = 0: its drafts would be dropped, and
+    # an EAGLE head's drafting cost more than the step on the CPU. The proposer still writes
+    # the step's positions into its own cache, so drafting can resume at any step.
+    propose_drafts: bool = True
     # Pooling requests whose prompt ends in this step: each gets a PooledData (batch order).
     pooling_req_ids: list[str] = []
     # LoRA adapters (lora_int_id) the engine removed (remove_lora): the workers drop their

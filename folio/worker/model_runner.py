@@ -580,7 +580,7 @@ class ModelRunner:
             last_rows.append(row)
             last_positions.append(state.num_computed_tokens + row - start)
             next_tokens.append(token)
-            drafting.append(tokens is not None)
+            drafting.append(tokens is not None and step.propose_drafts)
         from folio.worker.spec_propose import DraftInputs
         return self.draft_proposer.propose(
             DraftInputs(input_ids, positions, meta, hidden, req_ids, last_rows,

@@ -515,13 +515,17 @@ def test_the_scheduler_makes_no_proposals_while_the_draft_length_rests() -> None
     for r in reqs:
         s.add_request(r)
     step = s.schedule()
+    assert step.message.propose_drafts
     s.update_from_output(step, reply({r.request_id: [50] for r in reqs}))
     assert drafter.calls == 4
     step = s.schedule()                            # k = 0: the verdict, and the rest begins
     assert step.message.scheduled_spec_decode_tokens == {}
+    # ... which a worker's proposer (draft model, EAGLE head) hears in the step message
+    assert not step.message.propose_drafts
     for token in range(51, 56):
         s.update_from_output(step, reply({r.request_id: [token] for r in reqs}))
         step = s.schedule()
+        assert not step.message.propose_drafts
     assert drafter.calls == 4
 
 
@@ -679,6 +683,9 @@ def test_resting_ends_when_the_batch_halves():
     for _ in range(policy.HALVED_STEPS - 1):
         assert not policy.wants_proposals(30)
     assert policy.wants_proposals(30)
+    # and so does the step message's question (no batch given) until the verdict
+    assert policy.wants_proposals()
+    assert policy.choose(drafting, 0) == 0 and not policy.wants_proposals()
 
 
 def test_suffix_proposals_skip_the_shared_walk_only_where_the_own_match_wins() -> None:

@@ -243,3 +243,43 @@ def test_the_name_picks_the_method_and_bad_heads_are_refused(tiny_model_dir, tmp
         _make(target, {"method": "eagle", "model": head})   # an EAGLE-3 checkpoint as EAGLE
     with pytest.raises(ValueError, match="no multi-token-prediction"):
         _make(target, {"method": "mtp"})   # a Llama has no MTP layers
+
+
+def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path,
+                                                         monkeypatch) -> None:
+    """While the adaptive draft length rests at k = 0 the step message says so
+    (propose_drafts) and the head only writes its cache: on the CPU an EAGLE head's drafting
+    cost more than the step, so a resting engine had run 2.3x slower than without
+    speculation (a trained SmolLM2 head, tools/train_eagle_head.py). Outputs stay the
+    plain engine's, and drafting resumes for the policy's probes."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / "eagle")
+    build_head(head, "eagle", seed=3)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    prompts = _prompts(1, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+
+    def drafting_calls(llm: LLM) -> list[int]:
+        proposer = llm.llm_engine.engine_core.executor.worker.runner.draft_proposer
+        calls, logits = [0], proposer.head.compute_logits
+
+        def counting(hidden):
+            calls[0] += 1
+            return logits(hidden)
+
+        proposer.head.compute_logits = counting
+        return calls
+
+    busy = _make(target, dict(spec, adaptive_draft_length=False), enable_prefix_caching=False)
+    busy_calls = drafting_calls(busy)
+    assert _ids(busy.generate(prompts, params, use_tqdm=False)) == want
+    monkeypatch.setattr(AdaptiveDraftLength, "_best_k", lambda self, *a: 0)
+    resting = _make(target, spec, enable_prefix_caching=False)
+    calls = drafting_calls(resting)
+    assert _ids(resting.generate(prompts, params, use_tqdm=False)) == want
+    # each drafting step asks the head k times (every step at a fixed k); resting, only the
+    # first verdict's and the probe's (after 32 steps without drafts) steps draft
+    assert busy_calls[0] >= 3 * 10
+    assert 0 < calls[0] <= 3 * 3, (calls[0], busy_calls[0])

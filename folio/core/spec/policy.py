@@ -148,9 +148,9 @@ class AdaptiveDraftLength:
         if batch_size is not None:
             halved = self._resting and 2 * batch_size <= self._rest_batch
             self._halved_steps = self._halved_steps + 1 if halved else 0
-            if self._halved_steps >= self.HALVED_STEPS:
-                return True
-        return (not self._resting or self._judge_next
+        # (a halved batch counts until its verdict, also for a caller without the batch:
+        # the step message's propose_drafts, for a worker's proposer)
+        return (not self._resting or self._judge_next or self._halved_steps >= self.HALVED_STEPS
                 or self._steps_without_drafts + 1 >= self._probe_wait)
 
     def observe_step(self, num_tokens: int, seconds: float, verify: bool) -> None:
@@ -203,6 +203,7 @@ class AdaptiveDraftLength:
             self._steps_without_drafts += 1
             self._resting = True
             self._rest_batch = len(drafting) + other_tokens
+            self._halved_steps = 0           # halved from this verdict's batch, from now
             self._probe_wait = self._priced_wait(drafting, other_tokens)
         return k
 
