@@ -21,7 +21,7 @@ import torch
 from folio.core.engine_core_outputs import SampledTokenLogprobs
 from folio.core.step_messages import LogprobsLists
 from folio.model.host_copy import device_tensor, to_device, to_host_async
-from folio.model.kernels.sampling import argmax_rows
+from folio.model.kernels.sampling import argmax_rows, gumbel_sample
 from folio.sampling_params import SamplingParams
 from folio.worker.sampling_columns import SamplingColumns
 
@@ -121,7 +121,6 @@ class Sampler:
         if path is SamplePath.ARGMAX:
             sampled = argmax_rows(logits)
         else:
-            from folio.model.kernels.sampling import gumbel_sample
             self._calls += 1
             temperatures = np.where(columns.greedy, 0.0, columns.temperature).tolist()
             sampled = gumbel_sample(logits, temperatures, self._seed + self._calls * 0x9E3779B1)
