@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s21|s21b|s22|s26a|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,6 +34,17 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
+s26d)  # next session: the EAGLE head trained on the CPU (tools/train_eagle_head.py) on the GPU,
+  # held-out prompts at batch 1: off, the head at k = 2, 3, 4, n-gram; fixed k, then adaptive.
+  # Two calls of one warm machine, each under the 64 MiB carry: PART=copy with .whl,
+  # device_tokenizer and .smolA (the GGUF's first 44 MiB: head -c 46137344), then this with
+  # .smolB (the rest: tail -c +46137345) and .cache/eagle-gpu (the head in bf16, 8 MiB, and
+  # the prompts' data.pt; copies of .cache/eagle, which the training wrote)
+  cat /tmp/smol/partA .smolB/part > $SMOL && ls -la $SMOL
+  E="python3 tools/train_eagle_head.py --work-dir .cache/eagle-gpu
+     --out .cache/eagle-gpu/smollm2-head2 --measure --measure-device cuda --measure-model $SMOL"
+  STEP_PATTERN="MAL|tok/s|Error" step 250 eagle_fixed $E
+  STEP_PATTERN="MAL|tok/s|Error" step 250 eagle_adaptive $E --adaptive ;;
 s26a)  # next session: the GPU tests of session 25's changes (argmax_rows, the GEMV default
   # under speculation, graph pieces; the deepseek_v2 mixed-graph test that failed once on the
   # H200), then the verify cost as shipped (skinny kernel by default) with its gaps, and its

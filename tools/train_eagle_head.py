@@ -562,7 +562,8 @@ def run_training(cfg: TrainConfig) -> None:
 # ---- measurement ------------------------------------------------------------------------
 
 def measure(cfg: TrainConfig, ks: tuple[int, ...] = (2, 3, 4), max_tokens: int = 128,
-            adaptive: bool = False) -> list[dict[str, Any]]:
+            adaptive: bool = False, device: str = "cpu",
+            model: str | None = None) -> list[dict[str, Any]]:
     """Held-out prompts one at a time (batch 1), greedy, on the GGUF target: speculation off,
     the head at each k, and prompt-lookup n-gram; mean acceptance length (verify step's
     tokens incl. the bonus token), tokens/s and whether outputs equal the baseline's."""
@@ -580,7 +581,9 @@ def measure(cfg: TrainConfig, ks: tuple[int, ...] = (2, 3, 4), max_tokens: int =
                                   "adaptive_draft_length": adaptive}))
     rows, baseline = [], None
     for name, spec in configs:
-        llm = LLM(max_num_seqs=1, device="cpu", speculative_config=spec,
+        # model None: the bundled GGUF (the default model); on a GPU machine without the
+        # package, its file (--measure-model)
+        llm = LLM(model, max_num_seqs=1, device=device, speculative_config=spec,
                   enable_prefix_caching=False)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16),
                      use_tqdm=False)   # warm-up
@@ -620,6 +623,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     parser.add_argument("--measure-max-tokens", type=int, default=128)
     parser.add_argument("--adaptive", action="store_true",
                         help="measure with folio's adaptive draft length on")
+    parser.add_argument("--measure-device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--measure-model", default=None,
+                        help="the target's file (default: the bundled SmolLM2 GGUF)")
     args = parser.parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     return cfg, args
@@ -630,7 +636,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(cfg.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.measure:
-        rows = measure(cfg, max_tokens=args.measure_max_tokens, adaptive=args.adaptive)
+        rows = measure(cfg, max_tokens=args.measure_max_tokens, adaptive=args.adaptive,
+                       device=args.measure_device, model=args.measure_model)
         with open(os.path.join(cfg.out, "measurement.json"), "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)
         for r in rows:
