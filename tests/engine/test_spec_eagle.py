@@ -283,3 +283,24 @@ def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path
     # first verdict's and the probe's (after 32 steps without drafts) steps draft
     assert busy_calls[0] >= 3 * 10
     assert 0 < calls[0] <= 3 * 3, (calls[0], busy_calls[0])
+
+
+def test_a_head_beside_a_packed_cpu_target_is_int8(tmp_path) -> None:
+    """Beside the default model (a GGUF kept packed on the CPU) the head's projections are
+    int8 per channel (its float32 ones were the step's dearest part); the drafts may change,
+    the greedy answers may not."""
+    from folio.model.default_model import default_model_path
+    from folio.model.layers import Linear
+    head = str(tmp_path / "eagle")
+    build_head(head, "eagle", seed=5, hidden=576)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3,
+            "adaptive_draft_length": False}
+    prompts = _prompts(2, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM(default_model_path(), max_num_seqs=2, device="cpu", speculative_config=spec)
+    proposer = llm.llm_engine.engine_core.executor.worker.runner.draft_proposer
+    linears = [m for m in proposer.head.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    want = _ids(LLM(default_model_path(), max_num_seqs=2, device="cpu").generate(
+        prompts, params, use_tqdm=False))
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want

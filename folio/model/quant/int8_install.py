@@ -26,6 +26,7 @@ import ctypes
 from typing import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from folio.model.decoder import DecoderLM
 from folio.model.layers import Linear, MergedLinear
@@ -104,6 +105,21 @@ class Int8Quantizer:
             else:
                 module.packed = packed
         self.shards.clear()
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Every folio `Linear` of a module already loaded in float (K a multiple of 16, not yet
+    packed, no LoRA) quantized per output channel in place, its float weight freed; returns
+    how many. For small modules beside a quantized CPU target: an EAGLE head's float32
+    projections, read every step, cost 4x a 4-bit target layer on the CPU."""
+    count = 0
+    for m in module.modules():
+        if (isinstance(m, Linear) and m.packed is None and m.lora is None
+                and m.weight.numel() and m.in_features % _K_MULTIPLE == 0):
+            m.packed = packed_module([quantize_per_channel(m.weight)])
+            m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)
+            count += 1
+    return count
 
 
 def check_device(device: torch.device) -> None:
