@@ -409,10 +409,10 @@ class Worker:
                                      get_attention_backend(self.device, kernel_config),
                                      kernel_config)
         if self.device.type == "cpu" and self.quantization in _CPU_PACKED_METHODS:
-            # beside a target kept packed on the CPU the head's float32 projections were
-            # the step's dearest part (2.6 ms a step against ~14 ms for SmolLM2's 30 4-bit
-            # layers): int8 per channel, as --quantization int8 keeps a target. The drafts
-            # may change, never the output.
+            # beside a target kept packed on the CPU the head's float32 projections cost as
+            # much as several target layers (2.6 ms a step against ~14 ms for SmolLM2's 30
+            # 4-bit layers): int8 per channel, as --quantization int8 keeps a target. The
+            # drafts may change, never the output.
             from folio.model.quant.int8_install import quantize_linears
             logger.info("the %s head's projections: int8 (%d), beside the %s target",
                         method, quantize_linears(head), self.quantization)
