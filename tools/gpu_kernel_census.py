@@ -4,7 +4,10 @@ For the device tool: python tools/gpu_kernel_census.py [OUTPUT_LEN] [--config C]
 [--quantization fp8 | --random-quantization w4a16] [--graphs-only]. Under programmatic
 dependent launch (KernelConfig.pdl, on by default on Hopper) a kernel's CUPTI time includes
 its wait for the kernel before it, so per-kernel times there add up to more than the step;
-run with FOLIO_PDL=0 for a kernel-by-kernel account."""
+run with FOLIO_PDL=0 for a kernel-by-kernel account. The "exposed" column is PDL-proof: each
+kernel is charged only for the time its end moved the device's busy front forward (its end
+minus the latest end before it, never its overlap with the kernel it waited on), and the
+device's idle time between kernels is listed apart, so the column sums to the step."""
 from __future__ import annotations
 
 import argparse
@@ -40,15 +43,26 @@ def main() -> None:
             torch.cuda.synchronize()
         counts: dict[str, int] = collections.Counter()
         times: dict[str, float] = collections.Counter()
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                counts[ev.name[:90]] += 1
-                times[ev.name[:90]] += ev.device_time
+        exposed: dict[str, float] = collections.Counter()
+        kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name[:90])
+                         for ev in prof.events()
+                         if ev.device_type == torch.autograd.DeviceType.CUDA)
+        front = kernels[0][0] if kernels else 0.0
+        idle = 0.0
+        for start, end, name in kernels:
+            counts[name] += 1
+            times[name] += end - start
+            idle += max(0.0, start - front)
+            exposed[name] += max(0.0, end - max(front, start))
+            front = max(front, end)
         total_n, total_t = sum(counts.values()), sum(times.values())
         print(f"=== eager={eager}: {total_n / output_len:.1f} kernels/token, "
-              f"{total_t / output_len:.1f} us GPU/token")
-        for name, n in sorted(counts.items(), key=lambda kv: -times[kv[0]]):
-            print(f"{n / output_len:8.2f}/tok {times[name] / n:8.2f} us  {times[name] / output_len:8.1f} us/tok  {name}")
+              f"{total_t / output_len:.1f} us GPU/token, exposed "
+              f"{sum(exposed.values()) / output_len:.1f} + idle {idle / output_len:.1f} us/token")
+        for name, n in sorted(counts.items(), key=lambda kv: -exposed[kv[0]]):
+            print(f"{n / output_len:8.2f}/tok {times[name] / n:8.2f} us  "
+                  f"{times[name] / output_len:8.1f} us/tok  exposed "
+                  f"{exposed[name] / output_len:8.1f} us/tok  {name}")
         del llm
         torch.cuda.empty_cache()
 

@@ -40,6 +40,9 @@ DENSE_PREFILL_CHOICES = ("1", "0")
 # A Llama-form decoder layer on the CPU as one C++ call (folio/model/cpu_layer.py): "1" =
 # where the layer qualifies, "0" = the Python layer always (the A/B comparison's other side).
 CPU_LAYER_CHOICES = ("1", "0")
+# The paged KV cache write on CUDA: "rotary" = in the rotary kernel's launch
+# (kernels/rotary.PagedKVWrite), "separate" = its own kernel (the A/B comparison's other side).
+KV_WRITE_CHOICES = ("rotary", "separate")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
@@ -50,6 +53,7 @@ _ENV_OVERRIDES = {
     "FOLIO_LORA": ("lora", LORA_CHOICES),
     "FOLIO_DENSE_PREFILL": ("dense_prefill", DENSE_PREFILL_CHOICES),
     "FOLIO_CPU_LAYER": ("cpu_layer", CPU_LAYER_CHOICES),
+    "FOLIO_KV_WRITE": ("kv_write", KV_WRITE_CHOICES),
 }
 
 
@@ -60,7 +64,7 @@ class KernelConfig:
     `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
     CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
     PDL_CHOICES. `lora`: one of LORA_CHOICES. `dense_prefill`: one of DENSE_PREFILL_CHOICES.
-    `cpu_layer`: one of CPU_LAYER_CHOICES."""
+    `cpu_layer`: one of CPU_LAYER_CHOICES. `kv_write`: one of KV_WRITE_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
@@ -69,6 +73,7 @@ class KernelConfig:
     lora: str = "weight"
     dense_prefill: str = "1"
     cpu_layer: str = "1"
+    kv_write: str = "rotary"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -110,6 +115,12 @@ class KernelConfig:
         return self.fused_kernels and self.cpu_layer == "1"
 
     @property
+    def kv_write_in_rotary(self) -> bool:
+        """Whether the rotary kernel may write the paged KV cache (KV_WRITE_CHOICES); it also
+        needs the fused kernels (FOLIO_KERNELS=torch keeps the eager rotary)."""
+        return self.fused_kernels and self.kv_write == "rotary"
+
+    @property
     def lora_on_weight(self) -> bool:
         """Whether adapters' A rows may ride plain 16-bit base weights (LORA_CHOICES)."""
         return self.lora == "weight"
@@ -128,7 +139,7 @@ SPECULATIVE_GEMV = "all"
 def resolve_kernel_config(env: Mapping[str, str] | None = None, *,
                           speculative: bool = False) -> KernelConfig:
     """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
-    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER from `env` (os.environ when None) applied over them.
+    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER / FOLIO_KV_WRITE from `env` (os.environ when None) applied over them.
     An unknown value is an error naming the variable: it used to fall back silently
     (FOLIO_KERNELS=eager meant torch), which hid typos. `speculative`: the engine verifies
     drafts, so the GEMV default is SPECULATIVE_GEMV (FOLIO_GEMV still overrides it)."""

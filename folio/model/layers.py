@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,9 @@ from folio.model.attention import AttentionBackend, AttentionMetadata
 from folio.model.attention.fp8 import CALCULATED_K_RANGE, CALCULATED_V_RANGE, is_fp8
 from folio.model.kernel_config import DEFAULT_KERNEL_CONFIG, KernelConfig
 from folio.model.rope_scaling import rope_frequencies
+
+if TYPE_CHECKING:
+    from folio.model.kernels.rotary import PagedKVWrite
 
 
 # Every layer below takes the KernelConfig the model is built with (load_model resolves it once
@@ -175,21 +178,31 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None,
+                kv_write: "PagedKVWrite | None" = None):
         """q [T, H, D], k [T, KVH, D]. With q_norm/k_norm (Qwen3), each head is normalized
         before rotation (one fused launch on CUDA). `positions`: [T], or [3, T] for M-RoPE
-        (a step with images' tokens; each frequency section reads its row)."""
-        if positions.dim() == 2:
-            return self._forward_mrope(positions, q, k, q_norm, k_norm)
-        if fused_kernels_on(q, self.kernels):
+        (a step with images' tokens; each frequency section reads its row). `kv_write`
+        (an attention backend's `fused_kv_write`): the rotated keys and the values go into
+        the paged cache too, in the same launch on CUDA."""
+        if fused_kernels_on(q, self.kernels) and positions.dim() == 1:
             from folio.model.kernels.rotary import apply_rotary
             pdl = self.kernels.pdl_on
             if q_norm is not None and q_norm.weight.dtype == q.dtype:
                 return apply_rotary(positions, q, k, self.cos, self.sin, q_norm.weight,
-                                    k_norm.weight, q_norm.eps, pdl=pdl)
+                                    k_norm.weight, q_norm.eps, pdl=pdl, kv_write=kv_write)
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
-            return apply_rotary(positions, q, k, self.cos, self.sin, pdl=pdl)
+            return apply_rotary(positions, q, k, self.cos, self.sin, pdl=pdl, kv_write=kv_write)
+        q, k = self._forward_eager(positions, q, k, q_norm, k_norm)
+        if kv_write is not None:
+            kv_write.separately(k)
+        return q, k
+
+    def _forward_eager(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       q_norm: "RMSNorm | None", k_norm: "RMSNorm | None"):
+        if positions.dim() == 2:
+            return self._forward_mrope(positions, q, k, q_norm, k_norm)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         ops = cpu_kernel_ops(q, self.kernels)
@@ -401,18 +414,23 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
-        if metadata.calculate_kv_scales and is_fp8(kv_cache.dtype):
+        scales_now = metadata.calculate_kv_scales and is_fp8(kv_cache.dtype)
+        group = metadata if metadata.groups is None else metadata.groups[self.kv_group]
+        # The cache write in the rotary's launch where the backend offers it; not while the
+        # FP8 scales are still to be taken from this step's rotated keys.
+        write = None if scales_now or positions.dim() != 1 else self.backend.fused_kv_write(
+            v, kv_cache, group, self.k_scale, self.v_scale)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm, kv_write=write)
+        if scales_now:
             self.calculate_kv_scales(k, v)
-        if metadata.groups is not None:
-            metadata = metadata.groups[self.kv_group]
         sinks = self.sinks
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
+        out = self.backend.forward(q, k, v, kv_cache, group, scale=self.scale,
                                    sliding_window=self.sliding_window,
                                    k_scale=self.k_scale, v_scale=self.v_scale,
-                                   logits_soft_cap=self.logits_soft_cap, sinks=sinks)
+                                   logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                                   kv_written=write is not None)
         return self.o_proj(out.reshape(t, q_size))
 
 

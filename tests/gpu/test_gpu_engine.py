@@ -219,3 +219,32 @@ def test_pdl_gives_the_same_tokens(model_dir, monkeypatch):
     got = run(on)
     assert worker.graph_runner.num_replays > 0
     assert got == expected
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cache_dtype):
+    """The paged cache write done in the rotary kernel's launch (KernelConfig.kv_write, the
+    default) writes the bytes the separate write kernel does (FOLIO_KV_WRITE=separate), so
+    tokens and logprobs are bit-identical, batched and at batch 1 through the CUDA graphs, with
+    a bf16 and an FP8 cache."""
+    from folio.model.attention.fp8 import is_fp8
+    prompts = _prompts(16, seed=11)
+
+    def run(llm):
+        return _run(llm, prompts) + _run(llm, prompts[:1])
+
+    monkeypatch.setenv("FOLIO_KV_WRITE", "separate")
+    separate = _llm(model_dir, kv_cache_dtype=kv_cache_dtype)
+    worker = separate.llm_engine.engine_core.executor.worker
+    assert not worker.model.kernel_config.kv_write_in_rotary
+    expected = run(separate)
+    separate.llm_engine.shutdown()
+    del separate
+    monkeypatch.delenv("FOLIO_KV_WRITE")
+    fused = _llm(model_dir, kv_cache_dtype=kv_cache_dtype)
+    worker = fused.llm_engine.engine_core.executor.worker
+    assert worker.model.kernel_config.kv_write_in_rotary
+    assert is_fp8(worker.kv_caches[0].dtype) == (kv_cache_dtype == "fp8")
+    got = run(fused)
+    assert worker.graph_runner.num_replays > 0
+    assert got == expected

@@ -18,7 +18,7 @@ from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, SPECULATIVE_GEMV, 
                                        resolve_kernel_config)
 
 ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL", "FOLIO_LORA",
-            "FOLIO_DENSE_PREFILL", "FOLIO_CPU_LAYER")
+            "FOLIO_DENSE_PREFILL", "FOLIO_CPU_LAYER", "FOLIO_KV_WRITE")
 
 
 @pytest.fixture
@@ -40,12 +40,14 @@ def test_defaults() -> None:
     ("FOLIO_ATTENTION", "torch", "attention"),
     ("FOLIO_GEMV", "0", "gemv"), ("FOLIO_GEMV", "narrow", "gemv"), ("FOLIO_GEMV", "all", "gemv"),
     ("FOLIO_PDL", "0", "pdl"), ("FOLIO_CPU_LAYER", "0", "cpu_layer"),
+    ("FOLIO_KV_WRITE", "separate", "kv_write"),
 ])
 def test_env_overrides_one_field(var: str, value: str, field: str) -> None:
     cfg = resolve_kernel_config({var: value})
     assert getattr(cfg, field) == value
     others = {f: getattr(DEFAULT_KERNEL_CONFIG, f)
-              for f in ("kernels", "attention", "gemv", "pdl", "cpu_layer") if f != field}
+              for f in ("kernels", "attention", "gemv", "pdl", "cpu_layer", "kv_write")
+              if f != field}
     assert all(getattr(cfg, f) == v for f, v in others.items())
 
 
@@ -67,6 +69,10 @@ def test_torch_kernels_turn_the_gemv_off() -> None:
     # PDL belongs to the Triton kernels: off with them, or on its own.
     assert not resolve_kernel_config({"FOLIO_KERNELS": "torch"}).pdl_on
     assert not resolve_kernel_config({"FOLIO_PDL": "0"}).pdl_on
+    # The cache write in the rotary's launch is a fused kernel's too.
+    assert resolve_kernel_config({}).kv_write_in_rotary
+    assert not resolve_kernel_config({"FOLIO_KERNELS": "torch"}).kv_write_in_rotary
+    assert not resolve_kernel_config({"FOLIO_KV_WRITE": "separate"}).kv_write_in_rotary
 
 
 @pytest.mark.parametrize("var", ENV_VARS)

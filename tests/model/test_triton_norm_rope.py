@@ -29,6 +29,14 @@ CASES = [
          T=4, partial=1.0, norm=True),
     dict(name="rope_fp16_h16_kvh8_partial_d64", kind="rope", dtype="float16", H=16, KVH=8, D=64,
          T=3, partial=0.5),
+    # The cache write in the rotary's launch (PagedKVWrite) against the separate write kernel:
+    # the same cache bytes, a padding token's slot (-1) left alone.
+    dict(name="rope_cache_fp32_d64", kind="rope", dtype="float32", H=4, KVH=2, D=64, T=6,
+         partial=1.0, cache="float32"),
+    dict(name="rope_cache_qknorm_fp16_partial_d128", kind="rope", dtype="float16", H=2, KVH=1,
+         D=128, T=5, partial=0.5, norm=True, cache="float16"),
+    dict(name="rope_cache_fp8_fp16_h12_kvh4_d64", kind="rope", dtype="float16", H=12, KVH=4,
+         D=64, T=4, partial=1.0, cache="float8_e4m3fn"),
     dict(name="bitmask_fp32_v1000", kind="bitmask", dtype="float32", V=1000, rows=3),
     dict(name="bitmask_fp16_v2085", kind="bitmask", dtype="float16", V=2085, rows=2),
     dict(name="silu_mul_fp32_i96", kind="silu_mul", dtype="float32", I=96, rows=3),
@@ -103,14 +111,46 @@ def _run(case: dict) -> dict:
                 q_norm.weight.copy_(torch.randn(D, generator=gen))
                 k_norm.weight.copy_(torch.randn(D, generator=gen))
             ref_q, ref_k = rope(pos, q_norm(q), k_norm(k))
-            out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin, q_norm.weight.data,
-                                        k_norm.weight.data, 1e-6)
+            weights = (q_norm.weight.data, k_norm.weight.data)
         else:
             ref_q, ref_k = rope(pos, q, k)
-            out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin)
+            weights = (None, None)
+        out_q, out_k = apply_rotary(pos, q, k, rope.cos, rope.sin, *weights, 1e-6)
         checks["q"] = (rel_err(out_q, ref_q), bool(torch.isfinite(out_q).all()))
         checks["k"] = (rel_err(out_k, ref_k), bool(torch.isfinite(out_k).all()))
+        if case.get("cache"):
+            checks.update(_rope_cache_checks(case, gen, qkv, pos, rope, q, k, weights, out_q,
+                                             out_k))
     return {"name": case["name"], "checks": checks}
+
+
+def _rope_cache_checks(case: dict, gen, qkv, pos, rope, q, k, weights, out_q, out_k) -> dict:
+    """apply_rotary with a PagedKVWrite: the same q and k as without, and the cache bytes the
+    separate write (reshape_and_cache) gives for the rotated keys; one padding slot."""
+    import torch
+    from folio.model.attention import triton_kernels as tk
+    from folio.model.kernels.rotary import PagedKVWrite, apply_rotary
+    H, KVH, D, T = case["H"], case["KVH"], case["D"], case["T"]
+    v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    cache_dtype = getattr(torch, case["cache"])
+    fp8 = cache_dtype.itemsize == 1
+    cache = torch.randn(2, 3, 4, KVH, D, generator=gen).to(cache_dtype)   # 12 slots
+    slots = torch.randperm(12, generator=gen)[:T]
+    slots[1] = -1
+    ks = torch.rand(KVH, generator=gen) + 0.5 if fp8 else None
+    vs = torch.rand(KVH, generator=gen) + 0.5 if fp8 else None
+    expect = cache.clone()
+    tk.reshape_and_cache(out_k, v, expect, slots, k_scale=ks, v_scale=vs)
+    fused = cache.clone()
+    fp8_flag, kss, vss = tk.kv_scales(fused, ks, vs)
+    write = PagedKVWrite(v, fused, slots, kss, vss,
+                         float(torch.finfo(cache_dtype).max) if fp8_flag else 0.0,
+                         separately=lambda key: None)
+    fq, fk = apply_rotary(pos, q, k, rope.cos, rope.sin, *weights, 1e-6, kv_write=write)
+    same = bool(torch.equal(fused.view(torch.uint8), expect.view(torch.uint8)))
+    return {"q_with_write": (rel_err(fq, out_q), bool(torch.isfinite(fq).all())),
+            "k_with_write": (rel_err(fk, out_k), bool(torch.isfinite(fk).all())),
+            "cache": (0.0 if same else 1.0, bool(torch.isfinite(fused.float()).all()))}
 
 
 @pytest.fixture(scope="module")

@@ -54,14 +54,24 @@ class AttentionBackend(ABC):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, logits_soft_cap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D].
         Returns [T, H, D]. An FP8 cache (fp8.py) holds key / k_scale and value / v_scale,
         the scales float32 [KVH] (or one element; None = 1.0); other caches ignore them.
+        `kv_written`: the step's keys and values are already in the cache, written by the
+        `fused_kv_write` this backend handed out for them (the rotary's launch).
 
         `logits_soft_cap` (Gemma 2's attn_logit_softcapping; None = none): each score, after
         `scale`, becomes cap * tanh(score / cap) before masking and the softmax.
         `sinks` (GPT-OSS; None = none): float32 [H], one learned logit per query head that
         joins the softmax's denominator only: p_i = exp(s_i - m) / (sum_j exp(s_j - m) +
         exp(sink - m)); it has no value, so a row's weights sum to less than one."""
+
+    def fused_kv_write(self, value: torch.Tensor, kv_cache: torch.Tensor,
+                       metadata: AttentionMetadata, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None) -> Any | None:
+        """The cache write `forward` would make, as a `kernels.rotary.PagedKVWrite` for the
+        rotary kernel to make in its own launch (then `forward(..., kv_written=True)`), or
+        None where this backend writes the cache itself (the default)."""
+        return None
 

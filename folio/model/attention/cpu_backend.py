@@ -39,7 +39,8 @@ class CpuPagedAttention(AttentionBackend):
         return layout
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None, kv_written=False):
+        assert not kv_written, "this backend hands out no fused KV write"
         slots, tables, qsl, lens = self.layout(metadata)
         dtype = query.dtype
         q, k, v = (_rows(x) for x in (query, key, value))

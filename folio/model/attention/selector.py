@@ -17,7 +17,8 @@ def get_attention_backend(device: torch.device,
     if device.type == "cuda" and kernels.triton_attention:
         from folio.model.attention.triton_backend import TritonPagedAttention
         return TritonPagedAttention(pdl=kernels.pdl_on,
-                                    dense_prefill=kernels.dense_prefill_on)
+                                    dense_prefill=kernels.dense_prefill_on,
+                                    kv_write_in_rotary=kernels.kv_write_in_rotary)
     if device.type == "cpu" and kernels.triton_attention:
         from folio.model import cpu_kernels
         if cpu_kernels.loaded() is not None:

@@ -131,7 +131,8 @@ class TorchPagedAttention(AttentionBackend):
         return plan
 
     def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None, kv_written=False):
+        assert not kv_written, "this backend hands out no fused KV write"
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         k_scale = per_head_scales(k_scale, kv_heads, kv_cache.device)

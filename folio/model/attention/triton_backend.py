@@ -13,7 +13,9 @@ import torch
 from folio.model.attention.backend import AttentionBackend, AttentionMetadata
 from folio.model.attention import dense_prefill
 from folio.model.attention import triton_kernels as tk
+from folio.model.attention.fp8 import fp8_max
 from folio.model.host_copy import device_tensor
+from folio.model.kernels.rotary import PagedKVWrite
 
 # The key of `AttentionMetadata.cache` that holds a step's TritonStepTensors (the CUDA-graph
 # runners put theirs there for the layers to reuse).
@@ -47,13 +49,16 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, max_splits: int = 32, min_tokens_per_split: int = 256,
-                 pdl: bool = False, dense_prefill: bool = True) -> None:
+                 pdl: bool = False, dense_prefill: bool = True,
+                 kv_write_in_rotary: bool = True) -> None:
         """`pdl`: launch the decode path's kernels (cache write, attention, merge) with
         programmatic dependent launch where the GPU has it (KernelConfig.pdl_on).
         `dense_prefill`: long fresh prefills through torch's fused attention
-        (dense_prefill.py; KernelConfig.dense_prefill_on)."""
+        (dense_prefill.py; KernelConfig.dense_prefill_on). `kv_write_in_rotary`: hand the
+        cache write to the rotary kernel (`fused_kv_write`; KernelConfig.kv_write_in_rotary)."""
         self.pdl = pdl
         self.dense_prefill = dense_prefill
+        self.kv_write_in_rotary = kv_write_in_rotary
         self.max_splits = max_splits
         self.min_tokens_per_split = min_tokens_per_split
         self._sms: int | None = None
@@ -103,12 +108,27 @@ class TritonPagedAttention(AttentionBackend):
                                     min_tokens_per_split=self.min_tokens_per_split,
                                     max_splits=self.max_splits)
 
-    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
-                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None):
+    def fused_kv_write(self, value, kv_cache, metadata, k_scale, v_scale) -> PagedKVWrite | None:
+        if not self.kv_write_in_rotary:
+            return None
         st = self.step_tensors(metadata)
-        # Write first: a request may read, in this same step, blocks another request fills.
-        tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping, pdl=self.pdl,
-                             k_scale=k_scale, v_scale=v_scale)
+        fp8, ks, vs = tk.kv_scales(kv_cache, k_scale, v_scale)
+
+        def separately(key: torch.Tensor) -> None:
+            tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping, pdl=self.pdl,
+                                 k_scale=k_scale, v_scale=v_scale)
+
+        return PagedKVWrite(value, kv_cache, st.slot_mapping, ks, vs,
+                            fp8_max(kv_cache.dtype) if fp8 else 0.0, separately)
+
+    def forward(self, query, key, value, kv_cache, metadata, *, scale, sliding_window=None,
+                k_scale=None, v_scale=None, logits_soft_cap=None, sinks=None, kv_written=False):
+        st = self.step_tensors(metadata)
+        # Write first: a request may read, in this same step, blocks another request fills
+        # (or the rotary kernel did, kv_written).
+        if not kv_written:
+            tk.reshape_and_cache(key, value, kv_cache, st.slot_mapping, pdl=self.pdl,
+                                 k_scale=k_scale, v_scale=v_scale)
         if st.all_decode:
             splits = st.num_splits
             if splits is None:

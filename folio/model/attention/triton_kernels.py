@@ -502,7 +502,7 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
-def _kv_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
+def kv_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
                v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
     """(fp8, k_scale, v_scale) as the kernels take them: for an FP8 cache the [KVH] float32
     scales (None = 1.0); otherwise the cache stands in for the pointers, never read."""
@@ -530,7 +530,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
     assert kv_cache.shape[3] == kvh and kv_cache.shape[4] == d
     s0, sblk, soff, sh = _cache_strides(kv_cache)
-    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
+    fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
     pdl = pdl_launch(key, pdl)
     _reshape_and_cache_kernel[(T,)](
         key, value, kv_cache, slot_mapping, k_scale, v_scale,
@@ -593,7 +593,7 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     g_pad = _next_pow2(g)
     assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
     s0, sblk, soff, sh = _cache_strides(kv_cache)
-    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
+    fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
     softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     # Autotune per coarse bucket of the longest query (decode-heavy / short chunks / long
@@ -679,7 +679,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     g = num_heads // kvh
     d_pad = max(16, _next_pow2(d))
     s0, sblk, soff, sh = _cache_strides(kv_cache)
-    fp8, k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
+    fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
     softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     num_splits = max(1, int(num_splits))

@@ -8,8 +8,18 @@ Rotation math runs in fp32 on the input-dtype cos/sin, rounded once (torch round
 
 With per-head RMSNorm weights (Qwen3's q_norm/k_norm) the head is normalized first, in the same
 launch, rounding as `folio.model.layers.RMSNorm` does; that saves two launches per layer.
+
+With a `PagedKVWrite` from the attention backend, the key-head programs also write their rotated
+keys and the matching values into the paged KV cache, the backend's cache write done in this
+launch (one launch less per layer and step: at batch-1 decode of a 32-layer model, 32 of the
+step's ~290). The bytes written are the backend's own (`triton_kernels.reshape_and_cache`): the
+rotated key rounded to the activations' dtype, then for an FP8 cache divided by its scale and
+clamped to the format's range.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -22,16 +32,38 @@ if HAS_TRITON:
 
 _HEADS_PER_PROGRAM = 8
 
+
+@dataclass
+class PagedKVWrite:
+    """An attention backend's KV cache write, handed to `apply_rotary` to do in its launch.
+    `value` [T, KVH, D] (head_dim contiguous); `kv_cache` [2, num_blocks, block_size, KVH, D]
+    (head_dim contiguous); `slot_mapping` [T] int64, block * block_size + offset, < 0 for
+    padding (skipped); `k_scale` / `v_scale` float32 [KVH] for an FP8 cache (`fp8_max` its
+    largest finite value; 0.0 = not FP8, the scales then unread); `separately(key)`: the
+    backend's own write, for a rotary that cannot take it into its launch (the CPU, M-RoPE)."""
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    fp8_max: float
+    separately: Callable[[torch.Tensor], None]
+
+
 if HAS_TRITON:
 
-    @autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D", "HB"])
+    @autotune(configs=warps_configs((1, 2, 4)), key=["HALF_PAD", "D", "HB", "CACHE"])
     @triton.jit
     def _rotary_kernel(POS, Q, K, QO, KO, COS, SIN, QW, KW, eps,
+                       V, KV, SLOTS, K_SCALE, V_SCALE,
                        stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
+                       stride_vt, stride_vh, stride_c0, stride_cblk, stride_coff, stride_ch,
                        H: tl.constexpr, KVH: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
-                       HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                       HAS_NORM: tl.constexpr, CACHE: tl.constexpr, D_PAD: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                       USE_PDL: tl.constexpr):
         pdl_entry(USE_PDL)
         # Program (token, block of HB heads): the first ceil(H / HB) blocks are query heads,
         # the rest key heads. A block of heads rather than one head per program: at decode
@@ -79,20 +111,56 @@ if HAS_TRITON:
             if REST_PAD > 0:
                 w3 = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)[None, :]
                 x3 = ((x3 * rstd).to(dt).to(tl.float32) * w3).to(dt).to(tl.float32)
-        tl.store(dst[:, None] + i[None, :], (x1 * c - x2 * s).to(dt), mask=mm)
-        tl.store(dst[:, None] + HALF + i[None, :], (x2 * c + x1 * s).to(dt), mask=mm)
+        o1 = (x1 * c - x2 * s).to(dt)
+        o2 = (x2 * c + x1 * s).to(dt)
+        tl.store(dst[:, None] + i[None, :], o1, mask=mm)
+        tl.store(dst[:, None] + HALF + i[None, :], o2, mask=mm)
         if REST_PAD > 0:  # partial rotary: the tail is not rotated
             tl.store(dst[:, None] + j[None, :], x3.to(dt), mask=mj)
+        if CACHE:
+            if blk >= NQB:
+                slot = tl.load(SLOTS + t)
+                if slot >= 0:  # a padding token's slot is negative: nothing to write
+                    base = (KV + (slot // BLOCK_SIZE) * stride_cblk
+                            + (slot % BLOCK_SIZE) * stride_coff + heads * stride_ch)
+                    ks = tl.load(K_SCALE + heads, mask=h_ok, other=1.0)[:, None] if FP8 \
+                        else 1.0
+                    _cache_store(base[:, None] + i[None, :], o1, ks, mm, FP8, FP8_MAX)
+                    _cache_store(base[:, None] + HALF + i[None, :], o2, ks, mm, FP8, FP8_MAX)
+                    if REST_PAD > 0:
+                        _cache_store(base[:, None] + j[None, :], x3.to(dt), ks, mj, FP8,
+                                     FP8_MAX)
+                    dd = tl.arange(0, D_PAD)
+                    mv = h_ok[:, None] & (dd < D)[None, :]
+                    v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dd[None, :],
+                                mask=mv, other=0.0)
+                    vs = tl.load(V_SCALE + heads, mask=h_ok, other=1.0)[:, None] if FP8 \
+                        else 1.0
+                    _cache_store(base[:, None] + stride_c0 + dd[None, :], v, vs, mv, FP8,
+                                 FP8_MAX)
+
+    @triton.jit
+    def _cache_store(ptrs, x, scale, mask, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+        """x (the activations' dtype) into the cache's dtype, as reshape_and_cache stores it:
+        for FP8, x / scale by IEEE division, clamped to the format's range before the cast."""
+        if FP8:
+            y = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(scale, x.shape))
+            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+            tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, pdl: bool = False,
+                 kv_write: PagedKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int, q [T, H, D], k [T, KVH, D], cos/sin [P, R] (R even, <= D).
     Returns new (q, k); inputs may be strided views (e.g. slices of a fused qkv). With
     q_norm_weight and k_norm_weight ([D] each), each head is RMS-normalized first. `pdl`:
-    launch with programmatic dependent launch where the GPU has it (_common)."""
+    launch with programmatic dependent launch where the GPU has it (_common). `kv_write`:
+    also write the rotated keys and the values into the paged cache (PagedKVWrite)."""
     require_triton()
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -113,11 +181,25 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     kw = k_norm_weight if has_norm else cos
     hb = min(_HEADS_PER_PROGRAM, next_pow2(max(H, KVH)))
     pdl = pdl_launch(q, pdl)
+    w = kv_write
+    if w is not None:
+        v, cache = w.value, w.kv_cache
+        assert v.shape == k.shape and v.stride(2) == 1 and cache.dim() == 5 \
+            and cache.shape[0] == 2 and cache.shape[3:] == (KVH, D) and cache.stride(4) == 1 \
+            and w.slot_mapping.shape == (T,), "PagedKVWrite does not match k"
+        cache_args = (v, cache, w.slot_mapping, w.k_scale, w.v_scale)
+        cache_strides = (v.stride(0), v.stride(1), *cache.stride()[:4])
+    else:  # never read: q stands in for the pointers
+        cache_args, cache_strides = (q, q, positions, cos, cos), (0,) * 6
     _rotary_kernel[(T, triton.cdiv(H, hb) + triton.cdiv(KVH, hb))](
-        positions, q, k, q_out, k_out, cos, sin, qw, kw, float(eps),
+        positions, q, k, q_out, k_out, cos, sin, qw, kw, float(eps), *cache_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
+        *cache_strides,
         H=H, KVH=KVH, HB=hb, D=D, HALF=half, HALF_PAD=next_pow2(half),
-        REST_PAD=next_pow2(rest) if rest else 0, HAS_NORM=has_norm, USE_PDL=pdl,
-        launch_pdl=pdl)
+        REST_PAD=next_pow2(rest) if rest else 0, HAS_NORM=has_norm,
+        CACHE=w is not None, D_PAD=next_pow2(D),
+        BLOCK_SIZE=w.kv_cache.shape[2] if w is not None else 1,
+        FP8=w is not None and w.fp8_max > 0, FP8_MAX=w.fp8_max if w is not None else 0.0,
+        USE_PDL=pdl, launch_pdl=pdl)
     return q_out, k_out
