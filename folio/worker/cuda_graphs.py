@@ -122,18 +122,19 @@ class DecodeGraphRunner:
         n, w = self.max_batch, self.max_blocks
         dtype = next(model.parameters()).dtype
 
-        # Device buffers the graphs read and write, at fixed addresses for their lifetime.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, w), dtype=torch.int32, device=device)
-        # Decode: request i owns query row i.
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros((n, model.spec.hidden_size), dtype=dtype, device=device)
-
-        # Pinned host mirrors, written by the flat-batch builder, copied with non_blocking=True.
+        # Pinned host buffers, written by the flat-batch builder, and their device mirror
+        # (one copy a step, non-blocking): the buffers the graphs read, at fixed addresses
+        # for their lifetime.
         self._host = StepBuffers(n, n, w, pin=True)
+        self._device = self._host.mirror(device)
+        t = self._device.tensors
+        self.input_ids, self.positions = t["input_ids"], t["positions"]
+        self.slot_mapping, self.block_tables = t["slot_mapping"], t["block_tables"]
+        self.seq_lens = t["seq_lens"].fill_(1)
+        # Decode: request i owns query row i.
+        self.query_start_loc = t["query_start_loc"].copy_(
+            torch.arange(n + 1, dtype=torch.int32))
+        self.hidden = torch.zeros((n, model.spec.hidden_size), dtype=dtype, device=device)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_batch = lora_batch
@@ -207,11 +208,7 @@ class DecodeGraphRunner:
         host.wait_for_copies()
         flat = build_flat_batch(step, batch, prev_rows, host, self.block_size,
                                 Padding.DECODE_ROWS, padded=bs)
-        t = host.tensors
-        for dst, src in ((self.input_ids, t["input_ids"]), (self.positions, t["positions"]),
-                         (self.slot_mapping, t["slot_mapping"]), (self.seq_lens, t["seq_lens"]),
-                         (self.block_tables, t["block_tables"])):
-            dst[:bs].copy_(src[:bs], non_blocking=True)
+        host.copy_to(self._device, bs)
         host.copies_queued()
         if flat.pending_dst:
             fill_pending(self.input_ids, flat.pending_dst, flat.pending_src)

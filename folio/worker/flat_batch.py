@@ -36,28 +36,51 @@ class Padding(enum.Enum):
     DUMMY_REQUEST = enum.auto()
 
 
+# Sections of StepBuffers' arena start on this many bytes (each dtype's alignment and more).
+_ALIGN = 64
+
+
+@dataclass
+class StepMirror:
+    """Device tensors laid out in one device arena as a StepBuffers' host arena is, so that
+    `StepBuffers.copy_to` moves a step's inputs in one copy (the CUDA-graph runners' static
+    input buffers)."""
+    arena: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+
+
 class StepBuffers:
     """Host buffers for steps of up to `max_tokens` tokens and `max_reqs` request slots, as
     torch tensors (pinned on CUDA, for asynchronous copies) and numpy views of them. Slot
     mapping and block tables exist once per KV cache group (`slot_mapping`, `block_tables`:
-    group 0's; `slot_mapping.g`, `block_tables.g`: group g's)."""
+    group 0's; `slot_mapping.g`, `block_tables.g`: group g's).
+
+    All of them are views of one byte arena, the per-token and per-request arrays first and
+    the block tables last, so a graph runner's step goes to the device in one copy (each
+    further copy cost the host ~5-8 µs in the verify step's exposed turn-around)."""
 
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool,
                  num_kv_groups: int = 1) -> None:
-        def host(shape, dtype, fill=0):
-            return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
-
-        self.tensors = {
-            "input_ids": host((max_tokens,), torch.int64),
-            "positions": host((max_tokens,), torch.int64),
-            "slot_mapping": host((max_tokens,), torch.int64, -1),
-            "query_start_loc": host((max_reqs + 1,), torch.int32),
-            "seq_lens": host((max_reqs,), torch.int32),
-            "block_tables": host((max_reqs, max_blocks), torch.int32),
-        }
-        for g in range(1, num_kv_groups):
-            self.tensors[f"slot_mapping.{g}"] = host((max_tokens,), torch.int64, -1)
-            self.tensors[f"block_tables.{g}"] = host((max_reqs, max_blocks), torch.int32)
+        groups = range(1, num_kv_groups)
+        specs = [("input_ids", (max_tokens,), torch.int64, 0),
+                 ("positions", (max_tokens,), torch.int64, 0),
+                 ("slot_mapping", (max_tokens,), torch.int64, -1),
+                 *((f"slot_mapping.{g}", (max_tokens,), torch.int64, -1) for g in groups),
+                 ("query_start_loc", (max_reqs + 1,), torch.int32, 0),
+                 ("seq_lens", (max_reqs,), torch.int32, 0),
+                 ("block_tables", (max_reqs, max_blocks), torch.int32, 0),
+                 *((f"block_tables.{g}", (max_reqs, max_blocks), torch.int32, 0)
+                   for g in groups)]
+        self._layout: dict[str, tuple[int, tuple[int, ...], torch.dtype, int]] = {}
+        size = 0
+        for name, shape, dtype, fill in specs:
+            self._layout[name] = (size, shape, dtype, fill)
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self._arena = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self.tensors = self._views(self._arena)
+        self._block_row_bytes = max_blocks * torch.int32.itemsize
+        self._num_kv_groups = num_kv_groups
         arrays = {name: t.numpy() for name, t in self.tensors.items()}
         self.ids = arrays["input_ids"]
         self.pos = arrays["positions"]
@@ -65,14 +88,34 @@ class StepBuffers:
         self.qsl = arrays["query_start_loc"]
         self.seq = arrays["seq_lens"]
         self.bt = arrays["block_tables"]
-        self.group_slots = [self.slots] + [arrays[f"slot_mapping.{g}"]
-                                           for g in range(1, num_kv_groups)]
-        self.group_bt = [self.bt] + [arrays[f"block_tables.{g}"] for g in range(1, num_kv_groups)]
+        self.group_slots = [self.slots] + [arrays[f"slot_mapping.{g}"] for g in groups]
+        self.group_bt = [self.bt] + [arrays[f"block_tables.{g}"] for g in groups]
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         # Recorded after the copies out of these buffers (CUDA): the next step waits for it
         # before writing them again.
         self._copied = torch.cuda.Event() if pin else None
         self._copied_pending = False
+
+    def _views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each array as a view of `arena` (this layout), filled with its initial value."""
+        views = {}
+        for name, (offset, shape, dtype, fill) in self._layout.items():
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            views[name] = arena[offset:offset + nbytes].view(dtype).view(shape).fill_(fill)
+        return views
+
+    def mirror(self, device: torch.device) -> StepMirror:
+        """Device arrays laid out as these (initially as filled here), for `copy_to`."""
+        arena = torch.empty(self._arena.numel(), dtype=torch.uint8, device=device)
+        return StepMirror(arena, self._views(arena))
+
+    def copy_to(self, mirror: StepMirror, block_rows: int) -> None:
+        """One asynchronous copy into `mirror`: every per-token and per-request array whole,
+        and the first `block_rows` block-table rows (one KV cache group: the padded steps'
+        case). The caller calls copies_queued() after."""
+        assert self._num_kv_groups == 1, "one copy covers one KV cache group's block tables"
+        end = self._layout["block_tables"][0] + block_rows * self._block_row_bytes
+        mirror.arena[:end].copy_(self._arena[:end], non_blocking=mirror.arena.is_cuda)
 
     def wait_for_copies(self) -> None:
         if self._copied_pending:
@@ -185,6 +228,7 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
         ids[B:n] = 0
         pos[B:n] = 0
         slots[B:n] = -1
+        buf.qsl[B + 1:n + 1] = np.arange(B + 1, n + 1)   # padding row i is query i
         buf.seq[B:n] = 1
         bt[B:n, 0] = 0
     elif padding is Padding.DUMMY_REQUEST:

@@ -103,12 +103,14 @@ class MixedGraphRunner:
         def buffer(shape, dtype_, fill=0):
             return torch.full(shape, fill, dtype=dtype_, device=device)
 
-        self.input_ids = buffer((n,), torch.int64)
-        self.positions = buffer((n,), torch.int64)
-        self.slot_mapping = buffer((n,), torch.int64, -1)
-        self.query_start_loc = buffer((slots + 1,), torch.int32)
-        self.seq_lens = buffer((slots,), torch.int32)
-        self.block_tables = buffer((slots, w), torch.int32)
+        # Host buffers, written by the flat-batch builder (pinned on CUDA), and their device
+        # mirror (one copy a step): the inputs the graphs read.
+        self._host = StepBuffers(n, slots, w, pin=device.type == "cuda")
+        self._device = self._host.mirror(device)
+        t = self._device.tensors
+        self.input_ids, self.positions = t["input_ids"], t["positions"]
+        self.slot_mapping, self.query_start_loc = t["slot_mapping"], t["query_start_loc"]
+        self.seq_lens, self.block_tables = t["seq_lens"], t["block_tables"]
         self.hidden = buffer((n, model.spec.hidden_size), dtype)
         # Piecewise capture: the residual stream between pieces, in buffers outside the graph
         # pool (no graph's temporaries outlive its own replay).
@@ -122,20 +124,12 @@ class MixedGraphRunner:
         self.mid_hidden = buffer((m, model.spec.hidden_size), model.norm_dtype())
         self.mid_residual = buffer((m, model.spec.hidden_size), model.norm_dtype())
 
-        # Host mirrors, written by the flat-batch builder (pinned on CUDA).
-        self._host = StepBuffers(n, slots, w, pin=device.type == "cuda")
-
         # Keyed (token count, piece): len(pieces) pieces up to piece_max_tokens, one above.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._metas: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.replayed_sizes: set[int] = set()
         self.capture_seconds = 0.0
-
-    def _device_buffers(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "positions": self.positions,
-                "slot_mapping": self.slot_mapping, "query_start_loc": self.query_start_loc,
-                "seq_lens": self.seq_lens, "block_tables": self.block_tables}
 
     # ---- capture --------------------------------------------------------------------------
 
@@ -205,15 +199,7 @@ class MixedGraphRunner:
                                 Padding.DUMMY_REQUEST, padded=n)
 
     def _copy_to_device(self, flat, n: int) -> None:
-        rows = flat.num_reqs + 1
-        non_blocking = self.device.type == "cuda"
-        for name, dst in self._device_buffers().items():
-            src = self._host.tensors[name]
-            if name == "block_tables":
-                dst, src = dst[:rows], src[:rows]
-            elif name in ("input_ids", "positions", "slot_mapping"):
-                dst, src = dst[:n], src[:n]
-            dst.copy_(src, non_blocking=non_blocking)
+        self._host.copy_to(self._device, flat.num_reqs + 1)   # the dummy request's row too
         self._host.copies_queued()
 
     @torch.inference_mode()

@@ -94,6 +94,14 @@ def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduli
             assert decode.slots[:padded].tolist() == slots + [-1] * (padded - B)
             assert decode.seq[B:padded].tolist() == [1] * (padded - B)
             assert (decode.bt[B:padded, 0] == 0).all()
+            # the decode graphs read query_start_loc from the copy too: row i is query i
+            assert decode.qsl[:padded + 1].tolist() == list(range(padded + 1))
+            # one copy moves the step to the graphs' buffers
+            mirror = decode.mirror(torch.device("cpu"))
+            decode.copy_to(mirror, padded)
+            for name, host in decode.tensors.items():
+                rows = slice(0, padded) if name == "block_tables" else slice(None)
+                assert torch.equal(mirror.tensors[name][rows], host[rows]), name
 
         padded = T + (0, 1, 5)[seed % 3]
         flat = build_flat_batch(message, batch, case.prev_rows, mixed, BS,
@@ -234,3 +242,26 @@ def test_sampling_columns_follow_rows_through_preemption():
     fresh = batch.sampling_columns(rows)
     assert fresh.temperature.tolist() == pytest.approx([1.2, 0.7, 0.3])
     assert fresh.num_tokens.tolist() == [4, 5, 1]
+
+
+def test_one_arena_one_copy():
+    """StepBuffers' arrays are views of one byte arena, the block tables last: copy_to moves
+    every per-token and per-request array and the first rows of the block table to a mirror
+    in one copy, and leaves the mirror's other block-table rows alone."""
+    buf = StepBuffers(10, 4, 7, pin=False)
+    arena = buf.tensors["input_ids"].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == arena for t in buf.tensors.values())
+    assert buf.slots.tolist() == [-1] * 10 and not buf.bt.any()
+    gen = torch.Generator().manual_seed(0)
+    for t in buf.tensors.values():
+        t.copy_(torch.randint(0, 1000, t.shape, generator=gen))
+    mirror = buf.mirror(torch.device("cpu"))
+    assert (mirror.tensors["slot_mapping"] == -1).all()    # a mirror starts as filled
+    buf.copy_to(mirror, 2)
+    for name, host in buf.tensors.items():
+        if name != "block_tables":
+            assert torch.equal(mirror.tensors[name], host), name
+    assert torch.equal(mirror.tensors["block_tables"][:2], buf.tensors["block_tables"][:2])
+    assert not mirror.tensors["block_tables"][2:].any()
+    with pytest.raises(AssertionError, match="one KV cache group"):
+        StepBuffers(4, 2, 3, pin=False, num_kv_groups=2).copy_to(mirror, 1)
