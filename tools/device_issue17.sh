@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s27a|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s27a|s27b|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -34,24 +34,27 @@ s12)  # session 12 (after PART=s12d of device_issue16.sh copied .smolA): batch 6
   grep -A1 "the last 140" $OUT/probe_ngram.log | cut -c1-2500 ;;
 copy)
   mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/partA ;;
-s27a)  # session 26: the GPU tests of session 25's changes (argmax_rows, the GEMV default
-  # under speculation, propose_drafts) and of the cache write in the rotary's launch (new);
-  # FP8 batch-1 decode with that write and without (FOLIO_KV_WRITE=separate); the FP8 step's
-  # kernels with PDL on, charged by their exposed time (gpu_kernel_census.py's new column);
-  # the verify cost as shipped, with its gaps
+s27a)  # session 26, one call: the GPU tests of session 26's changes (the cache write in the
+  # rotary's launch, bit-identical to the separate write; the graph runners' inputs in one
+  # copy), FP8 batch-1 decode with that write and without (FOLIO_KV_WRITE=separate), the
+  # verify cost with its gaps; the FP8 step's kernels charged by their exposed time if time
+  # is left (gpu_kernel_census.py's new column)
   LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128
        --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
-  STEP_PATTERN="passed|failed|Error" step 230 gpu_tests python3 -m pytest -q \
-      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_sampling.py \
-      tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_spec_decode.py \
-      -k "kv_write or pdl or sampl or gumbel or argmax or spec or draft"
+  STEP_PATTERN="passed|failed|Error" step 210 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_cuda_graphs.py \
+      tests/gpu/test_gpu_engine.py -k "graph or kv_write or pdl"
   STEP_PATTERN="latency:|decode:|roofline|Error" step 90 lat_fp8 $LAT --quantization fp8
   STEP_PATTERN="latency:|decode:|roofline|Error" step 80 lat_fp8_separate env \
       FOLIO_KV_WRITE=separate $LAT --quantization fp8
-  STEP_PATTERN="kernels/token|Error" step 90 census_fp8_pdl python3 \
+  step 110 verify python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --gaps
+  STEP_PATTERN="kernels/token|Error" step 80 census_fp8_pdl python3 \
       tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
-  head -26 "$OUT/census_fp8_pdl.log" | cut -c1-170
-  step 100 verify python3 tools/gpu_verify_cost.py --config llama3-8b --k 4 --gaps ;;
+  head -26 "$OUT/census_fp8_pdl.log" | cut -c1-170 ;;
+s27b)  # next: the rest of the GPU tests of sessions 25-26 (sampling, speculative decoding)
+  STEP_PATTERN="passed|failed|Error" step 400 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_sampling.py \
+      tests/gpu/test_gpu_spec_decode.py tests/gpu/test_fp8_kv_cache_gpu.py ;;
 s26d)  # next session: the EAGLE head trained on the CPU (tools/train_eagle_head.py) on the GPU,
   # held-out prompts at batch 1: off, the head at k = 2, 3, 4, n-gram; fixed k, then adaptive.
   # Two calls of one warm machine, each under the 64 MiB carry: PART=copy with .whl,
