@@ -2,7 +2,8 @@
 
 Per step, the int32 metadata the kernels read (query_start_loc, seq_lens, block_tables) is built
 once into `metadata.cache` and shared by every layer, so a layer's forward is two launches
-(cache write + attention; three for split-K decode) with no host work beyond argument packing.
+(cache write + attention; three for split-K decode) with no host work beyond argument packing,
+one where the rotary kernel took the cache write (`fused_kv_write`).
 """
 from __future__ import annotations
 
