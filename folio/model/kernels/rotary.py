@@ -99,11 +99,15 @@ if HAS_TRITON:
             x3 = tl.load(src[:, None] + j[None, :], mask=mj, other=0.0).to(tl.float32)
         if HAS_NORM:
             # RMSNorm over each whole head: fp32 statistics, rounded to the dtype, times the
-            # weight, rounded again (as layers.RMSNorm).
-            sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+            # weight, rounded again (as layers.RMSNorm). The sum of squares in float64, where
+            # a 16-bit value's square and their sums are exact, so its order (which follows the
+            # compiled config: the variant writing the KV cache tunes its own warps) cannot
+            # move rstd by an ulp (kernels/rmsnorm.py does the same).
+            sq = tl.sum(x1.to(tl.float64) * x1.to(tl.float64), 1) \
+                + tl.sum(x2.to(tl.float64) * x2.to(tl.float64), 1)
             if REST_PAD > 0:
-                sq += tl.sum(x3 * x3, 1)
-            rstd = tl.math.rsqrt(sq / D + eps)[:, None]
+                sq += tl.sum(x3.to(tl.float64) * x3.to(tl.float64), 1)
+            rstd = tl.math.rsqrt((sq / D).to(tl.float32) + eps)[:, None]
             w1 = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)[None, :]
             w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)[None, :]
             x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
