@@ -11,19 +11,26 @@ table and slot mapping, so it needs no bookkeeping of its own:
    one) at position p, k single-token steps write positions p .. p+k-1 and propose the tokens
    after them. The scheduler allocated slots up to there (`Drafter.lookahead`); the next step
    verifies those drafts and, through step 1, rewrites the same positions.
+
+After a step where no request drafts (the adaptive draft length resting at k = 0) step 1 is
+kept back and written in one batched pass later (spec_propose.DeferredWrites, as for an
+EAGLE head): the draft model's pass over each step cost a resting engine every step.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import numpy as np
 import torch
 
+from folio.model.attention import AttentionMetadata
 from folio.model.decoder import DecoderLM
 from folio.model.host_copy import device_tensor
 from folio.model.kernels.sampling import argmax_rows
 from folio.worker.input_batch import InputBatch
-from folio.worker.spec_propose import DraftInputs, drafting_requests, gather_drafts, one_token_meta
+from folio.worker.spec_propose import (DeferredWrites, DraftInputs, drafting_requests,
+                                       gather_drafts, one_token_meta)
 
 
 class DraftModelProposer:
@@ -36,8 +43,20 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.device = device
+        self.deferred = DeferredWrites(self._write, block_size, device)
+
+    def _write(self, tokens: torch.Tensor, positions: torch.Tensor,
+               features: torch.Tensor | None, meta: AttentionMetadata) -> None:
+        self.model(tokens, positions, self.kv_caches, meta)
+
+    def release(self, req_ids: Iterable[str], batch: InputBatch) -> None:
+        self.deferred.release(req_ids, batch)
 
     def propose(self, inputs: DraftInputs, batch: InputBatch) -> dict[str, list[int]]:
+        if not any(inputs.drafting):
+            self.deferred.add(inputs, inputs.input_ids, None, batch)
+            return {}
+        self.deferred.flush(batch)   # the kept rows first: this step's rows attend to them
         # 1. the step's tokens into the draft model's cache (its own copy of the metadata:
         # backends keep per-model tensors in `cache`)
         self.model(inputs.input_ids, inputs.positions, self.kv_caches,

@@ -332,6 +332,10 @@ class ModelRunner:
         come to the host when the returned handle's get() is called, so the caller can
         schedule the next step meanwhile."""
         batch = self.input_batch
+        if self.draft_proposer is not None:
+            # before the update drops their rows and block tables
+            self.draft_proposer.release([*step.finished_req_ids, *step.preempted_req_ids],
+                                        batch)
         batch.update(step)
         if step.removed_lora_ids and self.lora is not None:
             self.lora.remove(step.removed_lora_ids)   # first: this step may reuse their slots

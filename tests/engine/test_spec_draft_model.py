@@ -71,6 +71,38 @@ def test_the_drafts_are_the_draft_models_greedy_continuation(tiny_model_dir) -> 
     assert checked >= 10
 
 
+def test_a_resting_draft_model_writes_its_cache_before_it_drafts_again(tiny_model_dir,
+                                                                      monkeypatch) -> None:
+    """While the adaptive draft length rests (k = 0 verdicts) the draft model's cache writes
+    are kept back and go in as one chunk before the probe drafts: the probe's drafts are the
+    draft model's greedy continuation of the whole context."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    monkeypatch.setattr(AdaptiveDraftLength, "_best_k", lambda self, *a: 0)
+    target, draft = tiny_model_dir("llama"), tiny_model_dir("qwen3")
+    llm = _make(target, {"model": draft, "num_speculative_tokens": 3})
+    seen = _record_drafts(llm)
+    proposer = llm.llm_engine.engine_core.executor.worker.runner.draft_proposer
+    most_kept, propose = [0], proposer.propose
+
+    def watching(inputs, batch):
+        drafts = propose(inputs, batch)
+        most_kept[0] = max(most_kept[0], proposer.deferred.num_rows)
+        return drafts
+
+    proposer.propose = watching
+    llm.generate(_prompts(1, seed=8), SamplingParams(temperature=0, max_tokens=48),
+                 use_tqdm=False)
+    assert most_kept[0] >= 30   # the 32 resting steps before the probe
+    reference = load_hf_model(draft)
+    probes = [(context, drafts) for context, drafts in seen if drafts][1:]
+    assert probes
+    for context, drafts in probes:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
+                                     do_sample=False, pad_token_id=0)
+        assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
+
+
 def test_greedy_outputs_equal_the_engine_without_speculation(tiny_model_dir) -> None:
     target, draft = tiny_model_dir("llama"), tiny_model_dir("qwen3")
     prompts = _prompts(6, seed=12)

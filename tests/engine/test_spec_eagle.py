@@ -9,6 +9,7 @@ import math
 import os
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,6 +284,146 @@ def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path
     # first verdict's and the probe's (after 32 steps without drafts) steps draft
     assert busy_calls[0] >= 3 * 10
     assert 0 < calls[0] <= 3 * 3, (calls[0], busy_calls[0])
+
+
+def _resting_run(target: str, spec: dict, prompts: list[str], params: SamplingParams,
+                 **overrides) -> tuple[list[list[int]], list, dict[str, torch.Tensor], dict]:
+    """Generate with `spec` (the adaptive draft length patched to rest by the caller) and
+    return the answers, the drafts proposed (record_drafts), each request's head K/V at its
+    positions [0, end of its last kept row) once the kept rows are written, and what the
+    proposer saw: the most rows it kept at once, the steps its deferred writes ran and the
+    preemptions. Every step message checks that no request leaving the batch keeps rows."""
+    llm = _make(target, spec, **overrides)
+    seen = record_drafts(llm)
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    proposer, batch = runner.draft_proposer, runner.input_batch
+    deferred = proposer.deferred
+    tables: dict[str, tuple[np.ndarray, int]] = {}
+    info = {"most_kept": 0, "writes": 0, "preempted": 0}
+    propose, update, write = proposer.propose, batch.update, deferred._write
+
+    def recording_propose(inputs, batch_):
+        for rid, pos in zip(inputs.req_ids, inputs.last_positions):
+            row = batch_.requests[rid].row
+            tables[rid] = (batch_.block_table[row, :batch_.num_blocks[row]].copy(), pos + 1)
+        drafts = propose(inputs, batch_)
+        info["most_kept"] = max(info["most_kept"], deferred.num_rows)
+        return drafts
+
+    def checked_update(step):
+        leaving = [*step.finished_req_ids, *step.preempted_req_ids]
+        assert not any(rid in deferred for rid in leaving), leaving
+        info["preempted"] += len(step.preempted_req_ids)
+        update(step)
+
+    def counted_write(*args):
+        info["writes"] += 1
+        write(*args)
+
+    proposer.propose, batch.update, deferred._write = recording_propose, checked_update, \
+        counted_write
+    answers = _ids(llm.generate(prompts, params, use_tqdm=False))
+    deferred.flush(batch)   # the last steps' rows (their requests' finish not yet told)
+    block = proposer.block_size
+    cache = {rid: torch.stack([c[:, torch.as_tensor(blocks, dtype=torch.int64)]
+                               .flatten(1, 2)[:, :end] for c in proposer.kv_caches])
+             for rid, (blocks, end) in tables.items()}
+    assert all(len(blocks) * block >= end for blocks, end in tables.values())
+    return answers, seen, cache, info
+
+
+def _rest_always(monkeypatch) -> None:
+    """k = 0 verdicts: the head drafts only at the first verdict's and the probes' steps (a
+    probe after 32 resting steps)."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    monkeypatch.setattr(AdaptiveDraftLength, "_best_k", lambda self, *a: 0)
+
+
+def _assert_same_cache(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Equal to float32 rounding: 1e-5 of the entries' scale (batched and per-step passes sum
+    in different orders; the entries reach ~15, the largest difference seen was 1.9e-5)."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        scale = want[rid].abs().max().item()
+        torch.testing.assert_close(got[rid], want[rid], rtol=1e-5, atol=1e-5 * scale, msg=rid)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_resting_steps_write_the_head_cache_in_one_pass_before_drafting(
+        tiny_model_dir, tmp_path, monkeypatch, method) -> None:
+    """While no request drafts, the head's cache writes are kept back and go in as one chunk
+    before the probe drafts: its drafts are the reference's (the head's cache whole), and its
+    cache equals an engine's whose head wrote after every step (MAX_DEFERRED_ROWS = 0: the
+    same steps, so the same target states)."""
+    from folio.worker import spec_propose
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / method)
+    weights = build_head(head, method, seed=3 if method == "eagle" else 4)
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    prompts = _prompts(1, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    _rest_always(monkeypatch)
+    answers, seen, cache, info = _resting_run(target, spec, prompts, params,
+                                              enable_prefix_caching=False)
+    assert answers == _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+    assert info["most_kept"] >= 30    # the rows of the 32 resting steps before the probe
+    reference = load_hf_model(target)
+    assert len(seen) >= 2             # the first verdict's drafts and the probe's
+    for context, drafts in seen:
+        assert drafts == reference_drafts(method, weights, reference, context, 3), len(context)
+    monkeypatch.setattr(spec_propose, "MAX_DEFERRED_ROWS", 0)
+    eager_answers, eager_seen, eager_cache, eager_info = _resting_run(
+        target, spec, prompts, params, enable_prefix_caching=False)
+    assert eager_info["most_kept"] == 0 and eager_answers == answers and eager_seen == seen
+    _assert_same_cache(cache, eager_cache)
+
+
+def test_leaving_requests_rows_are_written_before_their_blocks_go(tiny_model_dir, tmp_path,
+                                                                  monkeypatch) -> None:
+    """Few blocks: requests are preempted and finish while the head rests. Their kept rows go
+    in when the step message tells the worker (before its batch drops their block tables, and
+    before a request of that step can write the blocks), never at a later flush: a request
+    recomputed under its id after a preemption gets only its new rows. The head cache then
+    equals that of a head that wrote after every step."""
+    from folio.worker import spec_propose
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / "eagle")
+    build_head(head, "eagle", seed=3)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    prompts = _prompts(4, seed=14)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 40, 24, 40)]
+    small = dict(num_gpu_blocks_override=16, max_model_len=256, max_num_seqs=4)
+    _rest_always(monkeypatch)
+    answers, _, cache, info = _resting_run(target, spec, prompts, params, **small)
+    assert info["preempted"] > 0
+    assert answers == _ids(_make(target, None, **small).generate(prompts, params,
+                                                                 use_tqdm=False))
+    monkeypatch.setattr(spec_propose, "MAX_DEFERRED_ROWS", 0)
+    _, _, eager_cache, eager_info = _resting_run(target, spec, prompts, params, **small)
+    assert eager_info["preempted"] == info["preempted"]
+    _assert_same_cache(cache, eager_cache)
+
+
+def test_kept_rows_past_the_bound_are_written_at_once(tiny_model_dir, tmp_path,
+                                                      monkeypatch) -> None:
+    """Past MAX_DEFERRED_ROWS kept rows the head writes them at once, resting or not: the
+    kept rows stay below the bound, and the cache is the same."""
+    from folio.worker import spec_propose
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / "eagle")
+    build_head(head, "eagle", seed=3)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    prompts = _prompts(1, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    _rest_always(monkeypatch)
+    _, _, cache, info = _resting_run(target, spec, prompts, params, enable_prefix_caching=False)
+    monkeypatch.setattr(spec_propose, "MAX_DEFERRED_ROWS", 8)
+    _, _, bounded_cache, bounded_info = _resting_run(target, spec, prompts, params,
+                                                     enable_prefix_caching=False)
+    assert info["most_kept"] >= 30 and bounded_info["most_kept"] < 8
+    # 32 resting steps' rows: 4 flushes of 8 where the unbounded run wrote them once
+    assert bounded_info["writes"] >= info["writes"] + 3
+    _assert_same_cache(bounded_cache, cache)
 
 
 def test_a_head_beside_a_packed_cpu_target_is_int8(tmp_path) -> None:
