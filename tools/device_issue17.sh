@@ -51,17 +51,21 @@ s27a)  # session 26, one call: the GPU tests of session 26's changes (the cache 
   STEP_PATTERN="kernels/token|Error" step 80 census_fp8_pdl python3 \
       tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
   head -26 "$OUT/census_fp8_pdl.log" | cut -c1-170 ;;
-s27c)  # session 26, after s27a (H100): the rotary's qk-norm sum in float64 (its variant with
-  # the cache write had tuned other warps, and Qwen3's tokens moved), its GPU test again,
-  # then FP8 batch-1 decode with the write in the rotary's launch (s27a's timed out while
-  # compiling) and separate
+s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: the variant
+  # writing the cache had tuned other warps, and Qwen3's tokens moved) and o_proj's GEMV
+  # ending with the post-attention add + RMSNorm (new, untested on a GPU): their tests and the
+  # graph tests; then FP8 batch 1 with both (default), without the norm epilogue, and with
+  # neither (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
   LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128
        --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
-  STEP_PATTERN="passed|failed|Error" step 120 kv_write_tests python3 -m pytest -q \
-      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py -k kv_write
+  STEP_PATTERN="passed|failed|Error" step 260 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
+      tests/gpu/test_cuda_graphs.py -k "kv_write or gemv_norm or pdl or graph"
   STEP_PATTERN="latency:|decode:|roofline|Error" step 150 lat_fp8 $LAT --quantization fp8
-  STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_separate env \
-      FOLIO_KV_WRITE=separate $LAT --quantization fp8 ;;
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
+      FOLIO_GEMV_NORM=0 $LAT --quantization fp8
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_neither env \
+      FOLIO_GEMV_NORM=0 FOLIO_KV_WRITE=separate $LAT --quantization fp8 ;;
 s27b)  # next: the rest of the GPU tests of sessions 25-26 (sampling, speculative decoding)
   STEP_PATTERN="passed|failed|Error" step 400 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_sampling.py \

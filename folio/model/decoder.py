@@ -106,10 +106,25 @@ class DecoderLayer(nn.Module):
                 return out
         hidden, residual = self._norm_into(self.input_layernorm, self._qkv_proj, hidden,
                                            residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self._norm_into(self.post_attention_layernorm, self._dense_mlp,
-                                           hidden, residual)
+        hidden, residual = self._attention_into_mlp(positions, hidden, residual, kv_cache,
+                                                    metadata)
         return self.mlp(hidden), residual
+
+    def _attention_into_mlp(self, positions, hidden, residual, kv_cache, metadata):
+        """The attention, then the post-attention norm with the stream added: at decode rows
+        the norm ends o_proj's GEMV launch (Linear.forward_add_norm), unless the MLP wants
+        its input quantized per token by the norm (QuantizedRows, prefill rows)."""
+        attn, mlp = self.self_attn, self._dense_mlp
+        if isinstance(attn, Attention) and (mlp is None
+                                            or mlp.quantized_input_dtype(residual) is None):
+            heads = attn.attend(positions, hidden, kv_cache, metadata)
+            fused = attn.o_proj.forward_add_norm(heads, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return fused
+            hidden = attn.o_proj(heads)
+        else:
+            hidden = attn(positions, hidden, kv_cache, metadata)
+        return self._norm_into(self.post_attention_layernorm, mlp, hidden, residual)
 
 
 class SandwichDecoderLayer(DecoderLayer):

@@ -43,6 +43,10 @@ CPU_LAYER_CHOICES = ("1", "0")
 # The paged KV cache write on CUDA: "rotary" = in the rotary kernel's launch
 # (kernels/rotary.PagedKVWrite), "separate" = its own kernel (the A/B comparison's other side).
 KV_WRITE_CHOICES = ("rotary", "separate")
+# The residual add + RMSNorm after a projection served by the skinny GEMV (kernels/gemv.py
+# skinny_matmul_add_norm; today the attention's o_proj and the post-attention norm): "1" = in
+# the GEMV's launch, "0" = the norm kernel apart (the A/B comparison's other side).
+GEMV_NORM_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).
 _ENV_OVERRIDES = {
@@ -54,6 +58,7 @@ _ENV_OVERRIDES = {
     "FOLIO_DENSE_PREFILL": ("dense_prefill", DENSE_PREFILL_CHOICES),
     "FOLIO_CPU_LAYER": ("cpu_layer", CPU_LAYER_CHOICES),
     "FOLIO_KV_WRITE": ("kv_write", KV_WRITE_CHOICES),
+    "FOLIO_GEMV_NORM": ("gemv_norm", GEMV_NORM_CHOICES),
 }
 
 
@@ -64,7 +69,8 @@ class KernelConfig:
     `attention`: the device's own paged-attention kernel ("triton": the Triton backend on
     CUDA, folio's C++ kernel on the CPU) or the torch reference. `gemv`: one of GEMV_MODES. `pdl`: one of
     PDL_CHOICES. `lora`: one of LORA_CHOICES. `dense_prefill`: one of DENSE_PREFILL_CHOICES.
-    `cpu_layer`: one of CPU_LAYER_CHOICES. `kv_write`: one of KV_WRITE_CHOICES."""
+    `cpu_layer`: one of CPU_LAYER_CHOICES. `kv_write`: one of KV_WRITE_CHOICES.
+    `gemv_norm`: one of GEMV_NORM_CHOICES."""
 
     kernels: str = "triton"
     attention: str = "triton"
@@ -74,6 +80,7 @@ class KernelConfig:
     dense_prefill: str = "1"
     cpu_layer: str = "1"
     kv_write: str = "rotary"
+    gemv_norm: str = "1"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.
@@ -121,6 +128,12 @@ class KernelConfig:
         return self.fused_kernels and self.kv_write == "rotary"
 
     @property
+    def gemv_norm_on(self) -> bool:
+        """Whether a skinny GEMV may end with the residual add + RMSNorm after it
+        (GEMV_NORM_CHOICES); it also needs the GEMV itself (gemv_on)."""
+        return self.gemv_on and self.gemv_norm == "1"
+
+    @property
     def lora_on_weight(self) -> bool:
         """Whether adapters' A rows may ride plain 16-bit base weights (LORA_CHOICES)."""
         return self.lora == "weight"
@@ -139,7 +152,7 @@ SPECULATIVE_GEMV = "all"
 def resolve_kernel_config(env: Mapping[str, str] | None = None, *,
                           speculative: bool = False) -> KernelConfig:
     """The defaults with FOLIO_KERNELS / FOLIO_ATTENTION / FOLIO_GEMV / FOLIO_PDL / FOLIO_LORA /
-    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER / FOLIO_KV_WRITE from `env` (os.environ when None) applied over them.
+    FOLIO_DENSE_PREFILL / FOLIO_CPU_LAYER / FOLIO_KV_WRITE / FOLIO_GEMV_NORM from `env` (os.environ when None) applied over them.
     An unknown value is an error naming the variable: it used to fall back silently
     (FOLIO_KERNELS=eager meant torch), which hid typos. `speculative`: the engine verifies
     drafts, so the GEMV default is SPECULATIVE_GEMV (FOLIO_GEMV still overrides it)."""

@@ -99,6 +99,15 @@ class RMSNorm(nn.Module):
         return (fused_kernels_on(x, self.kernels) and x.dim() == 2
                 and self.weight.dtype == x.dtype)
 
+    def gemv_epilogue_ok(self, residual: torch.Tensor) -> bool:
+        """Whether a skinny GEMV may end with this norm over its output plus `residual`
+        (kernels/gemv.skinny_matmul_add_norm: this class's arithmetic, in the norm kernel's
+        code): the fused kernels, a weight in the stream's dtype, rows of the stream
+        contiguous."""
+        return (type(self) is RMSNorm and fused_kernels_on(residual, self.kernels)
+                and residual.dim() == 2 and residual.stride(-1) == 1
+                and self.weight.dtype == residual.dtype)
+
 
 def _rope_parameters(hf_config: Any) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -292,6 +301,25 @@ class Linear(nn.Linear):
             out = self.tp_reduce.all_reduce(out)
         return out
 
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`norm(self(x), residual)` -- (the normed sum, the sum) -- in the skinny GEMV's
+        launch where it serves this product (kernels/gemv.skinny_matmul_add_norm, bit for bit
+        the two apart); None where it does not, and the caller runs the two."""
+        if (not self.kernels.gemv_norm_on or self.lora is not None or self.tp_reduce is not None
+                or not norm.gemv_epilogue_ok(residual) or residual.shape[-1] != self.out_features):
+            return None
+        if self.packed is not None:
+            add_norm = getattr(self.packed, "forward_add_norm", None)
+            return None if add_norm is None else add_norm(x, self.bias, residual, norm.weight,
+                                                          norm.eps)
+        x2 = _skinny_input(x, self)
+        if x2 is None:
+            return None
+        from folio.model.kernels.gemv import skinny_matmul_add_norm
+        return skinny_matmul_add_norm(x2, self.weight, residual, norm.weight, norm.eps,
+                                      self.bias, pdl=self.kernels.pdl_on)
+
     def _product(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ bias): the skinny GEMV at decode sizes where it wins, else cuBLAS."""
@@ -408,6 +436,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x, kv_cache, metadata))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """The heads' outputs side by side [T, H * D]: forward before o_proj (a decoder layer
+        may run o_proj with the norm after it, Linear.forward_add_norm)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -431,7 +465,7 @@ class Attention(nn.Module):
                                    k_scale=self.k_scale, v_scale=self.v_scale,
                                    logits_soft_cap=self.logits_soft_cap, sinks=sinks,
                                    kv_written=write is not None)
-        return self.o_proj(out.reshape(t, q_size))
+        return out.reshape(t, q_size)
 
 
 def is_silu(act: str) -> bool:

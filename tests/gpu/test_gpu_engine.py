@@ -248,3 +248,30 @@ def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cac
     got = run(fused)
     assert worker.graph_runner.num_replays > 0
     assert got == expected
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_gemv_norm_epilogue_gives_the_same_tokens(model_dir, monkeypatch, quantization):
+    """o_proj's skinny GEMV ending with the post-attention residual add + RMSNorm
+    (KernelConfig.gemv_norm, the default) computes what the norm kernel after it does
+    (FOLIO_GEMV_NORM=0), with the same products (the config is shared), so tokens and
+    logprobs are bit-identical: batch 1 through the CUDA graphs (the GEMV's rows), bf16 and
+    FP8 weights (EightBitLinear), with and without the qk-norm (llama, qwen3)."""
+    prompts = _prompts(4, seed=13)
+
+    def run(llm):
+        return _run(llm, prompts[:1]) + _run(llm, prompts[1:2]) + _run(llm, prompts)
+
+    monkeypatch.setenv("FOLIO_GEMV_NORM", "0")
+    apart = _llm(model_dir, quantization=quantization)
+    assert not apart.llm_engine.engine_core.executor.worker.model.kernel_config.gemv_norm_on
+    expected = run(apart)
+    apart.llm_engine.shutdown()
+    del apart
+    monkeypatch.delenv("FOLIO_GEMV_NORM")
+    fused = _llm(model_dir, quantization=quantization)
+    worker = fused.llm_engine.engine_core.executor.worker
+    assert worker.model.kernel_config.gemv_norm_on
+    got = run(fused)
+    assert worker.graph_runner.num_replays > 0
+    assert got == expected

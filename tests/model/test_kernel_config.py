@@ -18,7 +18,7 @@ from folio.model.kernel_config import (DEFAULT_KERNEL_CONFIG, SPECULATIVE_GEMV, 
                                        resolve_kernel_config)
 
 ENV_VARS = ("FOLIO_KERNELS", "FOLIO_ATTENTION", "FOLIO_GEMV", "FOLIO_PDL", "FOLIO_LORA",
-            "FOLIO_DENSE_PREFILL", "FOLIO_CPU_LAYER", "FOLIO_KV_WRITE")
+            "FOLIO_DENSE_PREFILL", "FOLIO_CPU_LAYER", "FOLIO_KV_WRITE", "FOLIO_GEMV_NORM")
 
 
 @pytest.fixture
@@ -40,14 +40,14 @@ def test_defaults() -> None:
     ("FOLIO_ATTENTION", "torch", "attention"),
     ("FOLIO_GEMV", "0", "gemv"), ("FOLIO_GEMV", "narrow", "gemv"), ("FOLIO_GEMV", "all", "gemv"),
     ("FOLIO_PDL", "0", "pdl"), ("FOLIO_CPU_LAYER", "0", "cpu_layer"),
-    ("FOLIO_KV_WRITE", "separate", "kv_write"),
+    ("FOLIO_KV_WRITE", "separate", "kv_write"), ("FOLIO_GEMV_NORM", "0", "gemv_norm"),
 ])
 def test_env_overrides_one_field(var: str, value: str, field: str) -> None:
     cfg = resolve_kernel_config({var: value})
     assert getattr(cfg, field) == value
     others = {f: getattr(DEFAULT_KERNEL_CONFIG, f)
-              for f in ("kernels", "attention", "gemv", "pdl", "cpu_layer", "kv_write")
-              if f != field}
+              for f in ("kernels", "attention", "gemv", "pdl", "cpu_layer", "kv_write",
+                        "gemv_norm") if f != field}
     assert all(getattr(cfg, f) == v for f, v in others.items())
 
 
@@ -73,6 +73,10 @@ def test_torch_kernels_turn_the_gemv_off() -> None:
     assert resolve_kernel_config({}).kv_write_in_rotary
     assert not resolve_kernel_config({"FOLIO_KERNELS": "torch"}).kv_write_in_rotary
     assert not resolve_kernel_config({"FOLIO_KV_WRITE": "separate"}).kv_write_in_rotary
+    # The norm epilogue belongs to the skinny GEMV: off with it, or on its own.
+    assert resolve_kernel_config({}).gemv_norm_on
+    assert not resolve_kernel_config({"FOLIO_GEMV": "0"}).gemv_norm_on
+    assert not resolve_kernel_config({"FOLIO_GEMV_NORM": "0"}).gemv_norm_on
 
 
 @pytest.mark.parametrize("var", ENV_VARS)

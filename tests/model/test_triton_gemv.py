@@ -57,6 +57,16 @@ CASES += [
          K=64, bias=False, config=EMPTY_SPLIT),
     dict(name="gu_float32_m4_i40_k96_dot_split", kind="gate_up", dtype="float32", M=4, N=40,
          K=96, bias=True, config=DOT_SPLIT),
+    # The residual add + RMSNorm epilogue (skinny_matmul_add_norm) against the product, then
+    # the norm kernel: equal bit for bit, on every kernel path.
+    dict(name="norm_float32_m1_n37_k100", kind="mm_norm", dtype="float32", M=1, N=37, K=100,
+         bias=False),
+    dict(name="norm_float16_m3_n40_k100_split", kind="mm_norm", dtype="float16", M=3, N=40,
+         K=100, bias=True, config=FMA_SPLIT),
+    dict(name="norm_float16_m8_n37_k100_dot", kind="mm_norm", dtype="float16", M=8, N=37,
+         K=100, bias=False, config=DOT),
+    dict(name="norm_float32_m2_n40_k96_dot_split", kind="mm_norm", dtype="float32", M=2, N=40,
+         K=96, bias=True, config=DOT_SPLIT),
 ]
 
 
@@ -86,6 +96,19 @@ def _run(case: dict) -> dict:
         checks["out"] = (rel_err(out, ref), bool(torch.isfinite(out).all()))
         again = gemv.skinny_matmul(x, w, b, _config=cfg)
         checks["deterministic"] = (0.0, bool(torch.equal(again, out)))
+    elif case["kind"] == "mm_norm":
+        from folio.model.kernels.rmsnorm import rms_norm
+        residual = torch.randn(M, N, generator=gen).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype)
+        normed, res_out = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5, b,
+                                                      _config=cfg)
+        y = gemv.skinny_matmul(x, w, b, _config=cfg)
+        want_normed, want_res = rms_norm(y, norm_w, 1e-5, residual)
+        checks["normed"] = (0.0 if torch.equal(normed, want_normed) else 1.0,
+                            bool(torch.isfinite(normed).all()))
+        checks["residual"] = (0.0 if torch.equal(res_out, want_res) else 1.0,
+                              bool(torch.isfinite(res_out).all()))
+        checks["out"] = (rel_err(y, ref), bool(torch.isfinite(y).all()))
     else:
         gate, up = ref.to(dtype).float().chunk(2, dim=-1)
         expect = (F.silu(gate).to(dtype).float() * up).to(dtype)

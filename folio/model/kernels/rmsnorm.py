@@ -31,13 +31,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _normed_row(X, R, W, RES_OUT, row, stride_x, stride_r, stride_ro, eps,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+                    X_FROM_L2: tl.constexpr = False):
         """One row's norm (the residual sum stored first, where given): its float32 product
         with the weight before the output's rounding, the columns and their mask. One body
-        for both kernels, so both round the same values."""
+        for these kernels and the skinny GEMV's norm epilogue (kernels/gemv.py), so all round
+        the same values. X_FROM_L2: x was written by other programs of this launch (.cg
+        loads, never a stale L1 line)."""
         d = tl.arange(0, BLOCK_D)
         mask = d < D
-        x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
+        if X_FROM_L2:
+            x = tl.load(X + row * stride_x + d, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(R + row * stride_r + d, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)

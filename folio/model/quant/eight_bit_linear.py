@@ -98,6 +98,20 @@ class EightBitLinear(nn.Module):
                                        pdl=self.kernels.pdl_on)
         return act.view(*x.shape[:-1], -1)
 
+    def forward_add_norm(self, x: torch.Tensor, bias: torch.Tensor | None,
+                         residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The product, the residual add and the RMSNorm after it in one launch where the GEMV
+        serves x (Linear.forward_add_norm); None elsewhere."""
+        if not x.is_cuda or x.shape[-1] != self.in_features:
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        if not self._gemv_wanted(x2):
+            return None
+        from folio.model.kernels import gemv
+        return gemv.skinny_matmul_add_norm(x2, self.codes, residual, norm_weight, eps, bias,
+                                           scale=self.scale, pdl=self.kernels.pdl_on)
+
     def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from folio.model.kernels import gemv
         if self._gemv_wanted(x):
