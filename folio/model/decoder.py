@@ -110,6 +110,24 @@ class DecoderLayer(nn.Module):
                                                     metadata)
         return self.mlp(hidden), residual
 
+    def forward_chained(self, positions, hidden, residual, kv_cache, metadata, normed: bool,
+                        next_norm: RMSNorm | None, next_qkv: Linear | None):
+        """`forward` within a run of layers (DecoderLM.run_layers, CUDA): `normed` says
+        hidden is already this layer's input norm's output (the layer before ended with it),
+        and with `next_norm` (the next layer's input norm, which feeds `next_qkv`) the MLP's
+        down projection ends with it where its GEMV serves. Returns (hidden, residual,
+        whether hidden is the next layer's normed input)."""
+        if not normed:
+            hidden, residual = self._norm_into(self.input_layernorm, self._qkv_proj, hidden,
+                                               residual)
+        hidden, residual = self._attention_into_mlp(positions, hidden, residual, kv_cache,
+                                                    metadata)
+        if next_norm is not None and isinstance(self.mlp, GatedMLP) and (
+                next_qkv is None or next_qkv.quantized_input_dtype(residual) is None):
+            out, stream = self.mlp.forward_add_norm(hidden, residual, next_norm)
+            return (out, stream, True) if stream is not None else (out, residual, False)
+        return self.mlp(hidden), residual, False
+
     def _attention_into_mlp(self, positions, hidden, residual, kv_cache, metadata):
         """The attention, then the post-attention norm with the stream added: at decode rows
         the norm ends o_proj's GEMV launch (Linear.forward_add_norm), unless the MLP wants
@@ -256,10 +274,38 @@ class DecoderLM(nn.Module):
         kv_caches[first:last]) on the residual stream (hidden, residual); residual is None
         before the first layer. The forward between the embedding and the final norm, or a
         piece of it (worker/mixed_graphs.py captures small steps as several graphs)."""
+        chain = self._norm_chain(hidden)
+        normed = False
         for j in range(first, last):
-            hidden, residual = self.layers[self.stage_layers[j]](positions, hidden, residual,
-                                                                  kv_caches[j], metadata)
+            layer = self.layers[self.stage_layers[j]]
+            link = chain[j] if chain is not None and j + 1 < last else None
+            if link is None and not normed:
+                hidden, residual = layer(positions, hidden, residual, kv_caches[j], metadata)
+                continue
+            next_norm, next_qkv = link if link is not None else (None, None)
+            hidden, residual, normed = layer.forward_chained(
+                positions, hidden, residual, kv_caches[j], metadata, normed, next_norm,
+                next_qkv)
         return hidden, residual
+
+    def _norm_chain(self, hidden: torch.Tensor
+                    ) -> list[tuple[RMSNorm, Linear | None] | None] | None:
+        """Per stage layer j: (the next layer's input norm, the projection it feeds) where
+        layer j's down projection may end with that norm (both plain decoder layers, the
+        skinny GEMV's norm epilogue on: KernelConfig.gemv_norm_on), else None. Built once;
+        None off CUDA (the epilogue is a CUDA kernel, and the CPU runs whole layers in C++)."""
+        if not hidden.is_cuda:
+            return None
+        chain = self.__dict__.get("_chain")
+        if chain is None:
+            on = self.kernel_config.gemv_norm_on
+            layers = [self.layers[i] for i in self.stage_layers]
+            chain = [(b.input_layernorm, b._qkv_proj)
+                     if on and type(a) is DecoderLayer and type(b) is DecoderLayer
+                     and type(b.input_layernorm) is RMSNorm else None
+                     for a, b in zip(layers, layers[1:])] + [None]
+            self.__dict__["_chain"] = chain
+        return chain
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings."""

@@ -44,8 +44,8 @@ CPU_LAYER_CHOICES = ("1", "0")
 # (kernels/rotary.PagedKVWrite), "separate" = its own kernel (the A/B comparison's other side).
 KV_WRITE_CHOICES = ("rotary", "separate")
 # The residual add + RMSNorm after a projection served by the skinny GEMV (kernels/gemv.py
-# skinny_matmul_add_norm; today the attention's o_proj and the post-attention norm): "1" = in
-# the GEMV's launch, "0" = the norm kernel apart (the A/B comparison's other side).
+# skinny_matmul_add_norm: o_proj with the post-attention norm, down_proj with the next layer's
+# input norm): "1" = in the GEMV's launch, "0" = the norm kernel apart (the A/B's other side).
 GEMV_NORM_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).

@@ -515,22 +515,41 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if type(x) is QuantizedRows:   # a long prefill's rows, quantized by the norm before
             return self._act_down(self.gate_up_proj(x))
+        act = self._fused_act(x)
+        if act is not None:
+            return self.down_proj(act)
+        return self._act_down(self.gate_up_proj(x))
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(self(x) + residual), self(x) + residual), the norm ending the down
+        projection's GEMV launch (Linear.forward_add_norm), where the fused gate_up + SiLU
+        serves x; else (self(x), None), and the caller adds and normalizes."""
+        act = self._fused_act(x)
+        if act is None:
+            return self(x), None
+        fused = self.down_proj.forward_add_norm(act, residual, norm)
+        return fused if fused is not None else (self.down_proj(act), None)
+
+    def _fused_act(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up from one pass over the merged weight, where a decode-sized x
+        takes the fused GEMV; None elsewhere."""
         packed = self.gate_up_proj.packed
         # The fused gate_up+SiLU paths never see gate_up's output, where LoRA adds its delta.
-        fusable = self.fused_silu and self.gate_up_proj.lora is None
-        if fusable and packed is not None and hasattr(packed, "gate_up_silu"):
+        if not self.fused_silu or self.gate_up_proj.lora is not None:
+            return None
+        if packed is not None:
             # a quantized merged weight that fuses the activation itself (8-bit weights)
-            act = packed.gate_up_silu(x, self.gate_up_proj.bias)
-            if act is not None:
-                return self.down_proj(act)
-        if fusable and packed is None:
-            x2 = _skinny_input(x, self.gate_up_proj, fused=True)
-            if x2 is not None:  # decode: gate_up and SiLU-and-mul in one pass over the weight
-                from folio.model.kernels.gemv import skinny_gate_up_silu
-                act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          pdl=self.kernels.pdl_on)
-                return self.down_proj(act.view(*x.shape[:-1], -1))
-        return self._act_down(self.gate_up_proj(x))
+            return packed.gate_up_silu(x, self.gate_up_proj.bias) \
+                if hasattr(packed, "gate_up_silu") else None
+        x2 = _skinny_input(x, self.gate_up_proj, fused=True)
+        if x2 is None:
+            return None
+        # decode: gate_up and SiLU-and-mul in one pass over the weight
+        from folio.model.kernels.gemv import skinny_gate_up_silu
+        act = skinny_gate_up_silu(x2, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                  pdl=self.kernels.pdl_on)
+        return act.view(*x.shape[:-1], -1)
 
     def _act_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) from the merged projection's output."""

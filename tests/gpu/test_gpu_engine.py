@@ -252,11 +252,12 @@ def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cac
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_gemv_norm_epilogue_gives_the_same_tokens(model_dir, monkeypatch, quantization):
-    """o_proj's skinny GEMV ending with the post-attention residual add + RMSNorm
-    (KernelConfig.gemv_norm, the default) computes what the norm kernel after it does
-    (FOLIO_GEMV_NORM=0), with the same products (the config is shared), so tokens and
-    logprobs are bit-identical: batch 1 through the CUDA graphs (the GEMV's rows), bf16 and
-    FP8 weights (EightBitLinear), with and without the qk-norm (llama, qwen3)."""
+    """The skinny GEMVs ending with the residual add + RMSNorm after them (o_proj with the
+    post-attention norm, down_proj with the next layer's input norm; KernelConfig.gemv_norm,
+    the default) compute what the norm kernel after them does (FOLIO_GEMV_NORM=0), with the
+    same products (the config is shared), so tokens and logprobs are bit-identical: batch 1
+    through the CUDA graphs (the GEMVs' rows), bf16 and FP8 weights (EightBitLinear), with
+    and without the qk-norm (llama, qwen3)."""
     prompts = _prompts(4, seed=13)
 
     def run(llm):

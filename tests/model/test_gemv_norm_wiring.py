@@ -1,14 +1,16 @@
-"""The decoder layer's hand-off to `Linear.forward_add_norm` (o_proj's GEMV ending with the
-post-attention residual add + RMSNorm, a CUDA kernel: tests/gpu/test_gpu_engine.py compares
-it bit for bit). Here, on the CPU, the method is stood in for by the same math in torch, and
-the layer must give what it gives without it: the normed sum to the MLP, the sum as the
-stream."""
+"""The decoder's hand-offs to the skinny GEMV's residual add + RMSNorm epilogue (a CUDA
+kernel: tests/gpu/test_gpu_engine.py compares it bit for bit): o_proj with the post-attention
+norm (`Linear.forward_add_norm`) and the MLP's down projection with the next layer's input norm
+(`GatedMLP.forward_add_norm`, chained by `DecoderLM.run_layers`). Here, on the CPU, the methods
+are stood in for by the same math in torch (and the chain, CUDA-only, is allowed), and the
+model must give what it gives without them."""
 from __future__ import annotations
 
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.model.layers import Linear
+from folio.model.decoder import DecoderLM
+from folio.model.layers import GatedMLP, Linear
 
 
 def _answers(llm: LLM) -> list[list[int]]:
@@ -31,3 +33,28 @@ def test_layers_take_the_norm_from_o_proj(tiny_model_dir, monkeypatch, arch) -> 
     llm = LLM(path, device="cpu", max_num_seqs=2, enforce_eager=True)
     assert _answers(llm) == want
     assert calls, "no layer handed o_proj the norm"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_down_projections_hand_the_next_layer_its_normed_input(tiny_model_dir, monkeypatch,
+                                                               arch) -> None:
+    path = tiny_model_dir(arch)
+    want = _answers(LLM(path, device="cpu", max_num_seqs=2))
+    calls = []
+
+    def in_torch(self, x, residual, norm):
+        calls.append(tuple(x.shape))
+        return norm(self(x), residual)
+
+    original = DecoderLM._norm_chain
+    monkeypatch.setattr(GatedMLP, "forward_add_norm", in_torch)
+    monkeypatch.setattr(DecoderLM, "_norm_chain", lambda self, hidden: original(self, _OnCuda))
+    llm = LLM(path, device="cpu", max_num_seqs=2, enforce_eager=True)
+    assert _answers(llm) == want
+    layers = llm.llm_engine.engine_core.executor.worker.model.spec.num_layers
+    assert len(calls) >= layers - 1, "the layers did not chain their norms"
+
+
+class _OnCuda:
+    """Passes the chain's device check."""
+    is_cuda = True
