@@ -11,6 +11,9 @@ STEP_PATTERN="verify|plain|ms/step|latency:|decode:|accept|spec|passed|failed|Er
 . tools/device_common.sh
 SMOL=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 EDIT="python3 -m folio.bench.latency --model $SMOL --dataset editing --input-len 400 --no-roofline --max-model-len 1024 --num-iters-warmup 1"
+# issue 16's batch-1 decode command (tools/device_issue16.sh's LAT)
+LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128
+     --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 SUFFIX='{"method": "suffix", "num_speculative_tokens": 8}'
 case "${PART:-verify}" in
@@ -39,8 +42,6 @@ s27a)  # session 26, one call: the GPU tests of session 26's changes (the cache 
   # copy), FP8 batch-1 decode with that write and without (FOLIO_KV_WRITE=separate), the
   # verify cost with its gaps; the FP8 step's kernels charged by their exposed time if time
   # is left (gpu_kernel_census.py's new column)
-  LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128
-       --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
   STEP_PATTERN="passed|failed|Error" step 210 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_cuda_graphs.py \
       tests/gpu/test_gpu_engine.py -k "graph or kv_write or pdl"
@@ -56,8 +57,6 @@ s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: th
   # ending with the post-attention add + RMSNorm (new, untested on a GPU): their tests and the
   # graph tests; then FP8 batch 1 with both (default), without the norm epilogue, and with
   # neither (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
-  LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128
-       --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
   STEP_PATTERN="passed|failed|Error" step 260 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
       tests/gpu/test_cuda_graphs.py -k "kv_write or gemv_norm or pdl or graph"

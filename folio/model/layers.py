@@ -99,14 +99,16 @@ class RMSNorm(nn.Module):
         return (fused_kernels_on(x, self.kernels) and x.dim() == 2
                 and self.weight.dtype == x.dtype)
 
-    def gemv_epilogue_ok(self, residual: torch.Tensor) -> bool:
-        """Whether a skinny GEMV may end with this norm over its output plus `residual`
-        (kernels/gemv.skinny_matmul_add_norm: this class's arithmetic, in the norm kernel's
-        code): the fused kernels, a weight in the stream's dtype, rows of the stream
-        contiguous."""
+    def gemv_epilogue_ok(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether a skinny GEMV of input `x` may end with this norm over its output plus
+        `residual` (kernels/gemv.skinny_matmul_add_norm: this class's arithmetic, in the norm
+        kernel's code): the fused kernels, the stream and the weight in x's dtype, rows of
+        the stream contiguous and no wider than the epilogue serves."""
+        from folio.model.kernels.gemv import NORM_MAX_N
         return (type(self) is RMSNorm and fused_kernels_on(residual, self.kernels)
                 and residual.dim() == 2 and residual.stride(-1) == 1
-                and self.weight.dtype == residual.dtype)
+                and residual.shape[-1] <= NORM_MAX_N
+                and x.dtype == residual.dtype == self.weight.dtype)
 
 
 def _rope_parameters(hf_config: Any) -> dict:
@@ -307,7 +309,8 @@ class Linear(nn.Linear):
         launch where it serves this product (kernels/gemv.skinny_matmul_add_norm, bit for bit
         the two apart); None where it does not, and the caller runs the two."""
         if (not self.kernels.gemv_norm_on or self.lora is not None or self.tp_reduce is not None
-                or not norm.gemv_epilogue_ok(residual) or residual.shape[-1] != self.out_features):
+                or not norm.gemv_epilogue_ok(x, residual)
+                or residual.shape[-1] != self.out_features):
             return None
         if self.packed is not None:
             add_norm = getattr(self.packed, "forward_add_norm", None)
@@ -525,7 +528,7 @@ class GatedMLP(nn.Module):
         """(norm(self(x) + residual), self(x) + residual), the norm ending the down
         projection's GEMV launch (Linear.forward_add_norm), where the fused gate_up + SiLU
         serves x; else (self(x), None), and the caller adds and normalizes."""
-        act = self._fused_act(x)
+        act = None if type(x) is QuantizedRows else self._fused_act(x)
         if act is None:
             return self(x), None
         fused = self.down_proj.forward_add_norm(act, residual, norm)

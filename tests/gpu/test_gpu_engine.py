@@ -221,6 +221,28 @@ def test_pdl_gives_the_same_tokens(model_dir, monkeypatch):
     assert got == expected
 
 
+def _same_tokens_off_and_on(model_dir, monkeypatch, var: str, off: str, on_property: str,
+                            run, **llm_args):
+    """`run(llm)` on an engine with the override var=off (a fused kernel's A/B other side)
+    and on one with the default: KernelConfig.<on_property> false, then true; the CUDA graphs
+    replayed; the same tokens and logprobs. Returns the second engine's worker."""
+    monkeypatch.setenv(var, off)
+    apart = _llm(model_dir, **llm_args)
+    assert not getattr(apart.llm_engine.engine_core.executor.worker.model.kernel_config,
+                       on_property)
+    expected = run(apart)
+    apart.llm_engine.shutdown()
+    del apart
+    monkeypatch.delenv(var)
+    fused = _llm(model_dir, **llm_args)
+    worker = fused.llm_engine.engine_core.executor.worker
+    assert getattr(worker.model.kernel_config, on_property)
+    got = run(fused)
+    assert worker.graph_runner.num_replays > 0
+    assert got == expected
+    return worker
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cache_dtype):
     """The paged cache write done in the rotary kernel's launch (KernelConfig.kv_write, the
@@ -229,25 +251,10 @@ def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cac
     a bf16 and an FP8 cache."""
     from folio.model.attention.fp8 import is_fp8
     prompts = _prompts(16, seed=11)
-
-    def run(llm):
-        return _run(llm, prompts) + _run(llm, prompts[:1])
-
-    monkeypatch.setenv("FOLIO_KV_WRITE", "separate")
-    separate = _llm(model_dir, kv_cache_dtype=kv_cache_dtype)
-    worker = separate.llm_engine.engine_core.executor.worker
-    assert not worker.model.kernel_config.kv_write_in_rotary
-    expected = run(separate)
-    separate.llm_engine.shutdown()
-    del separate
-    monkeypatch.delenv("FOLIO_KV_WRITE")
-    fused = _llm(model_dir, kv_cache_dtype=kv_cache_dtype)
-    worker = fused.llm_engine.engine_core.executor.worker
-    assert worker.model.kernel_config.kv_write_in_rotary
+    worker = _same_tokens_off_and_on(
+        model_dir, monkeypatch, "FOLIO_KV_WRITE", "separate", "kv_write_in_rotary",
+        lambda llm: _run(llm, prompts) + _run(llm, prompts[:1]), kv_cache_dtype=kv_cache_dtype)
     assert is_fp8(worker.kv_caches[0].dtype) == (kv_cache_dtype == "fp8")
-    got = run(fused)
-    assert worker.graph_runner.num_replays > 0
-    assert got == expected
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -259,20 +266,7 @@ def test_gemv_norm_epilogue_gives_the_same_tokens(model_dir, monkeypatch, quanti
     through the CUDA graphs (the GEMVs' rows), bf16 and FP8 weights (EightBitLinear), with
     and without the qk-norm (llama, qwen3)."""
     prompts = _prompts(4, seed=13)
-
-    def run(llm):
-        return _run(llm, prompts[:1]) + _run(llm, prompts[1:2]) + _run(llm, prompts)
-
-    monkeypatch.setenv("FOLIO_GEMV_NORM", "0")
-    apart = _llm(model_dir, quantization=quantization)
-    assert not apart.llm_engine.engine_core.executor.worker.model.kernel_config.gemv_norm_on
-    expected = run(apart)
-    apart.llm_engine.shutdown()
-    del apart
-    monkeypatch.delenv("FOLIO_GEMV_NORM")
-    fused = _llm(model_dir, quantization=quantization)
-    worker = fused.llm_engine.engine_core.executor.worker
-    assert worker.model.kernel_config.gemv_norm_on
-    got = run(fused)
-    assert worker.graph_runner.num_replays > 0
-    assert got == expected
+    _same_tokens_off_and_on(
+        model_dir, monkeypatch, "FOLIO_GEMV_NORM", "0", "gemv_norm_on",
+        lambda llm: _run(llm, prompts[:1]) + _run(llm, prompts[1:2]) + _run(llm, prompts),
+        quantization=quantization)

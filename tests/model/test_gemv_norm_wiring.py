@@ -19,17 +19,21 @@ def _answers(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _in_torch(calls: list):
+    """A stand-in for forward_add_norm: the module, then the norm with the residual (the
+    epilogue's math), counting its calls."""
+    def forward_add_norm(self, x, residual, norm):
+        calls.append(tuple(x.shape))
+        return norm(self(x), residual)
+    return forward_add_norm
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layers_take_the_norm_from_o_proj(tiny_model_dir, monkeypatch, arch) -> None:
     path = tiny_model_dir(arch)
     want = _answers(LLM(path, device="cpu", max_num_seqs=2))
     calls = []
-
-    def in_torch(self, x, residual, norm):
-        calls.append(tuple(x.shape))
-        return norm(self(x), residual)
-
-    monkeypatch.setattr(Linear, "forward_add_norm", in_torch)
+    monkeypatch.setattr(Linear, "forward_add_norm", _in_torch(calls))
     llm = LLM(path, device="cpu", max_num_seqs=2, enforce_eager=True)
     assert _answers(llm) == want
     assert calls, "no layer handed o_proj the norm"
@@ -41,13 +45,8 @@ def test_down_projections_hand_the_next_layer_its_normed_input(tiny_model_dir, m
     path = tiny_model_dir(arch)
     want = _answers(LLM(path, device="cpu", max_num_seqs=2))
     calls = []
-
-    def in_torch(self, x, residual, norm):
-        calls.append(tuple(x.shape))
-        return norm(self(x), residual)
-
     original = DecoderLM._norm_chain
-    monkeypatch.setattr(GatedMLP, "forward_add_norm", in_torch)
+    monkeypatch.setattr(GatedMLP, "forward_add_norm", _in_torch(calls))
     monkeypatch.setattr(DecoderLM, "_norm_chain", lambda self, hidden: original(self, _OnCuda))
     llm = LLM(path, device="cpu", max_num_seqs=2, enforce_eager=True)
     assert _answers(llm) == want

@@ -126,3 +126,18 @@ def test_gated_mlp_does_not_ask_where_its_fused_gemv_serves_the_rows():
     mlp.fused_silu = False                                    # another activation: no fused GEMV
     packed.gate_up_silu_wanted = lambda x, bias: True
     assert mlp.quantized_input_dtype(x) == torch.int8
+
+
+def test_gated_mlp_hands_quantized_rows_to_no_norm_epilogue():
+    """A layer chaining its norms (DecoderLM.run_layers) may hand its MLP the norm's
+    QuantizedRows (a W8A8 MLP at prefill rows): forward_add_norm then runs the MLP as forward
+    does and leaves the add and norm to the caller (None), where it had crashed reading
+    QuantizedRows as a tensor (the 8-bit gate_up's fused-activation check)."""
+    mlp = GatedMLP(64, 48, bias=False, act="silu")
+    mlp.gate_up_proj = _int8_linear(96, 64, bias=False)
+    x = torch.randn(20, 64)
+    codes, scale = quantize_activations_reference(x, torch.int8)
+    rows = QuantizedRows(codes, scale, torch.float32)
+    out, stream = mlp.forward_add_norm(rows, torch.randn(20, 64), RMSNorm(64))
+    assert stream is None
+    assert torch.equal(out, mlp(rows))

@@ -67,6 +67,9 @@ CASES += [
          K=100, bias=False, config=DOT),
     dict(name="norm_float32_m2_n40_k96_dot_split", kind="mm_norm", dtype="float32", M=2, N=40,
          K=96, bias=True, config=DOT_SPLIT),
+    # rows wider than the epilogue's chunk (1,024 columns): two passes of two chunks
+    dict(name="norm_float16_m2_n1100_k32", kind="mm_norm", dtype="float16", M=2, N=1100,
+         K=32, bias=False),
 ]
 
 

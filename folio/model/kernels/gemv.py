@@ -29,8 +29,9 @@ kernels must not run concurrently on two streams.
 `skinny_matmul_add_norm` ends a projection with the residual add and RMSNorm that follow it
 in a decoder layer (o_proj, then the post-attention norm; down_proj, then the next layer's
 input norm): every program that stores output columns takes a ticket of the whole grid, and
-the last one adds the residual to the finished rows and normalizes them (`rmsnorm._normed_row`,
-the norm kernel's own arithmetic, so the results are rms_norm's bit for bit). At batch 1 the
+the last one adds the residual to the finished rows and normalizes them
+(`rmsnorm._add_norm_row_chunked`, the norm kernel's arithmetic over chunks of a row, so the
+results are rms_norm's bit for bit). At batch 1 the
 separate norm kernel, one program waiting on the whole GEMV before it, was exposed for 4.3 µs
 a call under PDL on the H100 (64 calls a token of Llama-3-8B: 8 % of an FP8 step); the
 epilogue is one program's pass over the rows, after the others finish.
@@ -121,17 +122,18 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
 
 
 def workspace_capacity() -> tuple[int, int]:
-    """(fp32 partials, ticket counters) the split-K workspace holds: kernels of one row may
-    split outputs wider than _SPLIT_MAX_N as long as SPLIT_K * N partials and their column
-    blocks fit. The last counter is the norm epilogue's grid ticket (_GRID_TICKET)."""
-    return (_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N,
-            triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N) + 1)
+    """(fp32 partials, column-block ticket counters) the split-K workspace holds: kernels of
+    one row may split outputs wider than _SPLIT_MAX_N as long as SPLIT_K * N partials and
+    their column blocks fit. (The workspace has one counter more: _GRID_TICKET.)"""
+    return _MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N, triton.cdiv(_SPLIT_MAX_N, _MIN_BLOCK_N)
 
 
 # The counter the norm epilogue's programs count on: past every column block's.
 _GRID_TICKET = -(-_SPLIT_MAX_N // _MIN_BLOCK_N)
-# The norm epilogue holds a whole row in one program's registers.
-_NORM_MAX_N = 16384
+# The norm epilogue walks a row in chunks of this many columns (registers: the plain loop's,
+# not a whole row's), and serves rows of up to NORM_MAX_N.
+_NORM_CHUNK = 1024
+NORM_MAX_N = 16384
 
 
 _workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -140,13 +142,14 @@ _workspaces: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 split-K partials [_MAX_SPLIT * MAX_M * 2 * _SPLIT_MAX_N] and int32 ticket
     counters, shared by the skinny kernels (and the 4-bit GEMV) of one device."""
-    return split_k_workspace(_workspaces, device, *workspace_capacity())
+    partials, counters = workspace_capacity()
+    return split_k_workspace(_workspaces, device, partials, counters + 1)   # + _GRID_TICKET
 
 
 if HAS_TRITON:
     from folio.model.kernels._common import autotune
     from folio.model.kernels._common import load_k_tile, pdl_entry
-    from folio.model.kernels.rmsnorm import _normed_row
+    from folio.model.kernels.rmsnorm import _add_norm_row_chunked
 
     @triton.jit
     def _acc_init(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -264,10 +267,8 @@ if HAS_TRITON:
         ticket = tl.atomic_add(C + GRID_TICKET, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             for row in range(0, M):   # at most MAX_M rows: int32 offsets suffice
-                y, d, mask = _normed_row(OUT, R, NW, RES_OUT, row, stride_om, stride_rm,
-                                         stride_rom, eps, N, NORM_BLOCK, True, True)
-                tl.store(NORMED + row * stride_nm + d, y.to(NORMED.dtype.element_ty),
-                         mask=mask)
+                _add_norm_row_chunked(OUT, R, NW, NORMED, RES_OUT, row, stride_om, stride_rm,
+                                      stride_nm, stride_rom, eps, N, NORM_BLOCK)
             tl.store(C + GRID_TICKET, 0)
 
     # NORM is not in the key: the variant with the norm epilogue runs the config of the plain
@@ -477,7 +478,8 @@ def _launch(kernel, x, weight, scale, bias, out, N: int, M: int, m_pad: int,
             residual, norm_weight, eps, normed, res_out = norm
             args += (residual, norm_weight, normed, res_out, residual.stride(0),
                      normed.stride(0), res_out.stride(0), float(eps))
-        meta.update(NORM=norm is not None, NORM_BLOCK=next_pow2(N) if norm is not None else 1,
+        meta.update(NORM=norm is not None,
+                    NORM_BLOCK=min(next_pow2(N), _NORM_CHUNK) if norm is not None else 1,
                     GRID_TICKET=_GRID_TICKET)
     if config is None:
         kernel[lambda c: (triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
@@ -535,8 +537,8 @@ def skinny_matmul_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torc
             or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be contiguous [{N}] {x.dtype}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    if N > _NORM_MAX_N:
-        raise ValueError(f"the norm epilogue holds rows of at most {_NORM_MAX_N}, got {N}")
+    if N > NORM_MAX_N:
+        raise ValueError(f"the norm epilogue serves rows of at most {NORM_MAX_N}, got {N}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     normed, res_out = torch.empty_like(out), torch.empty_like(out)
     _check_split(N, N, _config)

@@ -31,19 +31,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _normed_row(X, R, W, RES_OUT, row, stride_x, stride_r, stride_ro, eps,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
-                    X_FROM_L2: tl.constexpr = False):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr):
         """One row's norm (the residual sum stored first, where given): its float32 product
         with the weight before the output's rounding, the columns and their mask. One body
-        for these kernels and the skinny GEMV's norm epilogue (kernels/gemv.py), so all round
-        the same values. X_FROM_L2: x was written by other programs of this launch (.cg
-        loads, never a stale L1 line)."""
+        for both kernels, so both round the same values (and `_add_norm_row_chunked` as
+        they do)."""
         d = tl.arange(0, BLOCK_D)
         mask = d < D
-        if X_FROM_L2:
-            x = tl.load(X + row * stride_x + d, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
+        x = tl.load(X + row * stride_x + d, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(R + row * stride_r + d, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -60,6 +55,36 @@ if HAS_TRITON:
         normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
         return normed * w, d, mask
+
+    @triton.jit
+    def _add_norm_row_chunked(X, R, W, OUT, RES_OUT, row, stride_x, stride_r, stride_o,
+                              stride_ro, eps, D: tl.constexpr, CHUNK: tl.constexpr):
+        """`_normed_row` with the residual, stored (OUT, RES_OUT), walking the row in chunks
+        of CHUNK columns: the skinny GEMV's norm epilogue (kernels/gemv.py), whose one program
+        must not hold a whole row in registers. X was written by other programs of the
+        launch (.cg loads: never a stale L1 line). The same roundings as `_normed_row`, and
+        the float64 sum of squares is exact, so the chunking cannot move it."""
+        sq = tl.zeros((CHUNK,), dtype=tl.float64)
+        for c0 in range(0, D, CHUNK):
+            d = c0 + tl.arange(0, CHUNK)
+            mask = d < D
+            x = tl.load(X + row * stride_x + d, mask=mask, other=0.0, cache_modifier=".cg")
+            r = tl.load(R + row * stride_r + d, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(RES_OUT + row * stride_ro + d, x, mask=mask)
+            x64 = x.to(tl.float32).to(tl.float64)
+            sq += x64 * x64
+        rstd = tl.math.rsqrt((tl.sum(sq, 0) / D).to(tl.float32) + eps)
+        # this program's sums stored above are read back below by its other threads
+        tl.debug_barrier()
+        for c0 in range(0, D, CHUNK):
+            d = c0 + tl.arange(0, CHUNK)
+            mask = d < D
+            x = tl.load(RES_OUT + row * stride_ro + d, mask=mask, other=0.0,
+                        cache_modifier=".cg")
+            normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + row * stride_o + d, (normed * w).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rmsnorm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps,
