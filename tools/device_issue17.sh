@@ -59,7 +59,8 @@ s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: th
   # neither (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
   STEP_PATTERN="passed|failed|Error" step 260 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
-      tests/gpu/test_cuda_graphs.py -k "kv_write or gemv_norm or pdl or graph"
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_quant.py \
+      -k "kv_write or gemv_norm or pdl or graph or norm_epilogue"
   STEP_PATTERN="latency:|decode:|roofline|Error" step 150 lat_fp8 $LAT --quantization fp8
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8

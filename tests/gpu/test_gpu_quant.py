@@ -489,3 +489,40 @@ def test_engine_fp8_w8a8(float_llama: str, tmp_path, monkeypatch, fmt: str) -> N
     refs = [(r.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in r.logprobs])
             for r in ref]
     assert _agree(got, refs, f"{fmt} kernels vs reference") >= 0.02
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_skinny_norm_epilogue_every_config(weights: str) -> None:
+    """The skinny GEMV ending with the residual add + RMSNorm (gemv.skinny_matmul_add_norm:
+    the grid's last program normalizes the finished rows, across real concurrent programs),
+    each config forced at 1, 5 and 8 rows, Llama-3-8B's o and down shapes: bit-equal to the
+    product then the norm kernel (rms_norm), and the grid ticket back at zero."""
+    from folio.model.kernels import gemv
+    from folio.model.kernels.rmsnorm import rms_norm
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    torch.manual_seed(3)
+    for n, k in ((4096, 4096), (4096, 14336)):
+        w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * k ** -0.5
+        scale = None
+        if weights == "fp8":
+            q = quantize_fp8_per_channel(w)
+            w, scale = q.codes, q.scale.float().contiguous()
+        norm_w = (1 + 0.1 * torch.randn(n, device=CUDA)).to(torch.bfloat16)
+        for m in (1, 5, 8):
+            x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+            residual = torch.randn(m, n, device=CUDA, dtype=torch.bfloat16)
+            for bn, bk, sk, dot, warps, stages in gemv._FULL_CONFIGS:
+                if dot != (m > 1) or (bk >= gemv._EIGHT_BIT_ONLY_K and weights != "fp8"):
+                    continue
+                if sk > 1 and (n > gemv._SPLIT_MAX_N or -(-k // sk) < bk):
+                    continue
+                config = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, DOT=dot, num_warps=warps,
+                              num_stages=stages)
+                normed, stream = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5,
+                                                             scale=scale, _config=config)
+                y = gemv.skinny_matmul(x, w, scale=scale, _config=config)
+                want_normed, want_stream = rms_norm(y, norm_w, 1e-5, residual)
+                assert torch.equal(stream, want_stream), (n, k, m, config)
+                assert torch.equal(normed, want_normed), (n, k, m, config)
+    counters = gemv._workspace(CUDA)[1]
+    assert int(counters.abs().sum()) == 0
