@@ -308,8 +308,8 @@ class Linear(nn.Linear):
         """`norm(self(x), residual)` -- (the normed sum, the sum) -- in the skinny GEMV's
         launch where it serves this product (kernels/gemv.skinny_matmul_add_norm, bit for bit
         the two apart); None where it does not, and the caller runs the two."""
-        if (not self.kernels.gemv_norm_on or self.lora is not None or self.tp_reduce is not None
-                or not norm.gemv_epilogue_ok(x, residual)
+        if (not x.is_cuda or not self.kernels.gemv_norm_on or self.lora is not None
+                or self.tp_reduce is not None or not norm.gemv_epilogue_ok(x, residual)
                 or residual.shape[-1] != self.out_features):
             return None
         if self.packed is not None:
