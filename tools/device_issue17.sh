@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s27a|s27b|s27c|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s27a|s27b|s27c|s27d|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -53,17 +53,23 @@ s27a)  # session 26, one call: the GPU tests of session 26's changes (the cache 
       tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
   head -26 "$OUT/census_fp8_pdl.log" | cut -c1-170 ;;
 s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: the variant
-  # writing the cache had tuned other warps, and Qwen3's tokens moved) and o_proj's GEMV
-  # ending with the post-attention add + RMSNorm (new, untested on a GPU): their tests and the
-  # graph tests; then FP8 batch 1 with both (default), without the norm epilogue, and with
-  # neither (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
-  STEP_PATTERN="passed|failed|Error" step 260 gpu_tests python3 -m pytest -q \
+  # writing the cache had tuned other warps, and Qwen3's tokens moved) and the GEMVs ending
+  # with the RMSNorm after them (bf16/FP8 skinny GEMV and the 4-bit GEMV; untested on a GPU):
+  # their tests and the graph tests; then batch 1: FP8 with both fusions (default), W4A16,
+  # FP8 without the norm epilogue (FOLIO_GEMV_NORM=0)
+  STEP_PATTERN="passed|failed|Error" step 240 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
       tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_quant.py \
       -k "kv_write or gemv_norm or pdl or graph or norm_epilogue"
   STEP_PATTERN="latency:|decode:|roofline|Error" step 150 lat_fp8 $LAT --quantization fp8
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 130 lat_w4a16 $LAT \
+      --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
-      FOLIO_GEMV_NORM=0 $LAT --quantization fp8
+      FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
+s27d)  # next session, right after s27c on the warm machine: W4A16 without the norm epilogue,
+  # FP8 with neither fusion (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 100 lat_w4a16_no_norm_epilogue env \
+      FOLIO_GEMV_NORM=0 $LAT --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_neither env \
       FOLIO_GEMV_NORM=0 FOLIO_KV_WRITE=separate $LAT --quantization fp8 ;;
 s27b)  # next: the rest of the GPU tests of sessions 25-26 (sampling, speculative decoding)

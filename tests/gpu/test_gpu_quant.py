@@ -526,3 +526,33 @@ def test_skinny_norm_epilogue_every_config(weights: str) -> None:
                 assert torch.equal(normed, want_normed), (n, k, m, config)
     counters = gemv._workspace(CUDA)[1]
     assert int(counters.abs().sum()) == 0
+
+
+def test_int4_gemv_norm_epilogue_every_config() -> None:
+    """The one-row 4-bit GEMV ending with the residual add + RMSNorm (gemv's epilogue, for
+    W4A16's o and down projections), each config forced, Llama-3-8B's o and down shapes,
+    groups of 128 with zero points: bit-equal to the GEMV then rms_norm, counters at zero."""
+    from folio.model.kernels import gemv, int4_gemv
+    from folio.model.kernels.rmsnorm import rms_norm
+    torch.manual_seed(4)
+    for n, k in ((4096, 4096), (4096, 14336)):
+        w = _int4(n, k, 128, True, False)
+        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+        residual = torch.randn(1, n, device=CUDA, dtype=torch.bfloat16)
+        norm_w = (1 + 0.1 * torch.randn(n, device=CUDA)).to(torch.bfloat16)
+        for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
+            if not int4_gemv.fits(n, k, 128, bn, bw, sk):
+                continue
+            config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
+                          num_stages=stages)
+            out = torch.empty(1, n, device=CUDA, dtype=torch.bfloat16)
+            plain = torch.empty_like(out)
+            normed, stream = torch.empty_like(out), torch.empty_like(out)
+            int4_gemv.int4_gemv(x, w.packed, w.scales, w.zeros, 1, 128, None, out,
+                                norm=(residual, norm_w, 1e-5, normed, stream), _config=config)
+            int4_gemv.int4_gemv(x, w.packed, w.scales, w.zeros, 1, 128, None, plain,
+                                _config=config)
+            want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
+            assert torch.equal(stream, want_stream), (n, k, config)
+            assert torch.equal(normed, want_normed), (n, k, config)
+    assert int(gemv._workspace(CUDA)[1].abs().sum()) == 0

@@ -64,6 +64,12 @@ CASES += [
     dict(name="gemv4_gate_up_mins_ragged_split4", kind="int4_gate_up", N=13, K=256, G=32,
          zero="mins", config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_gate_up_autotuned", kind="int4_gate_up", N=24, K=128, G=32, zero=True),
+    # the one-row 4-bit GEMV ending with the residual add + RMSNorm (gemv's epilogue): bit
+    # for bit the GEMV then rms_norm, split-K and not
+    dict(name="gemv4_norm_zero_g32", kind="int4_norm", N=40, K=128, G=32, zero=True,
+         bias=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
+    dict(name="gemv4_norm_mins_split2", kind="int4_norm", N=24, K=256, G=32, zero="mins",
+         bias=False, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=2)),
     dict(name="gemv4_ragged_split4_sentinel", kind="split_sentinel", M=1, N=40, K=256, G=64,
          zero=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
@@ -157,6 +163,31 @@ def _run(case: dict) -> dict:
         ref = gate * torch.sigmoid(gate) * up
         return {"name": case["name"], "err": rel_err(out, ref),
                 "nan": bool(torch.isnan(out).any())}
+    if kind == "int4_norm":
+        from folio.model.kernels import int4_gemv
+        from folio.model.kernels.rmsnorm import rms_norm
+        w = _int4_weight(case["N"], case["K"], case["G"], case["zero"])
+        x = torch.randn(1, case["K"], dtype=torch.float16)
+        bias = torch.randn(case["N"], dtype=torch.float16) if case["bias"] else None
+        residual = torch.randn(1, case["N"], dtype=torch.float16)
+        norm_w = (1 + 0.1 * torch.randn(case["N"])).to(torch.float16)
+        offsets = w.zeros if w.zeros is not None else w.mins
+        mode = int4_matmul.zero_mode(w.zeros, w.mins)
+        out, plain = torch.empty(1, case["N"], dtype=torch.float16), \
+            torch.empty(1, case["N"], dtype=torch.float16)
+        normed, stream = torch.empty_like(out), torch.empty_like(out)
+        int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias, out,
+                            norm=(residual, norm_w, 1e-5, normed, stream),
+                            _config=case["config"])
+        int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias, plain,
+                            _config=case["config"])
+        want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
+        counters = gemv._workspace(x.device)[1]
+        return {"name": case["name"], "nan": bool(torch.isnan(normed).any()),
+                "equal": bool(torch.equal(normed, want_normed)
+                              and torch.equal(stream, want_stream)
+                              and torch.equal(out, plain)),
+                "counters_zero": bool((counters == 0).all())}
     if kind == "split_sentinel":
         # split-K partials of a ragged last column block stay inside the workspace rows of
         # their own split: past SPLIT_K * N nothing is written
@@ -297,6 +328,8 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
     elif case["kind"] == "norm_q":
         assert res["codes_equal"] and res["scales_equal"] and res["zero_row"], res
         assert res["res_equal"], res
+    elif case["kind"] == "int4_norm":
+        assert res["equal"] and res["counters_zero"], res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
     elif case["kind"] == "split_sentinel":

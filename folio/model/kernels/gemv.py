@@ -258,10 +258,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_norm_epilogue(OUT, R, NW, NORMED, RES_OUT, C, M, stride_om, stride_rm, stride_nm,
-                           stride_rom, eps, N: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                           stride_rom, eps, N, NORM_BLOCK: tl.constexpr,
                            GRID_TICKET: tl.constexpr):
         """After this program's output columns are stored: the last program of the grid to
-        get here adds the residual to each finished row and normalizes it."""
+        get here adds the residual to each finished row and normalizes it. (Also the 4-bit
+        GEMV's, kernels/int4_gemv.py: one row, N a runtime value there.)"""
         # Every thread's output stores before the (single-thread) release of the ticket.
         tl.debug_barrier()
         ticket = tl.atomic_add(C + GRID_TICKET, 1, sem="acq_rel")
@@ -472,15 +473,9 @@ def _launch(kernel, x, weight, scale, bias, out, N: int, M: int, m_pad: int,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 USE_PDL=pdl, launch_pdl=pdl)
     if kernel is _skinny_kernel:
-        if norm is None:   # never read: out stands in for the epilogue's tensors
-            args += (out, out, out, out, 0, 0, 0, 0.0)
-        else:
-            residual, norm_weight, eps, normed, res_out = norm
-            args += (residual, norm_weight, normed, res_out, residual.stride(0),
-                     normed.stride(0), res_out.stride(0), float(eps))
-        meta.update(NORM=norm is not None,
-                    NORM_BLOCK=min(next_pow2(N), _NORM_CHUNK) if norm is not None else 1,
-                    GRID_TICKET=_GRID_TICKET)
+        norm_args, norm_meta = norm_epilogue_args(norm, out, N)
+        args += norm_args
+        meta.update(norm_meta)
     if config is None:
         kernel[lambda c: (triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
     else:  # a fixed config, bypassing the autotuner (tests)
@@ -489,6 +484,34 @@ def _launch(kernel, x, weight, scale, bias, out, N: int, M: int, m_pad: int,
         stages = config.pop("num_stages", 1)
         kernel.fn[(triton.cdiv(N, config["BLOCK_N"]), config["SPLIT_K"])](
             *args, **meta, **config, num_warps=warps, num_stages=stages)
+
+
+def norm_epilogue_args(norm: tuple | None, out: torch.Tensor, n: int) -> tuple[tuple, dict]:
+    """The add + RMSNorm epilogue's kernel arguments (R, NW, NORMED, RES_OUT, their row
+    strides, eps) and constexprs (NORM, NORM_BLOCK, GRID_TICKET) for `norm` = (residual, norm
+    weight, eps, normed out, residual out), or None (out stands in, never read)."""
+    if norm is None:
+        return (out, out, out, out, 0, 0, 0, 0.0), dict(NORM=False, NORM_BLOCK=1,
+                                                         GRID_TICKET=_GRID_TICKET)
+    residual, norm_weight, eps, normed, res_out = norm
+    return ((residual, norm_weight, normed, res_out, residual.stride(0), normed.stride(0),
+             res_out.stride(0), float(eps)),
+            dict(NORM=True, NORM_BLOCK=min(next_pow2(n), _NORM_CHUNK), GRID_TICKET=_GRID_TICKET))
+
+
+def check_norm_operands(residual: torch.Tensor, norm_weight: torch.Tensor, m: int, n: int,
+                        dtype: torch.dtype) -> None:
+    """The epilogue's operands: the stream [m, n] with contiguous rows and the weight [n],
+    both in the activations' dtype, rows no wider than NORM_MAX_N."""
+    if residual.shape != (m, n) or residual.dtype != dtype or residual.stride(1) != 1:
+        raise ValueError(f"residual must be [{m}, {n}] {dtype} with contiguous rows, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (n,) or norm_weight.dtype != dtype \
+            or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be contiguous [{n}] {dtype}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if n > NORM_MAX_N:
+        raise ValueError(f"the norm epilogue serves rows of at most {NORM_MAX_N}, got {n}")
 
 
 def _check_split(n: int, partial_cols: int, config: dict | None) -> None:
@@ -530,15 +553,7 @@ def skinny_matmul_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     contiguous rows and `norm_weight` [N], both in x's dtype."""
     x, M, m_pad = _prepare(x, weight, bias, scale)
     N = weight.shape[0]
-    if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(1) != 1:
-        raise ValueError(f"residual must be [{M}, {N}] {x.dtype} with contiguous rows, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
-    if norm_weight.shape != (N,) or norm_weight.dtype != x.dtype \
-            or not norm_weight.is_contiguous():
-        raise ValueError(f"norm_weight must be contiguous [{N}] {x.dtype}, got "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    if N > NORM_MAX_N:
-        raise ValueError(f"the norm epilogue serves rows of at most {NORM_MAX_N}, got {N}")
+    check_norm_operands(residual, norm_weight, M, N, x.dtype)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     normed, res_out = torch.empty_like(out), torch.empty_like(out)
     _check_split(N, N, _config)

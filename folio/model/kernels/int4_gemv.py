@@ -328,8 +328,11 @@ if HAS_TRITON:
     @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
-    def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW, G: tl.constexpr,
-                      ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
+    def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW,
+                      R, NW, NORMED, RES_OUT, stride_rm, stride_nm, stride_rom, eps,
+                      G: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      GATE_UP: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                      GRID_TICKET: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
                       USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -418,6 +421,10 @@ if HAS_TRITON:
                 total += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + cols[None, :], total.to(OUT.dtype.element_ty),
                      mask=cols[None, :] < N)
+            if NORM:   # the residual add + RMSNorm after the projection (gemv.py)
+                gemv._add_norm_epilogue(OUT, R, NW, NORMED, RES_OUT, C, 1, N, stride_rm,
+                                        stride_nm, stride_rom, eps, N, NORM_BLOCK,
+                                        GRID_TICKET)
 
 
 def supported(k: int, group_size: int) -> bool:
@@ -428,25 +435,32 @@ def supported(k: int, group_size: int) -> bool:
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
               offsets: torch.Tensor | None, zero_mode: int, group_size: int,
               bias: torch.Tensor | None, out: torch.Tensor, *, pdl: bool = False,
-              gate_up: bool = False, _config: dict | None = None) -> torch.Tensor:
+              gate_up: bool = False, norm: tuple | None = None,
+              _config: dict | None = None) -> torch.Tensor:
     """x [1, K] (contiguous) @ W^T (+ bias) into out [1, N]; the arguments as
     int4_matmul.int4_matmul has checked them. `gate_up`: W is a merged gate|up weight
     [2N, K] (gate rows first) and out [1, N] gets silu(gate) * up, rounded as F.linear and
     activation.silu_and_mul round them (no bias). `pdl`: launch with programmatic dependent
-    launch where the GPU has it (kernels/_common.pdl_launch). `_config` (tests) forces one
-    tile config."""
+    launch where the GPU has it (kernels/_common.pdl_launch). `norm` (not with gate_up):
+    (residual, norm weight, eps, normed out, residual out), the residual add + RMSNorm after
+    the product in the same launch (gemv.skinny_matmul_add_norm's epilogue; checked by the
+    caller, gemv.check_norm_operands). `_config` (tests) forces one tile config."""
     rows, k = packed.shape[0], packed.shape[1] * 8
     if gate_up and (bias is not None or rows % 2):
         raise ValueError("the fused gate|up GEMV takes an even number of rows and no bias")
     n = rows // 2 if gate_up else rows
     if out.shape[-1] != n:
         raise ValueError(f"out has {out.shape[-1]} columns, the product {n}")
+    if gate_up and norm is not None:
+        raise ValueError("the fused gate|up GEMV takes no norm epilogue")
     partials, counters = gemv._workspace(x.device)
+    norm_args, norm_meta = gemv.norm_epilogue_args(norm, out, n)
     args = (x, packed, scales, offsets if offsets is not None else scales,
-            bias if bias is not None else scales, out, partials, counters, n, k, k // 8)
+            bias if bias is not None else scales, out, partials, counters, n, k, k // 8,
+            *norm_args)
     pdl = pdl_launch(x, pdl)
     meta = dict(G=group_size, ZERO_MODE=zero_mode, HAS_BIAS=bias is not None, GATE_UP=gate_up,
-                USE_PDL=pdl, launch_pdl=pdl)
+                USE_PDL=pdl, launch_pdl=pdl, **norm_meta)
     if _config is None:
         _gemv4_kernel[lambda c: (triton.cdiv(rows, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
         return out

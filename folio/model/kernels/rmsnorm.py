@@ -58,7 +58,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_norm_row_chunked(X, R, W, OUT, RES_OUT, row, stride_x, stride_r, stride_o,
-                              stride_ro, eps, D: tl.constexpr, CHUNK: tl.constexpr):
+                              stride_ro, eps, D, CHUNK: tl.constexpr):
         """`_normed_row` with the residual, stored (OUT, RES_OUT), walking the row in chunks
         of CHUNK columns: the skinny GEMV's norm epilogue (kernels/gemv.py), whose one program
         must not hold a whole row in registers. X was written by other programs of the

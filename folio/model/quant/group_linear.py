@@ -100,6 +100,31 @@ class GroupQuantLinear(nn.Module):
                             out, pdl=self.kernels.pdl_on, gate_up=True)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
+    def forward_add_norm(self, x: torch.Tensor, bias: torch.Tensor | None,
+                         residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The product, the residual add and the RMSNorm after it in one launch where the
+        one-row GEMV serves x (batch-1 decode; Linear.forward_add_norm); None elsewhere."""
+        from folio.model.kernels import gemv, int4_gemv, int4_matmul
+        if not (self.bits == 4 and self.kernels.gemv_on and x.is_cuda and x.dim() > 0
+                and x.shape[-1] == self.in_features and x.numel() == self.in_features
+                and x.dtype in (torch.float16, torch.bfloat16)
+                and (bias is None or bias.dtype == x.dtype)
+                and int4_gemv.supported(self.in_features, self.group_size)):
+            return None
+        x2 = x.reshape(1, self.in_features)
+        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
+        residual = residual.reshape(1, self.out_features)
+        gemv.check_norm_operands(residual, norm_weight, 1, self.out_features, x.dtype)
+        out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
+        normed, stream = torch.empty_like(out), torch.empty_like(out)
+        offsets = self.zeros if self.zeros is not None else self.mins
+        int4_gemv.int4_gemv(x2, self.codes, self.scales, offsets,
+                            int4_matmul.zero_mode(self.zeros, self.mins), self.group_size, bias,
+                            out, pdl=self.kernels.pdl_on,
+                            norm=(residual, norm_weight, eps, normed, stream))
+        return normed, stream
+
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = x.to(torch.float32) @ self.dequantize().t()
         return out if bias is None else out + bias.to(torch.float32)
