@@ -104,15 +104,14 @@ class DecoderLayer(nn.Module):
             out = self.cpu_runner.run(self, positions, hidden, residual, kv_cache, metadata)
             if out is not None:
                 return out
-        hidden, residual = self._norm_into(self.input_layernorm, self._qkv_proj, hidden,
-                                           residual)
-        hidden, residual = self._attention_into_mlp(positions, hidden, residual, kv_cache,
-                                                    metadata)
-        return self.mlp(hidden), residual
+        hidden, residual, _ = self.forward_chained(positions, hidden, residual, kv_cache,
+                                                   metadata, False, None, None)
+        return hidden, residual
 
     def forward_chained(self, positions, hidden, residual, kv_cache, metadata, normed: bool,
                         next_norm: RMSNorm | None, next_qkv: Linear | None):
-        """`forward` within a run of layers (DecoderLM.run_layers, CUDA): `normed` says
+        """`forward`'s body (past the CPU's whole-layer call), also for a run of layers
+        (DecoderLM.run_layers, CUDA): `normed` says
         hidden is already this layer's input norm's output (the layer before ended with it),
         and with `next_norm` (the next layer's input norm, which feeds `next_qkv`) the MLP's
         down projection ends with it where its GEMV serves. Returns (hidden, residual,

@@ -74,15 +74,30 @@ class GroupQuantLinear(nn.Module):
                                           **kw)
         return out.view(*shape[:-1], self.out_features)
 
-    def gate_up_silu_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether gate_up_silu serves x: one row of 4-bit codes on CUDA (batch-1 decode)
-        through the one-row GEMV, no bias."""
+    def _one_row_gemv_ok(self, x: torch.Tensor) -> bool:
+        """Whether the one-row 4-bit GEMV can serve x: one row of 4-bit codes on CUDA
+        (batch-1 decode), 16-bit activations, a shape the kernel's tiles fit."""
         from folio.model.kernels import int4_gemv
-        return (self.bits == 4 and bias is None and self.kernels.gemv_on and x.is_cuda
-                and x.dim() > 0
+        return (self.bits == 4 and self.kernels.gemv_on and x.is_cuda and x.dim() > 0
                 and x.shape[-1] == self.in_features and x.numel() == self.in_features
-                and x.dtype in (torch.float16, torch.bfloat16) and self.out_features % 2 == 0
+                and x.dtype in (torch.float16, torch.bfloat16)
                 and int4_gemv.supported(self.in_features, self.group_size))
+
+    def _one_row_gemv(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      **kind) -> None:
+        """x's row (act-order permuted) through the one-row GEMV into out; `kind`:
+        int4_gemv's gate_up or norm."""
+        from folio.model.kernels import int4_gemv, int4_matmul
+        x2 = x.reshape(1, self.in_features)
+        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
+        offsets = self.zeros if self.zeros is not None else self.mins
+        int4_gemv.int4_gemv(x2, self.codes, self.scales, offsets,
+                            int4_matmul.zero_mode(self.zeros, self.mins), self.group_size, bias,
+                            out, pdl=self.kernels.pdl_on, **kind)
+
+    def gate_up_silu_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether gate_up_silu serves x: the one-row GEMV, no bias."""
+        return bias is None and self.out_features % 2 == 0 and self._one_row_gemv_ok(x)
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """For a merged gate|up projection (gate rows first): silu(gate) * up in one pass
@@ -90,14 +105,8 @@ class GroupQuantLinear(nn.Module):
         and 8-bit MLPs fuse it); None elsewhere (the caller runs the two apart)."""
         if not self.gate_up_silu_wanted(x, bias):
             return None
-        from folio.model.kernels import int4_gemv, int4_matmul
-        x2 = x.reshape(1, self.in_features)
-        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
         out = torch.empty((1, self.out_features // 2), dtype=x.dtype, device=x.device)
-        offsets = self.zeros if self.zeros is not None else self.mins
-        int4_gemv.int4_gemv(x2, self.codes, self.scales, offsets,
-                            int4_matmul.zero_mode(self.zeros, self.mins), self.group_size, None,
-                            out, pdl=self.kernels.pdl_on, gate_up=True)
+        self._one_row_gemv(x, None, out, gate_up=True)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
     def forward_add_norm(self, x: torch.Tensor, bias: torch.Tensor | None,
@@ -105,24 +114,14 @@ class GroupQuantLinear(nn.Module):
                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The product, the residual add and the RMSNorm after it in one launch where the
         one-row GEMV serves x (batch-1 decode; Linear.forward_add_norm); None elsewhere."""
-        from folio.model.kernels import gemv, int4_gemv, int4_matmul
-        if not (self.bits == 4 and self.kernels.gemv_on and x.is_cuda and x.dim() > 0
-                and x.shape[-1] == self.in_features and x.numel() == self.in_features
-                and x.dtype in (torch.float16, torch.bfloat16)
-                and (bias is None or bias.dtype == x.dtype)
-                and int4_gemv.supported(self.in_features, self.group_size)):
+        from folio.model.kernels import gemv
+        if not self._one_row_gemv_ok(x) or (bias is not None and bias.dtype != x.dtype):
             return None
-        x2 = x.reshape(1, self.in_features)
-        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
         residual = residual.reshape(1, self.out_features)
         gemv.check_norm_operands(residual, norm_weight, 1, self.out_features, x.dtype)
         out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
         normed, stream = torch.empty_like(out), torch.empty_like(out)
-        offsets = self.zeros if self.zeros is not None else self.mins
-        int4_gemv.int4_gemv(x2, self.codes, self.scales, offsets,
-                            int4_matmul.zero_mode(self.zeros, self.mins), self.group_size, bias,
-                            out, pdl=self.kernels.pdl_on,
-                            norm=(residual, norm_weight, eps, normed, stream))
+        self._one_row_gemv(x, bias, out, norm=(residual, norm_weight, eps, normed, stream))
         return normed, stream
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
