@@ -75,7 +75,11 @@ s27d)  # next session, right after s27c on the warm machine: W4A16 without the n
 s27b)  # next: the rest of the GPU tests of sessions 25-26 (sampling, speculative decoding)
   STEP_PATTERN="passed|failed|Error" step 400 gpu_tests python3 -m pytest -q \
       -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_sampling.py \
-      tests/gpu/test_gpu_spec_decode.py tests/gpu/test_fp8_kv_cache_gpu.py ;;
+      tests/gpu/test_gpu_spec_decode.py tests/gpu/test_fp8_kv_cache_gpu.py
+  # the verify step's host turn-around in parts (session 27: which stretch of the host's
+  # path from the kept tokens to the next replay is long on the GPU's host)
+  STEP_PATTERN="verify|plain|timeline|us per|Error" step 130 verify_timeline python3 \
+      tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline ;;
 s26d)  # next session: the EAGLE head trained on the CPU (tools/train_eagle_head.py) on the GPU,
   # held-out prompts at batch 1: off, the head at k = 2, 3, 4, n-gram; fixed k, then adaptive.
   # Two calls of one warm machine, each under the 64 MiB carry: PART=copy with .whl,

@@ -119,6 +119,76 @@ def _host_profile(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> N
             print(f"  {label} {line[:150]}")
 
 
+# The host's path through a step, in order: (owner module, class, method, label). Each is
+# wrapped to stamp its start and end, so a verify step's exposed turn-around (from the kept
+# tokens' arrival to the next step's first replay) splits into its parts.
+_TIMELINE_POINTS = (
+    ("folio.worker.model_runner", "PendingRunnerOutput", "get", "get"),
+    ("folio.core.scheduler", "Scheduler", "update_from_output", "update"),
+    ("folio.core.scheduler", "Scheduler", "schedule", "schedule"),
+    ("folio.worker.model_runner", "ModelRunner", "execute_model_async", "launch"),
+    ("folio.worker.input_batch", "InputBatch", "update", "batch_update"),
+    ("folio.worker.flat_batch", None, "build_flat_batch", "build"),
+    ("folio.worker.flat_batch", "StepBuffers", "copy_to", "copy"),
+    ("torch.cuda", "CUDAGraph", "replay", "replay"),
+)
+
+
+def _host_timeline(llm: LLM, prompt: list[int], label: str, steps: int = 64) -> None:
+    """Median host microseconds of each stretch between the stamped points of a step (the
+    wrappers cost ~1 us each): what a verify step's exposed turn-around is made of."""
+    import importlib
+    stamps: list[tuple[str, float]] = []
+    restore = []
+    for module_name, cls_name, attr, name in _TIMELINE_POINTS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, cls_name) if cls_name else module
+        original = getattr(owner, attr)
+
+        def wrapped(*a, _f=original, _n=name, **kw):
+            stamps.append((_n + "<", time.perf_counter()))
+            try:
+                return _f(*a, **kw)
+            finally:
+                stamps.append((_n + ">", time.perf_counter()))
+        setattr(owner, attr, wrapped)
+        restore.append((owner, attr, original))
+        if module_name == "folio.worker.flat_batch" and cls_name is None:
+            # the graph runners imported the function by name
+            for user in ("folio.worker.mixed_graphs", "folio.worker.cuda_graphs",
+                         "folio.worker.model_runner"):
+                mod = importlib.import_module(user)
+                if getattr(mod, attr, None) is original:
+                    setattr(mod, attr, wrapped)
+                    restore.append((mod, attr, original))
+    per_step: list[list[tuple[str, float]]] = []
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True,
+                            detokenize=False)
+    try:
+        engine.add_request("timeline", {"prompt_token_ids": prompt}, params)
+        engine.step()
+        while engine.has_unfinished_requests():
+            stamps.clear()
+            stamps.append(("step<", time.perf_counter()))
+            engine.step()
+            stamps.append(("step>", time.perf_counter()))
+            per_step.append(list(stamps))
+    finally:
+        for owner, attr, original in reversed(restore):
+            setattr(owner, attr, original)
+    stretches: dict[str, list[float]] = {}
+    for trace in per_step[2:]:
+        seen: dict[str, int] = {}
+        for (a, ta), (b, tb) in zip(trace, trace[1:]):
+            key = f"{a} -> {b}"
+            n = seen[key] = seen.get(key, 0) + 1
+            stretches.setdefault(key if n == 1 else f"{key} #{n}", []).append((tb - ta) * 1e6)
+    print(f"{label} host timeline ({len(per_step) - 2} steps, median us per stretch, in order):")
+    for key, values in stretches.items():
+        print(f"  {label} {statistics.median(values):9.1f}  {key}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="llama3-8b")
@@ -131,6 +201,8 @@ def main() -> None:
                         help="also cProfile 65 steps of each (host functions)")
     parser.add_argument("--gaps", action="store_true",
                         help="also the device's idle gaps between kernels over 17 steps of each")
+    parser.add_argument("--host-timeline", action="store_true",
+                        help="also the host's microseconds between the step's stamped points")
     parser.add_argument("--whole-graphs", action="store_true",
                         help="capture small mixed steps as one graph, not in pieces (the A/B "
                              "of worker/mixed_graphs.PIECEWISE_MAX_TOKENS)")
@@ -163,6 +235,8 @@ def main() -> None:
                 _gaps(llm, prompt, label)
             if args.host_profile:
                 _host_profile(llm, prompt, label)
+            if args.host_timeline:
+                _host_timeline(llm, prompt, label)
         finally:
             NgramProposer.propose = original
         median = statistics.median(times) * 1e3
