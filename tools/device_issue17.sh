@@ -66,6 +66,17 @@ s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: th
       --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
+s27e)  # session 27, first call (starts were scarce): s27c's GPU tests (the float64 rotary sum,
+  # both GEMVs' norm epilogues, graphs), FP8 batch 1 with every fusion, then the verify step's
+  # host turn-around in parts and its kernels (--host-timeline --profile)
+  STEP_PATTERN="passed|failed|Error" step 240 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_quant.py \
+      -k "kv_write or gemv_norm or pdl or graph or norm_epilogue"
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 140 lat_fp8 $LAT --quantization fp8
+  STEP_PATTERN="verify|plain|Error" step 150 verify_timeline python3 \
+      tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline --profile
+  grep -E "timeline|profile| ms/step " "$OUT/verify_timeline.log" | cut -c1-160 | head -80 ;;
 s27d)  # next session, right after s27c on the warm machine: W4A16 without the norm epilogue,
   # FP8 with neither fusion (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
   STEP_PATTERN="latency:|decode:|roofline|Error" step 100 lat_w4a16_no_norm_epilogue env \
@@ -79,7 +90,7 @@ s27b)  # next: the rest of the GPU tests of sessions 25-26 (sampling, speculativ
   # the verify step's host turn-around in parts (session 27: which stretch of the host's
   # path from the kept tokens to the next replay is long on the GPU's host)
   STEP_PATTERN="verify|plain|timeline|us per|Error" step 130 verify_timeline python3 \
-      tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline ;;
+      tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline --profile ;;
 s26d)  # next session: the EAGLE head trained on the CPU (tools/train_eagle_head.py) on the GPU,
   # held-out prompts at batch 1: off, the head at k = 2, 3, 4, n-gram; fixed k, then adaptive.
   # Two calls of one warm machine, each under the 64 MiB carry: PART=copy with .whl,
