@@ -45,7 +45,10 @@ CPU_LAYER_CHOICES = ("1", "0")
 KV_WRITE_CHOICES = ("rotary", "separate")
 # The residual add + RMSNorm after a projection served by the skinny GEMV (kernels/gemv.py
 # skinny_matmul_add_norm: o_proj with the post-attention norm, down_proj with the next layer's
-# input norm): "1" = in the GEMV's launch, "0" = the norm kernel apart (the A/B's other side).
+# input norm): "1" = in the GEMV's launch, "0" = the norm kernel apart. Off by default: on the
+# H100 (session 27) the grid's last program normalizing the rows alone cost more than the norm
+# launches it saves under PDL (bf16 batch 1 5.793 against 5.690 ms/token; a verify step's 8
+# rows 1.356x a plain step against 1.138x).
 GEMV_NORM_CHOICES = ("1", "0")
 
 # Environment variable -> (field, allowed values).
@@ -80,7 +83,7 @@ class KernelConfig:
     dense_prefill: str = "1"
     cpu_layer: str = "1"
     kv_write: str = "rotary"
-    gemv_norm: str = "1"
+    gemv_norm: str = "0"
 
     def __post_init__(self) -> None:
         # Also guards configs built by hand, not only those read from the environment.

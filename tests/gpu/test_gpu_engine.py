@@ -222,10 +222,11 @@ def test_pdl_gives_the_same_tokens(model_dir, monkeypatch):
 
 
 def _same_tokens_off_and_on(model_dir, monkeypatch, var: str, off: str, on_property: str,
-                            run, **llm_args):
+                            run, on: str | None = None, **llm_args):
     """`run(llm)` on an engine with the override var=off (a fused kernel's A/B other side)
-    and on one with the default: KernelConfig.<on_property> false, then true; the CUDA graphs
-    replayed; the same tokens and logprobs. Returns the second engine's worker."""
+    and on one with var=on (None: the default): KernelConfig.<on_property> false, then true;
+    the CUDA graphs replayed; the same tokens and logprobs. Returns the second engine's
+    worker."""
     monkeypatch.setenv(var, off)
     apart = _llm(model_dir, **llm_args)
     assert not getattr(apart.llm_engine.engine_core.executor.worker.model.kernel_config,
@@ -233,7 +234,10 @@ def _same_tokens_off_and_on(model_dir, monkeypatch, var: str, off: str, on_prope
     expected = run(apart)
     apart.llm_engine.shutdown()
     del apart
-    monkeypatch.delenv(var)
+    if on is None:
+        monkeypatch.delenv(var)
+    else:
+        monkeypatch.setenv(var, on)
     fused = _llm(model_dir, **llm_args)
     worker = fused.llm_engine.engine_core.executor.worker
     assert getattr(worker.model.kernel_config, on_property)
@@ -260,8 +264,8 @@ def test_kv_write_in_rotary_gives_the_same_tokens(model_dir, monkeypatch, kv_cac
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_gemv_norm_epilogue_gives_the_same_tokens(model_dir, monkeypatch, quantization):
     """The skinny GEMVs ending with the residual add + RMSNorm after them (o_proj with the
-    post-attention norm, down_proj with the next layer's input norm; KernelConfig.gemv_norm,
-    the default) compute what the norm kernel after them does (FOLIO_GEMV_NORM=0), with the
+    post-attention norm, down_proj with the next layer's input norm; FOLIO_GEMV_NORM=1, off
+    by default) compute what the norm kernel after them does (FOLIO_GEMV_NORM=0), with the
     same products (the config is shared), so tokens and logprobs are bit-identical: batch 1
     through the CUDA graphs (the GEMVs' rows), bf16 and FP8 weights (EightBitLinear), with
     and without the qk-norm (llama, qwen3)."""
@@ -269,4 +273,4 @@ def test_gemv_norm_epilogue_gives_the_same_tokens(model_dir, monkeypatch, quanti
     _same_tokens_off_and_on(
         model_dir, monkeypatch, "FOLIO_GEMV_NORM", "0", "gemv_norm_on",
         lambda llm: _run(llm, prompts[:1]) + _run(llm, prompts[1:2]) + _run(llm, prompts),
-        quantization=quantization)
+        on="1", quantization=quantization)

@@ -48,6 +48,7 @@ def test_down_projections_hand_the_next_layer_its_normed_input(tiny_model_dir, m
     original = DecoderLM._norm_chain
     monkeypatch.setattr(GatedMLP, "forward_add_norm", _in_torch(calls))
     monkeypatch.setattr(DecoderLM, "_norm_chain", lambda self, hidden: original(self, _OnCuda))
+    monkeypatch.setenv("FOLIO_GEMV_NORM", "1")   # the chain is built only with it on
     llm = LLM(path, device="cpu", max_num_seqs=2, enforce_eager=True)
     assert _answers(llm) == want
     layers = llm.llm_engine.engine_core.executor.worker.model.spec.num_layers

@@ -40,7 +40,7 @@ def test_defaults() -> None:
     ("FOLIO_ATTENTION", "torch", "attention"),
     ("FOLIO_GEMV", "0", "gemv"), ("FOLIO_GEMV", "narrow", "gemv"), ("FOLIO_GEMV", "all", "gemv"),
     ("FOLIO_PDL", "0", "pdl"), ("FOLIO_CPU_LAYER", "0", "cpu_layer"),
-    ("FOLIO_KV_WRITE", "separate", "kv_write"), ("FOLIO_GEMV_NORM", "0", "gemv_norm"),
+    ("FOLIO_KV_WRITE", "separate", "kv_write"), ("FOLIO_GEMV_NORM", "1", "gemv_norm"),
 ])
 def test_env_overrides_one_field(var: str, value: str, field: str) -> None:
     cfg = resolve_kernel_config({var: value})
@@ -73,9 +73,11 @@ def test_torch_kernels_turn_the_gemv_off() -> None:
     assert resolve_kernel_config({}).kv_write_in_rotary
     assert not resolve_kernel_config({"FOLIO_KERNELS": "torch"}).kv_write_in_rotary
     assert not resolve_kernel_config({"FOLIO_KV_WRITE": "separate"}).kv_write_in_rotary
-    # The norm epilogue belongs to the skinny GEMV: off with it, or on its own.
-    assert resolve_kernel_config({}).gemv_norm_on
-    assert not resolve_kernel_config({"FOLIO_GEMV": "0"}).gemv_norm_on
+    # The norm epilogue is off unless asked for (it measured slower), and belongs to the
+    # skinny GEMV: off with it whatever FOLIO_GEMV_NORM says.
+    assert not resolve_kernel_config({}).gemv_norm_on
+    assert resolve_kernel_config({"FOLIO_GEMV_NORM": "1"}).gemv_norm_on
+    assert not resolve_kernel_config({"FOLIO_GEMV": "0", "FOLIO_GEMV_NORM": "1"}).gemv_norm_on
     assert not resolve_kernel_config({"FOLIO_GEMV_NORM": "0"}).gemv_norm_on
 
 

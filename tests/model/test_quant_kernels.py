@@ -70,6 +70,9 @@ CASES += [
          bias=True, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=1)),
     dict(name="gemv4_norm_mins_split2", kind="int4_norm", N=24, K=256, G=32, zero="mins",
          bias=False, config=dict(BLOCK_N=8, BLOCK_W=8, SPLIT_K=2)),
+    # autotuned: the key's config chosen on the plain product first
+    dict(name="gemv4_norm_autotuned_plain_first", kind="int4_norm", N=40, K=128, G=32,
+         zero=True, bias=False, config=None),
     dict(name="gemv4_ragged_split4_sentinel", kind="split_sentinel", M=1, N=40, K=256, G=64,
          zero=False, config=dict(BLOCK_N=16, BLOCK_W=8, SPLIT_K=4)),
     dict(name="gemv4_wide_range_x", kind="int4", M=1, N=24, K=256, G=64, zero=True,
@@ -176,9 +179,23 @@ def _run(case: dict) -> dict:
         out, plain = torch.empty(1, case["N"], dtype=torch.float16), \
             torch.empty(1, case["N"], dtype=torch.float16)
         normed, stream = torch.empty_like(out), torch.empty_like(out)
-        int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias, out,
-                            norm=(residual, norm_w, 1e-5, normed, stream),
-                            _config=case["config"])
+        launches: list[bool] = []   # per int4_gemv call: with the epilogue?
+        real = int4_gemv.int4_gemv
+
+        def recording(*args, **kwargs):
+            launches.append(kwargs.get("norm") is not None)
+            return real(*args, **kwargs)
+
+        int4_gemv.int4_gemv = recording
+        try:
+            for _ in range(2):
+                int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias,
+                                    out, norm=(residual, norm_w, 1e-5, normed, stream),
+                                    _config=case["config"])
+        finally:
+            int4_gemv.int4_gemv = real
+        # autotuned: the first call tunes on a plain launch inside it, the second does not
+        want_launches = [True, True] if case["config"] else [True, False, True]
         int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias, plain,
                             _config=case["config"])
         want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
@@ -187,6 +204,7 @@ def _run(case: dict) -> dict:
                 "equal": bool(torch.equal(normed, want_normed)
                               and torch.equal(stream, want_stream)
                               and torch.equal(out, plain)),
+                "launches": launches == want_launches,
                 "counters_zero": bool((counters == 0).all())}
     if kind == "split_sentinel":
         # split-K partials of a ragged last column block stay inside the workspace rows of
@@ -329,7 +347,7 @@ def test_quant_kernel(results: dict[str, dict], case: dict) -> None:
         assert res["codes_equal"] and res["scales_equal"] and res["zero_row"], res
         assert res["res_equal"], res
     elif case["kind"] == "int4_norm":
-        assert res["equal"] and res["counters_zero"], res
+        assert res["equal"] and res["counters_zero"] and res["launches"], res
     elif case["kind"] in ("dequant", "dequant8"):
         assert res["err"] == 0.0, res
     elif case["kind"] == "split_sentinel":

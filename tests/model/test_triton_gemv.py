@@ -70,6 +70,10 @@ CASES += [
     # rows wider than the epilogue's chunk (1,024 columns): two passes of two chunks
     dict(name="norm_float16_m2_n1100_k32", kind="mm_norm", dtype="float16", M=2, N=1100,
          K=32, bias=False),
+    # autotuned: a key's first launch with the epilogue is preceded by one of the plain
+    # product, which then chooses the key's config (gemv.tune_on_plain_product)
+    dict(name="norm_tuned_plain_first_float32_m2_n40_k64", kind="mm_norm_tuning",
+         dtype="float32", M=2, N=40, K=64, bias=True),
 ]
 
 
@@ -112,6 +116,28 @@ def _run(case: dict) -> dict:
         checks["residual"] = (0.0 if torch.equal(res_out, want_res) else 1.0,
                               bool(torch.isfinite(res_out).all()))
         checks["out"] = (rel_err(y, ref), bool(torch.isfinite(y).all()))
+    elif case["kind"] == "mm_norm_tuning":
+        from folio.model.kernels.rmsnorm import rms_norm
+        residual = torch.randn(M, N, generator=gen).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype)
+        launches: list[bool] = []   # per _launch: with the epilogue?
+        real = gemv._launch
+
+        def recording(*args, **kwargs):
+            launches.append(kwargs.get("norm") is not None)
+            return real(*args, **kwargs)
+
+        gemv._launch = recording
+        try:
+            first = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5, b)
+            second = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5, b)
+        finally:
+            gemv._launch = real
+        checks["plain_first_then_epilogue_only"] = (
+            0.0, launches == [False, True, True])
+        want = rms_norm(gemv.skinny_matmul(x, w, b), norm_w, 1e-5, residual)
+        checks["normed"] = (0.0 if all(torch.equal(a, e) for r in (first, second)
+                                       for a, e in zip(r, want)) else 1.0, True)
     else:
         gate, up = ref.to(dtype).float().chunk(2, dim=-1)
         expect = (F.silu(gate).to(dtype).float() * up).to(dtype)
@@ -165,6 +191,23 @@ def test_skinny_preferred() -> None:
     assert not gemv.skinny_preferred(4, 6144, 4096, mode="narrow")  # wide, 4 rows: cuBLAS
     assert gemv.skinny_preferred(4, 6144, 4096, mode="all")
     assert not gemv.skinny_preferred(1, 28672, 4096, mode="0")
+
+
+def test_tune_on_plain_product_once_per_kernel_and_key() -> None:
+    """The plain product is launched once per (kernel, key), before the key's first launch
+    with the norm epilogue, whose config it then chooses (not the epilogue's launch)."""
+    pytest.importorskip("triton")
+    from folio.model.kernels import gemv
+    plain: list[str] = []
+    kernel_a, kernel_b = object(), object()
+    try:
+        for kernel, key in ((kernel_a, (40, 64)), (kernel_a, (40, 64)), (kernel_a, (48, 64)),
+                            (kernel_b, (40, 64))):
+            gemv.tune_on_plain_product(kernel, key, lambda k=key: plain.append(k))
+    finally:
+        gemv._PLAIN_TUNED.difference_update(
+            {(id(k),) + key for k in (kernel_a, kernel_b) for key in ((40, 64), (48, 64))})
+    assert plain == [(40, 64), (48, 64), (40, 64)]
 
 
 def test_prune_respects_workspace() -> None:

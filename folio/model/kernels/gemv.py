@@ -486,6 +486,24 @@ def _launch(kernel, x, weight, scale, bias, out, N: int, M: int, m_pad: int,
             *args, **meta, **config, num_warps=warps, num_stages=stages)
 
 
+# (kernel, autotune key) pairs whose config this process has chosen on the plain product.
+_PLAIN_TUNED: set[tuple] = set()
+
+
+def tune_on_plain_product(kernel, key: tuple, launch_plain) -> None:
+    """Before a key's first launch with the norm epilogue, launch the plain product once
+    (`launch_plain()`, into scratch) so that the autotuner chooses the key's config on it.
+    The epilogue shares its product's config (NORM is not in the autotune key: the two are
+    then bit-identical), so whichever launch comes first chooses for both. Chosen with the
+    epilogue's serial tail, o_proj's and down_proj's configs slowed every plain launch after
+    them: FP8 batch 1 on the H100 at 3.63 ms/token with the epilogue off, against 3.48 when
+    the same shapes were tuned plain (docs/benchmarks.md, session 27)."""
+    tag = (id(kernel),) + key
+    if tag not in _PLAIN_TUNED:
+        launch_plain()
+        _PLAIN_TUNED.add(tag)
+
+
 def norm_epilogue_args(norm: tuple | None, out: torch.Tensor, n: int) -> tuple[tuple, dict]:
     """The add + RMSNorm epilogue's kernel arguments (R, NW, NORMED, RES_OUT, their row
     strides, eps) and constexprs (NORM, NORM_BLOCK, GRID_TICKET) for `norm` = (residual, norm
@@ -557,6 +575,12 @@ def skinny_matmul_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     normed, res_out = torch.empty_like(out), torch.empty_like(out)
     _check_split(N, N, _config)
+    if _config is None:
+        tune_on_plain_product(
+            _skinny_kernel, (N, x.shape[1], m_pad, x.dtype, weight.dtype, scale is None,
+                             bias is None, x.device),
+            lambda: _launch(_skinny_kernel, x, weight, scale, bias, torch.empty_like(out), N,
+                            M, m_pad, None, pdl))
     _launch(_skinny_kernel, x, weight, scale, bias, out, N, M, m_pad, _config, pdl,
             norm=(residual, norm_weight, eps, normed, res_out))
     return normed, res_out

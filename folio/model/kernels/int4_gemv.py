@@ -462,6 +462,12 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     meta = dict(G=group_size, ZERO_MODE=zero_mode, HAS_BIAS=bias is not None, GATE_UP=gate_up,
                 USE_PDL=pdl, launch_pdl=pdl, **norm_meta)
     if _config is None:
+        if norm is not None:   # the key's config chosen on the plain product
+            gemv.tune_on_plain_product(
+                _gemv4_kernel, (n, k, group_size, zero_mode, x.dtype, offsets is None,
+                                bias is None, x.device),
+                lambda: int4_gemv(x, packed, scales, offsets, zero_mode, group_size, bias,
+                                  torch.empty_like(out), pdl=pdl))
         _gemv4_kernel[lambda c: (triton.cdiv(rows, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
         return out
     config = dict(_config)
