@@ -155,6 +155,9 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
     order = step.num_scheduled_tokens
     B = len(order)
     states = [batch.requests[rid] for rid in order] if B else []
+    if 0 < B <= SMALL_BATCH and len(buf.group_bt) == 1 \
+            and not any(s.position_offset for s in states):
+        return _build_small(step, batch, states, prev_rows, buf, block_size, padding, padded)
     counts = np.fromiter(order.values(), np.int64, B)
     starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, B)
     rows = np.fromiter((s.row for s in states), np.int64, B)
@@ -223,21 +226,88 @@ def build_flat_batch(step: SchedulerOutput, batch: InputBatch | None, prev_rows:
     seq = starts + counts
     buf.qsl[:B + 1] = qsl
     buf.seq[:B] = seq
+    _pad(buf, padding, B, T, n)
+    return FlatBatch(T, B, n, qsl.tolist(), seq.tolist(), starts.tolist(), widths[0],
+                     pending_dst, pending_src, widths)
 
+
+def _pad(buf: StepBuffers, padding: Padding, B: int, T: int, n: int) -> None:
+    """The padding rows [T, n) (DECODE_ROWS: rows [B, n)) as `padding` says."""
     if padding is Padding.DECODE_ROWS:
-        ids[B:n] = 0
-        pos[B:n] = 0
-        slots[B:n] = -1
+        buf.ids[B:n] = 0
+        buf.pos[B:n] = 0
+        buf.slots[B:n] = -1
         buf.qsl[B + 1:n + 1] = np.arange(B + 1, n + 1)   # padding row i is query i
         buf.seq[B:n] = 1
-        bt[B:n, 0] = 0
+        buf.bt[B:n, 0] = 0
     elif padding is Padding.DUMMY_REQUEST:
-        ids[T:n] = 0
-        pos[T:n] = 0
-        slots[T:n] = -1
+        buf.ids[T:n] = 0
+        buf.pos[T:n] = 0
+        buf.slots[T:n] = -1
         buf.qsl[B + 1:] = n          # slot B (the dummy) owns [T, n); later slots are empty
         buf.seq[B] = n - T
         buf.seq[B + 1:] = 0
-    return FlatBatch(T, B, n, qsl.tolist(), seq.tolist(), starts.tolist(), widths[0],
-                     pending_dst, pending_src, widths)
+
+
+# Steps of at most this many requests are built request by request in plain Python: a batch-1
+# verify step's build was ~100 µs of numpy calls on the lent H100's host, all of it exposed
+# (the device waits for the step; docs/benchmarks.md session 27), where a few slice writes per
+# request do. Larger batches amortize numpy's per-call cost over their rows.
+SMALL_BATCH = 4
+
+
+def _build_small(step: SchedulerOutput, batch: InputBatch, states: list, prev_rows: dict[str, int],
+                 buf: StepBuffers, block_size: int, padding: Padding,
+                 padded: int | None) -> FlatBatch:
+    """build_flat_batch for 1..SMALL_BATCH requests, one KV cache group and no M-RoPE
+    position offsets: the same buffer contents and FlatBatch, request by request."""
+    order = step.num_scheduled_tokens
+    spec = step.scheduled_spec_decode_tokens
+    token_ids, num_tokens = batch.token_ids, batch.num_tokens
+    src_bt, src_blocks = batch.block_tables[0], batch.group_num_blocks[0]
+    ids, pos, slots, bt = buf.ids, buf.pos, buf.slots, buf.bt
+    B = len(states)
+    width = max(int(src_blocks[s.row]) for s in states)
+    qsl, seq, starts = [0], [], []
+    pending_dst: list[int] = []
+    pending_src: list[int] = []
+    for j, (rid, state) in enumerate(zip(order, states)):
+        row, start, num = state.row, state.num_computed_tokens, order[rid]
+        a, end = qsl[-1], start + num
+        known = int(num_tokens[row])
+        drafts = spec.get(rid) if spec else None
+        if drafts:
+            # A verify step: the last token, then the draft tokens after it.
+            assert end == known + len(drafts), "drafts follow a request's last token"
+            ids[a:a + known - start] = token_ids[row, start:known]
+            ids[a + known - start:a + num] = drafts
+        elif end <= known:
+            ids[a:a + num] = token_ids[row, start:end]
+        elif num == 1 and start >= known:
+            # a decode input still on the device: a placeholder, filled there by the runner
+            ids[a] = 0
+            pending_dst.append(a)
+            pending_src.append(prev_rows[rid])
+        else:
+            assert end == known + 1, "only the last input of a request can be pending"
+            ids[a:a + num - 1] = token_ids[row, start:known]
+            ids[a + num - 1] = 0
+            pending_dst.append(a + num - 1)
+            pending_src.append(prev_rows[rid])
+        positions = np.arange(start, end)
+        pos[a:a + num] = positions
+        if width:
+            bt[j, :width] = src_bt[row, :width]
+        slots[a:a + num] = bt[j, positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        qsl.append(a + num)
+        seq.append(end)
+        starts.append(start)
+    T = qsl[-1]
+    n = T if padded is None else padded
+    assert T <= n <= buf.max_tokens and B + 1 <= buf.max_reqs + 1, "step exceeds its buffers"
+    buf.qsl[:B + 1] = qsl
+    buf.seq[:B] = seq
+    _pad(buf, padding, B, T, n)
+    return FlatBatch(T, B, n, qsl, seq, starts, width, pending_dst, pending_src, [width])
 

@@ -265,3 +265,72 @@ def test_one_arena_one_copy():
     assert not mirror.tensors["block_tables"][2:].any()
     with pytest.raises(AssertionError, match="one KV cache group"):
         StepBuffers(4, 2, 3, pin=False, num_kv_groups=2).copy_to(mirror, 1)
+
+
+def _build_both(monkeypatch, message, batch, prev_rows, small, full, padding, padded):
+    """The step built by the request-by-request path (small batches) into `small` and by the
+    array path (flat_batch.SMALL_BATCH = 0) into `full`: the FlatBatch and every buffer must
+    agree."""
+    from folio.worker import flat_batch
+    got = build_flat_batch(message, batch, prev_rows, small, BS, padding, padded=padded)
+    with monkeypatch.context() as patch:
+        patch.setattr(flat_batch, "SMALL_BATCH", 0)
+        want = build_flat_batch(message, batch, prev_rows, full, BS, padding, padded=padded)
+    assert got == want
+    for name, tensor in small.tensors.items():   # (the arenas' alignment gaps are never set)
+        assert torch.equal(tensor, full.tensors[name]), (name, padding)
+    return got
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_small_batch_path_builds_what_the_array_path_builds(monkeypatch, seed, async_scheduling):
+    """flat_batch._build_small (steps of up to SMALL_BATCH requests) against the numpy path
+    on real scheduler steps (prefill chunks, decodes, pending inputs), in every padding mode,
+    and on verify steps made from the decode steps by giving each request drafts."""
+    import msgspec.structs
+    from folio.worker import flat_batch
+    batch = InputBatch(MAX_REQS, WIDTH, torch.device("cpu"), MAX_LEN)
+    bufs = {padding: (StepBuffers(BUDGET + 8, MAX_REQS + 1, WIDTH, pin=False),
+                      StepBuffers(BUDGET + 8, MAX_REQS + 1, WIDTH, pin=False))
+            for padding in Padding}
+    seen = dict(small=0, verify=0, pending=0)
+    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
+                                budget=BUDGET, num_blocks=20, async_scheduling=async_scheduling,
+                                num_steps=150):
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
+                                         type=SchedulerOutput)
+        batch.update(message)
+        if case.step.is_empty:
+            continue
+        B, T = len(message.num_scheduled_tokens), message.total_num_scheduled_tokens
+        seen["small"] += B <= flat_batch.SMALL_BATCH
+        for padding, (small, full) in bufs.items():
+            padded = (None if padding is Padding.NONE
+                      else min(MAX_REQS, B + seed % 2) if padding is Padding.DECODE_ROWS
+                      else T + 3)
+            if padding is Padding.DECODE_ROWS and T != B:
+                continue
+            flat = _build_both(monkeypatch, message, batch, case.prev_rows, small, full,
+                               padding, padded)
+            seen["pending"] += len(flat.pending_dst)
+        states = [batch.requests[rid] for rid in message.num_scheduled_tokens]
+        if T == B and all(s.num_computed_tokens < batch.num_tokens[s.row] for s in states):
+            # the same decodes as a verify step: 1 + k tokens per request, k in 1..3
+            drafts = {rid: [7 + i for i in range(1 + (j + seed) % 3)]
+                      for j, rid in enumerate(message.num_scheduled_tokens)}
+            counts = {rid: 1 + len(d) for rid, d in drafts.items()}
+            verify = msgspec.structs.replace(message, num_scheduled_tokens=counts,
+                                             total_num_scheduled_tokens=sum(counts.values()),
+                                             scheduled_spec_decode_tokens=drafts)
+            small, full = bufs[Padding.DUMMY_REQUEST]
+            flat = _build_both(monkeypatch, verify, batch, case.prev_rows, small, full,
+                               Padding.DUMMY_REQUEST, verify.total_num_scheduled_tokens + 2)
+            assert small.ids[1:1 + len(drafts[states[0].req_id])].tolist() == \
+                drafts[states[0].req_id]
+            seen["verify"] += 1
+    assert seen["small"] > 30
+    if async_scheduling:   # (every decode input is pending then: no verify step is made)
+        assert seen["pending"] > 3
+    else:
+        assert seen["verify"] > 3
