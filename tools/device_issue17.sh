@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s27a|s27b|s27c|s27d|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -66,6 +66,16 @@ s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: th
       --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
+s28a)  # next session, first call: the rest of s27e's GPU tests (its step ran out at 240 s after
+  # 28 passed; the float64 qk-norm sum's bit-identity among those not reached), then the
+  # verify step's host timeline with the small-batch flat-batch build (session 27's ~100 us)
+  STEP_PATTERN="passed|failed|Error" step 420 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_engine.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_quant.py \
+      -k "kv_write or gemv_norm or pdl or graph or norm_epilogue"
+  STEP_PATTERN="verify|plain|Error" step 140 verify_timeline python3 \
+      tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline
+  grep -E "timeline|build|copy|replay" "$OUT/verify_timeline.log" | cut -c1-160 | head -40 ;;
 s27e)  # session 27, first call (starts were scarce): s27c's GPU tests (the float64 rotary sum,
   # both GEMVs' norm epilogues, graphs), FP8 batch 1 with every fusion, then the verify step's
   # host turn-around in parts and its kernels (--host-timeline --profile)
