@@ -3,17 +3,36 @@ with TRITON_INTERPRET=1 (it must be set before triton is imported, and this proc
 already have imported it), each reporting one JSON line; the parent's tests read them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
 
 def rel_err(out: Any, ref: Any) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@contextlib.contextmanager
+def calls_with_norm(module: Any, name: str) -> Iterator[list[bool]]:
+    """While open, `module.<name>` records per call whether it was given a norm epilogue
+    (its `norm` keyword), then runs as before: the list it yields."""
+    calls: list[bool] = []
+    real = getattr(module, name)
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("norm") is not None)
+        return real(*args, **kwargs)
+
+    setattr(module, name, recording)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
 
 
 def child_main(cases: list[dict], run_case: Callable[[dict], dict]) -> None:

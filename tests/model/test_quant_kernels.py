@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_harness import child_main, interpreter_results, rel_err
+from interpreter_harness import calls_with_norm, child_main, interpreter_results, rel_err
 
 CASES: list[dict[str, Any]] = []
 for _m, _n, _k, _g, _zero, _bias in [(1, 48, 64, 32, False, False), (3, 40, 128, 64, True, True),
@@ -179,21 +179,11 @@ def _run(case: dict) -> dict:
         out, plain = torch.empty(1, case["N"], dtype=torch.float16), \
             torch.empty(1, case["N"], dtype=torch.float16)
         normed, stream = torch.empty_like(out), torch.empty_like(out)
-        launches: list[bool] = []   # per int4_gemv call: with the epilogue?
-        real = int4_gemv.int4_gemv
-
-        def recording(*args, **kwargs):
-            launches.append(kwargs.get("norm") is not None)
-            return real(*args, **kwargs)
-
-        int4_gemv.int4_gemv = recording
-        try:
+        with calls_with_norm(int4_gemv, "int4_gemv") as launches:
             for _ in range(2):
                 int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias,
                                     out, norm=(residual, norm_w, 1e-5, normed, stream),
                                     _config=case["config"])
-        finally:
-            int4_gemv.int4_gemv = real
         # autotuned: the first call tunes on a plain launch inside it, the second does not
         want_launches = [True, True] if case["config"] else [True, False, True]
         int4_gemv.int4_gemv(x, w.packed, w.scales, offsets, mode, w.group_size, bias, plain,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_harness import child_main, interpreter_results, rel_err
+from interpreter_harness import calls_with_norm, child_main, interpreter_results, rel_err
 
 FMA_SPLIT = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=3, DOT=0)
 DOT = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, DOT=1)
@@ -120,19 +120,9 @@ def _run(case: dict) -> dict:
         from folio.model.kernels.rmsnorm import rms_norm
         residual = torch.randn(M, N, generator=gen).to(dtype)
         norm_w = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype)
-        launches: list[bool] = []   # per _launch: with the epilogue?
-        real = gemv._launch
-
-        def recording(*args, **kwargs):
-            launches.append(kwargs.get("norm") is not None)
-            return real(*args, **kwargs)
-
-        gemv._launch = recording
-        try:
+        with calls_with_norm(gemv, "_launch") as launches:
             first = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5, b)
             second = gemv.skinny_matmul_add_norm(x, w, residual, norm_w, 1e-5, b)
-        finally:
-            gemv._launch = real
         checks["plain_first_then_epilogue_only"] = (
             0.0, launches == [False, True, True])
         want = rms_norm(gemv.skinny_matmul(x, w, b), norm_w, 1e-5, residual)

@@ -41,6 +41,19 @@ def _expected(case):
     return ids, pos, slots, qsl, pend
 
 
+def _worker_steps(seed: int, async_scheduling: bool, batch: InputBatch):
+    """The non-empty steps of a random scheduler run, each message (through msgpack, as the
+    workers get it) applied to `batch`: (the step's case, its message)."""
+    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
+                                budget=BUDGET, num_blocks=20, async_scheduling=async_scheduling,
+                                num_steps=150):
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
+                                         type=SchedulerOutput)
+        batch.update(message)
+        if not case.step.is_empty:
+            yield case, message
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduling):
@@ -50,14 +63,7 @@ def test_worker_state_and_staged_inputs_match_the_scheduler(seed, async_scheduli
     decode = StepBuffers(MAX_REQS, MAX_REQS, WIDTH, pin=False)
     mixed = StepBuffers(BUDGET + 8, MAX_REQS + 1, WIDTH, pin=False)
     seen = dict(steps=0, pending=0, decode=0, preempted=0)
-    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
-                                budget=BUDGET, num_blocks=20, async_scheduling=async_scheduling,
-                                num_steps=150):
-        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
-                                         type=SchedulerOutput)
-        batch.update(message)
-        if case.step.is_empty:
-            continue
+    for case, message in _worker_steps(seed, async_scheduling, batch):
         seen["steps"] += 1
         seen["preempted"] += len(message.preempted_req_ids)
         for item in case.step.scheduled:
@@ -295,14 +301,7 @@ def test_small_batch_path_builds_what_the_array_path_builds(monkeypatch, seed, a
                       StepBuffers(BUDGET + 8, MAX_REQS + 1, WIDTH, pin=False))
             for padding in Padding}
     seen = dict(small=0, verify=0, pending=0)
-    for case in scheduler_steps(seed, block_size=BS, max_model_len=MAX_LEN, max_reqs=MAX_REQS,
-                                budget=BUDGET, num_blocks=20, async_scheduling=async_scheduling,
-                                num_steps=150):
-        message = msgspec.msgpack.decode(msgspec.msgpack.encode(case.step.message),
-                                         type=SchedulerOutput)
-        batch.update(message)
-        if case.step.is_empty:
-            continue
+    for case, message in _worker_steps(seed, async_scheduling, batch):
         B, T = len(message.num_scheduled_tokens), message.total_num_scheduled_tokens
         seen["small"] += B <= flat_batch.SMALL_BATCH
         for padding, (small, full) in bufs.items():
