@@ -256,9 +256,9 @@ def _pad(buf: StepBuffers, padding: Padding, B: int, T: int, n: int) -> None:
 SMALL_BATCH = 4
 
 
-def _build_small(step: SchedulerOutput, batch: InputBatch, states: list, prev_rows: dict[str, int],
-                 buf: StepBuffers, block_size: int, padding: Padding,
-                 padded: int | None) -> FlatBatch:
+def _build_small(step: SchedulerOutput, batch: InputBatch, states: list,
+                 prev_rows: dict[str, int], buf: StepBuffers, block_size: int,
+                 padding: Padding, padded: int | None) -> FlatBatch:
     """build_flat_batch for 1..SMALL_BATCH requests, one KV cache group and no M-RoPE
     position offsets: the same buffer contents and FlatBatch, request by request."""
     order = step.num_scheduled_tokens

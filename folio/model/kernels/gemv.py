@@ -494,10 +494,10 @@ def tune_on_plain_product(kernel, key: tuple, launch_plain) -> None:
     """Before a key's first launch with the norm epilogue, launch the plain product once
     (`launch_plain()`, into scratch) so that the autotuner chooses the key's config on it.
     The epilogue shares its product's config (NORM is not in the autotune key: the two are
-    then bit-identical), so whichever launch comes first chooses for both. Chosen with the
-    epilogue's serial tail, o_proj's and down_proj's configs slowed every plain launch after
-    them: FP8 batch 1 on the H100 at 3.63 ms/token with the epilogue off, against 3.48 when
-    the same shapes were tuned plain (docs/benchmarks.md, session 27)."""
+    then bit-identical), so whichever launch comes first chooses for both, and a choice
+    made with the epilogue's serial tail in every benchmark need not suit the plain product.
+    That is the likely cause of FP8 batch 1 on the H100 at 3.63 ms/token with the epilogue
+    off, where code without it, tuned afresh, read 3.48 (docs/benchmarks.md, session 27)."""
     tag = (id(kernel),) + key
     if tag not in _PLAIN_TUNED:
         launch_plain()
