@@ -52,7 +52,8 @@ s27a)  # session 26, one call: the GPU tests of session 26's changes (the cache 
   STEP_PATTERN="kernels/token|Error" step 80 census_fp8_pdl python3 \
       tools/gpu_kernel_census.py 64 --config llama3-8b --quantization fp8 --graphs-only
   head -26 "$OUT/census_fp8_pdl.log" | cut -c1-170 ;;
-s27c)  # next session, first call: the rotary's qk-norm sum in float64 (s27a: the variant
+s27c)  # (written while the norm epilogue was the default; since session 27 it is off, and
+  # FOLIO_GEMV_NORM=1 times it) session 27's planned first call: the rotary's qk-norm sum in float64 (s27a: the variant
   # writing the cache had tuned other warps, and Qwen3's tokens moved) and the GEMVs ending
   # with the RMSNorm after them (bf16/FP8 skinny GEMV and the 4-bit GEMV; untested on a GPU):
   # their tests and the graph tests; then batch 1: FP8 with both fusions (default), W4A16,
@@ -87,7 +88,7 @@ s27e)  # session 27, first call (starts were scarce): s27c's GPU tests (the floa
   STEP_PATTERN="verify|plain|Error" step 150 verify_timeline python3 \
       tools/gpu_verify_cost.py --config llama3-8b --k 4 --host-timeline --profile
   grep -E "timeline|profile| ms/step " "$OUT/verify_timeline.log" | cut -c1-160 | head -80 ;;
-s27d)  # next session, right after s27c on the warm machine: W4A16 without the norm epilogue,
+s27d)  # (the epilogue's default as s27c says) right after s27c on the warm machine: W4A16 without the norm epilogue,
   # FP8 with neither fusion (FOLIO_KV_WRITE=separate FOLIO_GEMV_NORM=0)
   STEP_PATTERN="latency:|decode:|roofline|Error" step 100 lat_w4a16_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --random-quantization w4a16
