@@ -255,9 +255,7 @@ def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path
     plain engine's, and drafting resumes for the policy's probes."""
     from folio.core.spec.policy import AdaptiveDraftLength
     target = tiny_model_dir("llama")
-    head = str(tmp_path / "eagle")
-    build_head(head, "eagle", seed=3)
-    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    spec = _resting_spec(tmp_path)
     prompts = _prompts(1, seed=8)
     params = SamplingParams(temperature=0, max_tokens=48)
     want = _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
@@ -284,6 +282,14 @@ def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path
     # first verdict's and the probe's (after 32 steps without drafts) steps draft
     assert busy_calls[0] >= 3 * 10
     assert 0 < calls[0] <= 3 * 3, (calls[0], busy_calls[0])
+
+
+def _resting_spec(tmp_path) -> dict:
+    """A random EAGLE head (seed 3) written under tmp_path, drafting 3 tokens: the resting
+    tests' speculative config."""
+    head = str(tmp_path / "eagle")
+    build_head(head, "eagle", seed=3)
+    return {"method": "eagle", "model": head, "num_speculative_tokens": 3}
 
 
 def _resting_run(target: str, spec: dict, prompts: list[str], params: SamplingParams,
@@ -387,9 +393,7 @@ def test_leaving_requests_rows_are_written_before_their_blocks_go(tiny_model_dir
     equals that of a head that wrote after every step."""
     from folio.worker import spec_propose
     target = tiny_model_dir("llama")
-    head = str(tmp_path / "eagle")
-    build_head(head, "eagle", seed=3)
-    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    spec = _resting_spec(tmp_path)
     prompts = _prompts(4, seed=14)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (12, 40, 24, 40)]
     small = dict(num_gpu_blocks_override=16, max_model_len=256, max_num_seqs=4)
@@ -410,9 +414,7 @@ def test_kept_rows_past_the_bound_are_written_at_once(tiny_model_dir, tmp_path,
     kept rows stay below the bound, and the cache is the same."""
     from folio.worker import spec_propose
     target = tiny_model_dir("llama")
-    head = str(tmp_path / "eagle")
-    build_head(head, "eagle", seed=3)
-    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    spec = _resting_spec(tmp_path)
     prompts = _prompts(1, seed=8)
     params = SamplingParams(temperature=0, max_tokens=48)
     _rest_always(monkeypatch)
