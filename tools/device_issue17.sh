@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s28c|s28b|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -67,6 +67,22 @@ s27c)  # (written while the norm epilogue was the default; since session 27 it i
       --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
+s28c)  # session 28, first call on whichever card comes (starts scarce): issue 17's verify cost
+  # first (its last target, on the H200), then the speculative-decoding GPU tests on session
+  # 26-27's code (last run in session 25), then FP8 batch 1 (session 27's 3.63 on a tuning
+  # chosen with the epilogue on; a fresh machine tunes on the plain product)
+  STEP_PATTERN="verify|plain|Error" step 150 verify python3 tools/gpu_verify_cost.py \
+      --config llama3-8b --k 4 --gaps
+  STEP_PATTERN="passed|failed|Error" step 270 gpu_spec_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_spec_decode.py \
+      tests/gpu/test_gpu_sampling.py
+  STEP_PATTERN="latency:|decode:|roofline|Error" step 110 lat_fp8 $LAT --quantization fp8 ;;
+s28b)  # session 28, after s27h: the speculative-decoding GPU tests on session 26-27's code (last
+  # run in session 25), then s27e's selection again (28 of 29 passed there before its time ran out)
+  STEP_PATTERN="passed|failed|Error" step 560 gpu_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_spec_decode.py \
+      tests/gpu/test_gpu_quant.py tests/gpu/test_gpu_engine.py tests/gpu/test_cuda_graphs.py \
+      -k "spec or eagle or draft or greedy_and_seeded or kv_write or gemv_norm or pdl or graph or norm_epilogue" ;;
 s28a)  # next session, first call: the rest of s27e's GPU tests (its step ran out at 240 s after
   # 28 passed; the float64 qk-norm sum's bit-identity among those not reached), then the
   # verify step's host timeline with the small-batch flat-batch build (session 27's ~100 us)
