@@ -406,6 +406,8 @@ MODEL_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # The methods that need `model` (mtp's module is in the target's own checkpoint).
 _SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
+# vLLM's older method names, read as folio's.
+_SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 
 
 @dataclass
@@ -450,8 +452,17 @@ class SpeculativeConfig:
     # folio's own key (vLLM has none): false verifies every draft the proposer gives instead
     # of choosing k per step from measured step times and acceptance (reproducible shapes).
     adaptive_draft_length: bool = True
+    # vLLM's: no drafts while this many requests or more are running (None = no cap). The
+    # adaptive length already rests at k = 0 where drafting would cost; this is a hard cap
+    # on top of either length policy (core/spec/policy.py's BatchCappedDraftLength).
+    disable_by_batch_size: int | None = None
+    # vLLM's: the draft's tensor-parallel size. folio runs a draft model or head with the
+    # target's (EngineConfig.finalize refuses another); None = the target's.
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.method in _SPEC_METHOD_ALIASES:
+            self.method = _SPEC_METHOD_ALIASES[self.method]
         if self.method is None:
             # vLLM's guess from the name when only a model is given
             name = (self.model or "").lower()
@@ -486,6 +497,15 @@ class SpeculativeConfig:
         _require(isinstance(prob, (int, float)) and 0 <= prob <= 1,
                  "speculative_config.suffix_decoding_min_token_prob",
                  f"must be a number in [0, 1], got {prob!r}")
+        cap = self.disable_by_batch_size
+        _require(cap is None or (isinstance(cap, int) and not isinstance(cap, bool)
+                                 and 2 <= cap <= 1 << 20),
+                 "speculative_config.disable_by_batch_size",
+                 f"must be an int in [2, {1 << 20}] (as vLLM: more than 1), got {cap!r}")
+        tp = self.draft_tensor_parallel_size
+        _require(tp is None or (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1),
+                 "speculative_config.draft_tensor_parallel_size",
+                 f"must be a positive int, got {tp!r}")
         _require(isinstance(self.adaptive_draft_length, bool),
                  "speculative_config.adaptive_draft_length",
                  f"must be true or false, got {self.adaptive_draft_length!r}")
@@ -929,6 +949,14 @@ class EngineConfig:
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.model.max_model_len}) with chunked prefill disabled: "
                 "a long prompt could never be scheduled")
+        spec = self.speculative
+        if spec is not None and spec.draft_tensor_parallel_size not in (
+                None, self.parallel.tensor_parallel_size):
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size "
+                f"({spec.draft_tensor_parallel_size}): folio runs the draft with the target's "
+                f"tensor-parallel size ({self.parallel.tensor_parallel_size}); leave it out or "
+                "give that")
         self.finalize_device(None if self.model.device == "auto" else self.model.device)
 
     def finalize_device(self, device_type: str | None) -> None:

@@ -19,7 +19,8 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.engine_core_outputs import (EngineCoreOutput, PromptLogprobsChunk, SampledTokenLogprobs,
                                 SchedulerStats)
 from folio.core.request import Request, RequestStatus
-from folio.core.spec.policy import AdaptiveDraftLength, FixedDraftLength
+from folio.core.spec.policy import (AdaptiveDraftLength, BatchCappedDraftLength,
+                                    FixedDraftLength)
 from folio.core.step_messages import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                       NewRequestData, SchedulerOutput)
 
@@ -181,7 +182,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  async_scheduling: bool = False, drafter: Drafter | None = None,
-                 adaptive_draft_length: bool = True, max_loras: int = 0,
+                 adaptive_draft_length: bool = True,
+                 disable_by_batch_size: int | None = None, max_loras: int = 0,
                  max_queue_time: float | None = None, pipelined: bool = False,
                  host_tier: HostKVTier | None = None,
                  connector: KVConnectorScheduler | None = None) -> None:
@@ -229,6 +231,8 @@ class Scheduler:
         # How many of its drafts each request verifies per step (spec/policy.py).
         self.draft_length = None if drafter is None else (
             AdaptiveDraftLength() if adaptive_draft_length else FixedDraftLength())
+        if self.draft_length is not None and disable_by_batch_size is not None:
+            self.draft_length = BatchCappedDraftLength(self.draft_length, disable_by_batch_size)
         # Whether the last update made proposals: while the draft length rests (none made),
         # drafts left on a request are never verified (k = 0 drops them), so the per-step
         # questions about drafts skip their pass over the running requests (at batch 64 on

@@ -136,7 +136,7 @@ class AsyncLLM:
                 if kind == msg.READY:
                     return payload
                 if kind == msg.FATAL:
-                    raise RuntimeError(f"the engine core failed to start: {payload}")
+                    raise msg.start_error(payload)
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine core exited during start-up "
                                    f"(exit code {self.process.exitcode})")

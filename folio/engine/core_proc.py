@@ -58,7 +58,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             config.scheduler.max_num_seqs, core.kv_capacity_tokens)))
         _busy_loop(core, inbox, outbox, parent_pid)
     except Exception as exc:  # report, then die: the front end fails requests with 500s
-        detail = f"{type(exc).__name__}: {exc}"
+        detail = msg.fatal_detail(exc)
         # A ValueError is a bad setting or model, which the front end reports (it finds the
         # same while it reads the model beside this process): no traceback for it.
         logger.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR,

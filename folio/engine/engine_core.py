@@ -87,6 +87,8 @@ class EngineCore:
             async_scheduling=self.async_scheduling, drafter=drafter,
             adaptive_draft_length=(config.speculative is None
                                    or config.speculative.adaptive_draft_length),
+            disable_by_batch_size=(None if config.speculative is None
+                                   else config.speculative.disable_by_batch_size),
             max_loras=0 if config.lora is None else config.lora.max_loras,
             max_queue_time=config.admission.max_queue_time,
             pipelined=config.parallel.pipeline_parallel_size > 1,

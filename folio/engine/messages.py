@@ -21,7 +21,24 @@ SHUTDOWN = b"SHUTDOWN"  # empty
 READY = b"READY"        # ReadyInfo
 OUTPUTS = b"OUT"        # StepOutputs
 UTILITY_RESULT = b"URES"  # UtilityResult
-FATAL = b"FATAL"        # str: the engine core is going down
+FATAL = b"FATAL"        # str (fatal_detail): the engine core is going down
+
+# A FATAL detail that is a bad setting or model (a ValueError in the engine core) starts with
+# this, so the front end raises it as one (start_error): the CLI prints it as a usage error.
+_SETTING_ERROR = "ValueError: "
+
+
+def fatal_detail(exc: BaseException) -> str:
+    """The FATAL payload for an exception in the engine core."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def start_error(detail: str) -> Exception:
+    """The exception a front end raises for a FATAL detail received during start-up: a
+    ValueError (its message without the type) for a bad setting, else a RuntimeError."""
+    if detail.startswith(_SETTING_ERROR):
+        return ValueError(detail[len(_SETTING_ERROR):])
+    return RuntimeError(f"the engine core failed to start: {detail}")
 
 
 @dataclass

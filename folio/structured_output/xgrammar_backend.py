@@ -161,7 +161,12 @@ class GrammarMatcher(BaseGrammarMatcher):
         self.num_accepted = 0
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        """Advance by one token; False (state unchanged) if the grammar forbids it. Nothing
+        follows the stop token: a terminated matcher refuses here, as guidance's does,
+        rather than in xgrammar (which logs a warning each time: a draft after a drafted
+        stop token did, once per verify step)."""
+        if self._matcher.is_terminated():
+            return False
         if self._matcher.accept_token(int(token_id)):
             self.num_accepted += 1
             return True
@@ -171,7 +176,7 @@ class GrammarMatcher(BaseGrammarMatcher):
         """Longest allowed prefix of token_ids, without changing state (spec decode)."""
         accepted = 0
         for tok in token_ids:
-            if not self._matcher.accept_token(int(tok)):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(tok)):
                 break
             accepted += 1
         if accepted:

@@ -91,6 +91,23 @@ def test_speculative_config_validates_like_vllm() -> None:
         SpeculativeConfig.from_json("{method")
 
 
+def test_vllm_keys_disable_by_batch_size_and_draft_tp_parse_and_are_checked() -> None:
+    cfg = SpeculativeConfig.from_json({"method": "ngram", "disable_by_batch_size": 8,
+                                       "draft_tensor_parallel_size": 1})
+    assert (cfg.disable_by_batch_size, cfg.draft_tensor_parallel_size) == (8, 1)
+    assert SpeculativeConfig.from_json({"method": "deepseek_mtp"}).method == "mtp"
+    for bad, field in [({"disable_by_batch_size": 1}, "disable_by_batch_size"),
+                       ({"disable_by_batch_size": True}, "disable_by_batch_size"),
+                       ({"draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size")]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig.from_json({"method": "ngram", **bad})
+    from folio.config import EngineConfig, ParallelConfig
+    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2),
+                          speculative=SpeculativeConfig(draft_tensor_parallel_size=1))
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size \(1\).*target's"):
+        config.finalize(256)
+
+
 # ---- the scheduler ------------------------------------------------------------------------
 
 class FixedDrafter(HostDrafter):
@@ -118,10 +135,10 @@ class CountingDrafter(FixedDrafter):
 
 
 def make(drafter, *, num_blocks: int = 64, budget: int = 64, max_model_len: int = 256,
-         policy: str = "fcfs"):
+         policy: str = "fcfs", **kw):
     return Scheduler(kv_cache_manager=KVCacheManager(num_blocks, BS, True), max_num_seqs=8,
                      max_num_batched_tokens=budget, max_model_len=max_model_len,
-                     drafter=drafter, policy=policy)
+                     drafter=drafter, policy=policy, **kw)
 
 
 def request(rid: str, prompt_len: int = 6, priority: int = 0, first: int = 100,
@@ -737,3 +754,34 @@ def test_ngram_proposals_equal_a_scan_of_the_context() -> None:
             for _ in range(6):   # growing by one token (the loop) or by many (numpy)
                 assert p.propose(str(r), tokens, 4) == scan(tokens, min_n, max_n, 4), tokens
                 tokens = tokens + [rng.randrange(6) for _ in range(rng.choice((1, 1, 12)))]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_disable_by_batch_size_stops_drafting_at_the_cap(adaptive: bool) -> None:
+    """vLLM's disable_by_batch_size: with 3 or more requests running no proposals are made
+    and no step verifies drafts; when the batch falls below it again, drafting resumes."""
+    drafter = CountingDrafter([7, 8])
+    s = make(drafter, adaptive_draft_length=adaptive, disable_by_batch_size=3)
+    first, second = request("a"), request("b", first=200)
+    s.add_request(first)
+    s.add_request(second)
+    s.update_from_output(s.schedule(), reply({"a": [50], "b": [51]}))
+    step = s.schedule()                      # two running: below the cap
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "b": [7, 8]}
+    s.add_request(request("c", first=300))
+    # c's prefill joins this step: three running when the next drafts would be made
+    s.update_from_output(step, reply({"a": [7, 60], "b": [7, 61]}))
+    step = s.schedule()
+    s.update_from_output(step, reply({rid: [70] for rid in step.message.num_scheduled_tokens}))
+    calls = drafter.calls
+    for _ in range(3):
+        step = s.schedule()
+        assert step.message.scheduled_spec_decode_tokens == {}
+        assert not step.message.propose_drafts
+        s.update_from_output(step, reply({rid: [70] for rid in
+                                          step.message.num_scheduled_tokens}))
+    assert drafter.calls == calls            # no proposals at the cap
+    s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(s.schedule(), reply({"a": [71], "b": [72]}))
+    step = s.schedule()                      # two again: drafts verified once more
+    assert step.message.scheduled_spec_decode_tokens == {"a": [7, 8], "b": [7, 8]}

@@ -289,3 +289,18 @@ def test_speculation_builds_the_layers_for_few_row_verify_steps(plain_llm, spec_
 
     assert gemv_modes(spec_llm) == {resolve_kernel_config(speculative=True).gemv}
     assert gemv_modes(plain_llm) == {resolve_kernel_config().gemv}
+
+
+def test_disable_by_batch_size_drafts_only_below_the_cap(plain_llm) -> None:
+    """vLLM's disable_by_batch_size through the engine, a cap of 3: four editing answers
+    decoding together make no drafts at all; with two of them short, the long two draft
+    once the short ones have finished. Outputs as without speculation."""
+    prompts = _editing_prompts()
+    llm = _make({**SPEC, "disable_by_batch_size": 3})
+    for lengths in ([40, 40, 40, 40], [8, 8, 40, 40]):
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+        before = _spec_stats(llm).spec_num_drafts
+        got = _ids(llm.generate(prompts, params, use_tqdm=False))
+        assert got == _ids(plain_llm.generate(prompts, params, use_tqdm=False))
+        drafts = _spec_stats(llm).spec_num_drafts - before
+        assert (drafts > 0) == (lengths[0] == 8), (lengths, drafts)

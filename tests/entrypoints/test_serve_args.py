@@ -128,3 +128,22 @@ def test_log_level_is_taken_after_the_server_command_too():
     assert parser.parse_args(["serve", "m"]).log_level is None
     assert parser.parse_args(["router", "--prefill", "http://a:1", "--decode", "http://b:2",
                               "--log-level", "DEBUG"]).log_level == "DEBUG"
+
+
+def test_a_setting_the_engine_core_refuses_is_a_usage_error() -> None:
+    """A bad setting found only where the model is read, in the engine-core process (mtp on
+    a model without MTP layers), ends `folio serve` as argparse's errors do: exit code 2 and
+    one `folio: error:` line naming the field, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "folio.entrypoints.cli", "serve", "--port", str(free_port()),
+         "--speculative-config", '{"method": "mtp"}'],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "folio: error: speculative_config.method mtp" in proc.stderr
+    assert "Traceback" not in proc.stderr

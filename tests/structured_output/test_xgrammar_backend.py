@@ -158,6 +158,21 @@ def test_terminated_matcher_allows_only_stop(compiler, tokenizer, vocab_size):
     assert torch.all(logits[0] == 0)  # row 0 not in rows: untouched
 
 
+def test_terminated_matcher_refuses_quietly(compiler, tokenizer, capfd):
+    """A draft after a drafted stop token (a verify step's mask rows) is refused without
+    xgrammar's warning, in accept_token and in validate_tokens."""
+    matcher = GrammarMatcher(compiler.compile(StructuredOutputsParams(choice=["red"])))
+    red = tokenizer.encode("red", add_special_tokens=False)
+    assert matcher.validate_tokens(red + [tokenizer.eos_token_id, 198]) == \
+        red + [tokenizer.eos_token_id]
+    for tok in red + [tokenizer.eos_token_id]:
+        assert matcher.accept_token(tok)
+    capfd.readouterr()
+    assert not matcher.accept_token(198)
+    assert matcher.validate_tokens([198]) == []
+    assert "terminated" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_apply_bitmask_rows_and_dtypes(dtype):
     vocab = 100  # not a multiple of 32

@@ -274,3 +274,42 @@ class FixedDraftLength:
 
     def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
         return max(drafting.values(), default=0)
+
+
+class BatchCappedDraftLength:
+    """vLLM's `disable_by_batch_size` over another length policy: while `limit` or more
+    requests run, no proposals are made and no step verifies drafts; below it, `inner`
+    decides. The running batch is the one the scheduler gives `wants_proposals` once a step
+    (after its update), or the step's decoding requests, whichever is larger: drafts made at
+    a smaller batch are dropped once the batch reaches the limit."""
+
+    def __init__(self, inner: AdaptiveDraftLength | FixedDraftLength, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+        self._batch = 0
+
+    def _capped(self, batch: int = 0) -> bool:
+        return max(batch, self._batch) >= self.limit
+
+    def observe_step(self, num_tokens: int, seconds: float, verify: bool) -> None:
+        self.inner.observe_step(num_tokens, seconds, verify)
+
+    def observe_acceptance(self, request_id: str, num_drafts: int, accepted: int) -> None:
+        self.inner.observe_acceptance(request_id, num_drafts, accepted)
+
+    def drop(self, request_id: str) -> None:
+        self.inner.drop(request_id)
+
+    def wants_proposals(self, batch_size: int | None = None) -> bool:
+        if batch_size is not None:
+            self._batch = batch_size
+        return not self._capped() and self.inner.wants_proposals(batch_size)
+
+    def will_draft(self, drafting: dict[str, int], other_tokens: int) -> bool:
+        return (not self._capped(len(drafting) + other_tokens)
+                and self.inner.will_draft(drafting, other_tokens))
+
+    def choose(self, drafting: dict[str, int], other_tokens: int) -> int:
+        if self._capped(len(drafting) + other_tokens):
+            return 0
+        return self.inner.choose(drafting, other_tokens)
