@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s28d|s28c|s28b|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s28e|s28d|s28c|s28b|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -67,6 +67,15 @@ s27c)  # (written while the norm epilogue was the default; since session 27 it i
       --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
+s28e)  # session 28, the last device minutes: s28d less its timeline; the verify cost only
+  # where the card is the issue's H200
+  STEP_PATTERN="host cost|Error" step 60 host_costs python3 tools/gpu_host_costs.py
+  STEP_PATTERN="passed|failed|Error|identical" step 170 gpu_spec_tests python3 -m pytest -q -s \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_gpu_spec_decode.py
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    STEP_PATTERN="verify|plain|Error" step 150 verify python3 tools/gpu_verify_cost.py \
+        --config llama3-8b --k 4
+  fi ;;
 s28d)  # session 28, second call: the host's cost of each torch call in the verify turn-around
   # against alternatives (tools/gpu_host_costs.py), the spec-decode GPU test with a fixed k
   # (adaptive, it rested after one draft eagerly in s28c), the verify step's host timeline
