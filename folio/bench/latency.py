@@ -227,6 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if per_token_s is not None and per_token_s <= 0:
         print("warning: decode time per token came out <= 0 (prefill noise dominates); "
               "raise --output-len or --num-iters", file=sys.stderr)
+    from folio.bench.quant_bytes import packed_weight_bytes
+    stored_bytes = packed_weight_bytes(worker)
+    cache_dtype = getattr(worker, "kv_cache_dtype", None)
     del llm, engine, executor, worker
     # Free the engine's memory (on a GPU: back to the driver) before the bandwidth probe
     # allocates its buffers and before the peer's process loads its own copy of the model.
@@ -234,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.no_roofline and per_token_s and per_token_s > 0 and device is not None:
         report["roofline"] = _roofline(args, model_path, device, dtype, per_token_s,
-                                       early_bandwidth)
+                                       early_bandwidth, stored_bytes, cache_dtype)
     if not args.no_roofline and device is not None:
         report["prefill_roofline"] = _prefill_roofline(args, model_path, device,
                                                        stats["median_prefill_latency_s"])
@@ -337,23 +340,31 @@ def _median(values: list[float]) -> float:
 
 
 def _roofline(args: argparse.Namespace, model_path: str, device: Any, dtype: Any,
-              per_token_s: float, early_bandwidth: float | None = None) -> dict[str, Any]:
+              per_token_s: float, early_bandwidth: float | None = None,
+              stored_weight_bytes: int | None = None,
+              cache_dtype: Any = None) -> dict[str, Any]:
     from folio.bench import quant_bytes
     dtype_bytes = int(getattr(dtype, "itemsize", 2))
     bits = quant_bytes.projection_bits(model_path, getattr(args, "quantization", None))
-    kv_bytes = quant_bytes.kv_dtype_bytes(getattr(args, "kv_cache_dtype", None), dtype_bytes)
+    # the cache's own dtype where the engine chose it ("auto" for a GGUF model on the CPU
+    # is float16), else what the flag names
+    kv_bytes = int(getattr(cache_dtype, "itemsize", 0)) or quant_bytes.kv_dtype_bytes(
+        getattr(args, "kv_cache_dtype", None), dtype_bytes)
     # Decode steps see contexts from input_len + 1 to input_len + output_len - 1; bytes are
     # linear in the context, so the mean step reads the KV of the midpoint context.
     context = args.input_len + args.output_len // 2
     step_bytes = roofline.decode_bytes_per_step(model_path, args.batch_size, context, dtype_bytes,
-                                                projection_bits=bits, kv_dtype_bytes=kv_bytes)
+                                                projection_bits=bits, kv_dtype_bytes=kv_bytes,
+                                                stored_weight_bytes=stored_weight_bytes)
     bandwidth = roofline.best_copy_bandwidth(device, early_bandwidth)
     floor_s = step_bytes / bandwidth  # one step yields one token for every sequence
+    cache = roofline.last_level_cache_bytes() if str(device).startswith("cpu") else None
     return {"bytes_per_step": step_bytes, "context_len": context, "dtype_bytes": dtype_bytes,
             "projection_bits": bits, "kv_dtype_bytes": kv_bytes,
+            "stored_weight_bytes": stored_weight_bytes, "last_level_cache_bytes": cache,
             "bandwidth_bytes_per_s": bandwidth, "floor_ms_per_token": floor_s * 1e3,
             "fraction_of_roofline": floor_s / per_token_s,
-            "line": roofline.roofline_line(floor_s, bandwidth, per_token_s)}
+            "line": roofline.roofline_line(floor_s, bandwidth, per_token_s, step_bytes, cache)}
 
 
 def _prefill_roofline(args: argparse.Namespace, model_path: str, device: Any,

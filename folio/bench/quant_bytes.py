@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
+from typing import Any
 
 # Bits of one scale or zero point as the formats store them: bf16/fp16 group scales (INT4),
 # float32 row scales (FP8, INT8).
@@ -43,3 +44,21 @@ def kv_dtype_bytes(cache_dtype: str | None, dtype_bytes: int) -> int:
         return 1
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(name, dtype_bytes)
 
+
+
+def packed_weight_bytes(worker: Any) -> int | None:
+    """The bytes of a model run on its GGUF file's packed weights (the worker's quantization
+    "gguf"), counted from its tensors, each storage once: the file's types differ in bits per
+    weight (the default model: 4-bit planes for the projections, int8 rows for the tied
+    embedding), which no formula of the config gives. None for every other model."""
+    if getattr(worker, "quantization", None) != "gguf":
+        return None
+    model = worker.model
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and tensor.device.type != "meta":
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

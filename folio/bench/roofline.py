@@ -22,8 +22,8 @@ import time
 from typing import Any, Mapping
 
 __all__ = ["count_params", "decode_bytes_per_step", "kv_bytes_per_token", "load_config",
-           "best_copy_bandwidth", "copy_bandwidth_before_engine", "matmul_peak_flops",
-           "measure_copy_bandwidth", "offline_floor", "prefill_flops",
+           "best_copy_bandwidth", "copy_bandwidth_before_engine", "last_level_cache_bytes",
+           "matmul_peak_flops", "measure_copy_bandwidth", "offline_floor", "prefill_flops",
            "projection_params", "roofline_line", "weight_bytes"]
 
 
@@ -208,30 +208,54 @@ def kv_bytes_per_token(cfg: Mapping[str, Any], dtype_bytes: int = 2) -> int:
 def decode_bytes_per_step(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
                           batch: int, context_len: int, dtype_bytes: int = 2,
                           projection_bits: float | None = None,
-                          kv_dtype_bytes: int | None = None) -> int:
+                          kv_dtype_bytes: int | None = None,
+                          stored_weight_bytes: float | None = None) -> int:
     """Bytes one decode step must read: all weights once (shared by the batch; `weight_bytes`;
     of a mixture of experts, the experts `batch` tokens are expected to touch) plus the KV
     cache of `context_len` tokens for each of `batch` sequences, in `kv_dtype_bytes` per
-    element (default: the model's)."""
+    element (default: the model's). `stored_weight_bytes`: the running model's own weight
+    bytes, counted from its tensors, in place of the formula for a dense model (weights kept
+    in a GGUF file's packed forms, whose bits per weight differ by tensor)."""
     cfg = load_config(model_dir_or_config)
     kv = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
-    return int(weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=batch)
-               + batch * context_len * kv)
+    weights = stored_weight_bytes if stored_weight_bytes is not None and _moe(cfg) is None \
+        else weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=batch)
+    return int(weights + batch * context_len * kv)
+
+
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache, from Linux's sysfs (None where it cannot be read). A decode
+    step whose bytes fit in it can run above the DRAM floor that the copy probe measures."""
+    import glob
+    largest = None
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+        largest = value if largest is None else max(largest, value)
+    return largest
 
 
 def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
                   prompt_lens: list[int], output_lens: list[int], bandwidth: float,
                   flops: float, dtype_bytes: int = 2, projection_bits: float | None = None,
-                  kv_dtype_bytes: int | None = None) -> dict[str, float]:
+                  kv_dtype_bytes: int | None = None,
+                  stored_weight_bytes: float | None = None) -> dict[str, float]:
     """The floor of an offline batch, by the reference script's model: every request runs from
     the start (a lower bound when fewer fit at once); decode step s reads all weights once plus
     the KV of each request still generating (its prompt + s tokens) and costs
     max(bytes / bandwidth, 2·params·running / flops); the prompts' prefill adds 2·params per
-    prompt token at `flops`. Returns the floor in seconds and its parts. `projection_bits` and
-    `kv_dtype_bytes`: a quantized model's weights and KV cache (decode_bytes_per_step)."""
+    prompt token at `flops`. Returns the floor in seconds and its parts. `projection_bits`,
+    `kv_dtype_bytes` and `stored_weight_bytes`: a quantized model's weights and KV cache
+    (decode_bytes_per_step)."""
     cfg = load_config(model_dir_or_config)
     params = count_params(cfg, active_batch=1)  # of a mixture, a token's top-k experts only
     kv_token = kv_bytes_per_token(cfg, kv_dtype_bytes or dtype_bytes)
+    moe = _moe(cfg)
     # Requests leave in order of output length; keep the running count and prompt-token sum.
     by_output = sorted(zip(output_lens, prompt_lens))
     running, prompt_sum = len(by_output), sum(prompt_lens)
@@ -243,7 +267,8 @@ def offline_floor(model_dir_or_config: str | os.PathLike | Mapping[str, Any],
             prompt_sum -= by_output[nxt][1]
             nxt += 1
         # all weights (of a mixture, the experts this step's tokens are expected to touch)
-        stored = weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=running)
+        stored = stored_weight_bytes if stored_weight_bytes is not None and moe is None \
+            else weight_bytes(cfg, dtype_bytes, projection_bits, active_batch=running)
         mem = (stored + (prompt_sum + step * running) * kv_token) / bandwidth
         memory_s += mem
         decode_s += max(mem, 2 * params * running / flops)
@@ -380,8 +405,15 @@ def matmul_peak_flops(device: Any = "cpu", dtype: Any = None, n: int | None = No
     return 2 * n ** 3 / statistics.median(times)
 
 
-def roofline_line(floor_s_per_token: float, bandwidth: float, achieved_s_per_token: float) -> str:
-    """The one-line verdict printed by the benchmarks."""
+def roofline_line(floor_s_per_token: float, bandwidth: float, achieved_s_per_token: float,
+                  step_bytes: float | None = None, cache_bytes: int | None = None) -> str:
+    """The one-line verdict printed by the benchmarks. With `cache_bytes` (a CPU's last-level
+    cache) at least `step_bytes`, it says the step fits there: the floor is DRAM's, and the
+    step need not touch DRAM (the default model's 99 MB on this project's 480 MiB-L3 VM)."""
     pct = 100.0 * floor_s_per_token / achieved_s_per_token if achieved_s_per_token > 0 else 0.0
-    return (f"roofline: {floor_s_per_token * 1e3:.3f} ms/token at {bandwidth / 1e9:.1f} GB/s "
+    line = (f"roofline: {floor_s_per_token * 1e3:.3f} ms/token at {bandwidth / 1e9:.1f} GB/s "
             f"measured → achieved {pct:.1f}% of roofline")
+    if step_bytes is not None and cache_bytes is not None and step_bytes <= cache_bytes:
+        line += (f" (the step's {step_bytes / 1e6:.0f} MB fit the CPU's "
+                 f"{cache_bytes / 2**20:.0f} MiB last-level cache: the floor is DRAM's)")
+    return line

@@ -258,6 +258,7 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
     executor = getattr(engine.engine_core, "executor", None)
     worker = getattr(executor, "worker", None)
     dtype = getattr(worker, "dtype", None)
+    from folio.bench.quant_bytes import packed_weight_bytes
     result.extra = {"spec_decode": spec,
                     "num_kv_blocks": getattr(engine.engine_core, "num_blocks", None),
                     "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
@@ -271,6 +272,8 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
         "device": result.extra["device"],
         "vocab_size": vocab_size,
         "max_model_len": engine.max_model_len,
+        "stored_weight_bytes": packed_weight_bytes(worker),
+        "cache_dtype_bytes": int(getattr(getattr(worker, "kv_cache_dtype", None), "itemsize", 0)),
     }
     # Release the engine (model weights, KV cache) before any peer runs.
     del outputs, llm, engine, executor, worker
@@ -290,14 +293,17 @@ def _roofline(info: dict, requests: list[SampleRequest], folio: EngineResult,
     release_device_memory()  # the engine is gone; the probes need room on the device
     dtype_bytes = 4 if info.get("dtype") == "float32" else 2
     bits = quant_bytes.projection_bits(info["model_source"]["path"], info.get("quantization"))
-    kv_bytes = quant_bytes.kv_dtype_bytes(info.get("kv_cache_dtype"), dtype_bytes)
+    # the cache's own dtype where the engine chose it (float16 for a GGUF model on the CPU)
+    kv_bytes = info.get("cache_dtype_bytes") or quant_bytes.kv_dtype_bytes(
+        info.get("kv_cache_dtype"), dtype_bytes)
     bandwidth = roofline.best_copy_bandwidth(info["device"], early_bandwidth)
     flops = roofline.matmul_peak_flops(info["device"])
     floor = roofline.offline_floor(info["model_source"]["path"],
                                    [r.prompt_len for r in requests],
                                    [r.expected_output_len for r in requests],
                                    bandwidth, flops, dtype_bytes, projection_bits=bits,
-                                   kv_dtype_bytes=kv_bytes)
+                                   kv_dtype_bytes=kv_bytes,
+                                   stored_weight_bytes=info.get("stored_weight_bytes"))
     fraction = floor["floor_s"] / folio.elapsed_s
     line = (f"roofline: floor {floor['floor_s']:.2f} s for this workload at "
             f"{bandwidth / 1e9:.1f} GB/s and {flops / 1e12:.1f} TFLOP/s measured "

@@ -69,3 +69,46 @@ def test_projection_bits_of_each_scheme(tmp_path) -> None:
     assert quant_bytes.kv_dtype_bytes("fp8", 2) == 1
     assert quant_bytes.kv_dtype_bytes("auto", 2) == 2
     assert quant_bytes.kv_dtype_bytes("float32", 2) == 4
+
+
+def test_a_packed_gguf_models_bytes_come_from_its_tensors() -> None:
+    """A model run on its GGUF file's packed weights: the roofline takes the running model's
+    bytes (each storage once: a tied embedding and lm_head share one), in place of the
+    formula, for a dense model; a mixture of experts keeps the formula (a step reads the
+    experts its tokens touch). Other quantizations: None."""
+    import types
+
+    import torch
+    from torch import nn
+    model = nn.Module()
+    model.packed = nn.Module()
+    model.packed.register_buffer("codes", torch.zeros(1000, dtype=torch.uint8))
+    model.packed.register_buffer("scales", torch.zeros(10, dtype=torch.float32))
+    model.tied = nn.Module()
+    model.tied.register_buffer("codes", model.packed.codes)        # the same storage
+    model.norm = nn.Parameter(torch.ones(4))
+    worker = types.SimpleNamespace(quantization="gguf", model=model)
+    assert quant_bytes.packed_weight_bytes(worker) == 1000 + 40 + 16
+    assert quant_bytes.packed_weight_bytes(
+        types.SimpleNamespace(quantization="none", model=model)) is None
+    formula = roofline.decode_bytes_per_step(LLAMA, 1, 100, 2)
+    kv = roofline.kv_bytes_per_token(LLAMA, 2) * 100
+    assert roofline.decode_bytes_per_step(LLAMA, 1, 100, 2, stored_weight_bytes=1056) == \
+        1056 + kv != formula
+    moe = dict(RANDOM_CONFIGS["qwen3-30b-a3b"], num_hidden_layers=4)
+    assert roofline.decode_bytes_per_step(moe, 1, 100, 2, stored_weight_bytes=1056) == \
+        roofline.decode_bytes_per_step(moe, 1, 100, 2)
+    floor = roofline.offline_floor(LLAMA, [10], [3], 1e9, 1e15, 2, stored_weight_bytes=1056)
+    assert floor["memory_s"] == pytest.approx(
+        sum(1056 + (10 + s) * roofline.kv_bytes_per_token(LLAMA, 2) for s in range(3)) / 1e9)
+
+
+def test_the_roofline_line_says_when_the_step_fits_the_cpus_cache() -> None:
+    line = roofline.roofline_line(0.015, 6.9e9, 0.0117, step_bytes=104e6, cache_bytes=480 << 20)
+    assert "achieved 128.2% of roofline" in line
+    assert "104 MB fit the CPU's 480 MiB last-level cache" in line
+    assert "cache" not in roofline.roofline_line(0.015, 6.9e9, 0.0117, step_bytes=600e6,
+                                                 cache_bytes=480 << 20)
+    assert "cache" not in roofline.roofline_line(0.015, 6.9e9, 0.0117)
+    found = roofline.last_level_cache_bytes()
+    assert found is None or found >= 1 << 10
