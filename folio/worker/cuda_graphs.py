@@ -100,6 +100,31 @@ def triton_backend_of(model: DecoderLM) -> TritonPagedAttention | None:
     return next(iter(backends.values()))
 
 
+class AuxStateBuffers:
+    """An EAGLE-3 target's kept residual streams (`DecoderLM.aux_hidden_states`, the head's
+    input) in static buffers, so that its steps can run in CUDA graphs: the captured forward
+    ends by copying the streams there (`keep`, three [n, hidden] copies), and after each run
+    the model's list points at them (`publish`), where the head reads them as it does after
+    an eager forward. Nothing for a model that keeps no streams."""
+
+    def __init__(self, model: DecoderLM, rows: int, device: torch.device) -> None:
+        self.model = model
+        layers = len(model.aux_hidden_layers)
+        self.buffers = torch.zeros((layers, rows, model.spec.hidden_size),
+                                   dtype=model.norm_dtype(), device=device) if layers else None
+
+    def keep(self, n: int) -> None:
+        """Copy the forward's streams of its n rows (called inside the captured forward)."""
+        if self.buffers is not None:
+            for buf, state in zip(self.buffers, self.model.aux_hidden_states):
+                buf[:n].copy_(state)
+
+    def publish(self, rows: int) -> None:
+        """Point the model's streams at the buffers' first `rows` rows (after a replay)."""
+        if self.buffers is not None:
+            self.model.aux_hidden_states = [buf[:rows] for buf in self.buffers]
+
+
 class DecodeGraphRunner:
     def __init__(self, model: DecoderLM, kv_caches: list[torch.Tensor], *, block_size: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
@@ -135,6 +160,7 @@ class DecodeGraphRunner:
         self.query_start_loc = t["query_start_loc"].copy_(
             torch.arange(n + 1, dtype=torch.int32))
         self.hidden = torch.zeros((n, model.spec.hidden_size), dtype=dtype, device=device)
+        self.aux = AuxStateBuffers(model, n, device)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_batch = lora_batch
@@ -166,6 +192,7 @@ class DecodeGraphRunner:
         out = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches,
                          self._metas[bs])
         self.hidden[:bs].copy_(out)
+        self.aux.keep(bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -216,4 +243,5 @@ class DecodeGraphRunner:
         (self.lora_graphs if lora is not None and lora.active else self.graphs)[bs].replay()
         self.num_replays += 1
         self.replayed_sizes.add(bs)
+        self.aux.publish(B)
         return self.hidden[:B], flat.query_start_loc

@@ -32,7 +32,8 @@ from folio.core.step_messages import SchedulerOutput
 from folio.model.attention import AttentionMetadata
 from folio.model.attention.triton_backend import STEP_CACHE_KEY, TritonStepTensors
 from folio.model.decoder import DecoderLM
-from folio.worker.cuda_graphs import FillPending, capture_graphs, triton_backend_of
+from folio.worker.cuda_graphs import (AuxStateBuffers, FillPending, capture_graphs,
+                                      triton_backend_of)
 from folio.worker.flat_batch import Padding, StepBuffers, build_flat_batch
 from folio.worker.input_batch import InputBatch
 
@@ -112,6 +113,7 @@ class MixedGraphRunner:
         self.slot_mapping, self.query_start_loc = t["slot_mapping"], t["query_start_loc"]
         self.seq_lens, self.block_tables = t["seq_lens"], t["block_tables"]
         self.hidden = buffer((n, model.spec.hidden_size), dtype)
+        self.aux = AuxStateBuffers(model, n, device)
         # Piecewise capture: the residual stream between pieces, in buffers outside the graph
         # pool (no graph's temporaries outlive its own replay).
         pieces = graph_pieces(len(model.stage_layers))
@@ -165,6 +167,7 @@ class MixedGraphRunner:
             out = self.model(self.input_ids[:n], self.positions[:n], self.kv_caches,
                              self._meta(n))
             self.hidden[:n].copy_(out)
+            self.aux.keep(n)
             return
         model = self.model
         first, last = self.pieces[p]
@@ -253,6 +256,7 @@ class MixedGraphRunner:
             with torch.inference_mode():
                 for p in range(pieces):
                     self._forward((n, p))
+        self.aux.publish(T)
         return self.hidden[:T], flat.query_start_loc
 
 

@@ -513,10 +513,6 @@ class Worker:
             # a stage's forward receives and sends the stream outside any graph
             logger.info("CUDA graphs off: pipeline parallelism")
             return None
-        if self.model.aux_hidden_layers:
-            # an EAGLE-3 head reads streams the forward keeps aside: not from graph buffers
-            logger.info("CUDA graphs off: the EAGLE-3 head reads the target's inner states")
-            return None
         if self.kv_cache_layout.num_groups > 1:
             # The graphs' static buffers hold one block table and slot mapping per step.
             logger.info("CUDA graphs off: the KV cache has %d groups (sliding-window and full "

@@ -95,9 +95,9 @@ def test_greedy_and_seeded_equal_without_speculation(model_dir, eager) -> None:
 
 def test_draft_model_and_eagle3_heads_on_cuda(model_dir, tmp_path) -> None:
     """The target as its own draft model (bf16: the draft's one-token steps and the verify
-    step round alike enough that most drafts are kept) and a random EAGLE-3 head (its
-    inner-state capture runs with CUDA graphs off): answers as without speculation up to
-    near-ties, drafts made."""
+    step round alike enough that most drafts are kept) and a random EAGLE-3 head (the
+    target's kept streams come out of the CUDA graphs' static buffers): answers as without
+    speculation up to near-ties, drafts made."""
     import os
     import sys
     from folio import SamplingParams
@@ -131,3 +131,52 @@ def test_draft_model_and_eagle3_heads_on_cuda(model_dir, tmp_path) -> None:
     exact = sum(_close(a, b, f"eagle3, prompt {i}") for i, (a, b) in enumerate(zip(got, want)))
     print(f"eagle3: {exact} of {len(prompts)} identical; drafts {stats.spec_num_drafts}")
     assert stats.spec_num_drafts > 0 and exact >= len(prompts) // 2
+
+
+def test_eagle3_streams_come_out_of_the_graphs(model_dir, tmp_path) -> None:
+    """EAGLE-3 beside CUDA graphs (session 28; graphs were off for it before): the decode
+    graphs are captured and replayed, and after a replay the target's kept streams
+    (`aux_hidden_states`, the head's input) are the static buffers' rows, equal to what an
+    eager forward of the same step keeps."""
+    import os
+    import sys
+    from folio import LLM, SamplingParams
+    tests = os.path.join(os.path.dirname(__file__), "..")
+    sys.path[:0] = [os.path.join(tests, "engine"), tests]
+    from test_spec_eagle import build_head
+    from transformers import AutoConfig
+    target = AutoConfig.from_pretrained(model_dir)
+    head = str(tmp_path / "eagle3")
+    build_head(head, "eagle3", hidden=target.hidden_size, vocab=target.vocab_size,
+               aux_layers=(0, 1, target.num_hidden_layers - 1))
+    llm = LLM(model_dir, dtype="bfloat16", max_model_len=512, max_num_seqs=32, device="cuda",
+              kv_cache_memory_bytes=1 << 28,
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False})
+    worker = llm.llm_engine.engine_core.executor.worker
+    model, decode, mixed = worker.model, worker.graph_runner, worker.mixed_graph_runner
+    assert decode is not None and decode.graphs, "no decode graphs with an EAGLE-3 head"
+    assert mixed is not None and mixed.graphs, "no mixed-step graphs with an EAGLE-3 head"
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(4, seed=3)],
+                 SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert mixed.num_replays > 0        # the verify steps (1 + k rows) ran in graphs
+    # Each runner's smallest graph on the inputs its buffers hold now, replayed, then the
+    # same forward run eagerly (which sets fresh streams on the model).
+    for name, runner, key in (("decode", decode, decode.sizes[0]),
+                              ("mixed", mixed, (mixed.sizes[0], 0))):
+        rows = key if isinstance(key, int) else key[0]
+        with torch.inference_mode():
+            runner.graphs[key].replay()
+            torch.cuda.synchronize()
+            runner.aux.publish(rows)
+            from_graph = [s.clone() for s in model.aux_hidden_states]
+            runner._forward(key)
+            torch.cuda.synchronize()
+            eager = [s[:rows].clone() for s in model.aux_hidden_states]
+        assert len(from_graph) == 3, name
+        for i, (g, e) in enumerate(zip(from_graph, eager)):
+            assert g.abs().sum() > 0, f"{name}: stream {i} empty after the replay"
+            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=f"{name}: stream {i}")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

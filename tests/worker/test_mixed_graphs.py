@@ -50,6 +50,12 @@ def test_padded_path_matches_eager_under_interpreter():
         assert res["max_hidden_err"] < 1e-4, res
         assert res["cache_equal"], res
     assert results["padded_path"]["whole_steps"] >= 1, results["padded_path"]
+    # An EAGLE-3 target (three kept residual streams): one piece, and after every run the
+    # model's streams are the static buffers' rows, equal to the eager forward's.
+    res = results.get("padded_path_aux")
+    assert res is not None and "error" not in res, res or results["_stderr"]
+    assert res["pieces"] == 1 and res["steps"] >= 8 and res["max_hidden_err"] < 1e-4, res
+    assert res["aux_streams"] == 3 and res["max_aux_err"] < 1e-4 and res["aux_published"], res
 
 
 def test_graph_pieces():
@@ -82,6 +88,8 @@ def _run_padded_path(case: dict) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
+    if case.get("aux"):
+        model.aux_hidden_layers = (0, 1, case["layers"] - 1)    # an EAGLE-3 head's
     max_len, max_reqs, max_tokens = 80, 6, 48
     num_blocks = 100
     eager_caches = allocate_kv_caches(spec, num_blocks, BS, torch.float32, torch.device("cpu"))
@@ -98,7 +106,8 @@ def _run_padded_path(case: dict) -> dict:
     from scheduler_steps import scheduler_steps
     batch = InputBatch(max_reqs, -(-max_len // BS), torch.device("cpu"), max_len)
     stats = dict(name=case["name"], steps=0, padded_steps=0, pending=0, max_hidden_err=0.0,
-                 pieces=len(runner.pieces), whole_steps=0)
+                 pieces=len(runner.pieces), whole_steps=0, max_aux_err=0.0, aux_streams=0,
+                 aux_published=True)
     for step_case in scheduler_steps(case["seed"], block_size=BS, max_model_len=max_len,
                                      max_reqs=max_reqs, budget=max_tokens, num_blocks=60,
                                      async_scheduling=True, num_steps=16):
@@ -129,6 +138,7 @@ def _run_padded_path(case: dict) -> dict:
                                  block_tables=tables, block_size=BS)
         with torch.inference_mode():
             ref = model(torch.tensor(ids), torch.tensor(positions), eager_caches, meta)
+        ref_aux = [a.clone() for a in model.aux_hidden_states]
         by_row = {step_case.prev_rows[rid]: tok for rid, tok in step_case.pending_tokens.items()}
 
         def fill(input_ids, dst, src):
@@ -144,6 +154,15 @@ def _run_padded_path(case: dict) -> dict:
         stats["whole_steps"] += int(size > runner.piece_max_tokens)
         err = float((hidden - ref).abs().max() / ref.abs().max())
         stats["max_hidden_err"] = max(stats["max_hidden_err"], err)
+        if case.get("aux"):
+            got_aux = model.aux_hidden_states
+            stats["aux_streams"] = len(got_aux)
+            stats["aux_published"] &= all(
+                g.shape[0] == T and g.data_ptr() == buf.data_ptr()
+                for g, buf in zip(got_aux, runner.aux.buffers))
+            for g, r in zip(got_aux, ref_aux):
+                stats["max_aux_err"] = max(stats["max_aux_err"], float(
+                    (g - r).abs().max() / r.abs().max()))
     stats["cache_equal"] = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5)
                                for a, b in zip(eager_caches, graph_caches))
     return stats
@@ -158,5 +177,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from interpreter_harness import child_main
     child_main([dict(name="padded_path", seed=5, layers=2, piece_max_tokens=16),
-                dict(name="padded_path_pieces", seed=6, layers=5, piece_max_tokens=64)],
+                dict(name="padded_path_pieces", seed=6, layers=5, piece_max_tokens=64),
+                dict(name="padded_path_aux", seed=7, layers=4, piece_max_tokens=64,
+                     aux=True)],
                _run_padded_path)
