@@ -43,7 +43,7 @@ def main() -> None:
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     plain = torch.empty(n, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
-    registered = cudart.cudaHostRegister(plain.data_ptr(), n, 0) == 0
+    registered = int(cudart.cudaHostRegister(plain.data_ptr(), n, 0)) == 0
     device = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst_view, src_view = device[:end], pinned[:end]
     plain_view = plain[:end]

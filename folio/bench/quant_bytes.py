@@ -45,7 +45,6 @@ def kv_dtype_bytes(cache_dtype: str | None, dtype_bytes: int) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(name, dtype_bytes)
 
 
-
 def packed_weight_bytes(worker: Any) -> int | None:
     """The bytes of a model run on its GGUF file's packed weights (the worker's quantization
     "gguf"), counted from its tensors, each storage once: the file's types differ in bits per
