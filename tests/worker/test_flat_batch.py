@@ -269,6 +269,18 @@ def test_one_arena_one_copy():
             assert torch.equal(mirror.tensors[name], host), name
     assert torch.equal(mirror.tensors["block_tables"][:2], buf.tensors["block_tables"][:2])
     assert not mirror.tensors["block_tables"][2:].any()
+    # The copy's views are made once per row count and kept: later copies carry the values
+    # written since, through the kept views and through new ones.
+    for rows in (3, 2):
+        for t in buf.tensors.values():
+            t.copy_(torch.randint(0, 1000, t.shape, generator=gen))
+        buf.copy_to(mirror, rows)
+        assert torch.equal(mirror.tensors["input_ids"], buf.tensors["input_ids"])
+        assert torch.equal(mirror.tensors["block_tables"][:rows],
+                           buf.tensors["block_tables"][:rows])
+    assert sorted(mirror.views) == [buf._layout["block_tables"][0] + r * 7 * 4 for r in (2, 3)]
+    with pytest.raises(AssertionError, match="a mirror of other buffers"):
+        StepBuffers(10, 4, 9, pin=False).copy_to(mirror, 1)
     with pytest.raises(AssertionError, match="one KV cache group"):
         StepBuffers(4, 2, 3, pin=False, num_kv_groups=2).copy_to(mirror, 1)
 
