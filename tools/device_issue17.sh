@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 (speculative decoding) on the lent GPU:
-#   PART=verify|editing|editing2|b64|s29a|s28e|s28d|s28c|s28b|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
+#   PART=verify|editing|editing2|b64|s29b|s29a|s28e|s28d|s28c|s28b|s28a|s27a|s27b|s27c|s27d|s27e|s21|s21b|s22|s26a|s26d|s25a|s25c|s24b|s23b|s23 bash tools/device_issue17.sh
 # Carry `.whl` and `device_tokenizer/` as tools/device_issue16.sh says. The real SmolLM2 GGUF
 # (98 MB) is over one call's 64 MiB transfer, so it travels in two calls of a warm machine:
 # `.smolA/part` with PART=verify (copied to /tmp/smol), `.smolB/part` with PART=editing,
@@ -67,7 +67,11 @@ s27c)  # (written while the norm epilogue was the default; since session 27 it i
       --random-quantization w4a16
   STEP_PATTERN="latency:|decode:|roofline|Error" step 70 lat_fp8_no_norm_epilogue env \
       FOLIO_GEMV_NORM=0 $LAT --quantization fp8 ;;
-s29a)  # next session, first call: the spec-decode GPU tests (a fixed k now, and EAGLE-3's
+s29b)  # session 29, after the kept copy views and stream: the verify cost alone (on an H200
+  # run PART=s27h of tools/device_issue16.sh instead: this and issue 16's batch 1 together)
+  STEP_PATTERN="verify|plain|Error" step 150 verify python3 tools/gpu_verify_cost.py \
+      --config llama3-8b --k 4 --gaps ;;
+s29a)  # session 29, first call: the spec-decode GPU tests (a fixed k now, and EAGLE-3's
   # streams out of the CUDA graphs, new in session 28), the host costs of the verify
   # turn-around's torch calls, then the verify cost (the issue's target, on the H200)
   STEP_PATTERN="passed|failed|Error|identical" step 200 gpu_spec_tests python3 -m pytest -q -s \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -117,6 +118,63 @@ def test_format_read_exactly(quantized_dirs, fmt: str) -> None:
         assert float((got - want).abs().max()) <= 1e-6 * float(scale), (fmt, name)
         if "w4a16" in fmt or fmt.startswith(("awq", "gptq")) or "int8" in fmt:
             assert module.packed is not None and module.weight.numel() == 0, (fmt, name)
+
+
+def _edited_copy(qdir: str, dst: str, edit: Callable[[dict], None]) -> str:
+    """`qdir` with its config.json's quantization_config changed by `edit` (the tensors are
+    linked, not copied)."""
+    os.makedirs(dst)
+    for entry in os.listdir(qdir):
+        if entry != "config.json":
+            os.symlink(os.path.join(qdir, entry), os.path.join(dst, entry))
+    config = json.load(open(os.path.join(qdir, "config.json")))
+    edit(config["quantization_config"])
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def _double_group(qc: dict) -> None:
+    if "config_groups" in qc:
+        qc["config_groups"]["group_0"]["weights"]["group_size"] *= 2
+    else:
+        qc["group_size"] *= 2
+
+
+@pytest.mark.parametrize("fmt,method", [("awq", "awq"), ("gptq", "gptq"),
+                                        ("gptq-act-order", "gptq"),
+                                        ("ct-w4a16-asym", "compressed-tensors")])
+def test_group_size_disagreeing_with_the_tensors_is_named(quantized_dirs, tmp_path: Path,
+                                                          fmt: str, method: str) -> None:
+    """config.json's group_size edited apart from the files: the error names the method, the
+    tensor and the group_size it was checked against."""
+    qdir, _ = quantized_dirs(fmt)
+    bad = _edited_copy(qdir, str(tmp_path / "bad"), _double_group)
+    with pytest.raises(ValueError, match=rf"quantization method '{method}': .*has shape .*"
+                                         rf"group_size {2 * GROUP}"):
+        with torch_threads(1):
+            _load(bad)
+
+
+def test_eight_bit_dtype_disagreeing_with_the_config_is_named(quantized_dirs,
+                                                              tmp_path: Path) -> None:
+    """An INT8 file whose config says FP8 weights: the error names the method and the
+    weights' type it was checked against."""
+    qdir, _ = quantized_dirs("ct-w8a8-int8")
+
+    def to_float(qc: dict) -> None:
+        group = qc["config_groups"]["group_0"]
+        group["weights"]["type"] = group["input_activations"]["type"] = "float"
+        for holder in (qc, group):
+            if "format" in holder:
+                holder["format"] = "float-quantized"
+
+    bad = _edited_copy(qdir, str(tmp_path / "bad"), to_float)
+    with pytest.raises(ValueError, match=r"quantization method 'compressed-tensors': .*\.weight "
+                                         r"is torch.int8, expected torch.float8_e4m3fn.*fp8 "
+                                         r"weights, channel weight scales"):
+        with torch_threads(1):
+            _load(bad)
 
 
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w8a8-int8", "ct-w4a16-asym", "awq",

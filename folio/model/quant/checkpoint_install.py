@@ -33,7 +33,7 @@ from folio.model.quant.formats import EightBitWeight, Int4Weight
 from folio.model.quant.gguf_install import shrink_packed_params
 from folio.model.quant.group_linear import GroupQuantLinear
 from folio.model.quant.packed import PackedConcat
-from folio.model.quant.scheme import LAYOUT_ON_LOAD, QuantConfig
+from folio.model.quant.scheme import LAYOUT_ON_LOAD, QuantConfig, describe_scheme
 
 # checkpoint names of the projections folio stores merged, by (merged module, shard)
 _SHARD_NAMES = {("qkv_proj", "q"): "q_proj", ("qkv_proj", "k"): "k_proj",
@@ -148,10 +148,17 @@ class QuantizedCollector:
                 raise ValueError(f"weight {name}.weight has shape {tuple(weight.shape)}, "
                                  f"expected {shape}")
             self.done[key] = formats.quantize_fp8_per_channel(weight)
-        elif scheme.weight in ("fp8", "int8"):
-            self.done[key] = formats.eight_bit_from_checkpoint(tensors, scheme, name, shape)
-        else:
-            self.done[key] = formats.int4_from_checkpoint(tensors, scheme, name, shape)
+            return
+        try:
+            if scheme.weight in ("fp8", "int8"):
+                self.done[key] = formats.eight_bit_from_checkpoint(tensors, scheme, name, shape)
+            else:
+                self.done[key] = formats.int4_from_checkpoint(tensors, scheme, name, shape)
+        except ValueError as err:
+            # The tensors' shapes and dtypes follow from the config: name the method and the
+            # settings they were checked against (a config.json edited apart from its files).
+            raise ValueError(f"quantization method {self.config.method!r}: {err} (checked "
+                             f"against quantization_config {describe_scheme(scheme)})") from None
 
     def finish(self) -> None:
         """Convert what waited for optional tensors; every planned shard must be complete."""

@@ -90,6 +90,17 @@ ON_LOAD_FP8 = QuantConfig("fp8", LinearScheme(weight="fp8", strategy="channel", 
                                               symmetric=True, activation=ACT_FP8))
 
 
+def describe_scheme(scheme: LinearScheme) -> str:
+    """The settings that decide a projection's tensor shapes and dtypes, under the field names
+    config.json gives them (`group_size` in all three 4-bit formats)."""
+    if scheme.weight == "int4":
+        text = (f"bits 4, group_size {scheme.group_size or -1}, "
+                f"{'symmetric' if scheme.symmetric else 'with zero points'}")
+        return text + (", desc_act true" if scheme.desc_act else "")
+    return (f"{scheme.weight} weights, {scheme.strategy} weight scales, activations "
+            f"{scheme.activation or 'none (weight-only)'}")
+
+
 def normalize_method(name: str) -> str:
     return METHOD_ALIASES.get(name, name)
 
