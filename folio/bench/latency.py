@@ -214,6 +214,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": model_source,
         "dtype": dtype_name,
         "device": str(device) if device is not None else None,
+        # what the engine resolved (a checkpoint's own method; the cache's dtype under "auto")
+        "quantization": getattr(worker, "quantization", None),
+        "kv_cache_dtype": (str(getattr(worker, "kv_cache_dtype", None)).replace("torch.", "")
+                           if getattr(worker, "kv_cache_dtype", None) is not None else None),
+        # the engine arguments as given, as throughput's report has them
+        "settings": {"engine": dict(kwargs)},
         "startup": startup_breakdown(startup_s, getattr(executor, "timings", None)),
         "random_model": random_model,
         "step_breakdown": breakdown,

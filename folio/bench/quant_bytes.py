@@ -46,14 +46,20 @@ def kv_dtype_bytes(cache_dtype: str | None, dtype_bytes: int) -> int:
 
 
 def packed_weight_bytes(worker: Any) -> int | None:
-    """The bytes of a model run on its GGUF file's packed weights (the worker's quantization
-    "gguf"), counted from its tensors, each storage once: the file's types differ in bits per
-    weight (the default model: 4-bit planes for the projections, int8 rows for the tied
-    embedding), which no formula of the config gives. None for every other model."""
-    if getattr(worker, "quantization", None) != "gguf":
+    """The bytes of the weights a model runs on, counted from its tensors, each storage once,
+    where no formula of the config gives them:
+    - a model on its GGUF file's packed weights (quantization "gguf"): the file's types differ
+      in bits per weight (the default model: 4-bit planes for the projections, int8 rows for
+      the tied embedding);
+    - a quantized model on the CPU, which keeps some methods as they are stored and widens
+      others (FP8 weights run dequantized there, so 8 bits a weight would flatter it).
+    None for every other model (the formula's bits are what the device reads)."""
+    method = getattr(worker, "quantization", None)
+    on_cpu = str(getattr(worker, "device", "")).startswith("cpu")
+    if method != "gguf" and not (on_cpu and method not in (None, "none")):
         return None
     model = worker.model
-    seen: set[int] = set()
+    seen: set[int] = set()   # (an untied embedding counted whole: roofline.py's convention)
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()

@@ -128,6 +128,10 @@ def test_latency_bench_fields(tiny_model_dir, tmp_path) -> None:
     assert prefill["achieved_flops_per_s"] == pytest.approx(
         prefill["flops"] / report["median_prefill_latency_s"])
 
+    assert report["quantization"] == "none" and report["kv_cache_dtype"] == "float32"
+    assert report["settings"]["engine"]["num_gpu_blocks_override"] == 64
+    assert roof["stored_weight_bytes"] is None    # a float model: the formula
+
     # Start-to-ready, split by the worker's stages; on the CPU there is no profiling or capture.
     startup = report["startup"]
     assert set(startup) == {"total_s", "load_s", "profile_s", "kv_alloc_s", "warm_up_s",
@@ -226,3 +230,24 @@ def test_roofline_counts_experts_and_latents(tiny_model_dir) -> None:
     lite = RANDOM_CONFIGS["deepseek-v2-lite"]
     assert roofline.count_params(lite) == pytest.approx(15.7e9, rel=0.02)
     assert roofline.kv_bytes_per_token(lite) == 27 * 576 * 2
+
+
+def test_latency_bench_records_quantization(tiny_model_dir, tmp_path) -> None:
+    """`--quantization fp8 --kv-cache-dtype fp8`: the JSON says what the engine ran (the
+    method, the cache's dtype, the arguments), and on the CPU, where FP8 weights run widened,
+    the roofline counts the weights as held, not at 8 bits."""
+    out_json = tmp_path / "latency.json"
+    args = _parse(["--model", tiny_model_dir("llama"), "--input-len", "8", "--output-len", "4",
+                   "--num-iters-warmup", "0", "--num-iters", "1", "--quantization", "fp8",
+                   "--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "64",
+                   "--output-json", str(out_json)])
+    latency.run(args)
+    report = json.loads(out_json.read_text())
+    assert report["quantization"] == "fp8" and report["kv_cache_dtype"] == "float8_e4m3fn"
+    engine = report["settings"]["engine"]
+    assert engine["quantization"] == "fp8" and engine["kv_cache_dtype"] == "fp8"
+    roof = report["roofline"]
+    formula = roofline.decode_bytes_per_step(tiny_model_dir("llama"), 1, roof["context_len"],
+                                             roof["dtype_bytes"], projection_bits=8.125,
+                                             kv_dtype_bytes=1)
+    assert roof["stored_weight_bytes"] > 0 and roof["bytes_per_step"] > formula

@@ -75,7 +75,7 @@ def test_a_packed_gguf_models_bytes_come_from_its_tensors() -> None:
     """A model run on its GGUF file's packed weights: the roofline takes the running model's
     bytes (each storage once: a tied embedding and lm_head share one), in place of the
     formula, for a dense model; a mixture of experts keeps the formula (a step reads the
-    experts its tokens touch). Other quantizations: None."""
+    experts its tokens touch). So does any quantized model on the CPU. Others: None."""
     import types
 
     import torch
@@ -91,6 +91,14 @@ def test_a_packed_gguf_models_bytes_come_from_its_tensors() -> None:
     assert quant_bytes.packed_weight_bytes(worker) == 1000 + 40 + 16
     assert quant_bytes.packed_weight_bytes(
         types.SimpleNamespace(quantization="none", model=model)) is None
+    # a quantized model on the CPU is counted as it is held (FP8 runs widened there); on a
+    # GPU the formula's bits stand
+    assert quant_bytes.packed_weight_bytes(types.SimpleNamespace(
+        quantization="fp8", device=torch.device("cpu"), model=model)) == 1056
+    assert quant_bytes.packed_weight_bytes(types.SimpleNamespace(
+        quantization="fp8", device=torch.device("cuda", 0), model=model)) is None
+    assert quant_bytes.packed_weight_bytes(types.SimpleNamespace(
+        quantization="none", device=torch.device("cpu"), model=model)) is None
     formula = roofline.decode_bytes_per_step(LLAMA, 1, 100, 2)
     kv = roofline.kv_bytes_per_token(LLAMA, 2) * 100
     assert roofline.decode_bytes_per_step(LLAMA, 1, 100, 2, stored_weight_bytes=1056) == \
