@@ -1,8 +1,9 @@
 """Write a quantized copy of a float Hugging Face checkpoint in a format users download, with no
-download and no calibration (round-to-nearest; see folio/bench/quant_checkpoints.py):
+download (see folio/bench/quant_checkpoints.py): round-to-nearest by default, or GPTQ
+calibrated on English that ships with Python (`--calibration gptq`):
 
     python tools/make_quant_checkpoint.py SRC DST --method METHOD [--group-size N] [--asym]
-        [--desc-act] [--dequantized DIR]
+        [--desc-act] [--calibration rtn|gptq] [--act-order] [--dequantized DIR]
 
 Methods:
   fp8             vLLM "fp8" as AutoFP8 writes it (per-tensor FP8 weights, dynamic activations)
@@ -12,7 +13,13 @@ Methods:
   ct-w8a8-int8    compressed-tensors int8 per-channel weights, dynamic per-token int8 inputs
   ct-w4a16        compressed-tensors int4 group weights (--asym: with zero points)
   awq             AutoAWQ GEMM int4 (always with zero points)
-  gptq            AutoGPTQ int4 (--asym: with zero points; --desc-act: act-order g_idx)
+  gptq            AutoGPTQ int4 (--asym: with zero points; --desc-act: act-order g_idx;
+                  --group-size -1: one group per row; a K that G does not divide ends each
+                  row in a shorter group, as AutoGPTQ writes it)
+
+--calibration gptq runs GPTQ (gptq, ct-w4a16, ct-w8a8-int8); with it, --act-order gives
+ct-w4a16 llm-compressor's actorder "weight" (static groups), and --desc-act gives gptq the real
+act-order (decreasing Hessian diagonal) in place of a seeded permutation.
 
 --dequantized DIR also writes the same model as a plain float checkpoint whose projections are
 the dequantized values of what was written (a reference for comparing loaders).
@@ -45,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="asymmetric weights with zero points (ct-w4a16, gptq)")
     parser.add_argument("--desc-act", action="store_true",
                         help="gptq: act-order groups (a seeded permutation; g_idx not monotone)")
+    parser.add_argument("--calibration", choices=("rtn", "gptq"), default="rtn",
+                        help="rtn: round-to-nearest from each group's min and max (default); "
+                             "gptq: GPTQ over calibration text (gptq, ct-w4a16, ct-w8a8-int8)")
+    parser.add_argument("--act-order", action="store_true",
+                        help="ct-w4a16 with --calibration gptq: act-order with static groups "
+                             "(llm-compressor's actorder \"weight\")")
     parser.add_argument("--smoothing-strength", type=float, default=None,
                         help="ct-* methods: SmoothQuant at this strength first (llm-compressor's "
                              "W8A8 recipes; 0.6 measured best for SmolLM2 W8A8 INT8)")
@@ -61,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--smoothing-strength applies to the ct-* methods, not {args.method}")
     if args.desc_act and method != "gptq":
         parser.error(f"--desc-act applies to gptq, not {args.method}")
+    if args.calibration == "gptq" and method not in ("gptq", "ct-w4a16", "ct-w8a8-int8"):
+        parser.error(f"--calibration gptq applies to gptq, ct-w4a16 and ct-w8a8-int8, not "
+                     f"{args.method}")
+    if args.act_order and (method != "ct-w4a16" or args.calibration != "gptq"):
+        parser.error("--act-order applies to ct-w4a16 with --calibration gptq (gptq's own "
+                     "act-order is --desc-act)")
 
     try:
         if method == "fp8":
@@ -69,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             write_compressed_tensors(args.src, args.dst, method.removeprefix("ct-"),
                                      group_size=args.group_size, symmetric=not args.asym,
                                      dequantized_dir=args.dequantized,
-                                     smoothing_strength=args.smoothing_strength)
+                                     smoothing_strength=args.smoothing_strength,
+                                     calibration=args.calibration, act_order=args.act_order)
         elif method == "awq":
             write_awq(args.src, args.dst, group_size=args.group_size,
                       dequantized_dir=args.dequantized)
         else:
             write_gptq(args.src, args.dst, group_size=args.group_size, sym=not args.asym,
-                       desc_act=args.desc_act, dequantized_dir=args.dequantized)
+                       desc_act=args.desc_act, dequantized_dir=args.dequantized,
+                       calibration=args.calibration)
     except ValueError as exc:
         print(f"make_quant_checkpoint: {exc}", file=sys.stderr)
         return 2

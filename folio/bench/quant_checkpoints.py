@@ -131,7 +131,8 @@ def _check_shape(name: str, weight: torch.Tensor, *, group_size: int | None = No
     out_features, in_features = weight.shape
     if group_size is not None and in_features % group_size:
         raise ValueError(f"{name}: in_features {in_features} is not divisible by "
-                         f"group_size {group_size}")
+                         f"group_size {group_size} (this format's groups must divide it; "
+                         "GPTQ's can end a row in a shorter group)")
     if in_features % in_multiple:
         raise ValueError(f"{name}: in_features {in_features} is not divisible by {in_multiple} "
                          "(the format packs the input dim)")
@@ -295,13 +296,25 @@ def _groups_of(order: torch.Tensor, group_size: int) -> torch.Tensor:
     return g_idx
 
 
+def _group_extremes(columns: torch.Tensor,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The min and max of each run of group_size consecutive columns of [N, K] -> two
+    [N, ceil(K / G)] (the last run shorter where G does not divide K: GPTQ's last group)."""
+    import torch
+
+    n, k = columns.shape
+    pad = -k % group_size
+    if pad:   # the last column repeated: the short group's extremes stay its own
+        columns = torch.cat([columns, columns[:, -1:].expand(n, pad)], dim=1)
+    grouped = columns.reshape(n, -1, group_size)
+    return grouped.amin(dim=2), grouped.amax(dim=2)
+
+
 def _rtn_solve(weight: torch.Tensor, grid: _Grid, group_size: int,
                order: torch.Tensor) -> _Solved:
     """Round-to-nearest: each group's scale and zero from its min and max."""
     w = weight.float()
-    n, k = w.shape
-    grouped = w[:, order].view(n, k // group_size, group_size)
-    scale, zero = grid.params(grouped.amin(dim=2), grouped.amax(dim=2))
+    scale, zero = grid.params(*_group_extremes(w[:, order], group_size))
     g_idx = _groups_of(order, group_size)
     return _Solved(grid.codes(w, scale[:, g_idx], zero[:, g_idx]), scale, zero, g_idx)
 
@@ -360,12 +373,12 @@ def _gptq_solve(weight: torch.Tensor, hessian: torch.Tensor, grid: _Grid, group_
     h.diagonal().add_(damp_percent * float(h.diagonal().mean()))
     u = _inverse_cholesky(h).float()
 
-    n_groups = k // group_size
+    n_groups = -(-k // group_size)   # the last one shorter where G does not divide K
     codes = torch.empty(k, n)
     scale, zero = torch.empty(n_groups, n), torch.empty(n_groups, n)
     if static_groups:  # every group's from the weight as it is, in the original order
-        original = weight.float().t().view(n_groups, group_size, n)
-        scale[:], zero[:] = grid.params(original.amin(dim=1), original.amax(dim=1))
+        lo, hi = _group_extremes(weight.float(), group_size)
+        scale[:], zero[:] = grid.params(lo.t(), hi.t())
         group_of = torch.div(order, group_size, rounding_mode="floor").tolist()
     block = group_size * max(1, block_size // group_size) if group_size <= 4 * block_size \
         else block_size
@@ -902,7 +915,9 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
     config.json: quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": G,
     "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
     "static_groups": static_groups, "true_sequential": true, "damp_percent": damp_percent}.
-    Per projection (K = in_features, N = out_features, n_groups = K // G), without `weight`:
+    Per projection (K = in_features, N = out_features, n_groups = ceil(K / G): where G does not
+    divide K the last group is shorter, as AutoGPTQ and GPTQModel write it; G = -1: one group
+    of K), without `weight`:
       qweight int32 [K // 8, N]: q[k, n] in 0..15 packed along K, nibble i of word row w is
         input row 8w + i, lowest bits first;
       qzeros  int32 [n_groups, N // 8]: zero points packed along N in order; checkpoint_format
@@ -928,7 +943,10 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
     """
     import torch
 
-    _check_group_size(group_size)
+    if group_size != -1:   # -1: one group over all of K (GPTQ's per-channel scales)
+        _check_group_size(group_size)
+        if group_size % 8:
+            raise ValueError(f"group_size must be -1 or a multiple of 8, got {group_size}")
     _check_calibration(calibration)
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got "
@@ -936,11 +954,16 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
     config, tensors = _read_source(src)
     names = _projections(tensors)
     for name in names:
-        _check_shape(name, tensors[name], group_size=group_size, in_multiple=8, out_multiple=8)
+        # AutoGPTQ / GPTQModel end a row whose K is not a multiple of G in a shorter group
+        _check_shape(name, tensors[name], in_multiple=8, out_multiple=8)
     grid = _GptqGrid(sym, checkpoint_format)
+
+    def group_of(w: torch.Tensor) -> int:
+        return w.shape[1] if group_size == -1 else group_size
+
     if calibration == "gptq":
         solved = _calibrate(src, names, lambda w, h: _gptq_solve(
-            w, h, grid, group_size, act_order=desc_act, damp_percent=damp_percent,
+            w, h, grid, group_of(w), act_order=desc_act, damp_percent=damp_percent,
             static_groups=static_groups), calibration_ids)
     else:
         generator = torch.Generator().manual_seed(seed)
@@ -949,7 +972,7 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
             k = tensors[name].shape[1]
             permuted = desc_act and not static_groups
             order = torch.randperm(k, generator=generator) if permuted else torch.arange(k)
-            solved[name] = _rtn_solve(tensors[name], grid, group_size, order)
+            solved[name] = _rtn_solve(tensors[name], grid, group_of(tensors[name]), order)
     out = dict(tensors)
     dequantized: dict[str, torch.Tensor] = {}
     for name in names:

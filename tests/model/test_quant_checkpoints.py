@@ -408,8 +408,10 @@ def test_refuses_shapes(src: str, tmp_path: Path) -> None:
     out = str(tmp_path / "out")
     with pytest.raises(ValueError, match=_NOT_DIVISIBLE_96):
         write_awq(src, out, group_size=96)
-    with pytest.raises(ValueError, match=_NOT_DIVISIBLE_96):
-        write_gptq(src, out, group_size=96)
+    # GPTQ ends a row in a shorter group (test_quantized_loading reads such files), but its
+    # groups stay multiples of 8, the packed words
+    with pytest.raises(ValueError, match="group_size must be -1 or a multiple of 8, got 100"):
+        write_gptq(src, out, group_size=100)
     with pytest.raises(ValueError, match="group_size"):
         write_gptq(src, out, group_size=0)
     with pytest.raises(ValueError, match="checkpoint_format"):
@@ -421,7 +423,7 @@ def test_refuses_shapes(src: str, tmp_path: Path) -> None:
         write_gptq(odd_out, out)
     odd_in = _odd_model(tmp_path / "odd_in", 16, 12)
     with pytest.raises(ValueError, match="in_features 12 is not divisible by 8"):
-        write_gptq(odd_in, out, group_size=4)
+        write_gptq(odd_in, out, group_size=8)
     with pytest.raises(ValueError, match="in_features 12 is not divisible by group_size 8"):
         write_compressed_tensors(odd_in, out, "w4a16", group_size=8)
     write_fp8(src, out)
@@ -460,7 +462,31 @@ def test_cli(src: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):   # SmoothQuant: the compressed-tensors methods only
         cli.main([src, str(tmp_path / "bad"), "--method", "awq", "--smoothing-strength", "0.5"])
     assert "--smoothing-strength applies to" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([src, str(tmp_path / "bad"), "--method", "awq", "--calibration", "gptq"])
+    with pytest.raises(SystemExit):   # act-order of compressed-tensors needs GPTQ
+        cli.main([src, str(tmp_path / "bad"), "--method", "ct-w4a16", "--act-order"])
+    assert "--act-order applies to ct-w4a16 with --calibration gptq" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_cli_calibrated(src: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calibration gptq (and --act-order for compressed-tensors) reach the writers: what the
+    tests' calibrated checkpoints are made with, from the command line."""
+    from folio.bench import quant_checkpoints as qc
+    cli = _cli()
+    seen = []
+    monkeypatch.setattr(cli, "write_gptq", lambda *a, **kw: seen.append(("gptq", kw)))
+    monkeypatch.setattr(cli, "write_compressed_tensors",
+                        lambda *a, **kw: seen.append(("ct", kw)))
+    assert cli.main([src, str(tmp_path / "g"), "--method", "gptq", "--calibration", "gptq",
+                     "--desc-act", "--group-size", "-1"]) == 0
+    assert cli.main([src, str(tmp_path / "c"), "--method", "ct-w4a16", "--calibration", "gptq",
+                     "--act-order", "--asym"]) == 0
+    assert seen[0] == ("gptq", dict(group_size=-1, sym=True, desc_act=True,
+                                    dequantized_dir=None, calibration="gptq"))
+    assert seen[1][1]["calibration"] == "gptq" and seen[1][1]["act_order"] is True
+    assert qc.CALIBRATIONS == ("rtn", "gptq")   # the CLI's choices
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,14 @@ def _writers(group: int) -> dict[str, Callable[[str, str, str], None]]:
                                                    dequantized_dir=q),
         "gptq-act-order": lambda s, d, q: qc.write_gptq(s, d, group_size=group, desc_act=True,
                                                         dequantized_dir=q),
+        # K (64, 128) not a multiple of G: AutoGPTQ's shorter last group, read in groups of 16
+        "gptq-g48-act-order": lambda s, d, q: qc.write_gptq(s, d, group_size=48, sym=False,
+                                                            desc_act=True, dequantized_dir=q),
+        "gptq-per-channel": lambda s, d, q: qc.write_gptq(s, d, group_size=-1,
+                                                          dequantized_dir=q),
+        # G = 128 over K = 64: one shorter group, read (and kept on the CPU planes) as 64
+        "gptq-g128": lambda s, d, q: qc.write_gptq(s, d, group_size=128, sym=False,
+                                                   dequantized_dir=q),
         "gptq-v2": lambda s, d, q: qc.write_gptq(s, d, group_size=group, sym=False,
                                                  checkpoint_format="gptq_v2",
                                                  dequantized_dir=q),
@@ -116,8 +124,44 @@ def test_format_read_exactly(quantized_dirs, fmt: str) -> None:
         got = _weight(module)
         scale = want.abs().max()
         assert float((got - want).abs().max()) <= 1e-6 * float(scale), (fmt, name)
-        if "w4a16" in fmt or fmt.startswith(("awq", "gptq")) or "int8" in fmt:
+        if fmt == "gptq-g48-act-order":
+            # groups of 16, below the CPU planes' 32 (checkpoint_install): kept dequantized
+            assert module.packed is None, (fmt, name)
+        elif "w4a16" in fmt or fmt.startswith(("awq", "gptq")) or "int8" in fmt:
             assert module.packed is not None and module.weight.numel() == 0, (fmt, name)
+
+
+@pytest.mark.parametrize("k,group,desc_act", [(192, 128, False), (192, 128, True),
+                                               (576, 128, True), (64, 128, False)])
+def test_gptq_groups_not_dividing_k_are_regrouped(k: int, group: int, desc_act: bool) -> None:
+    """A GPTQ projection whose K is not a multiple of G holds ceil(K / G) groups, the last
+    shorter (AutoGPTQ's and GPTQModel's layout). It is read as groups of gcd(K, G), each
+    scale and zero point repeated, and dequantizes to the file's own arithmetic:
+    w[n, k] = (q[n, k] - (qzeros[g_idx[k], n] + 1)) * scales[g_idx[k], n]."""
+    import math
+
+    from folio.bench.quant_checkpoints import _pack_cols, _pack_rows
+    from folio.model.quant.formats import int4_from_checkpoint
+    from folio.model.quant.scheme import LAYOUT_GPTQ, LinearScheme
+    n, groups = 16, -(-k // group)
+    gen = torch.Generator().manual_seed(k + desc_act)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    zeros = torch.randint(1, 16, (groups, n), generator=gen)
+    scales = (torch.rand(groups, n, generator=gen) + 0.5).to(torch.float16)
+    order = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // group
+    tensors = {"qweight": _pack_rows(codes.t().contiguous()),
+               "qzeros": _pack_cols(zeros - 1), "scales": scales,
+               "g_idx": g_idx.to(torch.int32)}
+    scheme = LinearScheme(weight="int4", strategy="group", group_size=group, symmetric=False,
+                          activation=None, layout=LAYOUT_GPTQ, desc_act=desc_act,
+                          zero_offset=1)
+    weight = int4_from_checkpoint(tensors, scheme, "w", (n, k))
+    assert weight.group_size == math.gcd(k, group)
+    assert weight.scales.shape == (n, k // weight.group_size)
+    want = (codes - zeros.t()[:, g_idx]).float() * scales.float().t()[:, g_idx]
+    assert torch.equal(weight.dequantize(), want)
 
 
 def _edited_copy(qdir: str, dst: str, edit: Callable[[dict], None]) -> str:
@@ -178,7 +222,7 @@ def test_eight_bit_dtype_disagreeing_with_the_config_is_named(quantized_dirs,
 
 
 @pytest.mark.parametrize("fmt", ["ct-fp8", "ct-w8a8-int8", "ct-w4a16-asym", "awq",
-                                 "gptq-act-order"])
+                                 "gptq-act-order", "gptq-g48-act-order"])
 def test_engine_greedy_matches_transformers(quantized_dirs, fmt: str) -> None:
     """LLM.generate on the quantized directory against transformers on the same weights
     dequantized: equal greedy tokens up to near-ties (vLLM's rule)."""

@@ -7,7 +7,8 @@ On the CPU folio runs these checkpoints with W8A16 / W4A16 arithmetic (int8 rows
 planes on the C++ kernels, FP8 dequantized), the arithmetic transformers runs on the
 dequantized model; the GPU's W8A8 kernels are checked against their reference arithmetic in
 tests/gpu/test_gpu_quant.py. SmolLM2's hidden size 576 is not a multiple of 128: the 4-bit
-formats use groups of 64.
+formats use groups of 64, and GPTQ also the default 128 (its last group of each row 64 wide, as
+AutoGPTQ writes it; AWQ's and compressed-tensors' layouts cannot hold that).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from gguf_cases import CHAT_PROMPTS
 from model_utils import hf_greedy_batch, torch_threads
 
-FORMATS = ["ct-fp8", "ct-w8a8-int8", "ct-w4a16", "awq", "gptq"]
+FORMATS = ["ct-fp8", "ct-w8a8-int8", "ct-w4a16", "awq", "gptq", "gptq-g128-act-order"]
 
 
 def _write(fmt: str, src: str, dst: str, deq: str) -> None:
@@ -33,8 +34,10 @@ def _write(fmt: str, src: str, dst: str, deq: str) -> None:
                                     dequantized_dir=deq)
     elif fmt == "awq":
         qc.write_awq(src, dst, group_size=64, dequantized_dir=deq)
-    else:
+    elif fmt == "gptq":
         qc.write_gptq(src, dst, group_size=64, sym=False, dequantized_dir=deq)
+    else:   # the writer's default group size, 128
+        qc.write_gptq(src, dst, sym=False, desc_act=True, dequantized_dir=deq)
 
 
 @pytest.fixture(scope="module")

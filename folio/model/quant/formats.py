@@ -16,6 +16,7 @@ loader moves them to the target device first: unpacking 8B weights is quick on a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -154,19 +155,40 @@ def concat_eight_bit(parts: list[EightBitWeight]) -> EightBitWeight:
 
 # ---- 4-bit weights --------------------------------------------------------------------------
 
-def _check_int4_shape(name: str, shape: tuple[int, int], group: int) -> None:
+def _check_int4_shape(name: str, shape: tuple[int, int], group: int, layout: str) -> None:
     n, k = shape
-    if k % 8 or k % group:
-        raise ValueError(f"{name}: in_features {k} must be a multiple of 8 and of the group "
-                         f"size {group}")
+    if k % 8:
+        raise ValueError(f"{name}: in_features {k} must be a multiple of 8")
+    if k % group and (layout != LAYOUT_GPTQ or group % 8):
+        raise ValueError(f"{name}: in_features {k} must be a multiple of the group size "
+                         f"{group} (only GPTQ files end a row in a shorter group)")
 
 
 def int4_from_checkpoint(t: dict[str, torch.Tensor], scheme: LinearScheme, name: str,
                          shape: tuple[int, int]) -> Int4Weight:
     readers = {LAYOUT_CT_PACK: _from_ct_pack, LAYOUT_AWQ: _from_awq, LAYOUT_GPTQ: _from_gptq}
     group = scheme.group_size or shape[1]
-    _check_int4_shape(name, shape, group)
-    return readers[scheme.layout](t, scheme, name, shape, group)
+    _check_int4_shape(name, shape, group, scheme.layout)
+    weight = readers[scheme.layout](t, scheme, name, shape, group)
+    return _regroup(weight, shape[1]) if shape[1] % group else weight
+
+
+def _regroup(weight: Int4Weight, k: int) -> Int4Weight:
+    """A GPTQ weight whose K is not a multiple of its group size G (AutoGPTQ and GPTQModel
+    write ceil(K / G) groups, the last one shorter: SmolLM2's K = 576 at G = 128) as the same
+    weight in groups of gcd(K, G), each G-group's scale and zero point repeated over the
+    smaller groups it spans. The kernels then see whole groups (every gcd here is a multiple
+    of 8, since K and G are); the bytes of scales read grow by G / gcd."""
+    g = math.gcd(k, weight.group_size)
+    repeat = weight.group_size // g
+
+    def spread(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.repeat_interleave(repeat, dim=1)[:, :k // g].contiguous()
+
+    return Int4Weight(weight.packed, spread(weight.scales), spread(weight.zeros), g,
+                      weight.perm)
 
 
 def _expect(t: dict[str, torch.Tensor], key: str, name: str, shape: tuple[int, ...],
@@ -233,7 +255,7 @@ def _from_gptq(t, scheme, name, shape, group) -> Int4Weight:
     if n % 8:
         raise ValueError(f"{name}: out_features {n} must be a multiple of 8 (GPTQ packs the "
                          "zeros along N)")
-    groups = k // group
+    groups = -(-k // group)   # a last, shorter group where G does not divide K
     qweight = _expect(t, "qweight", name, (k // 8, n), torch.int32)
     qzeros = _expect(t, "qzeros", name, (groups, n // 8), torch.int32)
     scales = _expect(t, "scales", name, (groups, n))
