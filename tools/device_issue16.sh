@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,14 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s30a)  # next session: the decode kernel over an FP8 cache against a bf16 one, every split
+       # and tile (256-key tiles too), at the offline workload's batches (issue 16's 1.4x:
+       # session 29's throughput runs with an FP8 cache reached 73 % of roofline, bf16's 83 %)
+  S="python3 tools/gpu_sweep_decode_splits.py --batches 64,256 --ctx 512,1024"
+  STEP_PATTERN="b=|Error" step 200 sweep_bf16 $S --json "$OUT/sweep_bf16.json"
+  STEP_PATTERN="b=|Error" step 200 sweep_fp8 $S --kv-dtype fp8 --json "$OUT/sweep_fp8.json"
+  STEP_PATTERN="decode|prefill|Error" step 100 attn_fp8 python3 tools/gpu_bench_attention.py \
+      --kv-dtype fp8 ;;
 s29c)  # session 29, on an H200 only (the issues' card): issue 17's verify cost first, then
        # issue 16's batch-1 targets with bf16 beside them (s27h in the other order)
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
