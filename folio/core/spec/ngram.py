@@ -54,7 +54,7 @@ class NgramProposer:
     def _extend(self, index: _Index, token_ids: list[int]) -> None:
         tokens, table = index.tokens, index.next_pos
         start = len(tokens)
-        if len(token_ids) < start or token_ids[:start][-1:] != tokens[-1:]:
+        if len(token_ids) < start or (start and token_ids[start - 1] != tokens[-1]):
             # Not a continuation (cannot happen for one request): start over.
             tokens.clear()
             table.clear()
