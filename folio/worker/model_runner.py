@@ -20,6 +20,7 @@ from folio.worker.input_batch import InputBatch
 from folio.worker.sampler import (LogprobsTensors, RowLogprobs, Sampler, SamplingState,
                                   token_logprobs_tensors)
 from folio.worker.sampling_columns import SamplingColumns
+from folio.worker.spec_verify import accept_greedy, needs_own_pass, verify
 
 if TYPE_CHECKING:
     from folio.worker.cuda_graphs import DecodeGraphRunner
@@ -467,7 +468,6 @@ class ModelRunner:
         the host: here, or, when every request verifies greedily without logprobs, when the
         output is taken (the engine builds no step on it before then: its kept counts decide
         the next step's positions)."""
-        from folio.worker.spec_verify import accept_greedy, needs_own_pass, verify
         spec = step.scheduled_spec_decode_tokens
         sampling = step.sampling_req_ids
         requests = self.input_batch.requests
@@ -686,7 +686,6 @@ class PendingRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         if self._verify_argmax is not None:
-            from folio.worker.spec_verify import accept_greedy
             argmax = self._verify_argmax.tolist()
             self._token_lists = [accept_greedy(drafts, argmax[first:first + len(drafts) + 1])
                                  for first, drafts in self._verify_rows]
