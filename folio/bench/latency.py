@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_path = model_source["path"]
     from folio.model.discovery import gguf_file_of
     gguf_path = gguf_file_of(engine.model_source)
+    cache_dtype = getattr(worker, "kv_cache_dtype", None)
 
     report: dict[str, Any] = {
         # vLLM's bench latency keys.
@@ -216,8 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device) if device is not None else None,
         # what the engine resolved (a checkpoint's own method; the cache's dtype under "auto")
         "quantization": getattr(worker, "quantization", None),
-        "kv_cache_dtype": (str(getattr(worker, "kv_cache_dtype", None)).replace("torch.", "")
-                           if getattr(worker, "kv_cache_dtype", None) is not None else None),
+        "kv_cache_dtype": (str(cache_dtype).replace("torch.", "")
+                           if cache_dtype is not None else None),
         # the engine arguments as given, as throughput's report has them
         "settings": {"engine": dict(kwargs)},
         "startup": startup_breakdown(startup_s, getattr(executor, "timings", None)),
@@ -235,7 +236,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "raise --output-len or --num-iters", file=sys.stderr)
     from folio.bench.quant_bytes import packed_weight_bytes
     stored_bytes = packed_weight_bytes(worker)
-    cache_dtype = getattr(worker, "kv_cache_dtype", None)
     del llm, engine, executor, worker
     # Free the engine's memory (on a GPU: back to the driver) before the bandwidth probe
     # allocates its buffers and before the peer's process loads its own copy of the model.

@@ -625,8 +625,7 @@ def _minmax_qparams(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torc
     elif args.strategy == "channel":
         lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
     elif args.strategy == "group":
-        grouped = w.unflatten(1, (w.shape[1] // args.group_size, args.group_size))
-        lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)
+        lo, hi = _group_extremes(w, args.group_size)
     else:
         raise AssertionError(args.strategy)
     return calculate_qparams(lo, hi, args)
