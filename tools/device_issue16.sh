@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -232,6 +232,18 @@ s30a)  # next session: the decode kernel over an FP8 cache against a bf16 one, e
   STEP_PATTERN="b=|Error" step 200 sweep_fp8 $S --kv-dtype fp8 --json "$OUT/sweep_fp8.json"
   STEP_PATTERN="decode|prefill|Error" step 100 attn_fp8 python3 tools/gpu_bench_attention.py \
       --kv-dtype fp8 ;;
+s30b)  # session 30: the FP8 cache read as int16 pairs (the decode kernel's float8 K tile went
+       # through shared memory a byte at a time): its GPU tests, the attention kernels against
+       # KERNEL_FILE (the previous triton_kernels.py, e.g. from `git show`), the decode sweep,
+       # then issue 16's throughput bf16 and FP8 + FP8 KV in one run
+  step 200 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fp8_kv_cache_gpu.py
+  tail -4 "$OUT/tests.log" | cut -c1-300
+  STEP_PATTERN="decode|prefill|Error" step 100 attn_fp8 python3 tools/gpu_bench_attention.py \
+      --kv-dtype fp8 ${KERNEL_FILE:+--kernel-file $KERNEL_FILE}
+  STEP_PATTERN="b=|Error" step 120 sweep_fp8 python3 tools/gpu_sweep_decode_splits.py \
+      --batches 64,256 --ctx 1024 --kv-dtype fp8 --json "$OUT/sweep_fp8.json"
+  step 130 thr_bf16 $THR --output-json "$OUT/thr_bf16.json"
+  step 120 thr_fp8 $THR --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/thr_fp8.json" ;;
 s29c)  # session 29, on an H200 only (the issues' card): issue 17's verify cost first, then
        # issue 16's batch-1 targets with bf16 beside them (s27h in the other order)
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \

@@ -161,30 +161,42 @@ if HAS_TRITON:
         return tl.load(SINKS + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
     @triton.jit
-    def _attend_tile(
-        q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale, soft_cap,
-        stride_c0, stride_cblk, stride_coff, stride_ch,
-        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
-        MASKED: tl.constexpr = True,
-    ):
-        """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
-        Keys past `kv_end`, after the query (causal) or outside the window are masked. K/V
-        tiles are used in the query's dtype (an FP8 cache's converted; its scales are the
-        caller's). MASKED=False is for tiles every row sees in full (keys in the context,
-        before every query, no window): no masks, and no row left at -inf."""
-        d = tl.arange(0, D_PAD)
+    def _fp8_pairs(x, CVT_ASM: tl.constexpr, E5M2: tl.constexpr):
+        """A tile of an FP8 cache read as int16 pairs (element 2i in the low byte, 2i + 1 in
+        the high) -> (float16 of the even elements, of the odd), exact. CVT_ASM: one
+        conversion instruction per pair (sm_89+); else each byte apart (the interpreter)."""
+        x = x.to(tl.uint16, bitcast=True)
+        if E5M2:  # an e5m2 value is the high byte of the float16 of the same value
+            return (x << 8).to(tl.float16, bitcast=True), (x & 0xFF00).to(tl.float16,
+                                                                          bitcast=True)
+        if CVT_ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        lo = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return lo, hi
+
+    @triton.jit
+    def _tile_rows(BT_row, k_pos, kv_end, kvh, stride_cblk, stride_coff, stride_ch,
+                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+        """The cache offsets of keys `k_pos` [N] of KV head `kvh` (a page lookup per key: a
+        tile may span several pages, or part of one), and which of them are in the context
+        (all, unless MASKED)."""
         if MASKED:
             in_ctx = k_pos < kv_end
-            # Per-key page lookup: a tile may span several pages, or part of one.
             page = tl.load(BT_row + k_pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-            kv_mask = in_ctx[:, None] & (d[None, :] < D)
         else:
+            in_ctx = k_pos >= 0
             page = tl.load(BT_row + k_pos // BLOCK_SIZE).to(tl.int64)
-            kv_mask = (k_pos[:, None] >= 0) & (d[None, :] < D)   # only the head-dim pad
-        row = page * stride_cblk + (k_pos % BLOCK_SIZE) * stride_coff + kvh * stride_ch
-        k = tl.load(KV + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale            # [M, N] fp32
+        return page * stride_cblk + (k_pos % BLOCK_SIZE) * stride_coff + kvh * stride_ch, in_ctx
+
+    @triton.jit
+    def _online_softmax(s, m_i, l_i, k_pos, in_ctx, q_pos, window, soft_cap,
+                        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+        """One online-softmax step over scores s [M, N] (log2 domain, scaled): keys outside
+        the context, after the query (causal) or outside the window masked. Returns the
+        tile's weights p, the factor alpha for what came before, and the new (m, l)."""
         if SOFTCAP:  # soft_cap = cap * log2(e): see the module's docstring
             s = soft_cap * _tanh(s / soft_cap)
         if MASKED:
@@ -201,11 +213,96 @@ if HAS_TRITON:
             m_safe = m_new
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(KV + stride_c0 + row[:, None] + d[None, :], mask=kv_mask,
-                    other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        return acc, m_new, l_i
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _attend_tile(
+        q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
+        soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+        PAIRS: tl.constexpr, CVT_ASM: tl.constexpr, E5M2: tl.constexpr,
+        MASKED: tl.constexpr = True,
+    ):
+        """One online-softmax step of a query tile [M, D_PAD] over keys `k_pos` [N].
+        Keys past `kv_end`, after the query (causal) or outside the window are masked. K/V
+        tiles are used in the query's dtype (an FP8 cache's converted; its scales are the
+        caller's). MASKED=False is for tiles every row sees in full (keys in the context,
+        before every query, no window): no masks, and no row left at -inf.
+
+        PAIRS (an FP8 cache, `KV` its int16 view): the tiles are read as pairs of elements
+        and widened into even and odd halves. q / acc hold the query's and the output's even
+        head-dim elements, q2 / acc2 the odd ([M, D_PAD / 2] each), and q.k = q_even.k_even +
+        q_odd.k_odd. A float8 tile read for a transposed product went through shared memory a
+        byte at a time (the decode kernel read an FP8 cache at 72 % of its bf16 bytes' rate);
+        16-bit pairs take the 16-bit path (ldmatrix), as a bf16 tile does. Otherwise q2 and
+        acc2 are passed through untouched."""
+        row, in_ctx = _tile_rows(BT_row, k_pos, kv_end, kvh, stride_cblk, stride_coff,
+                                 stride_ch, BLOCK_SIZE, MASKED)
+        if PAIRS:
+            e = tl.arange(0, D_PAD // 2)
+            kv_mask = in_ctx[:, None] & (e[None, :] < D // 2)
+            ptr = KV + row[:, None] + e[None, :]
+            k_e, k_o = _fp8_pairs(tl.load(ptr, mask=kv_mask, other=0), CVT_ASM, E5M2)
+            s = (tl.dot(q, tl.trans(k_e.to(q.dtype)), input_precision=DOT_PREC)
+                 + tl.dot(q2, tl.trans(k_o.to(q.dtype)), input_precision=DOT_PREC))
+        else:
+            d = tl.arange(0, D_PAD)
+            kv_mask = in_ctx[:, None] & (d[None, :] < D)
+            ptr = KV + row[:, None] + d[None, :]
+            k = tl.load(ptr, mask=kv_mask, other=0.0).to(q.dtype)             # [N, D]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)              # [M, N] fp32
+        p, alpha, m_new, l_i = _online_softmax(s * qk_scale, m_i, l_i, k_pos, in_ctx, q_pos,
+                                               window, soft_cap, SLIDING, SOFTCAP, MASKED)
+        if PAIRS:
+            v_e, v_o = _fp8_pairs(tl.load(ptr + stride_c0, mask=kv_mask, other=0), CVT_ASM,
+                                  E5M2)
+            p = p.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p, v_e.to(q.dtype), input_precision=DOT_PREC)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, v_o.to(q.dtype), input_precision=DOT_PREC)
+        else:
+            v = tl.load(ptr + stride_c0, mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return acc, acc2, m_new, l_i
+
+    @triton.jit
+    def _load_query(Q, q_rows, heads, stride_qt, stride_qh, row_ok, D: tl.constexpr,
+                    D_PAD: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr):
+        """A query tile [M, D_PAD] (rows q_rows x heads), or with PAIRS its even and odd
+        head-dim elements [M, D_PAD / 2] each; for an FP8 cache in float16 where the query is
+        bf16. Returns (q, q2), q2 = q without PAIRS."""
+        base = Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+        if PAIRS:
+            e = tl.arange(0, D_PAD // 2)
+            mask = row_ok[:, None] & (e[None, :] < D // 2)
+            q = tl.load(base + 2 * e[None, :], mask=mask, other=0.0)
+            q2 = tl.load(base + 2 * e[None, :] + 1, mask=mask, other=0.0)
+        else:
+            d = tl.arange(0, D_PAD)
+            q = tl.load(base + d[None, :], mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+            q2 = q
+        if FP8 and Q.dtype.element_ty == tl.bfloat16:
+            # FP8 K/V tiles widen to fp16 in one instruction per pair (e4m3x2 -> f16x2) where
+            # bf16 takes several; every FP8 value is exact in fp16, and queries sit far inside
+            # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
+            # a bf16 one, from the conversions alone (docs/benchmarks.md).
+            q = q.to(tl.float16)
+            q2 = q2.to(tl.float16)
+        return q, q2
+
+    @triton.jit
+    def _store_rows(ptr, acc, acc2, row_ok, NCOLS: tl.constexpr, D_PAD: tl.constexpr,
+                    PAIRS: tl.constexpr):
+        """Store the first NCOLS columns of acc [M, D_PAD] at ptr [M, 1] + column, rows where
+        row_ok; with PAIRS acc [M, D_PAD / 2] holds the even columns and acc2 the odd."""
+        if PAIRS:
+            e = tl.arange(0, D_PAD // 2)
+            mask = row_ok[:, None] & (e[None, :] < NCOLS // 2)
+            tl.store(ptr + 2 * e[None, :], acc, mask=mask)
+            tl.store(ptr + 2 * e[None, :] + 1, acc2, mask=mask)
+        else:
+            d = tl.arange(0, D_PAD)
+            tl.store(ptr + d[None, :], acc, mask=row_ok[:, None] & (d[None, :] < NCOLS))
 
     # ------------------------------------------------------------------ varlen (mixed batch)
     @autotune(
@@ -269,18 +366,12 @@ if HAS_TRITON:
         tok = tile * BLOCK_Q + offs_m // G_PAD
         hd = offs_m % G_PAD
         row_ok = (tok < q_len) & (hd < G)
-        d = tl.arange(0, D_PAD)
         q_rows = (q_start + tok).to(tl.int64)
         heads = kvh * G + hd
-        q_mask = row_ok[:, None] & (d[None, :] < D)
-        q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=q_mask, other=0.0)
-        if FP8 and Q.dtype.element_ty == tl.bfloat16:
-            # FP8 K/V tiles widen to fp16 in one instruction per pair (e4m3x2 -> f16x2) where
-            # bf16 takes several; every FP8 value is exact in fp16, and queries sit far inside
-            # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
-            # a bf16 one, from the conversions alone (docs/benchmarks.md).
-            q = q.to(tl.float16)
+        # Not the decode kernel's pairs (PAIRS): this kernel's large tiles take Hopper's
+        # shared-memory products, for which they slowed an 8k prefill over an FP8 cache 1.6x.
+        q, q2 = _load_query(Q, q_rows, heads, stride_qt, stride_qh, row_ok, D, D_PAD, FP8,
+                            False)
         q_pos = ctx_off + tok
 
         last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -296,6 +387,7 @@ if HAS_TRITON:
             m_i = _sink_logits(SINKS, heads, row_ok)
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        acc2 = tl.zeros([16, 16], tl.float32)   # unused (no pairs)
         BT_row = BT + b.to(tl.int64) * stride_bt
         masked_start = kv_start
         if not SLIDING:
@@ -304,22 +396,23 @@ if HAS_TRITON:
             masked_start = ((ctx_off + tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
             for start in range(0, masked_start, BLOCK_N):
                 k_pos = start + tl.arange(0, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
+                acc, acc2, m_i, l_i = _attend_tile(
+                    q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
                     qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, MASKED=False)
+                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, False, False, False,
+                    MASKED=False)
         for start in range(masked_start, kv_end, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window, qk_scale,
-                soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP)
+            acc, acc2, m_i, l_i = _attend_tile(
+                q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
+                qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, False, False, False)
 
         if FP8:  # the weighted sum of the stored V / v_scale, times v_scale
             acc = acc * tl.load(V_SCALE + kvh)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptr = O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=q_mask)
+        o_ptr = O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+        _store_rows(o_ptr, out.to(O.dtype.element_ty), acc2, row_ok, D, D_PAD, False)
 
     # ------------------------------------------------------------------ decode (split-K)
     @autotune(
@@ -343,7 +436,8 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
         FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
         USE_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, G_P: tl.constexpr,
-        S_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+        S_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, PAIRS: tl.constexpr,
+        CVT_ASM: tl.constexpr, E5M2: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pdl_entry(USE_PDL)
         b = tl.program_id(0)
@@ -355,18 +449,11 @@ if HAS_TRITON:
         # Rows = the G query heads of this KV head, padded to G_M >= 16 for tl.dot; the pad rows
         # are masked on load and store, so they cost registers, not memory traffic.
         hd = tl.arange(0, G_M)
-        d = tl.arange(0, D_PAD)
         heads = kvh * G + hd
-        q_mask = (hd < G)[:, None] & (d[None, :] < D)
+        h_ok = hd < G
         b64 = b.to(tl.int64)
-        q = tl.load(Q + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=q_mask, other=0.0)
-        if FP8 and Q.dtype.element_ty == tl.bfloat16:
-            # FP8 K/V tiles widen to fp16 in one instruction per pair (e4m3x2 -> f16x2) where
-            # bf16 takes several; every FP8 value is exact in fp16, and queries sit far inside
-            # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
-            # a bf16 one, from the conversions alone (docs/benchmarks.md).
-            q = q.to(tl.float16)
+        q, q2 = _load_query(Q, tl.zeros([G_M], tl.int64) + b64, heads, stride_qt, stride_qh,
+                            h_ok, D, D_PAD, FP8, PAIRS)
         q_pos = tl.zeros([G_M], tl.int32) + (seq_len - 1)
 
         kv_lo = 0
@@ -382,9 +469,10 @@ if HAS_TRITON:
         l_i = tl.zeros([G_M], tl.float32)
         if HAS_SINKS:  # split 0 only: the merge adds the splits' denominators
             first = split == 0
-            m_i = tl.where(first, _sink_logits(SINKS, heads, hd < G), m_i)
+            m_i = tl.where(first, _sink_logits(SINKS, heads, h_ok), m_i)
             l_i = tl.where(first, 1.0, l_i)
-        acc = tl.zeros([G_M, D_PAD], tl.float32)
+        acc = tl.zeros([G_M, D_PAD // 2 if PAIRS else D_PAD], tl.float32)
+        acc2 = tl.zeros([G_M, D_PAD // 2 if PAIRS else 16], tl.float32)
         BT_row = BT + b64 * stride_bt
         masked_start = start
         if not SLIDING:
@@ -393,27 +481,28 @@ if HAS_TRITON:
             masked_start = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
             for s0 in range(start, masked_start, BLOCK_N):
                 k_pos = s0 + tl.arange(0, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
-                    soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, MASKED=False)
+                acc, acc2, m_i, l_i = _attend_tile(
+                    q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window,
+                    qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, PAIRS, CVT_ASM, E5M2,
+                    MASKED=False)
         for s0 in range(masked_start, end, BLOCK_N):
             k_pos = s0 + tl.arange(0, BLOCK_N)
-            acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window, qk_scale,
-                soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP)
+            acc, acc2, m_i, l_i = _attend_tile(
+                q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, end, q_pos, kvh, window,
+                qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, PAIRS, CVT_ASM, E5M2)
 
         if FP8:  # the weighted sum of the stored V / v_scale, times v_scale (before the merge)
             acc = acc * tl.load(V_SCALE + kvh)
+            acc2 = acc2 * tl.load(V_SCALE + kvh)
         if USE_SPLITS:
             # Partials [B, H, S] (m, l) and [B, H, S, D_PAD] (unnormalized acc); an empty split
             # writes m = -inf, l = 0, acc = 0, which the merge weighs as 0.
             part = (b64 * (G * tl.num_programs(1)) + heads) * num_splits + split
-            h_ok = hd < G
             tl.store(M_PART + part, m_i, mask=h_ok)
             tl.store(L_PART + part, l_i, mask=h_ok)
-            tl.store(ACC_PART + part[:, None] * D_PAD + d[None, :], acc, mask=h_ok[:, None])
+            _store_rows(ACC_PART + part[:, None] * D_PAD, acc, acc2, h_ok, D_PAD, D_PAD, PAIRS)
             if FUSED_MERGE:
                 # The last split of this (request, KV head) to finish merges all of them:
                 # one launch fewer per layer than a merge kernel (at batch 1 a decode graph
@@ -428,9 +517,10 @@ if HAS_TRITON:
                                   num_splits, stride_ot, stride_oh, G, G_P, D, D_PAD, S_CHUNK)
                     tl.store(cnt, 0)
         else:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(O + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     out.to(O.dtype.element_ty), mask=q_mask)
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            _store_rows(O + b64 * stride_ot + heads[:, None] * stride_oh,
+                        (acc / l_safe).to(O.dtype.element_ty),
+                        (acc2 / l_safe).to(O.dtype.element_ty), h_ok, D, D_PAD, PAIRS)
 
     @triton.jit
     def _merge_splits(O, M_PART, L_PART, ACC_PART, b64, kvh, num_heads, num_splits,
@@ -511,6 +601,23 @@ def kv_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
     kvh = kv_cache.shape[3]
     return (True, per_head_scales(k_scale, kvh, kv_cache.device),
             per_head_scales(v_scale, kvh, kv_cache.device))
+
+
+def _cache_reads(kv_cache: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, dict]:
+    """The cache as the attention kernels read it, and their read-mode constexprs: an FP8
+    cache of an even head dim (padded to >= 32, so that half of it still fills a product's
+    16-wide K) is read as int16 pairs (`_attend_tile`'s PAIRS), widened by the GPU's pair
+    conversion where it has one (sm_89+; CVT_ASM) or byte by byte."""
+    pairs = is_fp8(kv_cache.dtype) and kv_cache.shape[4] % 2 == 0 and d_pad >= 32
+    e5m2 = kv_cache.dtype == torch.float8_e5m2
+    cvt_asm = (pairs and not e5m2 and not INTERPRET and kv_cache.is_cuda
+               and _has_fp8_cvt(kv_cache.device))
+    view = kv_cache.view(torch.int16) if pairs else kv_cache
+    return view, {"PAIRS": pairs, "CVT_ASM": cvt_asm, "E5M2": e5m2}
+
+
+def _has_fp8_cvt(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -678,8 +785,9 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     assert out.stride(2) == 1 and block_tables.stride(1) == 1
     g = num_heads // kvh
     d_pad = max(16, _next_pow2(d))
-    s0, sblk, soff, sh = _cache_strides(kv_cache)
     fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
+    kv, read_mode = _cache_reads(kv_cache, d_pad)
+    s0, sblk, soff, sh = _cache_strides(kv)
     softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     num_splits = max(1, int(num_splits))
@@ -702,7 +810,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         forced.setdefault("num_stages", 2)
         kernel = _decode_kernel.fn
     kernel[(B, kvh, num_splits)](
-        query, kv_cache, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables,
+        query, kv, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables,
         k_scale, v_scale, sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_splits, sliding_window if sliding else 0, scale * _LOG2E, soft_cap,
@@ -710,7 +818,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
         FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits,
         FUSED_MERGE=fused, G_P=g_p, S_CHUNK=max(1, _MERGE_BLOCK // (g_p * d_pad)),
-        USE_PDL=pdl, launch_pdl=pdl, **forced,
+        USE_PDL=pdl, launch_pdl=pdl, **read_mode, **forced,
     )
     if use_splits and not fused:
         _decode_merge_kernel[(B, num_heads)](
