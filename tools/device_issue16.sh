@@ -236,7 +236,9 @@ s30b)  # session 30: the FP8 cache read as int16 pairs (the decode kernel's floa
        # through shared memory a byte at a time): its GPU tests, the attention kernels against
        # KERNEL_FILE (the previous triton_kernels.py, e.g. from `git show`), the decode sweep,
        # then issue 16's throughput bf16 and FP8 + FP8 KV in one run
-  step 200 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fp8_kv_cache_gpu.py
+  step 300 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fp8_kv_cache_gpu.py \
+      tests/gpu/test_gpu_engine.py tests/gpu/test_cuda_graphs.py \
+      -k "fp8 or greedy_matches_transformers or kv_write_in_rotary or graphs_match_eager"
   tail -4 "$OUT/tests.log" | cut -c1-300
   STEP_PATTERN="decode|prefill|Error" step 100 attn_fp8 python3 tools/gpu_bench_attention.py \
       --kv-dtype fp8 ${KERNEL_FILE:+--kernel-file $KERNEL_FILE}
