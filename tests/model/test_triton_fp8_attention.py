@@ -39,6 +39,14 @@ CASES: list[dict[str, Any]] = [
     dict(name="decode_fp32_e5m2_splits", kind="read", dtype="float32",
          cache_dtype="float8_e5m2", H=4, KVH=1, D=64, bs=16, win=None, reqs=DECODES,
          scales=([0.02], [0.03]), splits=[2]),
+    # The decode kernel reads pairs of elements (even D, padded to >= 32): half of a padded
+    # head dim (80 -> 128: 40 of 64 columns), and a head dim too narrow for pairs (16).
+    dict(name="decode_fp16_e4m3_d80_window_splits", kind="read", dtype="float16",
+         cache_dtype="float8_e4m3fn", H=4, KVH=2, D=80, bs=16, win=50, reqs=DECODES,
+         scales=([0.02, 0.04], [0.03, 0.02]), splits=[1, 4]),
+    dict(name="decode_fp32_e4m3_d16_splits", kind="read", dtype="float32",
+         cache_dtype="float8_e4m3fn", H=4, KVH=2, D=16, bs=16, win=None, reqs=DECODES,
+         scales=([0.03, 0.02], [0.01, 0.05]), splits=[1, 2]),
     # Power-of-two scales and K/V the format holds exactly (one out of range: it saturates).
     dict(name="write_e4m3_per_head", kind="write", dtype="float32",
          cache_dtype="float8_e4m3fn", H=4, KVH=2, D=64, bs=16, win=None, reqs=MIXED,
@@ -150,6 +158,27 @@ def test_fp8_attention_matches_the_reference(results: dict, case: dict) -> None:
     for label, chk in res["checks"].items():
         assert chk["all_written"], f"{label}: output has unwritten (NaN) elements"
         assert chk["rel_err"] < tol, f"{label}: rel err {chk['rel_err']:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("dtype,d,pairs", [("float8_e4m3fn", 128, True),
+                                           ("float8_e5m2", 80, True),
+                                           ("float8_e4m3fn", 16, False),
+                                           ("float8_e4m3fn", 33, False),
+                                           ("bfloat16", 128, False)])
+def test_decode_reads_even_head_dims_in_pairs(dtype: str, d: int, pairs: bool) -> None:
+    import torch
+
+    from folio.model.attention import triton_kernels as tk
+    cache = torch.zeros(2, 3, 16, 2, d, dtype=getattr(torch, dtype))
+    view, mode = tk._cache_reads(cache, max(16, tk._next_pow2(d)))
+    assert mode["PAIRS"] is pairs
+    assert mode["E5M2"] is (dtype == "float8_e5m2")
+    assert mode["CVT_ASM"] is False   # a CPU tensor: the byte-wise widening
+    if pairs:   # the same memory, two elements a read
+        assert view.dtype == torch.int16 and view.shape[-1] == d // 2
+        assert view.data_ptr() == cache.data_ptr()
+    else:
+        assert view is cache
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "write"],

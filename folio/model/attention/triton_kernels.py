@@ -21,7 +21,8 @@ FP8 cache (--kv-cache-dtype fp8, folio/model/attention/fp8.py): it holds K / k_s
 V / v_scale, one float32 scale per KV head. The cache write divides, clamps to the format's
 largest value and casts; the attention kernels load the float8 tile, convert it to the query's
 dtype (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and keep the scales out
-of the tiles: a program serves one KV head, so k_scale folds into the score scale and v_scale
+of the tiles (the decode kernel reads the cache as int16 pairs of elements, `_attend_tile`'s
+PAIRS, so that its tiles take the 16-bit path through shared memory): a program serves one KV head, so k_scale folds into the score scale and v_scale
 into the output (the split-K partials), one multiply per program instead of one per element.
 The scales are read from their tensors, so a captured CUDA graph sees the values they hold.
 
