@@ -1,0 +1,40 @@
+"""What the decode kernel compiles to on sm_90, checked here without a GPU (Triton's compiler
+and the ptxas it ships: tools/sass_counts.py). An FP8 cache read as float8 tiles crosses
+shared memory a byte at a time for the transposed K operand (LDS.U8); read as int16 pairs
+(`_attend_tile`'s PAIRS) it takes the 16-bit path (ldmatrix) and no byte-wide loads, which made
+the kernel 1.2-1.27x faster on an H100 (docs/benchmarks.md, session 30)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+sass_counts = pytest.importorskip("sass_counts")
+
+if not os.path.exists(os.path.join(os.path.dirname(triton.__file__),
+                                   "backends/nvidia/bin/cuobjdump")):
+    pytest.skip("this triton has no NVIDIA backend tools", allow_module_level=True)
+
+
+def _decode_ops(pairs: bool) -> dict:
+    from folio.model.attention import triton_kernels as tk
+    consts = dict(G=4, G_M=16, D=128, D_PAD=128, BLOCK_SIZE=16, SLIDING=False,
+                  DOT_PREC="tf32", SOFTCAP=False, HAS_SINKS=False, FP8=True, BLOCK_N=32,
+                  USE_SPLITS=False, FUSED_MERGE=False, G_P=4, S_CHUNK=16, USE_PDL=True,
+                  PAIRS=pairs, CVT_ASM=pairs, E5M2=False)
+    kernel = sass_counts.compile_sm90(tk._decode_kernel.fn, consts,
+                                      "*i16" if pairs else "*fp8e4nv", 2, 2)
+    return sass_counts.opcode_counts(sass_counts.sass_of(kernel))
+
+
+def test_fp8_pairs_take_the_16_bit_shared_memory_path() -> None:
+    bytes_wide, pairs = _decode_ops(False), _decode_ops(True)
+    assert bytes_wide["LDS.U8"] > 0          # the float8 tile: byte-wide shared loads
+    assert pairs["LDS.U8"] == 0
+    assert pairs["LDSM.16.MT88.4"] > 0       # ldmatrix (transposed) for the K pairs
+    # one conversion per pair of elements in both: the pairs widen as many values
+    assert pairs["F2FP.F16.E4M3.UNPACK_B"] == bytes_wide["F2FP.F16.E4M3.UNPACK_B"]
+    assert sum(pairs.values()) < sum(bytes_wide.values())
