@@ -40,6 +40,7 @@ so the CPU interpreter runs each kernel once.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -617,6 +618,7 @@ def _cache_reads(kv_cache: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, dict
     return view, {"PAIRS": pairs, "CVT_ASM": cvt_asm, "E5M2": e5m2}
 
 
+@functools.lru_cache(maxsize=None)
 def _has_fp8_cvt(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
