@@ -4,8 +4,9 @@ context), to choose the split policy (`triton_kernels.choose_num_splits`).
 Each (splits, config) is timed as the engine runs it: a CUDA graph of back-to-back decode calls
 (attention + merge, PDL on), each on a different layer's cache so that K/V come from memory,
 not the L2 (enough caches for >= 256 MiB of K/V, as many as 32 "layers"). Prints, per case,
-the best (splits, config), the current policy's pick under the autotuner's config, and µs per
-call; `--json` writes every timing.
+the best (splits, config), the current policy's pick under the autotuner's config (which it
+names: the autotuner tunes once per key, at the first shape it meets, so a sweep over several
+shapes shows that shape's pick everywhere), and µs per call; `--json` writes every timing.
 
     python tools/gpu_sweep_decode_splits.py [--batches 1,4,16,64] [--ctx 128,512,2048,8192]
         [--kv-dtype bf16|fp8] [--heads 32 --kv-heads 8 --head-dim 128] [--json OUT.json]
@@ -108,16 +109,18 @@ def main() -> None:
                 tk.paged_attention_decode(q, caches[i % layers], seq_lens, bt, d ** -0.5,
                                           num_splits=splits, out=out, pdl=True)
             policy_us = graph_us(auto, 2 * layers)
+            picked = tk._decode_kernel.best_config   # the autotuner's config for this launch
+            picked = (picked.kwargs["BLOCK_N"], picked.num_warps, picked.num_stages)
             best = min(timings, key=timings.get)
             best_per_split = {sp: min(v for k, v in timings.items() if k[0] == sp)
                               for sp in SPLITS if any(k[0] == sp for k in timings)}
             kv_gbs = 2 * batch * ctx * kvh * d * caches[0].element_size() / (timings[best] * 1e3)
             print(f"b={batch:3d} ctx={ctx:5d}: best splits={best[0]:2d} cfg={best[1:]} "
                   f"{timings[best]:7.2f} us ({kv_gbs:6.0f} GB/s of K/V) | policy splits="
-                  f"{chosen:2d} {policy_us:7.2f} us | best per split: "
+                  f"{chosen:2d} cfg={picked} {policy_us:7.2f} us | best per split: "
                   + " ".join(f"{sp}:{t:.1f}" for sp, t in best_per_split.items()), flush=True)
             rows.append({"batch": batch, "ctx": ctx, "kv": args.kv_dtype, "policy": chosen,
-                         "policy_us": policy_us,
+                         "policy_config": list(picked), "policy_us": policy_us,
                          "timings": {",".join(map(str, k)): v for k, v in timings.items()}})
             del caches
     if args.json:
