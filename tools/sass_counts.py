@@ -5,7 +5,8 @@ does to the code before spending device time on it.
     python tools/sass_counts.py [--kernel decode|decode-split|varlen] [--kv bf16|fp8|fp8-pairs]
         [--block-n 32 --warps 2 --stages 2] [--block-m 128] [--dump /tmp/k]
 
-Prints the instruction total and the counts that told the FP8 cache's story (session 30):
+Prints the instruction total, each loop's length (the part that runs per tile) and the counts
+that told the FP8 cache's story (session 30):
 byte-wide shared-memory loads (LDS.U8), ldmatrix (LDSM), the e4m3 pair conversion, mma.sync.
 Integer arguments are compiled as the GPU run specializes them (strides divisible by 16).
 `--dump` writes the TTGIR, PTX and SASS next to the given prefix.
@@ -68,6 +69,21 @@ def opcode_counts(sass: str) -> collections.Counter:
         r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass))
 
 
+def loop_lengths(sass: str) -> list[int]:
+    """The instruction count of each loop (from a backward branch's target to the branch),
+    in program order: what a kernel spends per iteration, which its total (prologue and
+    epilogue included) can misstate."""
+    lines = [l for l in sass.split("\n") if re.search(r"/\*[0-9a-f]{4,5}\*/", l)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,5})\*/", l).group(1), 16) for l in lines]
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (0x[0-9a-f]+)", line)
+        if m and int(m.group(1), 16) < addr[i]:
+            start = int(m.group(1), 16)
+            loops.append(sum(start <= a <= addr[i] for a in addr))
+    return loops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", default="decode", choices=["decode", "decode-split", "varlen"])
@@ -102,7 +118,7 @@ def main() -> None:
     ops = opcode_counts(sass)
     print(f"{args.kernel} kv={args.kv} BLOCK_N={args.block_n} warps={args.warps} "
           f"stages={args.stages}: {sum(ops.values())} instructions, shared "
-          f"{kernel.metadata.shared} B")
+          f"{kernel.metadata.shared} B; loops {loop_lengths(sass)}")
     print("  " + "  ".join(f"{op} {ops.get(op, 0)}" for op in _SHOWN))
     if args.dump:
         for ext, text in (("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]),
