@@ -11,8 +11,8 @@
 `--kernel-file` times another version of folio/model/attention/triton_kernels.py (e.g. the
 committed one, for a before/after in one process). Times: median of CUDA-event-timed calls
 after warm-up (autotuning included in the warm-up); decode per call of a CUDA graph of calls
-over enough copies of the cache (up to 8, >= 256 MiB) that K/V come from memory. TFLOP/s counts causal work only (the
-visible query-key pairs, 4 * D flops each).
+over enough copies of the cache (up to 8, >= 256 MiB) that K/V come from memory. TFLOP/s
+counts causal work only (the visible query-key pairs, 4 * D flops each).
 """
 from __future__ import annotations
 

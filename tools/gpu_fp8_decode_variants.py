@@ -273,7 +273,8 @@ def run(mode, q, cache, seq_lens, bt, out, scale, cfg):
         return
     swap = mode >= 10
     mode = mode % 10
-    return _kern[(kvh, B) if swap else (B, kvh)](q, cache, out, seq_lens, bt, q.stride(0), q.stride(1), *cache.stride()[:4],
+    return _kern[(kvh, B) if swap else (B, kvh)](
+                    q, cache, out, seq_lens, bt, q.stride(0), q.stride(1), *cache.stride()[:4],
                     bt.stride(0), scale * 1.4426950408889634, 1.0, 1.0,
                     G=g, G_M=max(16, g), D=D, BLOCK_SIZE=cache.shape[2], MODE=mode,
                     BLOCK_N=cfg[0], SWAP=swap, num_warps=cfg[1], num_stages=cfg[2])

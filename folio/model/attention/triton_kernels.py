@@ -22,8 +22,9 @@ V / v_scale, one float32 scale per KV head. The cache write divides, clamps to t
 largest value and casts; the attention kernels load the float8 tile, convert it to the query's
 dtype (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and keep the scales out
 of the tiles (the decode kernel reads the cache as int16 pairs of elements, `_attend_tile`'s
-PAIRS, so that its tiles take the 16-bit path through shared memory): a program serves one KV head, so k_scale folds into the score scale and v_scale
-into the output (the split-K partials), one multiply per program instead of one per element.
+PAIRS, so that its tiles take the 16-bit path through shared memory): a program serves one
+KV head, so k_scale folds into the score scale and v_scale into the output (the split-K
+partials), one multiply per program instead of one per element.
 The scales are read from their tensors, so a captured CUDA graph sees the values they hold.
 
 Soft cap (Gemma 2) and attention sinks (GPT-OSS), both optional and compiled in only when
@@ -372,6 +373,8 @@ if HAS_TRITON:
         heads = kvh * G + hd
         # Not the decode kernel's pairs (PAIRS): this kernel's large tiles take Hopper's
         # shared-memory products, for which they slowed an 8k prefill over an FP8 cache 1.6x.
+        # (Its 32-row tiles, register products, read a float8 K tile a byte at a time as the
+        # decode kernel did, tools/sass_counts.py: pairs for those alone are untried.)
         q, q2 = _load_query(Q, q_rows, heads, stride_qt, stride_qh, row_ok, D, D_PAD, FP8,
                             False)
         q_pos = ctx_off + tok
