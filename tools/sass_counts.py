@@ -97,16 +97,15 @@ def main() -> None:
     ap.add_argument("--dump", default=None)
     args = ap.parse_args()
     fp8, pairs = args.kv != "bf16", args.kv == "fp8-pairs"
-    if pairs and args.kernel == "varlen":
-        ap.error("the varlen kernel reads float8 tiles (no pairs)")
-    kv_type = "*i16" if pairs else ("*fp8e4nv" if fp8 else "*bf16")
+    kv_type = "*fp8e4nv" if fp8 else "*bf16"
     g, d = args.heads_per_kv, args.head_dim
     common = dict(G=g, D=d, D_PAD=max(16, tk._next_pow2(d)), BLOCK_SIZE=16, SLIDING=False,
                   DOT_PREC="tf32", SOFTCAP=False, HAS_SINKS=False, FP8=fp8,
                   BLOCK_N=args.block_n)
     if args.kernel == "varlen":
         fn = tk._varlen_kernel.fn
-        consts = dict(common, G_PAD=tk._next_pow2(g), HAS_SKIP=False, BLOCK_M=args.block_m)
+        consts = dict(common, G_PAD=tk._next_pow2(g), HAS_SKIP=False, BLOCK_M=args.block_m,
+                      PAIRS=pairs, CVT_ASM=pairs, E5M2=False)
     else:
         fn = tk._decode_kernel.fn
         split = args.kernel == "decode-split"

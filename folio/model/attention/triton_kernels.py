@@ -233,8 +233,8 @@ if HAS_TRITON:
         caller's). MASKED=False is for tiles every row sees in full (keys in the context,
         before every query, no window): no masks, and no row left at -inf.
 
-        PAIRS (an FP8 cache, `KV` its int16 view): the tiles are read as pairs of elements
-        and widened into even and odd halves. q / acc hold the query's and the output's even
+        PAIRS (an FP8 cache): the tiles are read as int16 pairs of elements (through an int16
+        pointer to the same bytes) and widened into even and odd halves. q / acc hold the query's and the output's even
         head-dim elements, q2 / acc2 the odd ([M, D_PAD / 2] each), and q.k = q_even.k_even +
         q_odd.k_odd. A float8 tile read for a transposed product went through shared memory a
         byte at a time (the decode kernel read an FP8 cache at 72 % of its bf16 bytes' rate);
@@ -245,7 +245,8 @@ if HAS_TRITON:
         if PAIRS:
             e = tl.arange(0, D_PAD // 2)
             kv_mask = in_ctx[:, None] & (e[None, :] < D // 2)
-            ptr = KV + row[:, None] + e[None, :]
+            KV16 = KV.to(tl.pointer_type(tl.int16), bitcast=True)
+            ptr = KV16 + (row // 2)[:, None] + e[None, :]
             k_e, k_o = _fp8_pairs(tl.load(ptr, mask=kv_mask, other=0), CVT_ASM, E5M2)
             s = (tl.dot(q, tl.trans(k_e.to(q.dtype)), input_precision=DOT_PREC)
                  + tl.dot(q2, tl.trans(k_o.to(q.dtype)), input_precision=DOT_PREC))
@@ -258,8 +259,8 @@ if HAS_TRITON:
         p, alpha, m_new, l_i = _online_softmax(s * qk_scale, m_i, l_i, k_pos, in_ctx, q_pos,
                                                window, soft_cap, SLIDING, SOFTCAP, MASKED)
         if PAIRS:
-            v_e, v_o = _fp8_pairs(tl.load(ptr + stride_c0, mask=kv_mask, other=0), CVT_ASM,
-                                  E5M2)
+            v_e, v_o = _fp8_pairs(tl.load(ptr + stride_c0 // 2, mask=kv_mask, other=0),
+                                  CVT_ASM, E5M2)
             p = p.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p, v_e.to(q.dtype), input_precision=DOT_PREC)
             acc2 = acc2 * alpha[:, None] + tl.dot(p, v_o.to(q.dtype), input_precision=DOT_PREC)
@@ -333,9 +334,15 @@ if HAS_TRITON:
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
         FP8: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-        HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_SKIP: tl.constexpr, PAIRS: tl.constexpr, CVT_ASM: tl.constexpr,
+        E5M2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
+        # The decode kernel's pairs (PAIRS) for tiles under 64 rows only: those take register
+        # products, which read a float8 K tile a byte at a time as the decode kernel's did;
+        # the larger tiles take Hopper's shared-memory products, for which pairs slowed an 8k
+        # prefill over an FP8 cache 1.6x (docs/benchmarks.md, session 30).
+        TILE_PAIRS: tl.constexpr = PAIRS and BLOCK_M < 64
         # Last tiles first: a request's later tiles see more keys, and starting the longest
         # programs first leaves short ones, not long ones, for the last wave.
         pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -371,12 +378,8 @@ if HAS_TRITON:
         row_ok = (tok < q_len) & (hd < G)
         q_rows = (q_start + tok).to(tl.int64)
         heads = kvh * G + hd
-        # Not the decode kernel's pairs (PAIRS): this kernel's large tiles take Hopper's
-        # shared-memory products, for which they slowed an 8k prefill over an FP8 cache 1.6x.
-        # (Its 32-row tiles, register products, read a float8 K tile a byte at a time as the
-        # decode kernel did, tools/sass_counts.py: pairs for those alone are untried.)
         q, q2 = _load_query(Q, q_rows, heads, stride_qt, stride_qh, row_ok, D, D_PAD, FP8,
-                            False)
+                            TILE_PAIRS)
         q_pos = ctx_off + tok
 
         last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -391,8 +394,8 @@ if HAS_TRITON:
         if HAS_SINKS:  # the sink as a first key: logit sink, weight exp2(0) = 1, no value
             m_i = _sink_logits(SINKS, heads, row_ok)
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        acc2 = tl.zeros([16, 16], tl.float32)   # unused (no pairs)
+        acc = tl.zeros([BLOCK_M, D_PAD // 2 if TILE_PAIRS else D_PAD], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, D_PAD // 2 if TILE_PAIRS else 16], tl.float32)
         BT_row = BT + b.to(tl.int64) * stride_bt
         masked_start = kv_start
         if not SLIDING:
@@ -404,20 +407,22 @@ if HAS_TRITON:
                 acc, acc2, m_i, l_i = _attend_tile(
                     q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
                     qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, False, False, False,
-                    MASKED=False)
+                    D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, TILE_PAIRS, CVT_ASM,
+                    E5M2, MASKED=False)
         for start in range(masked_start, kv_end, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             acc, acc2, m_i, l_i = _attend_tile(
                 q, q2, acc, acc2, m_i, l_i, KV, BT_row, k_pos, kv_end, q_pos, kvh, window,
                 qk_scale, soft_cap, stride_c0, stride_cblk, stride_coff, stride_ch,
-                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, False, False, False)
+                D, D_PAD, BLOCK_SIZE, SLIDING, DOT_PREC, SOFTCAP, TILE_PAIRS, CVT_ASM, E5M2)
 
         if FP8:  # the weighted sum of the stored V / v_scale, times v_scale
             acc = acc * tl.load(V_SCALE + kvh)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            acc2 = acc2 * tl.load(V_SCALE + kvh)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptr = O + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-        _store_rows(o_ptr, out.to(O.dtype.element_ty), acc2, row_ok, D, D_PAD, False)
+        _store_rows(o_ptr, (acc / l_safe).to(O.dtype.element_ty),
+                    (acc2 / l_safe).to(O.dtype.element_ty), row_ok, D, D_PAD, TILE_PAIRS)
 
     # ------------------------------------------------------------------ decode (split-K)
     @autotune(
@@ -608,17 +613,16 @@ def kv_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
             per_head_scales(v_scale, kvh, kv_cache.device))
 
 
-def _cache_reads(kv_cache: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, dict]:
-    """The cache as the attention kernels read it, and their read-mode constexprs: an FP8
-    cache of an even head dim (padded to >= 32, so that half of it still fills a product's
-    16-wide K) is read as int16 pairs (`_attend_tile`'s PAIRS), widened by the GPU's pair
-    conversion where it has one (sm_89+; CVT_ASM) or byte by byte."""
+def _read_mode(kv_cache: torch.Tensor, d_pad: int) -> dict:
+    """The attention kernels' read-mode constexprs for this cache: an FP8 cache of an even
+    head dim (padded to >= 32, so that half of it still fills a product's 16-wide K) is read
+    as int16 pairs (`_attend_tile`'s PAIRS), widened by the GPU's pair conversion where it has
+    one (sm_89+; CVT_ASM) or byte by byte."""
     pairs = is_fp8(kv_cache.dtype) and kv_cache.shape[4] % 2 == 0 and d_pad >= 32
     e5m2 = kv_cache.dtype == torch.float8_e5m2
     cvt_asm = (pairs and not e5m2 and not INTERPRET and kv_cache.is_cuda
                and _has_fp8_cvt(kv_cache.device))
-    view = kv_cache.view(torch.int16) if pairs else kv_cache
-    return view, {"PAIRS": pairs, "CVT_ASM": cvt_asm, "E5M2": e5m2}
+    return {"PAIRS": pairs, "CVT_ASM": cvt_asm, "E5M2": e5m2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -707,6 +711,7 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
     assert g_pad <= 128, "more than 128 query heads per KV head is not supported"
     s0, sblk, soff, sh = _cache_strides(kv_cache)
     fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
+    d_pad = max(16, _next_pow2(d))
     softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     # Autotune per coarse bucket of the longest query (decode-heavy / short chunks / long
@@ -723,9 +728,10 @@ def paged_attention_varlen(query: torch.Tensor, kv_cache: torch.Tensor, *,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_reqs, sliding_window if sliding else 0, scale * _LOG2E, soft_cap, q_bucket,
-        G=g, G_PAD=g_pad, D=d, D_PAD=max(16, _next_pow2(d)),
+        G=g, G_PAD=g_pad, D=d, D_PAD=d_pad,
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
         FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, HAS_SKIP=skip is not None,
+        **_read_mode(kv_cache, d_pad),
     )
     return out
 
@@ -791,9 +797,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
     assert out.stride(2) == 1 and block_tables.stride(1) == 1
     g = num_heads // kvh
     d_pad = max(16, _next_pow2(d))
+    s0, sblk, soff, sh = _cache_strides(kv_cache)
     fp8, k_scale, v_scale = kv_scales(kv_cache, k_scale, v_scale)
-    kv, read_mode = _cache_reads(kv_cache, d_pad)
-    s0, sblk, soff, sh = _cache_strides(kv)
     softcap, soft_cap, has_sinks, sinks = _soft_cap_and_sinks(query, logits_soft_cap, sinks)
     sliding = sliding_window is not None and sliding_window > 0
     num_splits = max(1, int(num_splits))
@@ -816,7 +821,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         forced.setdefault("num_stages", 2)
         kernel = _decode_kernel.fn
     kernel[(B, kvh, num_splits)](
-        query, kv, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables,
+        query, kv_cache, out, m_part, l_part, acc_part, tickets, seq_lens, block_tables,
         k_scale, v_scale, sinks, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         s0, sblk, soff, sh, block_tables.stride(0),
         num_splits, sliding_window if sliding else 0, scale * _LOG2E, soft_cap,
@@ -824,7 +829,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens
         BLOCK_SIZE=kv_cache.shape[2], SLIDING=sliding, DOT_PREC=_dot_precision(query.dtype),
         FP8=fp8, SOFTCAP=softcap, HAS_SINKS=has_sinks, USE_SPLITS=use_splits,
         FUSED_MERGE=fused, G_P=g_p, S_CHUNK=max(1, _MERGE_BLOCK // (g_p * d_pad)),
-        USE_PDL=pdl, launch_pdl=pdl, **read_mode, **forced,
+        USE_PDL=pdl, launch_pdl=pdl, **_read_mode(kv_cache, d_pad), **forced,
     )
     if use_splits and not fused:
         _decode_merge_kernel[(B, num_heads)](
