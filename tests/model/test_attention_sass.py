@@ -1,8 +1,9 @@
-"""What the decode kernel compiles to on sm_90, checked here without a GPU (Triton's compiler
-and the ptxas it ships: tools/sass_counts.py). An FP8 cache read as float8 tiles crosses
-shared memory a byte at a time for the transposed K operand (LDS.U8); read as int16 pairs
-(`_attend_tile`'s PAIRS) it takes the 16-bit path (ldmatrix) and no byte-wide loads, which made
-the kernel 1.2-1.27x faster on an H100 (docs/benchmarks.md, session 30)."""
+"""What the attention kernels compile to on sm_90, checked here without a GPU (Triton's
+compiler and the ptxas it ships: tools/sass_counts.py). An FP8 cache read as float8 tiles
+crosses shared memory a byte at a time for the transposed K operand of a register product
+(LDS.U8); read as int16 pairs (`_attend_tile`'s PAIRS) it takes the 16-bit path (ldmatrix)
+and no byte-wide loads, which made the decode kernel 1.2-1.27x faster on an H100
+(docs/benchmarks.md, session 30). The varlen kernel's large tiles keep float8 tiles."""
 from __future__ import annotations
 
 import os

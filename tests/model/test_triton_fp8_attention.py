@@ -47,6 +47,11 @@ CASES: list[dict[str, Any]] = [
     dict(name="decode_fp32_e4m3_d16_splits", kind="read", dtype="float32",
          cache_dtype="float8_e4m3fn", H=4, KVH=2, D=16, bs=16, win=None, reqs=DECODES,
          scales=([0.03, 0.02], [0.01, 0.05]), splits=[1, 2]),
+    # The varlen kernel's float8 tiles (its 64-128-row tiles on a GPU; the interpreter's
+    # 16-row tile reads pairs wherever the head dim allows them).
+    dict(name="varlen_fp16_e4m3_d16_float8_tiles", kind="read", dtype="float16",
+         cache_dtype="float8_e4m3fn", H=4, KVH=2, D=16, bs=16, win=None, reqs=MIXED,
+         scales=([0.02, 0.05], [0.04, 0.01])),
     # Power-of-two scales and K/V the format holds exactly (one out of range: it saturates).
     dict(name="write_e4m3_per_head", kind="write", dtype="float32",
          cache_dtype="float8_e4m3fn", H=4, KVH=2, D=64, bs=16, win=None, reqs=MIXED,
@@ -172,8 +177,22 @@ def test_even_head_dims_are_read_in_pairs(dtype: str, d: int, pairs: bool) -> No
     cache = torch.zeros(2, 3, 16, 2, d, dtype=getattr(torch, dtype))
     mode = tk._read_mode(cache, max(16, tk._next_pow2(d)))
     assert mode["PAIRS"] is pairs
-    assert mode["E5M2"] is (dtype == "float8_e5m2")
+    assert mode["E5M2"] is (pairs and dtype == "float8_e5m2")
     assert mode["CVT_ASM"] is False   # a CPU tensor: the byte-wise widening
+
+
+def test_a_cache_view_with_odd_strides_reads_float8_tiles() -> None:
+    # The pairs halve the cache's offsets: a view whose strides (or start) are odd must not
+    # take them. Its head dim (32 of a row of 33) is even.
+    import torch
+
+    from folio.model.attention import triton_kernels as tk
+    base = torch.zeros(2, 3, 16, 2, 33, dtype=torch.float8_e4m3fn)
+    assert tk._read_mode(base[..., :32].contiguous(), 32)["PAIRS"] is True
+    assert tk._read_mode(base[..., :32], 32)["PAIRS"] is False          # odd strides
+    flat = torch.zeros(1 + 2 * 3 * 16 * 2 * 32, dtype=torch.float8_e4m3fn)
+    shifted = flat[1:].view(2, 3, 16, 2, 32)                              # odd start
+    assert tk._read_mode(shifted, 32)["PAIRS"] is False
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "write"],

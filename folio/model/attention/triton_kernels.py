@@ -21,10 +21,11 @@ FP8 cache (--kv-cache-dtype fp8, folio/model/attention/fp8.py): it holds K / k_s
 V / v_scale, one float32 scale per KV head. The cache write divides, clamps to the format's
 largest value and casts; the attention kernels load the float8 tile, convert it to the query's
 dtype (exact: every e4m3 and e5m2 value is a float16 and a bfloat16) and keep the scales out
-of the tiles (the decode kernel reads the cache as int16 pairs of elements, `_attend_tile`'s
-PAIRS, so that its tiles take the 16-bit path through shared memory): a program serves one
-KV head, so k_scale folds into the score scale and v_scale into the output (the split-K
-partials), one multiply per program instead of one per element.
+of the tiles (the decode kernel, and the varlen kernel's tiles under 64 rows, read the cache
+as int16 pairs of elements, `_attend_tile`'s PAIRS, so that their tiles take the 16-bit path
+through shared memory): a program serves one KV head, so k_scale folds into the score scale
+and v_scale into the output (the split-K partials), one multiply per program instead of one
+per element.
 The scales are read from their tensors, so a captured CUDA graph sees the values they hold.
 
 Soft cap (Gemma 2) and attention sinks (GPT-OSS), both optional and compiled in only when
@@ -167,7 +168,8 @@ if HAS_TRITON:
     def _fp8_pairs(x, CVT_ASM: tl.constexpr, E5M2: tl.constexpr):
         """A tile of an FP8 cache read as int16 pairs (element 2i in the low byte, 2i + 1 in
         the high) -> (float16 of the even elements, of the odd), exact. CVT_ASM: one
-        conversion instruction per pair (sm_89+); else each byte apart (the interpreter)."""
+        conversion instruction per pair (sm_89+); else each byte apart (the interpreter; a GPU
+        before sm_89 compiles no e4m3 conversion either way)."""
         x = x.to(tl.uint16, bitcast=True)
         if E5M2:  # an e5m2 value is the high byte of the float16 of the same value
             return (x << 8).to(tl.float16, bitcast=True), (x & 0xFF00).to(tl.float16,
@@ -233,13 +235,14 @@ if HAS_TRITON:
         caller's). MASKED=False is for tiles every row sees in full (keys in the context,
         before every query, no window): no masks, and no row left at -inf.
 
-        PAIRS (an FP8 cache): the tiles are read as int16 pairs of elements (through an int16
-        pointer to the same bytes) and widened into even and odd halves. q / acc hold the query's and the output's even
-        head-dim elements, q2 / acc2 the odd ([M, D_PAD / 2] each), and q.k = q_even.k_even +
-        q_odd.k_odd. A float8 tile read for a transposed product went through shared memory a
-        byte at a time (the decode kernel read an FP8 cache at 72 % of its bf16 bytes' rate);
-        16-bit pairs take the 16-bit path (ldmatrix), as a bf16 tile does. Otherwise q2 and
-        acc2 are passed through untouched."""
+        PAIRS (an FP8 cache, `_read_mode`): the tiles are read as int16 pairs of elements
+        (through an int16 pointer to the same bytes; offsets halved) and widened into even and
+        odd halves. q / acc hold the query's and the output's even head-dim elements, q2 /
+        acc2 the odd ([M, D_PAD / 2] each), and q.k = q_even.k_even + q_odd.k_odd. A float8
+        tile read for a transposed register product went through shared memory a byte at a
+        time (the decode kernel read an FP8 cache at 72 % of its bf16 bytes' rate); 16-bit
+        pairs take the 16-bit path (ldmatrix), as a bf16 tile does. Otherwise q2 and acc2 are
+        passed through untouched (the non-pair code is the kernels' code before pairs)."""
         row, in_ctx = _tile_rows(BT_row, k_pos, kv_end, kvh, stride_cblk, stride_coff,
                                  stride_ch, BLOCK_SIZE, MASKED)
         if PAIRS:
@@ -265,7 +268,8 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p, v_e.to(q.dtype), input_precision=DOT_PREC)
             acc2 = acc2 * alpha[:, None] + tl.dot(p, v_o.to(q.dtype), input_precision=DOT_PREC)
         else:
-            v = tl.load(ptr + stride_c0, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(KV + stride_c0 + row[:, None] + d[None, :], mask=kv_mask,
+                        other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return acc, acc2, m_new, l_i
 
@@ -291,7 +295,10 @@ if HAS_TRITON:
             # its range. The measured decode kernel was 33 % slower on an FP8 cache than on
             # a bf16 one, from the conversions alone (docs/benchmarks.md).
             q = q.to(tl.float16)
-            q2 = q2.to(tl.float16)
+            if PAIRS:
+                q2 = q2.to(tl.float16)
+            else:
+                q2 = q
         return q, q2
 
     @triton.jit
@@ -395,6 +402,7 @@ if HAS_TRITON:
             m_i = _sink_logits(SINKS, heads, row_ok)
             l_i = tl.full([BLOCK_M], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD // 2 if TILE_PAIRS else D_PAD], tl.float32)
+        # the odd half with pairs; else a placeholder _attend_tile passes through
         acc2 = tl.zeros([BLOCK_M, D_PAD // 2 if TILE_PAIRS else 16], tl.float32)
         BT_row = BT + b.to(tl.int64) * stride_bt
         masked_start = kv_start
@@ -482,6 +490,7 @@ if HAS_TRITON:
             m_i = tl.where(first, _sink_logits(SINKS, heads, h_ok), m_i)
             l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([G_M, D_PAD // 2 if PAIRS else D_PAD], tl.float32)
+        # the odd half with pairs; else a placeholder _attend_tile passes through
         acc2 = tl.zeros([G_M, D_PAD // 2 if PAIRS else 16], tl.float32)
         BT_row = BT + b64 * stride_bt
         masked_start = start
@@ -617,9 +626,13 @@ def _read_mode(kv_cache: torch.Tensor, d_pad: int) -> dict:
     """The attention kernels' read-mode constexprs for this cache: an FP8 cache of an even
     head dim (padded to >= 32, so that half of it still fills a product's 16-wide K) is read
     as int16 pairs (`_attend_tile`'s PAIRS), widened by the GPU's pair conversion where it has
-    one (sm_89+; CVT_ASM) or byte by byte."""
-    pairs = is_fp8(kv_cache.dtype) and kv_cache.shape[4] % 2 == 0 and d_pad >= 32
-    e5m2 = kv_cache.dtype == torch.float8_e5m2
+    one (sm_89+; CVT_ASM) or byte by byte. The pairs' offsets are the cache's halved, so every
+    stride and the start must be even (an engine's cache is contiguous; a view with odd
+    strides reads float8 tiles)."""
+    pairs = (is_fp8(kv_cache.dtype) and kv_cache.shape[4] % 2 == 0 and d_pad >= 32
+             and all(st % 2 == 0 for st in kv_cache.stride()[:4])
+             and kv_cache.data_ptr() % 2 == 0)
+    e5m2 = pairs and kv_cache.dtype == torch.float8_e5m2
     cvt_asm = (pairs and not e5m2 and not INTERPRET and kv_cache.is_cuda
                and _has_fp8_cvt(kv_cache.device))
     return {"PAIRS": pairs, "CVT_ASM": cvt_asm, "E5M2": e5m2}
