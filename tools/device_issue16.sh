@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -224,6 +224,22 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
+s31a)  # session 31: the 4-bit GEMV's tensor-core form (MMA configs; mma.sync on the codes,
+       # 11.8 instructions a word against 18.6) -- its GPU tests with every config forced,
+       # then the one-row sweep (every config of every projection, MMA ones named ...mma)
+  step 300 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
+      -k "int4_gemv or gate_up_silu or mma"
+  tail -6 "$OUT/tests.log" | cut -c1-400
+  STEP_PATTERN="int4|Error|bandwidth" step 250 sweep python3 tools/gpu_check_quant.py --sweep \
+      --m 1 --json "$OUT/sweep.json"
+  grep -E "int4" "$OUT/sweep.log" | sort -k1,1 -k4,4n | awk '{c[$1]++} c[$1]<=8' | cut -c1-90 ;;
+s31b)  # session 31, after s31a passed: batch-1 W4A16 with the tensor-core form in the
+       # autotuner (MMA_AUTOTUNED flipped in this copy) against it left out, bf16 beside
+  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
+  step 120 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/' folio/model/kernels/int4_gemv.py
+  grep -n "^MMA_AUTOTUNED" folio/model/kernels/int4_gemv.py
+  step 150 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json" ;;
 s30a)  # next session: the decode kernel over an FP8 cache against a bf16 one, every split
        # and tile (256-key tiles too), at the offline workload's batches (issue 16's 1.4x:
        # session 29's throughput runs with an FP8 cache reached 73 % of roofline, bf16's 83 %)

@@ -123,11 +123,11 @@ def main() -> int:
                               for p in tiny], 0.5 + 4 / 128) if tiny else None,
             }
             if args.sweep and m == 1:
-                for bn, bw, sk, w_, st in int4_gemv._CONFIGS:
-                    if int4_gemv.fits(n, k, 128, bn, bw, sk):
+                for bn, bw, sk, w_, st, mma in int4_gemv._CONFIGS:
+                    if int4_gemv.fits(n, k, 128, bn, bw, sk, w_ if mma else 0):
                         cfg = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=w_,
-                                   num_stages=st)
-                        cases[f"int4/{bn}x{bw}s{sk}w{w_}"] = (
+                                   num_stages=st, MMA=mma)
+                        cases[f"int4/{bn}x{bw}s{sk}w{w_}{'mma' if mma else ''}"] = (
                             [lambda l=l, c=cfg: int4_matmul(x, l.codes, l.scales, None, 128,
                                                             _config=c) for l in int4],
                             0.5 + 2 / 128)

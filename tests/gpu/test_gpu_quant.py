@@ -258,17 +258,44 @@ def test_int4_gemv_every_config() -> None:
             deq = (q * scales.float().repeat_interleave(g, 1)
                    + mins.repeat_interleave(g, 1)) if mins is not None else w.dequantize()
             ref = x.float() @ deq.t()
-            for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
-                if not int4_gemv.fits(n, k, g, bn, bw, sk):
+            for bn, bw, sk, warps, stages, mma in int4_gemv._CONFIGS:
+                if not int4_gemv.fits(n, k, g, bn, bw, sk, warps if mma else 0):
                     continue
                 config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
-                              num_stages=stages)
+                              num_stages=stages, MMA=mma)
                 out = int4_matmul(x, w.packed, scales, w.zeros, g, mins=mins,
                                   _config=config)
                 assert _rel(out, ref) < 1e-2, (n, k, g, form, config)
                 if sk > 1:
                     assert torch.equal(out, int4_matmul(x, w.packed, scales, w.zeros, g,
                                                         mins=mins, _config=config))
+
+
+def test_int4_gemv_mma_fp16_and_x_of_nonzero_mean() -> None:
+    """The tensor-core form (MMA configs) with fp16 activations and scales (its f16
+    products, 1024-based codes), and with x of a large common offset (the form subtracts
+    (BASE + z) sum x from its sums): against the float64 product, as the fp16-pair form."""
+    from folio.model.kernels import int4_gemv
+    torch.manual_seed(3)
+    n, k, g = 1024, 4096, 128
+    for dtype, offset in ((torch.float16, 0.0), (torch.bfloat16, 4.0), (torch.float16, 4.0)):
+        w = _int4(n, k, g, True, False)
+        scales, zeros = w.scales.to(dtype), w.zeros.to(dtype)
+        x = (torch.randn(1, k, device=CUDA) + offset).to(dtype)
+        deq = (w.codes().double() - zeros.double().repeat_interleave(g, 1)) \
+            * scales.double().repeat_interleave(g, 1)
+        ref = x.double() @ deq.t()
+        ran = 0
+        for bn, bw, sk, warps, stages, mma in int4_gemv._CONFIGS:
+            if not mma or not int4_gemv.fits(n, k, g, bn, bw, sk, warps):
+                continue
+            out = torch.empty(1, n, device=CUDA, dtype=dtype)
+            int4_gemv.int4_gemv(x, w.packed, scales, zeros, 1, g, None, out,
+                                _config=dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk,
+                                             num_warps=warps, num_stages=stages, MMA=True))
+            assert _rel(out, ref) < 5e-3, (dtype, offset, bn, sk, warps)
+            ran += 1
+        assert ran > 0
 
 
 def test_int4_gate_up_silu_every_config() -> None:
@@ -290,11 +317,11 @@ def test_int4_gate_up_silu_every_config() -> None:
         assert out.shape == (1, inter) and _rel(out, ref) < 1e-2, form
         if form != "sym":
             continue
-        for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
-            if not int4_gemv.fits(2 * inter, k, 128, bn, bw, sk):
+        for bn, bw, sk, warps, stages, mma in int4_gemv._CONFIGS:
+            if not int4_gemv.fits(2 * inter, k, 128, bn, bw, sk, warps if mma else 0):
                 continue
             config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
-                          num_stages=stages)
+                          num_stages=stages, MMA=mma)
             forced = torch.empty(1, inter, device=CUDA, dtype=torch.bfloat16)
             int4_gemv.int4_gemv(x, w.packed, w.scales, None, 0, 128, None, forced,
                                 gate_up=True, _config=config)
@@ -540,11 +567,11 @@ def test_int4_gemv_norm_epilogue_every_config() -> None:
         x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
         residual = torch.randn(1, n, device=CUDA, dtype=torch.bfloat16)
         norm_w = (1 + 0.1 * torch.randn(n, device=CUDA)).to(torch.bfloat16)
-        for bn, bw, sk, warps, stages in int4_gemv._CONFIGS:
-            if not int4_gemv.fits(n, k, 128, bn, bw, sk):
+        for bn, bw, sk, warps, stages, mma in int4_gemv._CONFIGS:
+            if not int4_gemv.fits(n, k, 128, bn, bw, sk, warps if mma else 0):
                 continue
             config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
-                          num_stages=stages)
+                          num_stages=stages, MMA=mma)
             out = torch.empty(1, n, device=CUDA, dtype=torch.bfloat16)
             plain = torch.empty_like(out)
             normed, stream = torch.empty_like(out), torch.empty_like(out)

@@ -45,41 +45,68 @@ import torch
 from folio.model.kernels import gemv
 from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, triton
 
-# (BLOCK_N, BLOCK_W words, SPLIT_K, num_warps, num_stages); N and K are runtime arguments, so
-# each config compiles once per (G, ZERO_MODE, bias, gate|up) for all of a model's shapes.
+# (BLOCK_N, BLOCK_W words, SPLIT_K, num_warps, num_stages, MMA); N and K are runtime
+# arguments, so each config compiles once per (G, ZERO_MODE, bias, gate|up) for all of a
+# model's shapes. MMA: the tensor-core form (mma_ptx), tiles of MMA_WORDS words.
 _CONFIGS = [
     # 128-word tiles: a warp's 32 threads take four words (16 bytes) each of one row, so
     # each thread holds eight rows and its x elements are prepared once for the eight
     # (compiled for sm_90 here, groups of 128 columns: 2.3-2.6 instructions a code in the
     # loop, against ~5.9 for the float32 form's tiles and 3.0-3.3 widened every word and laid
     # out one row a thread; 2.9 for groups of 32); narrow outputs split K
-    (32, 128, 1, 4, 1), (32, 128, 2, 4, 1), (32, 128, 4, 4, 1),
-    (16, 128, 1, 2, 1), (16, 128, 2, 2, 1), (16, 128, 4, 2, 1),
+    (32, 128, 1, 4, 1, False), (32, 128, 2, 4, 1, False), (32, 128, 4, 4, 1, False),
+    (16, 128, 1, 2, 1, False), (16, 128, 2, 2, 1, False), (16, 128, 4, 2, 1, False),
     # four rows a thread: twice the programs for the narrow outputs (qkv, o); split in K
     # too, four to eight programs an SM there (not yet measured on a GPU)
-    (16, 128, 1, 4, 1), (8, 128, 1, 2, 1),
-    (16, 128, 2, 4, 1), (8, 128, 2, 2, 1), (8, 128, 4, 2, 1),
+    (16, 128, 1, 4, 1, False), (8, 128, 1, 2, 1, False),
+    (16, 128, 2, 4, 1, False), (8, 128, 2, 2, 1, False), (8, 128, 4, 2, 1, False),
     # 64-word tiles, two rows a warp
-    (32, 64, 1, 2, 1), (32, 64, 2, 2, 1), (32, 64, 4, 2, 1), (16, 64, 1, 2, 1),
+    (32, 64, 1, 2, 1, False), (32, 64, 2, 2, 1, False), (32, 64, 4, 2, 1, False),
+    (16, 64, 1, 2, 1, False),
     # 16-word tiles (one group of 128), for Ks the wider tiles do not divide
-    (64, 16, 1, 4, 1),
+    (64, 16, 1, 4, 1, False),
+    # The tensor-core form: 16 words (one group of 128 columns) a row a tile; a lane quad
+    # holds them, eight rows a warp, BLOCK_N / (8 num_warps) rows a thread (an even number:
+    # mma.sync takes two rows a lane). Not yet timed on a GPU (session 31).
+    (64, 16, 1, 2, 1, True), (64, 16, 2, 2, 1, True), (64, 16, 4, 2, 1, True),
+    (128, 16, 1, 4, 1, True), (128, 16, 2, 4, 1, True), (128, 16, 4, 4, 1, True),
+    (128, 16, 1, 2, 1, True), (256, 16, 1, 4, 1, True),
 ]
-_INTERPRET_CONFIGS = [(4, 8, 1, 4, 1)]
-
+_INTERPRET_CONFIGS = [(4, 8, 1, 4, 1, False)]
+# Whether the autotuner may pick the tensor-core form. Off until the form has passed its GPU
+# tests (tests/gpu/test_gpu_quant.py force every config, MMA ones included).
+MMA_AUTOTUNED = False
+# The tensor-core form's tile: 16 words a row (128 columns), the k of two m16n8k16 products
+# for each of a lane quad's four words.
+MMA_WORDS = 16
 
 
 def _configs() -> list:
-    chosen = _INTERPRET_CONFIGS if INTERPRET else _CONFIGS
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": sk},
-                          num_warps=w, num_stages=st) for bn, bw, sk, w, st in chosen]
+    chosen = _INTERPRET_CONFIGS if INTERPRET else [
+        c for c in _CONFIGS if MMA_AUTOTUNED or not c[5]]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": sk,
+                           "MMA": mma_reps(bn, w) if mma else 0},
+                          num_warps=w, num_stages=st) for bn, bw, sk, w, st, mma in chosen]
 
 
-def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int) -> bool:
+def mma_reps(block_n: int, num_warps: int) -> int:
+    """The rows a lane holds in the tensor-core form (the kernel's MMA argument): eight rows
+    a warp, the warps stacked."""
+    return block_n // (8 * num_warps)
+
+
+def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int,
+         mma_warps: int = 0) -> bool:
     """Whether a tile of `block_w` words (and a K split in `split_k`) fits the shape: whole
     tiles per split, groups that tile the tile or a tile inside one group, split-K only where
-    the GEMV workspace holds the partials (one row: split_k * N floats) and the tickets."""
+    the GEMV workspace holds the partials (one row: split_k * N floats) and the tickets.
+    `mma_warps`: the tensor-core form at that many warps (0: the fp16-pair form), which
+    takes tiles of MMA_WORDS words inside one group and an even number of rows a thread."""
     kw, wpg = k // 8, g // 8
     if k <= 0 or k % 8 or g % 8 or kw % (block_w * split_k):
+        return False
+    if mma_warps and (block_w != MMA_WORDS or wpg % MMA_WORDS
+                      or block_n % (16 * mma_warps)):
         return False
     if (block_w > wpg and block_w % wpg) or (block_w < wpg and wpg % block_w):
         return False
@@ -93,7 +120,8 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     if args.get("GATE_UP"):
         n *= 2      # both halves' rows are in the tiles and the split-K partials
     kept = [c for c in configs
-            if fits(n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"])]
+            if fits(n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"],
+                    c.num_warps if c.kwargs["MMA"] else 0)]
     if kept:
         return kept
     # A K that no listed tile divides (e.g. SmolLM2's 576 with GGUF groups of 32): the widest
@@ -147,6 +175,132 @@ def dot_ptx(words: int) -> str:
 def dot_constraints(words: int) -> str:
     """The inline asm constraints of dot_ptx(words): one float32 out, 32-bit registers in."""
     return ",".join(["=f"] + ["r"] * (words + 4 * words + 2))
+
+
+# The tensor-core form (configs with MMA). The fp16-pair form spends 13 instructions a word
+# on its codes, four of them the products; here the products go to mma.sync m16n8k16, whose
+# one instruction takes 64 codes of a lane pair of rows. What is left is widening: one LOP3 a
+# pair of codes (each 16-bit half of a word gets nibble i of its half OR-ed into the mantissa
+# of 128.0 in bf16, 1024.0 in fp16: the exact value BASE + q) after a shift that brings
+# nibble i down (three shifts a word; bf16's 7-bit mantissa has no room for a nibble four
+# places up, so the fp16 form's trick for them does not apply). No subtraction: with float32
+# accumulators, sum (BASE + q) x - (BASE + z) sum x is sum (q - z) x to float32 rounding
+# (relative 1e-5 of the sum of |x|, far below the codes' own error), and sum x, the same for
+# every row, comes from the tensor cores too (a product with a matrix of ones).
+#
+# Lanes: the tile [BLOCK_N, 16 words] is loaded as Triton lays it out by itself for 16-byte
+# loads of a 64-byte row (tests/model/test_int4_gemv_mma.py checks the layout the compiler
+# chose): size per thread [1, 4], threads per warp [8, 4], order [1, 0]. Lane 4 g + c holds
+# words 4c..4c+3 of rows g, g + 8 W, g + 16 W, ... (W warps), in registers word-fastest: the
+# mma's group g and thread-in-group c. Every k of an m16n8k16 is a column somewhere in the
+# tile, chosen alike for A and B: lane c's a0/b0 are columns (8w, 8w + 4), a2/b1 (8w + 1,
+# 8w + 5), for its word w = 4c + j in the first product and (8w + 2, 8w + 6), (8w + 3, 8w + 7)
+# in the second. A's rows g and g + 8 are the lane's two rows of a pair (a1, a3 the second
+# row's codes). B's eight columns are all x (every lane loads its own x pairs), so every
+# lane's d0 / d2 is its rows' whole dot over the tile, the same in the four lanes of a quad.
+# The kernel's final sum over a row's lanes is then four times the result (scaled by 1/4).
+
+# Compile-time helpers of the kernel (Triton calls them on constexpr arguments; callable from
+# Python as they are).
+_constexpr_function = triton.constexpr_function if HAS_TRITON else (lambda fn: fn)
+# float32 PTX immediates of -BASE - z for z = 0 (form 1's subtrahend base, form 2) and 8
+_NEG_BASE = {(128.0, 0): "0fC3000000", (128.0, 8): "0fC3080000",
+             (1024.0, 0): "0fC4800000", (1024.0, 8): "0fC4810000"}
+
+
+@_constexpr_function
+def _mma_load_f32(dst: str, addr: str, kind: str) -> list:
+    """PTX loading the float at `addr` (its dtype `kind`) into the 32-bit register `dst`."""
+    if kind == "fp32":
+        return [f"ld.global.b32 {dst}, [{addr}];"]
+    if kind == "bf16":    # bf16 is float32's high half
+        return [f"ld.global.b16 h, [{addr}];", f"mov.b32 {dst}, {{hz, h}};"]
+    return [f"ld.global.b16 h, [{addr}];", f"cvt.f32.f16 {dst}, h;"]
+
+
+@_constexpr_function
+def mma_ptx(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str) -> str:
+    """The PTX of one lane's tile step in the tensor-core form, `reps` rows a lane (even):
+    operands (pack 4 reps, element e = 4 r + j: row rep r, word j of the lane's four) are the
+    new accumulators ($0..), then the tile's words, the accumulators, the addresses of each
+    row's scale, of its zero point (form 1) or minimum (form 2), and of the lane's first x
+    element. Only element 4 r of the accumulators carries row r (the others stay 0), and only
+    address elements 4 r (x: 0) are read. Per row: acc + s (D - (BASE + z) X) (form 2:
+    acc + s (D - BASE X) + m X), D the mma sum of (BASE + q) x, X the tile's sum of x.
+    Scales and offsets of `s_kind` / `z_kind` ("bf16", "fp16", "fp32"). Public for the CPU
+    test that emulates it lane by lane."""
+    if reps < 2 or reps % 2:
+        raise ValueError(f"the tensor-core form takes an even number of rows a lane, not {reps}")
+    p = 4 * reps
+    ty = "f16" if x_f16 else "bf16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    base = 1024.0 if x_f16 else 128.0
+    lop_base = "0x64006400" if x_f16 else "0x43004300"
+    one = "0x3C003C00" if x_f16 else "0x3F803F80"
+    n = iter(range(10 * p))
+    out = [f"${next(n)}" for _ in range(p)]
+    words = [f"${next(n)}" for _ in range(p)]
+    acc = [f"${next(n)}" for _ in range(p)]
+    s_addr = [f"${next(n)}" for _ in range(p)]
+    z_addr = [f"${next(n)}" for _ in range(p)] if zero_mode else None
+    x_addr = f"${next(n)}"
+    lines = ["{", ".reg .b32 xr<16>, xp<16>, one, t<3>, u<3>, a<4>, e<4>, s, z;",
+             ".reg .b16 h, hz;", ".reg .f32 dx<4>, d<4>, v, zero, nz;",
+             f"mov.b32 one, {one};", "mov.f32 zero, 0f00000000;", "mov.b16 hz, 0;"]
+    # x: the lane's four words (32 elements), in the pairs of the products' k order
+    for j in range(4):
+        lines.append(f"ld.global.v4.b32 {{xr{4 * j}, xr{4 * j + 1}, xr{4 * j + 2}, "
+                     f"xr{4 * j + 3}}}, [{x_addr}+{16 * j}];")
+    for j in range(4):
+        r = [f"xr{4 * j + i}" for i in range(4)]
+        lines += [f"prmt.b32 xp{4 * j}, {r[0]}, {r[2]}, 0x5410;",        # (x0, x4)
+                  f"prmt.b32 xp{4 * j + 1}, {r[0]}, {r[2]}, 0x7632;",    # (x1, x5)
+                  f"prmt.b32 xp{4 * j + 2}, {r[1]}, {r[3]}, 0x5410;",    # (x2, x6)
+                  f"prmt.b32 xp{4 * j + 3}, {r[1]}, {r[3]}, 0x7632;"]    # (x3, x7)
+    # X = the tile's sum of x, in every lane: ones against the same pairs
+    for i in range(0, 16, 2):
+        c = "zero, zero, zero, zero" if i == 0 else "dx0, dx1, dx2, dx3"
+        lines.append(f"{mma} {{dx0, dx1, dx2, dx3}}, {{one, one, one, one}}, "
+                     f"{{xp{i}, xp{i + 1}}}, {{{c}}};")
+    for pair in range(reps // 2):
+        top, bottom = 8 * pair, 8 * pair + 4          # elements of rows 2 pair, 2 pair + 1
+        for j in range(4):
+            wt, wb = words[top + j], words[bottom + j]
+            lines += [f"shr.u32 t{i}, {wt}, {4 * (i + 1)};" for i in range(3)]
+            lines += [f"shr.u32 u{i}, {wb}, {4 * (i + 1)};" for i in range(3)]
+            srcs = [(wt, wb), ("t0", "u0"), ("t1", "u1"), ("t2", "u2")]
+            for i in range(4):
+                lines += [f"lop3.b32 a{i}, {srcs[i][0]}, 0x000f000f, {lop_base}, 0xea;",
+                          f"lop3.b32 e{i}, {srcs[i][1]}, 0x000f000f, {lop_base}, 0xea;"]
+            for h in range(2):
+                c = "zero, zero, zero, zero" if j == 0 and h == 0 else "d0, d1, d2, d3"
+                lines.append(f"{mma} {{d0, d1, d2, d3}}, {{a{2 * h}, e{2 * h}, a{2 * h + 1}, "
+                             f"e{2 * h + 1}}}, {{xp{4 * j + 2 * h}, xp{4 * j + 2 * h + 1}}}, "
+                             f"{{{c}}};")
+        for half in range(2):
+            el, dreg = (top, "d0") if half == 0 else (bottom, "d2")
+            lines += _mma_load_f32("s", s_addr[el], s_kind)
+            if zero_mode == 1:
+                lines += _mma_load_f32("z", z_addr[el], z_kind)
+                lines.append(f"sub.f32 nz, {_NEG_BASE[base, 0]}, z;")
+            else:
+                lines.append(f"mov.f32 nz, {_NEG_BASE[base, 8 if zero_mode == 0 else 0]};")
+            lines += [f"fma.rn.f32 v, nz, dx0, {dreg};",
+                      f"fma.rn.f32 {out[el]}, s, v, {acc[el]};"]
+            if zero_mode == 2:
+                lines += _mma_load_f32("z", z_addr[el], z_kind)
+                lines.append(f"fma.rn.f32 {out[el]}, z, dx0, {out[el]};")
+            lines += [f"mov.f32 {out[el + j]}, zero;" for j in range(1, 4)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+@_constexpr_function
+def mma_constraints(reps: int, zero_mode: int) -> str:
+    """The inline asm constraints of mma_ptx: float32 outs; words, accumulators, addresses."""
+    p = 4 * reps
+    addresses = (3 if zero_mode else 2) * p
+    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["l"] * addresses)
 
 
 if HAS_TRITON:
@@ -325,6 +479,67 @@ if HAS_TRITON:
             acc += mn * xsum[None, :, :]
         return acc
 
+    @triton.constexpr_function
+    def _float_kind(ty):
+        return {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[str(ty)]
+
+    @triton.jit
+    def _tile_mma(acc, cur, t, X, SC, ZP, s_rows, z_rows, w_flat, BLOCK_W: tl.constexpr,
+                  WPG: tl.constexpr, REPS: tl.constexpr, ZERO_MODE: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_W = MMA_WORDS] plus tile t's products in the tensor-core form
+        (mma_ptx): one asm block a lane, its `REPS` rows' words and accumulators. The
+        interpreter's form adds each word's sum (q - z) x s instead, in the same tensor."""
+        g = (t * BLOCK_W) // WPG
+        x_tile = X + t * (BLOCK_W * 8) + w_flat * 8          # [1, BLOCK_W]: word w's x
+        if _ASM:
+            ptx: tl.constexpr = mma_ptx(REPS, ZERO_MODE, X.dtype.element_ty == tl.float16,
+                                         _float_kind(SC.dtype.element_ty),
+                                         _float_kind(ZP.dtype.element_ty))
+            cons: tl.constexpr = mma_constraints(REPS, ZERO_MODE)
+            s_addr = (s_rows + g).to(tl.int64)
+            x_addr = x_tile.to(tl.int64)
+            if ZERO_MODE == 0:
+                acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, s_addr, x_addr],
+                                                dtype=tl.float32, is_pure=False,
+                                                pack=4 * REPS)
+            else:
+                acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, s_addr,
+                                                            (z_rows + g).to(tl.int64), x_addr],
+                                                dtype=tl.float32, is_pure=False,
+                                                pack=4 * REPS)
+        else:
+            s = tl.load(s_rows + g).to(tl.float32)
+            if ZERO_MODE == 1:
+                z = tl.load(z_rows + g).to(tl.float32)
+            else:
+                z = 8.0 if ZERO_MODE == 0 else 0.0
+            part = tl.zeros(acc.shape, dtype=tl.float32)
+            xsum = tl.zeros(x_tile.shape, dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_tile + i).to(tl.float32)
+                part += (((cur >> (4 * i)) & 0xF).to(tl.float32) - z) * xi
+                xsum += xi
+            acc += s * part
+            if ZERO_MODE == 2:
+                acc += tl.load(z_rows + g).to(tl.float32) * xsum
+        return acc
+
+    @triton.jit
+    def _tile_step(acc, cur, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
+                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUPS: tl.constexpr,
+                   INNER: tl.constexpr, WPG: tl.constexpr, QUAD: tl.constexpr,
+                   ZERO_MODE: tl.constexpr, MMA: tl.constexpr):
+        """acc plus tile t's products (its words `cur`, [BLOCK_N, BLOCK_W] uint32), in the
+        tensor-core form (MMA: the rows a lane holds) or the fp16-pair form."""
+        if MMA:
+            acc = _tile_mma(acc, cur, t, X, SC, ZP, s_rows, z_rows, w_flat, BLOCK_W, WPG, MMA,
+                            ZERO_MODE)
+        else:
+            acc = _tile_dot(acc, tl.reshape(cur, (BLOCK_N, GROUPS, INNER)), t, X, s_rows,
+                            z_rows, x_in, g_in, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
+                            ZERO_MODE)
+        return acc
+
     @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
@@ -334,7 +549,7 @@ if HAS_TRITON:
                       GATE_UP: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
                       GRID_TICKET: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      MMA: tl.constexpr, USE_PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         WPG: tl.constexpr = G // 8
@@ -386,19 +601,26 @@ if HAS_TRITON:
         tile_a = tl.load(w_rows + t_lo * BLOCK_W + w_flat)
         tile_b = tl.load(w_rows + tl.minimum(t_lo + 1, last) * BLOCK_W + w_flat)
         pdl_entry(USE_PDL)
-        acc = tl.zeros((BLOCK_N, GROUPS, INNER_A), dtype=tl.float32)
+        if MMA:
+            acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, GROUPS, INNER_A), dtype=tl.float32)
         for t in range(t_lo, t_hi, 2):
-            cur = tl.reshape(tile_a.to(tl.uint32, bitcast=True),   # logical shifts
-                             (BLOCK_N, GROUPS, INNER))
+            cur = tile_a.to(tl.uint32, bitcast=True)   # logical shifts
             tile_a = tl.load(w_rows + tl.minimum(t + 2, last) * BLOCK_W + w_flat)
-            acc = _tile_dot(acc, cur, t, X, s_rows, z_rows, x_in, g_in, BLOCK_N, BLOCK_W,
-                            GROUPS, INNER, WPG, QUAD, ZERO_MODE)
+            acc = _tile_step(acc, cur, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
+                             BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE, MMA)
             if t + 1 < t_hi:
-                cur = tl.reshape(tile_b.to(tl.uint32, bitcast=True), (BLOCK_N, GROUPS, INNER))
+                cur = tile_b.to(tl.uint32, bitcast=True)
                 tile_b = tl.load(w_rows + tl.minimum(t + 3, last) * BLOCK_W + w_flat)
-                acc = _tile_dot(acc, cur, t + 1, X, s_rows, z_rows, x_in, g_in, BLOCK_N,
-                                BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE)
-        total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
+                acc = _tile_step(acc, cur, t + 1, X, SC, ZP, s_rows, z_rows, x_in, g_in,
+                                 w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE,
+                                 MMA)
+        if MMA:
+            # a row's sum is in each of its quad's four lanes (mma_ptx), which the sum adds
+            total = (tl.sum(acc, axis=1) * (0.25 if _ASM else 1.0))[None, :]
+        else:
+            total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
         is_last = True
         if SPLIT_K > 1:
@@ -472,7 +694,10 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         return out
     config = dict(_config)
     warps, stages = config.pop("num_warps", 4), config.pop("num_stages", 1)
-    if not fits(rows, k, group_size, config["BLOCK_N"], config["BLOCK_W"], config["SPLIT_K"]):
+    mma = bool(config.pop("MMA", False))
+    config["MMA"] = mma_reps(config["BLOCK_N"], warps) if mma else 0
+    if not fits(rows, k, group_size, config["BLOCK_N"], config["BLOCK_W"], config["SPLIT_K"],
+                warps if mma else 0):
         raise ValueError(f"config {_config} does not fit N={rows}, K={k}, G={group_size}")
     _gemv4_kernel.fn[(triton.cdiv(rows, config["BLOCK_N"]), config["SPLIT_K"])](
         *args, **meta, **config, num_warps=warps, num_stages=stages)
