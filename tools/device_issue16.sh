@@ -224,22 +224,27 @@ spec17)  # issue 17 (next session): speculative decoding's GPU test, then batch-
   step 150 lat_spec_off $LAT --dataset editing --output-json "$OUT/lat_spec_off.json"
   step 150 lat_spec_ngram $LAT --dataset editing --output-json "$OUT/lat_spec_ngram.json" \
       --speculative-config '{"method":"ngram","num_speculative_tokens":4}' ;;
-s31a)  # session 31: the 4-bit GEMV's tensor-core form (MMA configs; mma.sync on the codes,
-       # 11.8 instructions a word against 18.6) -- its GPU tests with every config forced,
-       # then the one-row sweep (every config of every projection, MMA ones named ...mma)
+s31a)  # session 31: the one-row GEMVs' tensor-core form (MMA configs; mma.sync on the codes:
+       # 4-bit 11.8 instructions a word against 18.6, FP8 1.6 a code against 5.9) -- GPU tests
+       # with every config forced, then the one-row sweep (every config of every projection;
+       # int4/...mma and fp8/mma... the new ones, fp8-mma autotuned)
   step 300 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
-      -k "int4_gemv or gate_up_silu or mma"
+      -k "int4_gemv or gate_up_silu or mma or fp8_gemv"
   tail -6 "$OUT/tests.log" | cut -c1-400
-  STEP_PATTERN="int4|Error|bandwidth" step 250 sweep python3 tools/gpu_check_quant.py --sweep \
+  STEP_PATTERN="Error|bandwidth" step 280 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --json "$OUT/sweep.json"
-  grep -E "int4" "$OUT/sweep.log" | sort -k1,1 -k4,4n | awk '{c[$1]++} c[$1]<=8' | cut -c1-90 ;;
-s31b)  # session 31, after s31a passed: batch-1 W4A16 with the tensor-core form in the
-       # autotuner (MMA_AUTOTUNED flipped in this copy) against it left out, bf16 beside
-  step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
-  step 120 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
-  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/' folio/model/kernels/int4_gemv.py
-  grep -n "^MMA_AUTOTUNED" folio/model/kernels/int4_gemv.py
-  step 150 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json" ;;
+  grep -E "int4|fp8|bf16 " "$OUT/sweep.log" | grep -v "fp8/[0-9]" | sort -k1,1 -k4,4n \
+      | awk '{c[$1]++} c[$1]<=10' | cut -c1-90 ;;
+s31b)  # session 31, after s31a passed: batch-1 W4A16 and FP8 with the tensor-core forms
+       # switched on in this copy (MMA_AUTOTUNED, FP8_MMA_GEMV) against them off, bf16 beside
+  step 100 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/; s/^FP8_MMA_GEMV = False/FP8_MMA_GEMV = True/' \
+      folio/model/kernels/int4_gemv.py
+  grep -n "^MMA_AUTOTUNED\|^FP8_MMA_GEMV" folio/model/kernels/int4_gemv.py
+  step 130 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json"
+  step 110 lat_fp8_mma $LAT --quantization fp8 --output-json "$OUT/lat_fp8_mma.json" ;;
 s30a)  # next session: the decode kernel over an FP8 cache against a bf16 one, every split
        # and tile (256-key tiles too), at the offline workload's batches (issue 16's 1.4x:
        # session 29's throughput runs with an FP8 cache reached 73 % of roofline, bf16's 83 %)

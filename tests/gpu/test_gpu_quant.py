@@ -583,3 +583,87 @@ def test_int4_gemv_norm_epilogue_every_config() -> None:
             assert torch.equal(stream, want_stream), (n, k, config)
             assert torch.equal(normed, want_normed), (n, k, config)
     assert int(gemv._workspace(CUDA)[1].abs().sum()) == 0
+
+
+def test_fp8_gemv_every_config() -> None:
+    """The tensor-core one-row GEMV over FP8 codes (kernels/int4_gemv.fp8_gemv), each MMA
+    config forced, at Llama-3-8B's shapes: against the float64 product of the same codes
+    (bf16 and fp16 x, a bias); split configs twice, bit-equal; the norm epilogue bit-equal to
+    the product then rms_norm; gate|up against silu(gate) * up."""
+    from folio.model.kernels import gemv, int4_gemv
+    from folio.model.kernels.rmsnorm import rms_norm
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    torch.manual_seed(5)
+    for n, k in SHAPES:
+        q = quantize_fp8_per_channel(torch.randn(n, k, device=CUDA) * 0.02)
+        deq = q.codes.double() * q.scale.double()[:, None]
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(1, k, device=CUDA, dtype=dtype)
+            bias = torch.randn(n, device=CUDA, dtype=dtype)
+            ref = x.double() @ deq.t() + bias.double()
+            for bn, bw, sk, warps, stages, mma in int4_gemv._CONFIGS:
+                if not mma or not int4_gemv.fits(n, k, k, bn, bw, sk, warps, cols=4):
+                    continue
+                config = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=warps,
+                              num_stages=stages, MMA=True)
+                out = torch.empty(1, n, device=CUDA, dtype=dtype)
+                int4_gemv.fp8_gemv(x, q.codes, q.scale, bias, out, _config=config)
+                assert _rel(out, ref) < 5e-3, (n, k, dtype, config)
+                if sk > 1:
+                    again = torch.empty_like(out)
+                    int4_gemv.fp8_gemv(x, q.codes, q.scale, bias, again, _config=config)
+                    assert torch.equal(out, again), (n, k, config)
+                if dtype == torch.bfloat16 and n == 4096:
+                    residual = torch.randn(1, n, device=CUDA, dtype=dtype)
+                    norm_w = (1 + 0.1 * torch.randn(n, device=CUDA)).to(dtype)
+                    normed, stream, plain = (torch.empty_like(out) for _ in range(3))
+                    int4_gemv.fp8_gemv(x, q.codes, q.scale, None, plain, _config=config)
+                    int4_gemv.fp8_gemv(x, q.codes, q.scale, None, torch.empty_like(out),
+                                       norm=(residual, norm_w, 1e-5, normed, stream),
+                                       _config=config)
+                    want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
+                    assert torch.equal(stream, want_stream), (n, k, config)
+                    assert torch.equal(normed, want_normed), (n, k, config)
+            # the autotuned launch
+            out = torch.empty(1, n, device=CUDA, dtype=dtype)
+            assert _rel(int4_gemv.fp8_gemv(x, q.codes, q.scale, bias, out), ref) < 5e-3
+    assert int(gemv._workspace(CUDA)[1].abs().sum()) == 0
+    # gate|up, fused SiLU-and-mul
+    inter, k = 1536, 4096
+    q = quantize_fp8_per_channel(torch.randn(2 * inter, k, device=CUDA) * 0.02)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    gate, up = (x.double() @ (q.codes.double() * q.scale.double()[:, None]).t()).chunk(2, -1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = torch.empty(1, inter, device=CUDA, dtype=torch.bfloat16)
+    assert _rel(int4_gemv.fp8_gemv(x, q.codes, q.scale, None, out, gate_up=True), ref) < 1e-2
+
+
+def test_fp8_linear_one_row_through_the_mma_gemv(monkeypatch) -> None:
+    """EightBitLinear at one row with FP8_MMA_GEMV set: the plain product, the norm epilogue
+    and the fused gate|up take fp8_gemv and agree with the skinny GEMV's results."""
+    from folio.model.kernels import int4_gemv
+    from folio.model.quant.eight_bit_linear import EightBitLinear
+    from folio.model.quant.formats import quantize_fp8_per_channel
+    torch.manual_seed(6)
+    n, k = 4096, 4096
+    layer = EightBitLinear(quantize_fp8_per_channel(torch.randn(n, k, device=CUDA) * 0.02),
+                           "fp8")
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    residual = torch.randn(1, n, device=CUDA, dtype=torch.bfloat16)
+    norm_w = torch.ones(n, device=CUDA, dtype=torch.bfloat16)
+    skinny = (layer(x), layer.forward_add_norm(x, None, residual, norm_w, 1e-5))
+    calls = []
+    real = int4_gemv.fp8_gemv
+    monkeypatch.setattr(int4_gemv, "fp8_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(int4_gemv, "FP8_MMA_GEMV", True)
+    mma = (layer(x), layer.forward_add_norm(x, None, residual, norm_w, 1e-5))
+    assert len(calls) == 2
+    assert _rel(mma[0], skinny[0]) < 3e-3
+    assert _rel(mma[1][0], skinny[1][0]) < 3e-3 and _rel(mma[1][1], skinny[1][1]) < 3e-3
+    gu = EightBitLinear(quantize_fp8_per_channel(torch.randn(2 * 1536, k, device=CUDA) * 0.02),
+                        "fp8")
+    monkeypatch.setattr(int4_gemv, "FP8_MMA_GEMV", False)
+    want = gu.gate_up_silu(x, None)
+    monkeypatch.setattr(int4_gemv, "FP8_MMA_GEMV", True)
+    got = gu.gate_up_silu(x, None)
+    assert len(calls) == 3 and _rel(got, want) < 1e-2
