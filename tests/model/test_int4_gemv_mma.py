@@ -494,6 +494,7 @@ _FP8_CASES = [
     dict(name="fp8-ragged-n", n=40, k=128, split=1),
     dict(name="fp8-gate-up", n=32, k=256, split=1, gate_up=True),
     dict(name="fp8-fp16", n=32, k=256, split=1, dtype="fp16"),
+    dict(name="fp8-norm-default-config", n=64, k=256, split=None, norm=True),
 ]
 
 
@@ -516,9 +517,22 @@ def _run_fp8_case(case: dict) -> dict:
         gate, up = ref[:, :n], ref[:, n:]
         ref = torch.nn.functional.silu(gate) * up
     out = torch.empty(1, n, dtype=dt)
+    config = None if case["split"] is None else dict(
+        BLOCK_N=32, BLOCK_W=int4_gemv.MMA_WORDS, SPLIT_K=case["split"], num_warps=2,
+        num_stages=1, MMA=True)
+    if case.get("norm"):    # the default config, with the add + RMSNorm epilogue: rms_norm's bits
+        from folio.model.kernels.rmsnorm import rms_norm
+        residual, norm_w = torch.randn(1, n).to(dt), (1 + 0.1 * torch.randn(n)).to(dt)
+        normed, stream = torch.empty_like(out), torch.empty_like(out)
+        int4_gemv.fp8_gemv(x, codes, scale, bias, out, _config=config,
+                           norm=(residual, norm_w, 1e-5, normed, stream))
+        plain = int4_gemv.fp8_gemv(x, codes, scale, bias, torch.empty_like(out))
+        want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
+        same = torch.equal(normed, want_normed) and torch.equal(stream, want_stream)
+        return {"name": case["name"], "err": rel_err(plain, ref) if same else 1.0,
+                "vs_pairs": 0.0}
     int4_gemv.fp8_gemv(x, codes, scale, bias, out, gate_up=bool(case.get("gate_up")),
-                       _config=dict(BLOCK_N=32, BLOCK_W=int4_gemv.MMA_WORDS,
-                                    SPLIT_K=case["split"], num_warps=2, num_stages=1, MMA=True))
+                       _config=config)
     return {"name": case["name"], "err": rel_err(out, ref), "vs_pairs": 0.0}
 
 

@@ -73,6 +73,10 @@ _CONFIGS = [
     (128, 16, 1, 2, 1, True), (256, 16, 1, 4, 1, True),
 ]
 _INTERPRET_CONFIGS = [(4, 8, 1, 4, 1, False)]
+# The interpreter's FP8 config (fp8_gemv forces it there: the autotuner of one config never
+# prunes, and FP8 codes run only in the tensor-core form).
+_INTERPRET_FP8_CONFIG = dict(BLOCK_N=32, BLOCK_W=16, SPLIT_K=1, num_warps=2, num_stages=1,
+                             MMA=True)
 # Whether the autotuner may pick the tensor-core form for 4-bit codes (_prune; FP8 codes run
 # only in it). Off until the form has passed its GPU tests (tests/gpu/test_gpu_quant.py force
 # every config, MMA ones included). Read when a shape is tuned: a choice kept on disk from
@@ -667,6 +671,7 @@ if HAS_TRITON:
                       GRID_TICKET: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
                       MMA: tl.constexpr, USE_PDL: tl.constexpr):
+        tl.static_assert(MMA > 0 or not FP8, "FP8 codes run only in the tensor-core form")
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         WPG: tl.constexpr = G // 8
@@ -809,6 +814,8 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if not fp8_supported(k) or scale.shape != (rows,) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemv: K={k} must be a multiple of {4 * MMA_WORDS}, scale "
                          f"float32 [{rows}] (got {tuple(scale.shape)} {scale.dtype})")
+    if _config is None and INTERPRET:
+        _config = _INTERPRET_FP8_CONFIG
     return _launch(x, codes.view(torch.int32), k, scale, None, 0, k, bias, out, pdl,
                    gate_up, norm, True, _config)
 
@@ -839,8 +846,10 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
             gemv.tune_on_plain_product(
                 _gemv4_kernel, (n, k, group_size, zero_mode, fp8, x.dtype, offsets is None,
                                 bias is None, x.device),
-                lambda: _launch(x, packed, k, scales, offsets, zero_mode, group_size, bias,
-                                torch.empty_like(out), pdl, False, None, fp8, None))
+                lambda: fp8_gemv(x, packed.view(torch.float8_e4m3fn), scales, bias,
+                                 torch.empty_like(out), pdl=pdl) if fp8 else
+                int4_gemv(x, packed, scales, offsets, zero_mode, group_size, bias,
+                          torch.empty_like(out), pdl=pdl))
         _gemv4_kernel[lambda c: (triton.cdiv(rows, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
         return out
     config = dict(_config)
