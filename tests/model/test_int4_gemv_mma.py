@@ -383,35 +383,11 @@ def _compile_mma(block_n: int, warps: int, split_k: int, zero_mode: int, gate_up
         pytest.skip("this triton has no NVIDIA backend tools")
     sys.path.insert(0, os.path.join(_HERE, "..", "..", "tools"))
     import sass_counts
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from folio.model.kernels import int4_gemv as ig
-    fn = ig._gemv4_kernel.fn
-    pointers = {"X": "*bf16", "QW": "*i32", "SC": "*fp32" if fp8 else "*bf16", "ZP": "*bf16",
-                "B": "*bf16",
-                "OUT": "*bf16", "P": "*fp32", "C": "*i32", "R": "*bf16", "NW": "*bf16",
-                "NORMED": "*bf16", "RES_OUT": "*bf16"}
-    consts = dict(G=4096 if fp8 else 128, ZERO_MODE=zero_mode, HAS_BIAS=False,
-                  GATE_UP=gate_up, FP8=fp8, NORM=False,
-                  NORM_BLOCK=16, GRID_TICKET=False, BLOCK_N=block_n, BLOCK_W=ig.MMA_WORDS,
-                  SPLIT_K=split_k, USE_PDL=True, MMA=ig.mma_reps(block_n, warps))
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name in ("N", "K", "KW"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": 1})
+    kernel = sass_counts.compile_gemv4(block_n, ig.MMA_WORDS, split_k, warps, mma=True,
+                                       zero_mode=zero_mode, group=4096 if fp8 else 128,
+                                       gate_up=gate_up, fp8=fp8)
     return kernel, sass_counts
 
 
