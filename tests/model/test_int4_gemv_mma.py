@@ -505,11 +505,10 @@ def _run_fp8_case(case: dict) -> dict:
         plain = int4_gemv.fp8_gemv(x, codes, scale, bias, torch.empty_like(out))
         want_normed, want_stream = rms_norm(plain, norm_w, 1e-5, residual)
         same = torch.equal(normed, want_normed) and torch.equal(stream, want_stream)
-        return {"name": case["name"], "err": rel_err(plain, ref) if same else 1.0,
-                "vs_pairs": 0.0}
+        return {"name": case["name"], "err": rel_err(plain, ref) if same else 1.0}
     int4_gemv.fp8_gemv(x, codes, scale, bias, out, gate_up=bool(case.get("gate_up")),
                        _config=config)
-    return {"name": case["name"], "err": rel_err(out, ref), "vs_pairs": 0.0}
+    return {"name": case["name"], "err": rel_err(out, ref)}
 
 
 def _run_case(case: dict) -> dict:
@@ -567,7 +566,8 @@ def test_mma_branch_under_the_interpreter(interpreted: dict, case: str) -> None:
     assert res is not None, interpreted["_stderr"]
     assert "error" not in res, res["error"]
     assert res["err"] < (2e-2 if "gate-up" in case else 1e-2), res
-    assert res["vs_pairs"] < 1e-3, res
+    if not case.startswith("fp8"):     # FP8 has no pair form to compare with
+        assert res["vs_pairs"] < 1e-3, res
 
 
 def test_mma_config_refused_where_it_does_not_fit() -> None:
@@ -591,7 +591,14 @@ def test_fp8_gemv_refuses_what_it_cannot_serve() -> None:
     codes = torch.zeros(8, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="scale float32"):
         int4_gemv.fp8_gemv(x, codes, torch.ones(8, dtype=torch.float64), None, out)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        int4_gemv.fp8_gemv(x, codes, torch.ones(8), None, out)
+    with pytest.raises(ValueError, match="16-bit x"):
+        int4_gemv.fp8_gemv(torch.zeros(1, 128), codes, torch.ones(8), None, out)
     assert int4_gemv.fp8_supported(4096) and not int4_gemv.fp8_supported(608)
+    assert not int4_gemv.mma_operands_ok(torch.zeros(1, 64), False)          # float32
+    assert not int4_gemv.mma_operands_ok(torch.zeros(1, 65, dtype=torch.bfloat16)[:, 1:],
+                                         False)                              # misaligned
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ workspace (kernels/gemv.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from folio.model.kernels import gemv
@@ -88,6 +90,9 @@ FP8_MMA_GEMV = False
 # The tensor-core form's tile: 16 words a row (128 columns), the k of two m16n8k16 products
 # for each of a lane quad's four words.
 MMA_WORDS = 16
+# FP8 codes have no groups (one scale a row, applied after the loop): the kernel is handed one
+# tile's columns as G, the same for every K, so that all shapes share a compiled variant.
+FP8_GROUP = 4 * MMA_WORDS
 
 
 def _configs() -> list:
@@ -123,6 +128,23 @@ def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int,
     return split_k == 1 or (split_k * n <= partials and triton.cdiv(n, block_n) <= counters)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def mma_operands_ok(x: torch.Tensor, fp8: bool) -> bool:
+    """Whether the tensor-core form can take x: 16-bit, its first element 16-byte aligned
+    (the asm loads x 16 bytes at a time), and a GPU whose PTX has the form's instructions
+    (mma.sync m16n8k16: sm_80; FP8's cvt.rn.f16x2.e4m3x2 and max.u16x2: sm_90). The
+    interpreter runs the form's plain-Triton branch: any CPU tensor of 16 bits."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.data_ptr() % 16:
+        return False
+    if not x.is_cuda:
+        return INTERPRET
+    return _capability(x.device.index or 0) >= ((9, 0) if fp8 else (8, 0))
+
+
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
     args = {**named_args, **kwargs}
     n, k, g = args["N"], args["K"], args["G"]
@@ -135,8 +157,9 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
         if not kept:
             raise ValueError(f"no FP8 GEMV tile fits K={k}")
         return kept
+    mma_ok = MMA_AUTOTUNED and mma_operands_ok(args["X"], False)
     kept = [c for c in configs
-            if (MMA_AUTOTUNED or not c.kwargs["MMA"])
+            if (mma_ok or not c.kwargs["MMA"])
             and fits(n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"],
                      c.num_warps if c.kwargs["MMA"] else 0)]
     if kept:
@@ -621,6 +644,7 @@ if HAS_TRITON:
         m = (b & 7).to(tl.float32)
         mag = tl.where(e == 0, m * 0.001953125,                   # m / 8 * 2^-6
                        (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)     # e4m3's NaN codes
         return tl.where((b & 0x80) != 0, -mag, mag)
 
     @triton.jit
@@ -814,9 +838,14 @@ def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if not fp8_supported(k) or scale.shape != (rows,) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemv: K={k} must be a multiple of {4 * MMA_WORDS}, scale "
                          f"float32 [{rows}] (got {tuple(scale.shape)} {scale.dtype})")
+    if x.shape != (1, k) or not x.is_contiguous():
+        raise ValueError(f"fp8_gemv takes one contiguous row x [1, {k}], got {tuple(x.shape)}")
+    if not mma_operands_ok(x, True):
+        raise ValueError("fp8_gemv takes 16-bit x, 16-byte aligned, on an sm_90 GPU (got "
+                         f"{x.dtype} on {x.device})")
     if _config is None and INTERPRET:
         _config = _INTERPRET_FP8_CONFIG
-    return _launch(x, codes.view(torch.int32), k, scale, None, 0, k, bias, out, pdl,
+    return _launch(x, codes.view(torch.int32), k, scale, None, 0, FP8_GROUP, bias, out, pdl,
                    gate_up, norm, True, _config)
 
 
@@ -861,6 +890,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
                                      warps if mma else 0, cols):
         raise ValueError(f"config {_config} does not fit N={rows}, K={k}, G={group_size}"
                          f"{' (FP8: MMA configs only)' if fp8 else ''}")
+    if mma and not mma_operands_ok(x, fp8):
+        raise ValueError(f"the tensor-core form takes 16-bit, 16-byte aligned x (got {x.dtype})")
     _gemv4_kernel.fn[(triton.cdiv(rows, config["BLOCK_N"]), config["SPLIT_K"])](
         *args, **meta, **config, num_warps=warps, num_stages=stages)
     return out

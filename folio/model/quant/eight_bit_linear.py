@@ -72,19 +72,20 @@ class EightBitLinear(nn.Module):
 
     def _mma_gemv_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the tensor-core one-row GEMV over FP8 codes serves x (kernels/int4_gemv
-        .fp8_gemv, where FP8_MMA_GEMV is set): one contiguous 16-bit row on CUDA, e4m3 codes
-        whose K fills whole tiles, a bias (if any) in x's dtype."""
+        .fp8_gemv, where FP8_MMA_GEMV is set): one contiguous 16-bit row on an sm_90 GPU
+        (mma_operands_ok), e4m3 codes whose K fills whole tiles, a bias (if any) in x's
+        dtype."""
         from folio.model.kernels import int4_gemv
         return (int4_gemv.FP8_MMA_GEMV and self.kernels.gemv_on and x.is_cuda
                 and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == self.in_features
-                and x.dtype in (torch.float16, torch.bfloat16)
+                and x.is_contiguous() and int4_gemv.mma_operands_ok(x, True)
                 and self.codes.dtype == FP8_DTYPE and int4_gemv.fp8_supported(self.in_features)
                 and (bias is None or bias.dtype == x.dtype))
 
     def _mma_gemv(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                   **kind) -> torch.Tensor:
         from folio.model.kernels import int4_gemv
-        return int4_gemv.fp8_gemv(x.contiguous(), self.codes, self.scale, bias, out,
+        return int4_gemv.fp8_gemv(x, self.codes, self.scale, bias, out,
                                   pdl=self.kernels.pdl_on, **kind)
 
     def _gemv_wanted(self, x: torch.Tensor, fused: bool = False) -> bool:
