@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -235,6 +235,19 @@ s31a)  # session 31: the one-row GEMVs' tensor-core form (MMA configs; mma.sync 
       --m 1 --json "$OUT/sweep.json"
   grep -E "int4|fp8|bf16 " "$OUT/sweep.log" | grep -v "fp8/[0-9]" | sort -k1,1 -k4,4n \
       | awk '{c[$1]++} c[$1]<=10' | cut -c1-90 ;;
+s31d)  # s31c in the order that a short call leaves most of: the new forms' GPU tests, then
+       # each batch-1 pair (off, then switched on in this copy) if they passed
+  step 240 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
+      -k "int4_gemv_every_config or mma or fp8_gemv"
+  tail -6 "$OUT/tests.log" | cut -c1-400
+  if grep -qE "[0-9]+ passed" "$OUT/tests.log" && ! grep -qE "[0-9]+ failed" "$OUT/tests.log"; then
+    step 100 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+    sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/' folio/model/kernels/int4_gemv.py
+    step 110 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json"
+    step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+    sed -i 's/^FP8_MMA_GEMV = False/FP8_MMA_GEMV = True/' folio/model/kernels/int4_gemv.py
+    step 100 lat_fp8_mma $LAT --quantization fp8 --output-json "$OUT/lat_fp8_mma.json"
+  fi ;;
 s31c)  # session 31, one call: the tensor-core forms' GPU tests, then batch-1 W4A16 and FP8
        # with them off and switched on in this copy (only if the tests passed)
   step 300 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
