@@ -103,10 +103,9 @@ def opcode_counts(sass: str) -> collections.Counter:
         r"/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass))
 
 
-def loop_lengths(sass: str) -> list[int]:
-    """The instruction count of each loop (from a backward branch's target to the branch),
-    in program order: what a kernel spends per iteration, which its total (prologue and
-    epilogue included) can misstate."""
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of each loop (from a backward branch's target to the branch), in
+    program order."""
     lines = [l for l in sass.split("\n") if re.search(r"/\*[0-9a-f]{4,5}\*/", l)]
     addr = [int(re.search(r"/\*([0-9a-f]{4,5})\*/", l).group(1), 16) for l in lines]
     loops = []
@@ -114,8 +113,14 @@ def loop_lengths(sass: str) -> list[int]:
         m = re.search(r"BRA (0x[0-9a-f]+)", line)
         if m and int(m.group(1), 16) < addr[i]:
             start = int(m.group(1), 16)
-            loops.append(sum(start <= a <= addr[i] for a in addr))
+            loops.append([l for l, a in zip(lines, addr) if start <= a <= addr[i]])
     return loops
+
+
+def loop_lengths(sass: str) -> list[int]:
+    """The instruction count of each loop: what a kernel spends per iteration, which its
+    total (prologue and epilogue included) can misstate."""
+    return [len(body) for body in loop_bodies(sass)]
 
 
 def main() -> None:

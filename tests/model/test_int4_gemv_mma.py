@@ -424,13 +424,8 @@ def test_mma_configs_compile_to_the_assumed_lane_layout() -> None:
 
 
 def _loop_text(sass: str) -> str:
-    lines = [l for l in sass.split("\n") if re.search(r"/\*[0-9a-f]{4,5}\*/", l)]
-    addr = [int(re.search(r"/\*([0-9a-f]{4,5})\*/", l).group(1), 16) for l in lines]
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.search(r"BRA (0x[0-9a-f]+)", line)
-        if m and int(m.group(1), 16) < addr[i]:
-            loops.append([l for l, a in zip(lines, addr) if int(m.group(1), 16) <= a <= addr[i]])
+    import sass_counts
+    loops = sass_counts.loop_bodies(sass)
     assert len(loops) == 1
     return "\n".join(loops[0])
 

@@ -131,12 +131,9 @@ class EightBitLinear(nn.Module):
             return None
         from folio.model.kernels import gemv
         if self._mma_gemv_wanted(x2, bias):
-            residual = residual.reshape(1, self.out_features)
-            gemv.check_norm_operands(residual, norm_weight, 1, self.out_features, x.dtype)
-            out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
-            normed, stream = torch.empty_like(out), torch.empty_like(out)
-            self._mma_gemv(x2, bias, out, norm=(residual, norm_weight, eps, normed, stream))
-            return normed, stream
+            return gemv.one_row_add_norm(
+                x2, self.out_features, residual, norm_weight, eps,
+                lambda out, norm: self._mma_gemv(x2, bias, out, norm=norm))
         return gemv.skinny_matmul_add_norm(x2, self.codes, residual, norm_weight, eps, bias,
                                            scale=self.scale, pdl=self.kernels.pdl_on)
 
