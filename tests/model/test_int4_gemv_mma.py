@@ -232,8 +232,9 @@ def _run_tile(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str,
     asm = mma_ptx(reps, zero_mode, x_f16, s_kind, z_kind)
     constraints = mma_constraints(reps, zero_mode).split(",")
     p = 4 * reps
-    n_in = 5 if zero_mode else 4
-    assert len(constraints) == p + n_in * p
+    x_base = (5 if zero_mode else 4) * p           # then four groups of x's int32s
+    assert len(constraints) == x_base + 4 * p
+    x_words = np.frombuffer(x_bytes, np.uint32).reshape(16, 4)   # word w: its 4 int32s
     acc0 = rng.standard_normal(rows).astype(np.float32)
     for lane in range(32):
         g, c = lane // 4, lane % 4
@@ -247,7 +248,8 @@ def _run_tile(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str,
                 regs[f"${3 * p + e}"] = s_base + row * s_size                   # scale
                 if zero_mode:
                     regs[f"${4 * p + e}"] = o_base + row * o_size               # offset
-                regs[f"${(n_in - 1) * p + p + e}"] = 2 * 8 * (4 * c + j)        # x of word
+                for i in range(4):                                              # x of word
+                    regs[f"${x_base + i * p + e}"] = int(x_words[4 * c + j, i])
     warp.run(asm)
     xsum = x.sum()
     for row in range(rows):
@@ -300,10 +302,11 @@ def _run_fp8_tile(reps: int, x_f16: bool, seed: int, ptx=None, outlier: float = 
     words = np.zeros((rows, 16), np.uint64)
     for i in range(4):
         words |= codes[:, i::4].astype(np.uint64) << (8 * i)
-    warp = Warp(_encode(x, x_kind), True)
+    warp = Warp(b"", True)
+    x_words = np.frombuffer(_encode(x, x_kind), np.uint32).reshape(16, 2)
     asm = (ptx or mma_fp8_ptx)(reps, x_f16)
     p = 4 * reps
-    assert len(mma_fp8_constraints(reps).split(",")) == 4 * p
+    assert len(mma_fp8_constraints(reps).split(",")) == 5 * p
     acc0 = rng.standard_normal(rows).astype(np.float32)
     for lane in range(32):
         g, c = lane // 4, lane % 4
@@ -313,7 +316,8 @@ def _run_fp8_tile(reps: int, x_f16: bool, seed: int, ptx=None, outlier: float = 
                 e = 4 * r + j
                 regs[f"${p + e}"] = int(words[g + 8 * r, 4 * c + j])
                 regs[f"${2 * p + e}"] = _bits(acc0[g + 8 * r] if j == 0 else 0.0)
-                regs[f"${3 * p + e}"] = 2 * 4 * (4 * c + j)         # x of word 4c + j
+                for i in range(2):                                  # x of word 4c + j
+                    regs[f"${3 * p + i * p + e}"] = int(x_words[4 * c + j, i])
     warp.run(asm)
     for row in range(rows):
         want = float((w[row] * x).sum()) + float(acc0[row])

@@ -263,9 +263,10 @@ def mma_ptx(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str) ->
     """The PTX of one lane's tile step in the tensor-core form, `reps` rows a lane (even):
     operands (pack 4 reps, element e = 4 r + j: row rep r, word j of the lane's four) are the
     new accumulators ($0..), then the tile's words, the accumulators, the addresses of each
-    row's scale, of its zero point (form 1) or minimum (form 2), and of the lane's first x
-    element. Only element 4 r of the accumulators carries row r (the others stay 0), and only
-    address elements 4 r (x: 0) are read. Per row: acc + s (D - (BASE + z) X) (form 2:
+    row's scale, of its zero point (form 1) or minimum (form 2), and x's words as four int32
+    operands (element j: word j's elements 2i, 2i + 1 in operand i). Only element 4 r of the
+    accumulators carries row r (the others stay 0); address elements 4 r and x elements j
+    (of row rep 0) are read. Per row: acc + s (D - (BASE + z) X) (form 2:
     acc + s (D - BASE X) + m X), D the mma sum of (BASE + q) x, X the tile's sum of x.
     Scales and offsets of `s_kind` / `z_kind` ("bf16", "fp16", "fp32"). Public for the CPU
     test that emulates it lane by lane."""
@@ -283,16 +284,15 @@ def mma_ptx(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str) ->
     acc = [f"${next(n)}" for _ in range(p)]
     s_addr = [f"${next(n)}" for _ in range(p)]
     z_addr = [f"${next(n)}" for _ in range(p)] if zero_mode else None
-    x_addr = f"${next(n)}"
-    lines = ["{", ".reg .b32 xr<16>, xp<16>, one, t<3>, u<3>, a<4>, e<4>, s, z;",
+    # x's words: operand group i holds int32 i (elements 2i, 2i + 1) of each word's eight
+    x_ops = [[f"${next(n)}" for _ in range(p)] for _ in range(4)]
+    lines = ["{", ".reg .b32 xp<16>, one, t<3>, u<3>, a<4>, e<4>, s, z;",
              ".reg .b16 h, hz;", ".reg .f32 dx<4>, d<4>, v, zero, nz;",
              f"mov.b32 one, {one};", "mov.f32 zero, 0f00000000;", "mov.b16 hz, 0;"]
-    # x: the lane's four words (32 elements), in the pairs of the products' k order
+    # x: the lane's four words (32 elements, word j's in element j of the x operands), in
+    # the pairs of the products' k order
     for j in range(4):
-        lines.append(f"ld.global.v4.b32 {{xr{4 * j}, xr{4 * j + 1}, xr{4 * j + 2}, "
-                     f"xr{4 * j + 3}}}, [{x_addr}+{16 * j}];")
-    for j in range(4):
-        r = [f"xr{4 * j + i}" for i in range(4)]
+        r = [x_ops[i][j] for i in range(4)]
         lines += [f"prmt.b32 xp{4 * j}, {r[0]}, {r[2]}, 0x5410;",        # (x0, x4)
                   f"prmt.b32 xp{4 * j + 1}, {r[0]}, {r[2]}, 0x7632;",    # (x1, x5)
                   f"prmt.b32 xp{4 * j + 2}, {r[1]}, {r[3]}, 0x5410;",    # (x2, x6)
@@ -337,10 +337,11 @@ def mma_ptx(reps: int, zero_mode: int, x_f16: bool, s_kind: str, z_kind: str) ->
 
 @_constexpr_function
 def mma_constraints(reps: int, zero_mode: int) -> str:
-    """The inline asm constraints of mma_ptx: float32 outs; words, accumulators, addresses."""
+    """The inline asm constraints of mma_ptx: float32 outs; words, accumulators, addresses,
+    x's words."""
     p = 4 * reps
-    addresses = (3 if zero_mode else 2) * p
-    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["l"] * addresses)
+    addresses = (2 if zero_mode else 1) * p
+    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["l"] * addresses + ["r"] * 4 * p)
 
 
 # FP8 e4m3 codes (fp8_gemv) in the same tensor-core form: four codes a word, a tile of 16
@@ -359,28 +360,29 @@ def mma_constraints(reps: int, zero_mode: int) -> str:
 def mma_fp8_ptx(reps: int, x_f16: bool) -> str:
     """The PTX of one lane's tile step over FP8 codes, `reps` rows a lane (even): operands
     (pack 4 reps, element e = 4 r + j) are the new accumulators, the tile's words, the
-    accumulators and the address of the lane's first x element (element 0's). Per row:
+    accumulators and x's words as two int32 operands (element j: word j's elements 0, 1 in
+    the first, 2, 3 in the second; row rep 0's are read). Per row:
     acc + 2^e D, D the mma sum of w x 2^-e. Public for the CPU test that emulates it."""
     if reps < 2 or reps % 2:
         raise ValueError(f"the tensor-core form takes an even number of rows a lane, not {reps}")
     p = 4 * reps
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    n = iter(range(4 * p))
+    n = iter(range(5 * p))
     out = [f"${next(n)}" for _ in range(p)]
     words = [f"${next(n)}" for _ in range(p)]
     acc = [f"${next(n)}" for _ in range(p)]
-    x_addr = [f"${next(n)}" for _ in range(p)][0]
-    lines = ["{", ".reg .b32 xr<8>, xp<8>, m, o, e, a<4>, lo, hi;", ".reg .b16 h<4>;",
-             ".reg .f32 d<4>, zero, esc, inv, fl, fh;", "mov.f32 zero, 0f00000000;",
-             f"ld.global.v4.b32 {{xr0, xr1, xr2, xr3}}, [{x_addr}];",
-             f"ld.global.v4.b32 {{xr4, xr5, xr6, xr7}}, [{x_addr}+16];"]
+    x_ops = [[f"${next(n)}" for _ in range(p)] for _ in range(2)]
+    # word j's four x elements: int32 2j of the lane's (elements 0, 1), 2j + 1 (2, 3)
+    xr = [x_ops[i % 2][i // 2] for i in range(8)]
+    lines = ["{", ".reg .b32 xp<8>, m, o, e, a<4>, lo, hi;", ".reg .b16 h<4>;",
+             ".reg .f32 d<4>, zero, esc, inv, fl, fh;", "mov.f32 zero, 0f00000000;"]
     if x_f16:
-        lines += [f"mov.b32 xp{i}, xr{i};" for i in range(8)] + ["mov.f32 esc, 0f3F800000;"]
+        lines += [f"mov.b32 xp{i}, {xr[i]};" for i in range(8)] + ["mov.f32 esc, 0f3F800000;"]
     else:
         # the largest |x| of the quad's 64 columns: bf16 magnitudes compare as integers
-        lines.append("and.b32 m, xr0, 0x7FFF7FFF;")
+        lines.append(f"and.b32 m, {xr[0]}, 0x7FFF7FFF;")
         for i in range(1, 8):
-            lines += [f"and.b32 o, xr{i}, 0x7FFF7FFF;", "max.u16x2 m, m, o;"]
+            lines += [f"and.b32 o, {xr[i]}, 0x7FFF7FFF;", "max.u16x2 m, m, o;"]
         lines += ["shr.u32 o, m, 16;", "and.b32 m, m, 0xFFFF;", "max.u32 m, m, o;",
                   "shfl.sync.bfly.b32 o, m, 1, 0x1f, 0xffffffff;", "max.u32 m, m, o;",
                   "shfl.sync.bfly.b32 o, m, 2, 0x1f, 0xffffffff;", "max.u32 m, m, o;",
@@ -388,7 +390,7 @@ def mma_fp8_ptx(reps: int, x_f16: bool) -> str:
                   "shl.b32 m, m, 16;", "and.b32 e, m, 0x7F800000;",
                   "sub.s32 o, 0x7F000000, e;", "mov.b32 inv, o;", "mov.b32 esc, e;"]
         for i in range(8):
-            lines += [f"shl.b32 lo, xr{i}, 16;", f"and.b32 hi, xr{i}, 0xFFFF0000;",
+            lines += [f"shl.b32 lo, {xr[i]}, 16;", f"and.b32 hi, {xr[i]}, 0xFFFF0000;",
                       "mov.b32 fl, lo;", "mov.b32 fh, hi;",
                       "mul.f32 fl, fl, inv;", "mul.f32 fh, fh, inv;",
                       f"cvt.rn.f16x2.f32 xp{i}, fh, fl;"]
@@ -414,7 +416,7 @@ def mma_fp8_ptx(reps: int, x_f16: bool) -> str:
 def mma_fp8_constraints(reps: int) -> str:
     """The inline asm constraints of mma_fp8_ptx: float32 outs; words, accumulators, x."""
     p = 4 * reps
-    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["l"] * p)
+    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["r"] * 2 * p)
 
 if HAS_TRITON:
     from folio.model.kernels._common import autotune
@@ -597,8 +599,34 @@ if HAS_TRITON:
         return {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[str(ty)]
 
     @triton.jit
-    def _tile_mma(acc, cur, t, X, SC, ZP, s_rows, z_rows, w_flat, BLOCK_W: tl.constexpr,
-                  WPG: tl.constexpr, REPS: tl.constexpr, ZERO_MODE: tl.constexpr):
+    def _x_words(X, t, w_flat, BLOCK_W: tl.constexpr, FP8: tl.constexpr):
+        """Tile t's x, as the tensor-core form's asm takes it: each of the tile's words'
+        elements as int32 pairs, [1, BLOCK_W] each (four a 4-bit word, two an FP8 one; the
+        FP8 form's last two repeat its first two, unused). Loaded a tile ahead of its
+        products, like the weight, by a load of its own in asm: a Triton load of these few
+        elements takes a layout of its own and crosses shared memory to the weight tile's
+        (4 barriers a loop), where addresses, being arithmetic, are made in the consumer's
+        layout. Not pure: it must stay after the kernel's wait on its inputs (PDL). (The
+        interpreter's form reads x in its tile step.)"""
+        if not _ASM:
+            x0, x1, x2, x3 = 0, 0, 0, 0
+        elif FP8:
+            addr = (X + t * (BLOCK_W * 4) + w_flat * 4).to(tl.int64)
+            x0, x1 = tl.inline_asm_elementwise(
+                "ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [addr],
+                dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+            x2, x3 = x0, x1
+        else:
+            addr = (X + t * (BLOCK_W * 8) + w_flat * 8).to(tl.int64)
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [addr],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _tile_mma(acc, cur, x0, x1, x2, x3, t, X, SC, ZP, s_rows, z_rows, w_flat,
+                  BLOCK_W: tl.constexpr, WPG: tl.constexpr, REPS: tl.constexpr,
+                  ZERO_MODE: tl.constexpr):
         """acc [BLOCK_N, BLOCK_W = MMA_WORDS] plus tile t's products in the tensor-core form
         (mma_ptx): one asm block a lane, its `REPS` rows' words and accumulators. The
         interpreter's form adds each word's sum (q - z) x s instead, in the same tensor."""
@@ -610,14 +638,14 @@ if HAS_TRITON:
                                          _float_kind(ZP.dtype.element_ty))
             cons: tl.constexpr = mma_constraints(REPS, ZERO_MODE)
             s_addr = (s_rows + g).to(tl.int64)
-            x_addr = x_tile.to(tl.int64)
             if ZERO_MODE == 0:
-                acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, s_addr, x_addr],
+                acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, s_addr, x0, x1, x2, x3],
                                                 dtype=tl.float32, is_pure=False,
                                                 pack=4 * REPS)
             else:
                 acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, s_addr,
-                                                            (z_rows + g).to(tl.int64), x_addr],
+                                                            (z_rows + g).to(tl.int64),
+                                                            x0, x1, x2, x3],
                                                 dtype=tl.float32, is_pure=False,
                                                 pack=4 * REPS)
         else:
@@ -648,7 +676,8 @@ if HAS_TRITON:
         return tl.where((b & 0x80) != 0, -mag, mag)
 
     @triton.jit
-    def _tile_mma_fp8(acc, cur, t, X, w_flat, BLOCK_W: tl.constexpr, REPS: tl.constexpr):
+    def _tile_mma_fp8(acc, cur, x0, x1, t, X, w_flat, BLOCK_W: tl.constexpr,
+                      REPS: tl.constexpr):
         """acc [BLOCK_N, BLOCK_W] plus tile t's products over FP8 codes, four a word
         (mma_fp8_ptx); the rows' scales come after the loop. The interpreter's form adds
         each word's sum w x."""
@@ -656,7 +685,7 @@ if HAS_TRITON:
         if _ASM:
             ptx: tl.constexpr = mma_fp8_ptx(REPS, X.dtype.element_ty == tl.float16)
             cons: tl.constexpr = mma_fp8_constraints(REPS)
-            acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, x_tile.to(tl.int64)],
+            acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, x0, x1],
                                             dtype=tl.float32, is_pure=False, pack=4 * REPS)
         else:
             codes = cur.to(tl.int32, bitcast=True)
@@ -666,7 +695,7 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _tile_step(acc, cur, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
+    def _tile_step(acc, cur, x0, x1, x2, x3, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUPS: tl.constexpr,
                    INNER: tl.constexpr, WPG: tl.constexpr, QUAD: tl.constexpr,
                    ZERO_MODE: tl.constexpr, MMA: tl.constexpr, FP8: tl.constexpr):
@@ -674,10 +703,10 @@ if HAS_TRITON:
         tensor-core form (MMA: the rows a lane holds; FP8: over e4m3 codes) or the fp16-pair
         form."""
         if FP8:
-            acc = _tile_mma_fp8(acc, cur, t, X, w_flat, BLOCK_W, MMA)
+            acc = _tile_mma_fp8(acc, cur, x0, x1, t, X, w_flat, BLOCK_W, MMA)
         elif MMA:
-            acc = _tile_mma(acc, cur, t, X, SC, ZP, s_rows, z_rows, w_flat, BLOCK_W, WPG, MMA,
-                            ZERO_MODE)
+            acc = _tile_mma(acc, cur, x0, x1, x2, x3, t, X, SC, ZP, s_rows, z_rows, w_flat,
+                            BLOCK_W, WPG, MMA, ZERO_MODE)
         else:
             acc = _tile_dot(acc, tl.reshape(cur, (BLOCK_N, GROUPS, INNER)), t, X, s_rows,
                             z_rows, x_in, g_in, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
@@ -751,17 +780,34 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, GROUPS, INNER_A), dtype=tl.float32)
+        # The tensor-core form's x words ride along with the weight tiles, a tile ahead
+        # (_x_words); the pair form loads and prepares x inside its tile step.
+        if MMA:
+            xa0, xa1, xa2, xa3 = _x_words(X, t_lo, w_flat, BLOCK_W, FP8)
+            xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t_lo + 1, last), w_flat, BLOCK_W,
+                                          FP8)
+        else:
+            xa0, xa1, xa2, xa3 = 0, 0, 0, 0
+            xb0, xb1, xb2, xb3 = 0, 0, 0, 0
         for t in range(t_lo, t_hi, 2):
             cur = tile_a.to(tl.uint32, bitcast=True)   # logical shifts
+            c0, c1, c2, c3 = xa0, xa1, xa2, xa3
             tile_a = tl.load(w_rows + tl.minimum(t + 2, last) * BLOCK_W + w_flat)
-            acc = _tile_step(acc, cur, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
-                             BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE, MMA, FP8)
+            if MMA:
+                xa0, xa1, xa2, xa3 = _x_words(X, tl.minimum(t + 2, last), w_flat, BLOCK_W, FP8)
+            acc = _tile_step(acc, cur, c0, c1, c2, c3, t, X, SC, ZP, s_rows, z_rows, x_in,
+                             g_in, w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
+                             ZERO_MODE, MMA, FP8)
             if t + 1 < t_hi:
                 cur = tile_b.to(tl.uint32, bitcast=True)
+                c0, c1, c2, c3 = xb0, xb1, xb2, xb3
                 tile_b = tl.load(w_rows + tl.minimum(t + 3, last) * BLOCK_W + w_flat)
-                acc = _tile_step(acc, cur, t + 1, X, SC, ZP, s_rows, z_rows, x_in, g_in,
-                                 w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD, ZERO_MODE,
-                                 MMA, FP8)
+                if MMA:
+                    xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t + 3, last), w_flat, BLOCK_W,
+                                                  FP8)
+                acc = _tile_step(acc, cur, c0, c1, c2, c3, t + 1, X, SC, ZP, s_rows, z_rows,
+                                 x_in, g_in, w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
+                                 ZERO_MODE, MMA, FP8)
         if MMA:
             # a row's sum is in each of its quad's four lanes (mma_ptx), which the sum adds
             total = (tl.sum(acc, axis=1) * (0.25 if _ASM else 1.0))[None, :]
