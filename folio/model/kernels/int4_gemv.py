@@ -37,6 +37,12 @@ words) and viewed as [BLOCK_N, GROUPS, INNER], INNER the words of one group (or 
 if narrower): each [BLOCK_N, GROUPS] scale is one load per tile.
 Narrow outputs split K over SPLIT_K programs, reduced in split order through the skinny GEMV's
 workspace (kernels/gemv.py).
+
+The configs marked MMA run a tensor-core form instead (mma_ptx: the products on mma.sync, the
+codes widened by a shift and one LOP3 a pair), and `fp8_gemv` runs FP8 e4m3 codes, four to a
+word, in the same kernel and form (mma_fp8_ptx). Both are behind switches (MMA_AUTOTUNED,
+FP8_MMA_GEMV) until a GPU shows them faster: on an H100 they are correct and not yet faster
+(docs/benchmarks.md, session 31).
 """
 from __future__ import annotations
 
@@ -631,7 +637,6 @@ if HAS_TRITON:
         (mma_ptx): one asm block a lane, its `REPS` rows' words and accumulators. The
         interpreter's form adds each word's sum (q - z) x s instead, in the same tensor."""
         g = (t * BLOCK_W) // WPG
-        x_tile = X + t * (BLOCK_W * 8) + w_flat * 8          # [1, BLOCK_W]: word w's x
         if _ASM:
             ptx: tl.constexpr = mma_ptx(REPS, ZERO_MODE, X.dtype.element_ty == tl.float16,
                                          _float_kind(SC.dtype.element_ty),
@@ -649,6 +654,7 @@ if HAS_TRITON:
                                                 dtype=tl.float32, is_pure=False,
                                                 pack=4 * REPS)
         else:
+            x_tile = X + t * (BLOCK_W * 8) + w_flat * 8      # [1, BLOCK_W]: word w's x
             s = tl.load(s_rows + g).to(tl.float32)
             if ZERO_MODE == 1:
                 z = tl.load(z_rows + g).to(tl.float32)
@@ -681,13 +687,13 @@ if HAS_TRITON:
         """acc [BLOCK_N, BLOCK_W] plus tile t's products over FP8 codes, four a word
         (mma_fp8_ptx); the rows' scales come after the loop. The interpreter's form adds
         each word's sum w x."""
-        x_tile = X + t * (BLOCK_W * 4) + w_flat * 4          # [1, BLOCK_W]: word w's x
         if _ASM:
             ptx: tl.constexpr = mma_fp8_ptx(REPS, X.dtype.element_ty == tl.float16)
             cons: tl.constexpr = mma_fp8_constraints(REPS)
             acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, x0, x1],
                                             dtype=tl.float32, is_pure=False, pack=4 * REPS)
         else:
+            x_tile = X + t * (BLOCK_W * 4) + w_flat * 4      # [1, BLOCK_W]: word w's x
             codes = cur.to(tl.int32, bitcast=True)
             for i in tl.static_range(4):
                 w = _e4m3_value((codes >> (8 * i)) & 0xFF)

@@ -139,10 +139,10 @@ class EightBitLinear(nn.Module):
 
     def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from folio.model.kernels import gemv
-        if self._gemv_wanted(x) and self._mma_gemv_wanted(x, bias):
-            out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
-            return self._mma_gemv(x, bias, out)
         if self._gemv_wanted(x):
+            if self._mma_gemv_wanted(x, bias):
+                out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
+                return self._mma_gemv(x, bias, out)
             return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
                                       pdl=self.kernels.pdl_on)
         if self.activation is None:
