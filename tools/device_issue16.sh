@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -234,6 +234,14 @@ s31a)  # session 31: the one-row GEMVs' tensor-core form (MMA configs; mma.sync 
   STEP_PATTERN="Error|bandwidth" step 280 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --json "$OUT/sweep.json"
   grep -E "int4|fp8|bf16 " "$OUT/sweep.log" | grep -v "fp8/[0-9]" | sort -k1,1 -k4,4n \
+      | awk '{c[$1]++} c[$1]<=10' | cut -c1-90 ;;
+s32a)  # next session, one call: s31d (the forms' GPU tests with x prefetched, batch-1 W4A16
+       # and FP8 with each switch off and on), then the one-row sweep of the 4-bit and FP8
+       # kinds only (every config, MMA ones named ...mma)
+  PART=s31d bash tools/device_issue16.sh
+  STEP_PATTERN="Error|bandwidth" step 150 sweep python3 tools/gpu_check_quant.py --sweep \
+      --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
+  grep -E "int4|fp8" "$OUT/sweep.log" | grep -v "fp8/[0-9]" | sort -k1,1 -k4,4n \
       | awk '{c[$1]++} c[$1]<=10' | cut -c1-90 ;;
 s31d)  # s31c in the order that a short call leaves most of: the new forms' GPU tests, then
        # each batch-1 pair (off, then switched on in this copy) if they passed

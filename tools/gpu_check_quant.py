@@ -71,8 +71,12 @@ def main() -> int:
     parser.add_argument("--m", default="1,4,8,16,64,256,4096")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated label prefixes to time (e.g. int4,fp8): the rest "
+                             "are skipped, to keep a device call short")
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
+    kinds = tuple(args.kinds.split(",")) if args.kinds else ()
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth (best of 4 GiB copies): {bandwidth / 1e12:.3f} TB/s", flush=True)
     rows = []
@@ -159,7 +163,7 @@ def main() -> int:
                         [lambda l=l, c=cfg: gemv.skinny_matmul(x, l.codes, scale=l.scale,
                                                                _config=c) for l in fp8], 1.0)
             for label, case in cases.items():
-                if case is None:
+                if case is None or (kinds and not label.startswith(kinds)):
                     continue
                 fns, bpw = case
                 try:
