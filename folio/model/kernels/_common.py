@@ -57,9 +57,14 @@ def warps_configs(warps: tuple[int, ...]) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(device_index: int) -> bool:
+def device_capability(device_index: int) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device."""
     import torch
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _pdl_capable(device_index: int) -> bool:
+    return device_capability(device_index)[0] >= 9
 
 
 def pdl_launch(x, allowed: bool) -> bool:

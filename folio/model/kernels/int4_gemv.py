@@ -46,12 +46,11 @@ FP8_MMA_GEMV) until a GPU shows them faster: on an H100 they are correct and not
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from folio.model.kernels import gemv
-from folio.model.kernels._common import HAS_TRITON, INTERPRET, pdl_launch, tl, triton
+from folio.model.kernels._common import (HAS_TRITON, INTERPRET, device_capability,
+                                         pdl_launch, tl, triton)
 
 # (BLOCK_N, BLOCK_W words, SPLIT_K, num_warps, num_stages, MMA); N and K are runtime
 # arguments, so each config compiles once per (G, ZERO_MODE, bias, gate|up) for all of a
@@ -134,11 +133,6 @@ def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int,
     return split_k == 1 or (split_k * n <= partials and triton.cdiv(n, block_n) <= counters)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def mma_operands_ok(x: torch.Tensor, fp8: bool) -> bool:
     """Whether the tensor-core form can take x: 16-bit, its first element 16-byte aligned
     (the asm loads x 16 bytes at a time), and a GPU whose PTX has the form's instructions
@@ -148,7 +142,7 @@ def mma_operands_ok(x: torch.Tensor, fp8: bool) -> bool:
         return False
     if not x.is_cuda:
         return INTERPRET
-    return _capability(x.device.index or 0) >= ((9, 0) if fp8 else (8, 0))
+    return device_capability(x.device.index or 0) >= ((9, 0) if fp8 else (8, 0))
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
