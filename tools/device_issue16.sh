@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -243,6 +243,28 @@ s32a)  # next session, one call: s31d (the forms' GPU tests with x prefetched, b
       --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
   grep -E "int4|fp8" "$OUT/sweep.log" | grep -v "fp8/[0-9]" | sort -k1,1 -k4,4n \
       | awk '{c[$1]++} c[$1]<=10' | cut -c1-90 ;;
+s32b)  # session 32, call 1: the tensor-core configs with more programs (one warp, K split 8
+       # and 16 ways) -- the GPU tests with every config forced, then the one-row sweep of the
+       # 4-bit and FP8 kinds (the best six a projection and kind, by time)
+  step 240 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
+      -k "int4_gemv_every_config or mma or fp8_gemv"
+  tail -4 "$OUT/tests.log" | cut -c1-400
+  STEP_PATTERN="Error|bandwidth" step 240 sweep python3 tools/gpu_check_quant.py --sweep \
+      --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
+  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -v "fp8/[0-9]" \
+      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
+      | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=6' | cut -d" " -f2- | cut -c1-80 ;;
+s32c)  # session 32, call 2: batch-1 FP8 and W4A16 with each switch off and on, then the FP8
+       # step kernel by kernel (no PDL) with the tensor-core form on
+  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/; s/^FP8_MMA_GEMV = False/FP8_MMA_GEMV = True/' \
+      folio/model/kernels/int4_gemv.py
+  step 120 lat_fp8_mma $LAT --quantization fp8 --output-json "$OUT/lat_fp8_mma.json"
+  step 120 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json"
+  FOLIO_PDL=0 step 130 prof_fp8_mma python3 tools/gpu_profile_batch_kernels.py 1 128 128 \
+      --config llama3-8b --quantization fp8
+  head -24 "$OUT/prof_fp8_mma.log" | cut -c1-150 ;;
 s31d)  # s31c in the order that a short call leaves most of: the new forms' GPU tests, then
        # each batch-1 pair (off, then switched on in this copy) if they passed
   step 240 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \

@@ -18,8 +18,11 @@ For each projection (qkv, o, gate_up, down) and row count M, the time per call o
 With --sweep, every config of the one-row GEMVs (4-bit: kernels/int4_gemv.py; FP8: the
 skinny GEMV's one-row configs) is timed forced, at M=1, as "int4/<config>" and "fp8/<config>".
 Each time is a CUDA graph of back-to-back calls, each on its own copy of the weights (larger
-than the L2 together, as a model's layers are). Prints µs and the weight bytes per second as a
-fraction of the best large-copy bandwidth (folio.bench.roofline.measure_copy_bandwidth).
+than the L2 together, as a model's layers are). The kernels launch as the layers launch them
+(PDL on Hopper: each call's first tiles stream in while the one before finishes), forced
+configs and fp8-mma too, so that their times compare with the layers' rows. Prints µs and
+the weight bytes per second as a fraction of the best large-copy bandwidth
+(folio.bench.roofline.measure_copy_bandwidth).
 """
 from __future__ import annotations
 
@@ -119,13 +122,13 @@ def main() -> int:
                 if m == 1 and name == "gate_up" else None,
                 "fp8-mma": ([lambda l=l: int4_gemv.fp8_gemv(
                     x, l.codes, l.scale, None, torch.empty(1, l.out_features, device=CUDA,
-                                                           dtype=torch.bfloat16))
+                                                           dtype=torch.bfloat16), pdl=True)
                     for l in fp8], 1.0) if m == 1 else None,
                 "int8": ([lambda l=l: l(x) for l in int8], 1.0),
                 "int4": ([lambda l=l: l(x) for l in int4], 0.5 + 2 / 128),
                 "int4-gu": ([lambda l=l: l.gate_up_silu(x, None) for l in int4], 0.5 + 2 / 128)
                 if m == 1 and name == "gate_up" else None,
-                "int4-tri": ([lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128)
+                "int4-tri": ([lambda l=l: int4_matmul(x, l.codes, l.scales, None, 128, pdl=True)
                               for l in int4], 0.5 + 2 / 128),
                 "tinygemm": ([lambda p=p: torch._weight_int4pack_mm(x, p[0], 128, p[1])
                               for p in tiny], 0.5 + 4 / 128) if tiny else None,
@@ -137,7 +140,8 @@ def main() -> int:
                                    num_stages=st, MMA=mma)
                         cases[f"int4/{bn}x{bw}s{sk}w{w_}{'mma' if mma else ''}"] = (
                             [lambda l=l, c=cfg: int4_matmul(x, l.codes, l.scales, None, 128,
-                                                            _config=c) for l in int4],
+                                                            pdl=True, _config=c)
+                             for l in int4],
                             0.5 + 2 / 128)
                 for bn, bw, sk, w_, st, mma in int4_gemv._CONFIGS:
                     if mma and int4_gemv.fits(n, k, k, bn, bw, sk, w_, cols=4):
@@ -147,7 +151,8 @@ def main() -> int:
                             [lambda l=l, c=cfg: int4_gemv.fp8_gemv(
                                 x, l.codes, l.scale, None,
                                 torch.empty(1, l.out_features, device=CUDA,
-                                            dtype=torch.bfloat16), _config=c) for l in fp8],
+                                            dtype=torch.bfloat16), pdl=True, _config=c)
+                                for l in fp8],
                             1.0)
                 old = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=1, UNPACK=0,
                            num_warps=4, num_stages=4)
@@ -161,7 +166,8 @@ def main() -> int:
                                num_stages=st)
                     cases[f"fp8/{bn}x{bk}s{sk}w{w_}p{st}"] = (
                         [lambda l=l, c=cfg: gemv.skinny_matmul(x, l.codes, scale=l.scale,
-                                                               _config=c) for l in fp8], 1.0)
+                                                               pdl=True, _config=c)
+                         for l in fp8], 1.0)
             for label, case in cases.items():
                 if case is None or (kinds and not label.startswith(kinds)):
                     continue

@@ -74,10 +74,17 @@ _CONFIGS = [
     (64, 16, 1, 4, 1, False),
     # The tensor-core form: 16 words (one group of 128 columns) a row a tile; a lane quad
     # holds them, eight rows a warp, BLOCK_N / (8 num_warps) rows a thread (an even number:
-    # mma.sync takes two rows a lane). Not yet timed on a GPU (session 31).
+    # mma.sync takes two rows a lane). Timed on an H100 in session 32: latency-bound at
+    # these sizes (a program's two tiles in flight, about one program an SM: time halved
+    # with each doubling of the split).
     (64, 16, 1, 2, 1, True), (64, 16, 2, 2, 1, True), (64, 16, 4, 2, 1, True),
     (128, 16, 1, 4, 1, True), (128, 16, 2, 4, 1, True), (128, 16, 4, 4, 1, True),
     (128, 16, 1, 2, 1, True), (256, 16, 1, 4, 1, True),
+    # more programs, so that more tiles are in flight an SM: one-warp programs and K split
+    # 8 and 16 ways where the workspace holds the partials (fits)
+    (32, 16, 4, 1, 1, True), (32, 16, 8, 1, 1, True), (32, 16, 16, 1, 1, True),
+    (16, 16, 8, 1, 1, True), (64, 16, 8, 2, 1, True), (64, 16, 16, 2, 1, True),
+    (128, 16, 8, 4, 1, True),
 ]
 _INTERPRET_CONFIGS = [(4, 8, 1, 4, 1, False)]
 # The interpreter's FP8 config (fp8_gemv forces it there: the autotuner of one config never
