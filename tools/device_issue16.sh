@@ -254,17 +254,17 @@ s32b)  # session 32, call 1: the tensor-core configs with more programs (one war
   grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -v "fp8/[0-9]" \
       | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
       | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=6' | cut -d" " -f2- | cut -c1-80 ;;
-s32c)  # session 32, call 2: batch-1 FP8 and W4A16 with each switch off and on, then the FP8
-       # step kernel by kernel (no PDL) with the tensor-core form on
-  step 90 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+s32c)  # session 32, call 2: batch-1 W4A16 as it is, then with the 4-bit tensor-core form in
+       # the autotuner's choice (MMA_AUTOTUNED, switched on in this copy): the GPU tests its
+       # other launches take (gate|up + SiLU, the norm epilogue, the layer, the engine on
+       # AWQ and GPTQ files) with every config, then batch-1 W4A16 again
   step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
-  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/; s/^FP8_MMA_GEMV = False/FP8_MMA_GEMV = True/' \
-      folio/model/kernels/int4_gemv.py
-  step 120 lat_fp8_mma $LAT --quantization fp8 --output-json "$OUT/lat_fp8_mma.json"
-  step 120 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json"
-  FOLIO_PDL=0 step 130 prof_fp8_mma python3 tools/gpu_profile_batch_kernels.py 1 128 128 \
-      --config llama3-8b --quantization fp8
-  head -24 "$OUT/prof_fp8_mma.log" | cut -c1-150 ;;
+  sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/' folio/model/kernels/int4_gemv.py
+  step 300 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
+      -k "int4_gate_up_silu_every_config or int4_gemv_norm_epilogue_every_config or
+          int4_linear_matches_reference or (engine_on_quantized_checkpoint and (awq or gptq))"
+  tail -4 "$OUT/tests.log" | cut -c1-400
+  step 110 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json" ;;
 s31d)  # s31c in the order that a short call leaves most of: the new forms' GPU tests, then
        # each batch-1 pair (off, then switched on in this copy) if they passed
   step 240 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
