@@ -20,8 +20,8 @@ skinny GEMV's one-row configs) is timed forced, at M=1, as "int4/<config>" and "
 Each time is a CUDA graph of back-to-back calls, each on its own copy of the weights (larger
 than the L2 together, as a model's layers are). The kernels launch as the layers launch them
 (PDL on Hopper: each call's first tiles stream in while the one before finishes), forced
-configs and fp8-mma too, so that their times compare with the layers' rows. Prints µs and
-the weight bytes per second as a fraction of the best large-copy bandwidth
+configs too, so that their times compare with the layers' rows. Prints µs and the weight
+bytes per second as a fraction of the best large-copy bandwidth
 (folio.bench.roofline.measure_copy_bandwidth).
 """
 from __future__ import annotations
@@ -120,10 +120,6 @@ def main() -> int:
                               for l in fp8], 1.0) if m >= 16 else None,
                 "fp8-gu": ([lambda l=l: l.gate_up_silu(x, None) for l in fp8], 1.0)
                 if m == 1 and name == "gate_up" else None,
-                "fp8-mma": ([lambda l=l: int4_gemv.fp8_gemv(
-                    x, l.codes, l.scale, None, torch.empty(1, l.out_features, device=CUDA,
-                                                           dtype=torch.bfloat16), pdl=True)
-                    for l in fp8], 1.0) if m == 1 else None,
                 "int8": ([lambda l=l: l(x) for l in int8], 1.0),
                 "int4": ([lambda l=l: l(x) for l in int4], 0.5 + 2 / 128),
                 "int4-gu": ([lambda l=l: l.gate_up_silu(x, None) for l in int4], 0.5 + 2 / 128)
@@ -143,17 +139,6 @@ def main() -> int:
                                                             pdl=True, _config=c)
                              for l in int4],
                             0.5 + 2 / 128)
-                for bn, bw, sk, w_, st, mma in int4_gemv._CONFIGS:
-                    if mma and int4_gemv.fits(n, k, k, bn, bw, sk, w_, cols=4):
-                        cfg = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=w_,
-                                   num_stages=st, MMA=True)
-                        cases[f"fp8/mma{bn}s{sk}w{w_}"] = (
-                            [lambda l=l, c=cfg: int4_gemv.fp8_gemv(
-                                x, l.codes, l.scale, None,
-                                torch.empty(1, l.out_features, device=CUDA,
-                                            dtype=torch.bfloat16), pdl=True, _config=c)
-                                for l in fp8],
-                            1.0)
                 old = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=1, UNPACK=0,
                            num_warps=4, num_stages=4)
                 cases["int4/tensor-core-16-rows"] = (

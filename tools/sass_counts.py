@@ -4,7 +4,7 @@ first look at what a kernel change does to the code before spending device time 
 
     python tools/sass_counts.py [--kernel decode|decode-split|varlen] [--kv bf16|fp8|fp8-pairs]
         [--block-n 32 --warps 2 --stages 2] [--block-m 128] [--dump /tmp/k]
-    python tools/sass_counts.py --kernel int4-gemv|fp8-gemv --block-n 128 --warps 2
+    python tools/sass_counts.py --kernel int4-gemv --block-n 128 --warps 2
         [--block-w 128 --pairs]      (the 4-bit GEMV's fp16-pair form)
 
 Prints the instruction total, each loop's length (the part that runs per tile) and the counts
@@ -58,17 +58,16 @@ def compile_sm90(fn, constexprs: dict, kv_type: str, num_warps: int, num_stages:
 
 
 def compile_gemv4(block_n: int, block_w: int, split_k: int, warps: int, *, mma: bool,
-                  zero_mode: int = 0, group: int = 128, gate_up: bool = False,
-                  fp8: bool = False):
-    """The one-row GEMV of kernels/int4_gemv.py (4-bit or FP8 codes) compiled for sm_90 as
-    a launch over bf16 x specializes it."""
+                  zero_mode: int = 0, group: int = 128, gate_up: bool = False):
+    """The one-row 4-bit GEMV of kernels/int4_gemv.py compiled for sm_90 as a launch over
+    bf16 x specializes it."""
     from folio.model.kernels import int4_gemv as ig
     fn = ig._gemv4_kernel.fn
-    pointers = {"X": "*bf16", "QW": "*i32", "SC": "*fp32" if fp8 else "*bf16", "ZP": "*bf16",
+    pointers = {"X": "*bf16", "QW": "*i32", "SC": "*bf16", "ZP": "*bf16",
                 "B": "*bf16", "OUT": "*bf16", "P": "*fp32", "C": "*i32", "R": "*bf16",
                 "NW": "*bf16", "NORMED": "*bf16", "RES_OUT": "*bf16"}
-    consts = dict(G=group, ZERO_MODE=zero_mode, HAS_BIAS=False, GATE_UP=gate_up, FP8=fp8,
-                  NORM=False, NORM_BLOCK=16, GRID_TICKET=False, BLOCK_N=block_n,
+    consts = dict(G=group, ZERO_MODE=zero_mode, HAS_BIAS=False, GATE_UP=gate_up, NORM=False,
+                  NORM_BLOCK=16, GRID_TICKET=False, BLOCK_N=block_n,
                   BLOCK_W=block_w, SPLIT_K=split_k, USE_PDL=True,
                   MMA=ig.mma_reps(block_n, warps) if mma else 0)
     sig, attrs = {}, {}
@@ -126,7 +125,7 @@ def loop_lengths(sass: str) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", default="decode",
-                    choices=["decode", "decode-split", "varlen", "int4-gemv", "fp8-gemv"])
+                    choices=["decode", "decode-split", "varlen", "int4-gemv"])
     ap.add_argument("--block-w", type=int, default=16, help="GEMV tile words")
     ap.add_argument("--pairs", action="store_true", help="4-bit GEMV: the fp16-pair form")
     ap.add_argument("--kv", default="fp8-pairs", choices=["bf16", "fp8", "fp8-pairs"])
@@ -138,10 +137,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dump", default=None)
     args = ap.parse_args()
-    if args.kernel.endswith("gemv"):
-        fp8 = args.kernel == "fp8-gemv"
-        kernel = compile_gemv4(args.block_n, args.block_w, 1, args.warps, mma=not args.pairs,
-                               group=4096 if fp8 else 128, fp8=fp8)
+    if args.kernel == "int4-gemv":
+        kernel = compile_gemv4(args.block_n, args.block_w, 1, args.warps, mma=not args.pairs)
         sass = sass_of(kernel)
         ops = opcode_counts(sass)
         print(f"{args.kernel} {args.block_n}x{args.block_w} warps={args.warps}"

@@ -517,20 +517,6 @@ def norm_epilogue_args(norm: tuple | None, out: torch.Tensor, n: int) -> tuple[t
             dict(NORM=True, NORM_BLOCK=min(next_pow2(n), _NORM_CHUNK), GRID_TICKET=_GRID_TICKET))
 
 
-def one_row_add_norm(x: torch.Tensor, n: int, residual: torch.Tensor,
-                     norm_weight: torch.Tensor, eps: float,
-                     launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A one-row product of n outputs with the add + RMSNorm epilogue: checks the operands,
-    makes the outputs and calls `launch(out, norm)` with norm = (residual, norm weight, eps,
-    normed out, residual out), the kernels' `norm` argument; returns (normed, residual out)."""
-    residual = residual.reshape(1, n)
-    check_norm_operands(residual, norm_weight, 1, n, x.dtype)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    normed, stream = torch.empty_like(out), torch.empty_like(out)
-    launch(out, (residual, norm_weight, eps, normed, stream))
-    return normed, stream
-
-
 def check_norm_operands(residual: torch.Tensor, norm_weight: torch.Tensor, m: int, n: int,
                         dtype: torch.dtype) -> None:
     """The epilogue's operands: the stream [m, n] with contiguous rows and the weight [n],

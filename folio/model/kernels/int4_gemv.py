@@ -39,10 +39,9 @@ Narrow outputs split K over SPLIT_K programs, reduced in split order through the
 workspace (kernels/gemv.py).
 
 The configs marked MMA run a tensor-core form instead (mma_ptx: the products on mma.sync, the
-codes widened by a shift and one LOP3 a pair), and `fp8_gemv` runs FP8 e4m3 codes, four to a
-word, in the same kernel and form (mma_fp8_ptx). Both are behind switches (MMA_AUTOTUNED,
-FP8_MMA_GEMV) until a GPU shows them faster: on an H100 they are correct and not yet faster
-(docs/benchmarks.md, session 31).
+codes widened by a shift and one LOP3 a pair), behind a switch (MMA_AUTOTUNED). Session 31
+ran FP8 e4m3 codes in the same form too; on an H100 it lost to the skinny GEMV by 18-24 % on
+every Llama-3-8B projection and was removed (docs/benchmarks.md, sessions 31 and 32).
 """
 from __future__ import annotations
 
@@ -87,24 +86,13 @@ _CONFIGS = [
     (128, 16, 8, 4, 1, True),
 ]
 _INTERPRET_CONFIGS = [(4, 8, 1, 4, 1, False)]
-# The interpreter's FP8 config (fp8_gemv forces it there: the autotuner of one config never
-# prunes, and FP8 codes run only in the tensor-core form).
-_INTERPRET_FP8_CONFIG = dict(BLOCK_N=32, BLOCK_W=16, SPLIT_K=1, num_warps=2, num_stages=1,
-                             MMA=True)
-# Whether the autotuner may pick the tensor-core form for 4-bit codes (_prune; FP8 codes run
-# only in it). Off until the form has passed its GPU tests (tests/gpu/test_gpu_quant.py force
-# every config, MMA ones included). Read when a shape is tuned: a choice kept on disk from
+# Whether the autotuner may pick the tensor-core form (_prune). Off until the form has passed
+# its GPU tests (tests/gpu/test_gpu_quant.py force every config, MMA ones included). Read when a shape is tuned: a choice kept on disk from
 # before a change stands.
 MMA_AUTOTUNED = False
-# Whether FP8 weights' one-row products take fp8_gemv (quant/eight_bit_linear.py) instead of
-# the skinny GEMV: off until its GPU tests pass.
-FP8_MMA_GEMV = False
 # The tensor-core form's tile: 16 words a row (128 columns), the k of two m16n8k16 products
 # for each of a lane quad's four words.
 MMA_WORDS = 16
-# FP8 codes have no groups (one scale a row, applied after the loop): the kernel is handed one
-# tile's columns as G, the same for every K, so that all shapes share a compiled variant.
-FP8_GROUP = 4 * MMA_WORDS
 
 
 def _configs() -> list:
@@ -121,15 +109,14 @@ def mma_reps(block_n: int, num_warps: int) -> int:
 
 
 def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int,
-         mma_warps: int = 0, cols: int = 8) -> bool:
+         mma_warps: int = 0) -> bool:
     """Whether a tile of `block_w` words (and a K split in `split_k`) fits the shape: whole
     tiles per split, groups that tile the tile or a tile inside one group, split-K only where
     the GEMV workspace holds the partials (one row: split_k * N floats) and the tickets.
     `mma_warps`: the tensor-core form at that many warps (0: the fp16-pair form), which
-    takes tiles of MMA_WORDS words inside one group and an even number of rows a thread.
-    `cols`: columns a word (8 4-bit codes; 4 FP8 codes, one group of the whole row)."""
-    kw, wpg = k // cols, g // cols
-    if k <= 0 or k % cols or g % cols or kw % (block_w * split_k):
+    takes tiles of MMA_WORDS words inside one group and an even number of rows a thread."""
+    kw, wpg = k // 8, g // 8
+    if k <= 0 or k % 8 or g % 8 or kw % (block_w * split_k):
         return False
     if mma_warps and (block_w != MMA_WORDS or wpg % MMA_WORDS
                       or block_n % (16 * mma_warps)):
@@ -140,16 +127,16 @@ def fits(n: int, k: int, g: int, block_n: int, block_w: int, split_k: int,
     return split_k == 1 or (split_k * n <= partials and triton.cdiv(n, block_n) <= counters)
 
 
-def mma_operands_ok(x: torch.Tensor, fp8: bool) -> bool:
+def mma_operands_ok(x: torch.Tensor) -> bool:
     """Whether the tensor-core form can take x: 16-bit, its first element 16-byte aligned
     (the asm loads x 16 bytes at a time), and a GPU whose PTX has the form's instructions
-    (mma.sync m16n8k16: sm_80; FP8's cvt.rn.f16x2.e4m3x2 and max.u16x2: sm_90). The
-    interpreter runs the form's plain-Triton branch: any CPU tensor of 16 bits."""
+    (mma.sync m16n8k16: sm_80). The interpreter runs the form's plain-Triton branch: any
+    CPU tensor of 16 bits."""
     if x.dtype not in (torch.float16, torch.bfloat16) or x.data_ptr() % 16:
         return False
     if not x.is_cuda:
         return INTERPRET
-    return device_capability(x.device.index or 0) >= ((9, 0) if fp8 else (8, 0))
+    return device_capability(x.device.index or 0) >= (8, 0)
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
@@ -157,14 +144,7 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
     n, k, g = args["N"], args["K"], args["G"]
     if args.get("GATE_UP"):
         n *= 2      # both halves' rows are in the tiles and the split-K partials
-    if args.get("FP8"):       # FP8 codes: the tensor-core form only
-        kept = [c for c in configs if c.kwargs["MMA"] and fits(
-            n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"],
-            c.num_warps, cols=4)]
-        if not kept:
-            raise ValueError(f"no FP8 GEMV tile fits K={k}")
-        return kept
-    mma_ok = MMA_AUTOTUNED and mma_operands_ok(args["X"], False)
+    mma_ok = MMA_AUTOTUNED and mma_operands_ok(args["X"])
     kept = [c for c in configs
             if (mma_ok or not c.kwargs["MMA"])
             and fits(n, k, g, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_W"], c.kwargs["SPLIT_K"],
@@ -351,80 +331,6 @@ def mma_constraints(reps: int, zero_mode: int) -> str:
     return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["l"] * addresses + ["r"] * 4 * p)
 
 
-# FP8 e4m3 codes (fp8_gemv) in the same tensor-core form: four codes a word, a tile of 16
-# words 64 columns. cvt.rn.f16x2.e4m3x2 widens two codes to an exact fp16 pair, and a word's
-# two pairs are a lane's k of one product (a0 = codes 0, 1; a2 = codes 2, 3; a1, a3 the
-# second row's), five instructions for a word of two rows against the skinny GEMV's ~24
-# (5.9 a code: its codes widened to float32 for CUDA-core FMAs). The products are fp16, so
-# bf16 x is scaled by a power of two that brings the largest |x| of the tile's 64 columns (a
-# lane quad's: two shuffles) into [1, 2), exactly, and the tile's sums are scaled back as
-# they are added; fp16 x is taken as it is. The row's scale is applied after the loop. Exact
-# (W8A16 products, float32 sums) where a tile's |x| spans less than 2^14; an element further
-# below the tile's largest rounds to fp16's subnormal step, at most 2^-25 of the largest |x|
-# (activation outliers of 1e3-1e4 times the rest stay inside the exact range).
-
-@_constexpr_function
-def mma_fp8_ptx(reps: int, x_f16: bool) -> str:
-    """The PTX of one lane's tile step over FP8 codes, `reps` rows a lane (even): operands
-    (pack 4 reps, element e = 4 r + j) are the new accumulators, the tile's words, the
-    accumulators and x's words as two int32 operands (element j: word j's elements 0, 1 in
-    the first, 2, 3 in the second; row rep 0's are read). Per row:
-    acc + 2^e D, D the mma sum of w x 2^-e. Public for the CPU test that emulates it."""
-    if reps < 2 or reps % 2:
-        raise ValueError(f"the tensor-core form takes an even number of rows a lane, not {reps}")
-    p = 4 * reps
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    n = iter(range(5 * p))
-    out = [f"${next(n)}" for _ in range(p)]
-    words = [f"${next(n)}" for _ in range(p)]
-    acc = [f"${next(n)}" for _ in range(p)]
-    x_ops = [[f"${next(n)}" for _ in range(p)] for _ in range(2)]
-    # word j's four x elements: int32 2j of the lane's (elements 0, 1), 2j + 1 (2, 3)
-    xr = [x_ops[i % 2][i // 2] for i in range(8)]
-    lines = ["{", ".reg .b32 xp<8>, m, o, e, a<4>, lo, hi;", ".reg .b16 h<4>;",
-             ".reg .f32 d<4>, zero, esc, inv, fl, fh;", "mov.f32 zero, 0f00000000;"]
-    if x_f16:
-        lines += [f"mov.b32 xp{i}, {xr[i]};" for i in range(8)] + ["mov.f32 esc, 0f3F800000;"]
-    else:
-        # the largest |x| of the quad's 64 columns: bf16 magnitudes compare as integers
-        lines.append(f"and.b32 m, {xr[0]}, 0x7FFF7FFF;")
-        for i in range(1, 8):
-            lines += [f"and.b32 o, {xr[i]}, 0x7FFF7FFF;", "max.u16x2 m, m, o;"]
-        lines += ["shr.u32 o, m, 16;", "and.b32 m, m, 0xFFFF;", "max.u32 m, m, o;",
-                  "shfl.sync.bfly.b32 o, m, 1, 0x1f, 0xffffffff;", "max.u32 m, m, o;",
-                  "shfl.sync.bfly.b32 o, m, 2, 0x1f, 0xffffffff;", "max.u32 m, m, o;",
-                  # 2^e of the largest, and 2^-e (254 - (e + 127) biased; 0 -> 2^127 x 0)
-                  "shl.b32 m, m, 16;", "and.b32 e, m, 0x7F800000;",
-                  "sub.s32 o, 0x7F000000, e;", "mov.b32 inv, o;", "mov.b32 esc, e;"]
-        for i in range(8):
-            lines += [f"shl.b32 lo, {xr[i]}, 16;", f"and.b32 hi, {xr[i]}, 0xFFFF0000;",
-                      "mov.b32 fl, lo;", "mov.b32 fh, hi;",
-                      "mul.f32 fl, fl, inv;", "mul.f32 fh, fh, inv;",
-                      f"cvt.rn.f16x2.f32 xp{i}, fh, fl;"]
-    for pair in range(reps // 2):
-        top, bottom = 8 * pair, 8 * pair + 4
-        for j in range(4):
-            lines += [f"mov.b32 {{h0, h1}}, {words[top + j]};",
-                      f"mov.b32 {{h2, h3}}, {words[bottom + j]};",
-                      "cvt.rn.f16x2.e4m3x2 a0, h0;", "cvt.rn.f16x2.e4m3x2 a1, h2;",
-                      "cvt.rn.f16x2.e4m3x2 a2, h1;", "cvt.rn.f16x2.e4m3x2 a3, h3;"]
-            c = "zero, zero, zero, zero" if j == 0 else "d0, d1, d2, d3"
-            lines.append(f"{mma} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, "
-                         f"{{xp{2 * j}, xp{2 * j + 1}}}, {{{c}}};")
-        for half in range(2):
-            el, dreg = (top, "d0") if half == 0 else (bottom, "d2")
-            lines.append(f"fma.rn.f32 {out[el]}, {dreg}, esc, {acc[el]};")
-            lines += [f"mov.f32 {out[el + j]}, zero;" for j in range(1, 4)]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-@_constexpr_function
-def mma_fp8_constraints(reps: int) -> str:
-    """The inline asm constraints of mma_fp8_ptx: float32 outs; words, accumulators, x."""
-    p = 4 * reps
-    return ",".join(["=f"] * p + ["r"] * p + ["f"] * p + ["r"] * 2 * p)
-
 if HAS_TRITON:
     from folio.model.kernels._common import autotune
     from folio.model.kernels._common import pdl_entry
@@ -606,10 +512,9 @@ if HAS_TRITON:
         return {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[str(ty)]
 
     @triton.jit
-    def _x_words(X, t, w_flat, BLOCK_W: tl.constexpr, FP8: tl.constexpr):
+    def _x_words(X, t, w_flat, BLOCK_W: tl.constexpr):
         """Tile t's x, as the tensor-core form's asm takes it: each of the tile's words'
-        elements as int32 pairs, [1, BLOCK_W] each (four a 4-bit word, two an FP8 one; the
-        FP8 form's last two repeat its first two, unused). Loaded a tile ahead of its
+        elements as four int32 pairs, [1, BLOCK_W] each. Loaded a tile ahead of its
         products, like the weight, by a load of its own in asm: a Triton load of these few
         elements takes a layout of its own and crosses shared memory to the weight tile's
         (4 barriers a loop), where addresses, being arithmetic, are made in the consumer's
@@ -617,12 +522,6 @@ if HAS_TRITON:
         interpreter's form reads x in its tile step.)"""
         if not _ASM:
             x0, x1, x2, x3 = 0, 0, 0, 0
-        elif FP8:
-            addr = (X + t * (BLOCK_W * 4) + w_flat * 4).to(tl.int64)
-            x0, x1 = tl.inline_asm_elementwise(
-                "ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [addr],
-                dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
-            x2, x3 = x0, x1
         else:
             addr = (X + t * (BLOCK_W * 8) + w_flat * 8).to(tl.int64)
             x0, x1, x2, x3 = tl.inline_asm_elementwise(
@@ -673,45 +572,13 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _e4m3_value(b):
-        """The float32 value of e4m3 codes b (int32, 0..255): the interpreter's widening."""
-        e = (b >> 3) & 0xF
-        m = (b & 7).to(tl.float32)
-        mag = tl.where(e == 0, m * 0.001953125,                   # m / 8 * 2^-6
-                       (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
-        mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)     # e4m3's NaN codes
-        return tl.where((b & 0x80) != 0, -mag, mag)
-
-    @triton.jit
-    def _tile_mma_fp8(acc, cur, x0, x1, t, X, w_flat, BLOCK_W: tl.constexpr,
-                      REPS: tl.constexpr):
-        """acc [BLOCK_N, BLOCK_W] plus tile t's products over FP8 codes, four a word
-        (mma_fp8_ptx); the rows' scales come after the loop. The interpreter's form adds
-        each word's sum w x."""
-        if _ASM:
-            ptx: tl.constexpr = mma_fp8_ptx(REPS, X.dtype.element_ty == tl.float16)
-            cons: tl.constexpr = mma_fp8_constraints(REPS)
-            acc = tl.inline_asm_elementwise(ptx, cons, [cur, acc, x0, x1],
-                                            dtype=tl.float32, is_pure=False, pack=4 * REPS)
-        else:
-            x_tile = X + t * (BLOCK_W * 4) + w_flat * 4      # [1, BLOCK_W]: word w's x
-            codes = cur.to(tl.int32, bitcast=True)
-            for i in tl.static_range(4):
-                w = _e4m3_value((codes >> (8 * i)) & 0xFF)
-                acc += w * tl.load(x_tile + i).to(tl.float32)
-        return acc
-
-    @triton.jit
     def _tile_step(acc, cur, x0, x1, x2, x3, t, X, SC, ZP, s_rows, z_rows, x_in, g_in, w_flat,
                    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GROUPS: tl.constexpr,
                    INNER: tl.constexpr, WPG: tl.constexpr, QUAD: tl.constexpr,
-                   ZERO_MODE: tl.constexpr, MMA: tl.constexpr, FP8: tl.constexpr):
+                   ZERO_MODE: tl.constexpr, MMA: tl.constexpr):
         """acc plus tile t's products (its words `cur`, [BLOCK_N, BLOCK_W] uint32), in the
-        tensor-core form (MMA: the rows a lane holds; FP8: over e4m3 codes) or the fp16-pair
-        form."""
-        if FP8:
-            acc = _tile_mma_fp8(acc, cur, x0, x1, t, X, w_flat, BLOCK_W, MMA)
-        elif MMA:
+        tensor-core form (MMA: the rows a lane holds) or the fp16-pair form."""
+        if MMA:
             acc = _tile_mma(acc, cur, x0, x1, x2, x3, t, X, SC, ZP, s_rows, z_rows, w_flat,
                             BLOCK_W, WPG, MMA, ZERO_MODE)
         else:
@@ -720,18 +587,17 @@ if HAS_TRITON:
                             ZERO_MODE)
         return acc
 
-    @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP", "FP8"],
+    @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
                      prune_configs_by={"early_config_prune": _prune})
     @triton.jit
     def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW,
                       R, NW, NORMED, RES_OUT, stride_rm, stride_nm, stride_rom, eps,
                       G: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      GATE_UP: tl.constexpr, FP8: tl.constexpr, NORM: tl.constexpr,
+                      GATE_UP: tl.constexpr, NORM: tl.constexpr,
                       NORM_BLOCK: tl.constexpr,
                       GRID_TICKET: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
                       MMA: tl.constexpr, USE_PDL: tl.constexpr):
-        tl.static_assert(MMA > 0 or not FP8, "FP8 codes run only in the tensor-core form")
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         WPG: tl.constexpr = G // 8
@@ -790,9 +656,8 @@ if HAS_TRITON:
         # The tensor-core form's x words ride along with the weight tiles, a tile ahead
         # (_x_words); the pair form loads and prepares x inside its tile step.
         if MMA:
-            xa0, xa1, xa2, xa3 = _x_words(X, t_lo, w_flat, BLOCK_W, FP8)
-            xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t_lo + 1, last), w_flat, BLOCK_W,
-                                          FP8)
+            xa0, xa1, xa2, xa3 = _x_words(X, t_lo, w_flat, BLOCK_W)
+            xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t_lo + 1, last), w_flat, BLOCK_W)
         else:
             xa0, xa1, xa2, xa3 = 0, 0, 0, 0
             xb0, xb1, xb2, xb3 = 0, 0, 0, 0
@@ -801,25 +666,22 @@ if HAS_TRITON:
             c0, c1, c2, c3 = xa0, xa1, xa2, xa3
             tile_a = tl.load(w_rows + tl.minimum(t + 2, last) * BLOCK_W + w_flat)
             if MMA:
-                xa0, xa1, xa2, xa3 = _x_words(X, tl.minimum(t + 2, last), w_flat, BLOCK_W, FP8)
+                xa0, xa1, xa2, xa3 = _x_words(X, tl.minimum(t + 2, last), w_flat, BLOCK_W)
             acc = _tile_step(acc, cur, c0, c1, c2, c3, t, X, SC, ZP, s_rows, z_rows, x_in,
                              g_in, w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
-                             ZERO_MODE, MMA, FP8)
+                             ZERO_MODE, MMA)
             if t + 1 < t_hi:
                 cur = tile_b.to(tl.uint32, bitcast=True)
                 c0, c1, c2, c3 = xb0, xb1, xb2, xb3
                 tile_b = tl.load(w_rows + tl.minimum(t + 3, last) * BLOCK_W + w_flat)
                 if MMA:
-                    xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t + 3, last), w_flat, BLOCK_W,
-                                                  FP8)
+                    xb0, xb1, xb2, xb3 = _x_words(X, tl.minimum(t + 3, last), w_flat, BLOCK_W)
                 acc = _tile_step(acc, cur, c0, c1, c2, c3, t + 1, X, SC, ZP, s_rows, z_rows,
                                  x_in, g_in, w_flat, BLOCK_N, BLOCK_W, GROUPS, INNER, WPG, QUAD,
-                                 ZERO_MODE, MMA, FP8)
+                                 ZERO_MODE, MMA)
         if MMA:
             # a row's sum is in each of its quad's four lanes (mma_ptx), which the sum adds
             total = (tl.sum(acc, axis=1) * (0.25 if _ASM else 1.0))[None, :]
-            if FP8:     # one float32 scale a row (SC [N]): the rows' own, before any split
-                total *= tl.load(SC + rows)[None, :]
         else:
             total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]     # [1, BLOCK_N]
         offs_m = tl.arange(0, 1)
@@ -868,46 +730,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     (residual, norm weight, eps, normed out, residual out), the residual add + RMSNorm after
     the product in the same launch (gemv.skinny_matmul_add_norm's epilogue; checked by the
     caller, gemv.check_norm_operands). `_config` (tests) forces one tile config."""
-    return _launch(x, packed, packed.shape[1] * 8, scales, offsets, zero_mode, group_size,
-                   bias, out, pdl, gate_up, norm, False, _config)
-
-
-def fp8_supported(k: int) -> bool:
-    """Whether fp8_gemv serves a row of K columns: whole 64-column tiles."""
-    return k > 0 and k % (4 * MMA_WORDS) == 0
-
-
-def fp8_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None, out: torch.Tensor, *, pdl: bool = False,
-             gate_up: bool = False, norm: tuple | None = None,
-             _config: dict | None = None) -> torch.Tensor:
-    """x [1, K] (16-bit, contiguous) @ (codes * scale[:, None])^T (+ bias) into out [1, N]:
-    FP8 e4m3 codes [N, K] (contiguous; fp8_supported(K)) with one float32 scale a row, in
-    the tensor-core form (mma_fp8_ptx; W8A16 arithmetic, x not quantized). `gate_up`,
-    `norm`, `pdl`, `_config` as int4_gemv's (the gate|up weight's scales [2N])."""
-    if codes.dtype != torch.float8_e4m3fn or not codes.is_contiguous():
-        raise ValueError("fp8_gemv takes contiguous float8_e4m3fn codes")
-    rows, k = codes.shape
-    if not fp8_supported(k) or scale.shape != (rows,) or scale.dtype != torch.float32:
-        raise ValueError(f"fp8_gemv: K={k} must be a multiple of {4 * MMA_WORDS}, scale "
-                         f"float32 [{rows}] (got {tuple(scale.shape)} {scale.dtype})")
-    if x.shape != (1, k) or not x.is_contiguous():
-        raise ValueError(f"fp8_gemv takes one contiguous row x [1, {k}], got {tuple(x.shape)}")
-    if not mma_operands_ok(x, True):
-        raise ValueError("fp8_gemv takes 16-bit x, 16-byte aligned, on an sm_90 GPU (got "
-                         f"{x.dtype} on {x.device})")
-    if _config is None and INTERPRET:
-        _config = _INTERPRET_FP8_CONFIG
-    return _launch(x, codes.view(torch.int32), k, scale, None, 0, FP8_GROUP, bias, out, pdl,
-                   gate_up, norm, True, _config)
-
-
-def _launch(x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
-            offsets: torch.Tensor | None, zero_mode: int, group_size: int,
-            bias: torch.Tensor | None, out: torch.Tensor, pdl: bool, gate_up: bool,
-            norm: tuple | None, fp8: bool, _config: dict | None) -> torch.Tensor:
-    """The kernel's launch for int4_gemv and fp8_gemv: `packed` [rows, K / cols] words."""
-    rows, cols = packed.shape[0], 4 if fp8 else 8
+    rows, k = packed.shape[0], packed.shape[1] * 8
     if gate_up and (bias is not None or rows % 2):
         raise ValueError("the fused gate|up GEMV takes an even number of rows and no bias")
     n = rows // 2 if gate_up else rows
@@ -918,32 +741,28 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, k: int, scales: torch.Tensor,
     partials, counters = gemv._workspace(x.device)
     norm_args, norm_meta = gemv.norm_epilogue_args(norm, out, n)
     args = (x, packed, scales, offsets if offsets is not None else scales,
-            bias if bias is not None else scales, out, partials, counters, n, k, k // cols,
+            bias if bias is not None else scales, out, partials, counters, n, k, k // 8,
             *norm_args)
     pdl = pdl_launch(x, pdl)
     meta = dict(G=group_size, ZERO_MODE=zero_mode, HAS_BIAS=bias is not None, GATE_UP=gate_up,
-                FP8=fp8, USE_PDL=pdl, launch_pdl=pdl, **norm_meta)
+                USE_PDL=pdl, launch_pdl=pdl, **norm_meta)
     if _config is None:
         if norm is not None:   # the key's config chosen on the plain product
             gemv.tune_on_plain_product(
-                _gemv4_kernel, (n, k, group_size, zero_mode, fp8, x.dtype, offsets is None,
+                _gemv4_kernel, (n, k, group_size, zero_mode, x.dtype, offsets is None,
                                 bias is None, x.device),
-                lambda: fp8_gemv(x, packed.view(torch.float8_e4m3fn), scales, bias,
-                                 torch.empty_like(out), pdl=pdl) if fp8 else
-                int4_gemv(x, packed, scales, offsets, zero_mode, group_size, bias,
-                          torch.empty_like(out), pdl=pdl))
+                lambda: int4_gemv(x, packed, scales, offsets, zero_mode, group_size, bias,
+                                  torch.empty_like(out), pdl=pdl))
         _gemv4_kernel[lambda c: (triton.cdiv(rows, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta)
         return out
     config = dict(_config)
     warps, stages = config.pop("num_warps", 4), config.pop("num_stages", 1)
     mma = bool(config.pop("MMA", False))
     config["MMA"] = mma_reps(config["BLOCK_N"], warps) if mma else 0
-    if (fp8 and not mma) or not fits(rows, k, group_size, config["BLOCK_N"],
-                                     config["BLOCK_W"], config["SPLIT_K"],
-                                     warps if mma else 0, cols):
-        raise ValueError(f"config {_config} does not fit N={rows}, K={k}, G={group_size}"
-                         f"{' (FP8: MMA configs only)' if fp8 else ''}")
-    if mma and not mma_operands_ok(x, fp8):
+    if not fits(rows, k, group_size, config["BLOCK_N"], config["BLOCK_W"], config["SPLIT_K"],
+                warps if mma else 0):
+        raise ValueError(f"config {_config} does not fit N={rows}, K={k}, G={group_size}")
+    if mma and not mma_operands_ok(x):
         raise ValueError(f"the tensor-core form takes 16-bit, 16-byte aligned x (got {x.dtype})")
     _gemv4_kernel.fn[(triton.cdiv(rows, config["BLOCK_N"]), config["SPLIT_K"])](
         *args, **meta, **config, num_warps=warps, num_stages=stages)

@@ -70,24 +70,6 @@ class EightBitLinear(nn.Module):
             out = self.reference(x2, bias).to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
 
-    def _mma_gemv_wanted(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether the tensor-core one-row GEMV over FP8 codes serves x (kernels/int4_gemv
-        .fp8_gemv, where FP8_MMA_GEMV is set): one contiguous 16-bit row on an sm_90 GPU
-        (mma_operands_ok), e4m3 codes whose K fills whole tiles, a bias (if any) in x's
-        dtype."""
-        from folio.model.kernels import int4_gemv
-        return (int4_gemv.FP8_MMA_GEMV and self.kernels.gemv_on and x.is_cuda
-                and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] == self.in_features
-                and x.is_contiguous() and int4_gemv.mma_operands_ok(x, True)
-                and self.codes.dtype == FP8_DTYPE and int4_gemv.fp8_supported(self.in_features)
-                and (bias is None or bias.dtype == x.dtype))
-
-    def _mma_gemv(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  **kind) -> torch.Tensor:
-        from folio.model.kernels import int4_gemv
-        return int4_gemv.fp8_gemv(x, self.codes, self.scale, bias, out,
-                                  pdl=self.kernels.pdl_on, **kind)
-
     def _gemv_wanted(self, x: torch.Tensor, fused: bool = False) -> bool:
         """The GEMV where the bf16 one is used (by default one row: each further row bucket
         is more compiling and autotuning at start-up for a few percent)."""
@@ -111,9 +93,6 @@ class EightBitLinear(nn.Module):
         if not self.gate_up_silu_wanted(x, bias):
             return None
         x2 = x.reshape(-1, self.in_features)
-        if bias is None and self._mma_gemv_wanted(x2, None):
-            out = torch.empty((1, self.out_features // 2), dtype=x.dtype, device=x.device)
-            return self._mma_gemv(x2, None, out, gate_up=True).view(*x.shape[:-1], -1)
         from folio.model.kernels import gemv
         act = gemv.skinny_gate_up_silu(x2, self.codes, bias, scale=self.scale,
                                        pdl=self.kernels.pdl_on)
@@ -130,19 +109,12 @@ class EightBitLinear(nn.Module):
         if not self._gemv_wanted(x2):
             return None
         from folio.model.kernels import gemv
-        if self._mma_gemv_wanted(x2, bias):
-            return gemv.one_row_add_norm(
-                x2, self.out_features, residual, norm_weight, eps,
-                lambda out, norm: self._mma_gemv(x2, bias, out, norm=norm))
         return gemv.skinny_matmul_add_norm(x2, self.codes, residual, norm_weight, eps, bias,
                                            scale=self.scale, pdl=self.kernels.pdl_on)
 
     def _cuda(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from folio.model.kernels import gemv
         if self._gemv_wanted(x):
-            if self._mma_gemv_wanted(x, bias):
-                out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
-                return self._mma_gemv(x, bias, out)
             return gemv.skinny_matmul(x, self.codes, bias, scale=self.scale,
                                       pdl=self.kernels.pdl_on)
         if self.activation is None:

@@ -117,9 +117,12 @@ class GroupQuantLinear(nn.Module):
         from folio.model.kernels import gemv
         if not self._one_row_gemv_ok(x) or (bias is not None and bias.dtype != x.dtype):
             return None
-        return gemv.one_row_add_norm(
-            x, self.out_features, residual, norm_weight, eps,
-            lambda out, norm: self._one_row_gemv(x, bias, out, norm=norm))
+        residual = residual.reshape(1, self.out_features)
+        gemv.check_norm_operands(residual, norm_weight, 1, self.out_features, x.dtype)
+        out = torch.empty((1, self.out_features), dtype=x.dtype, device=x.device)
+        normed, stream = torch.empty_like(out), torch.empty_like(out)
+        self._one_row_gemv(x, bias, out, norm=(residual, norm_weight, eps, normed, stream))
+        return normed, stream
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = x.to(torch.float32) @ self.dequantize().t()
