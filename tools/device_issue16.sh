@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s33a|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -261,8 +261,7 @@ s32c)  # session 32, call 2: batch-1 W4A16 as it is, then with the 4-bit tensor-
   step 90 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   sed -i 's/^MMA_AUTOTUNED = False/MMA_AUTOTUNED = True/' folio/model/kernels/int4_gemv.py
   step 220 tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_quant.py \
-      -k "int4_gate_up_silu_every_config or int4_gemv_norm_epilogue_every_config or
-          int4_linear_matches_reference"
+      -k "int4_gate_up_silu_every_config or int4_gemv_norm_epilogue_every_config or int4_linear_matches_reference"
   tail -4 "$OUT/tests.log" | cut -c1-400
   step 110 lat_w4a16_mma $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16_mma.json" ;;
 s31d)  # s31c in the order that a short call leaves most of: the new forms' GPU tests, then
@@ -330,6 +329,17 @@ s29c)  # session 29, on an H200 only (the issues' card): issue 17's verify cost 
   step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
   step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
   step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
+s33a)  # next session: the one-row sweep of the 4-bit and FP8 kinds with the autotuners'
+       # choices printed (the layers' narrow rows were 9-24 % slower than the best forced
+       # config in session 32), then issue 16's batch-1 pair W4A16 / FP8
+  STEP_PATTERN="Error|bandwidth" step 200 sweep python3 tools/gpu_check_quant.py --sweep \
+      --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
+  grep -E "^chosen" "$OUT/sweep.log" | cut -c1-200
+  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -v "^chosen" \
+      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
+      | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=4' | cut -d" " -f2- | cut -c1-80
+  step 150 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  step 120 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
 s32d)  # session 32 on an H200 with little device time left: s29c's steps, bf16 last
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
       --config llama3-8b --k 4 --gaps

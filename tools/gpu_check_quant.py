@@ -170,6 +170,15 @@ def main() -> int:
                       f"{flops / 1e12:6.1f}TF", flush=True)
         del bf16, fp8, int8, int4, tiny
         torch.cuda.empty_cache()
+    if args.sweep:
+        # What the autotuners chose for the layers' rows, to set beside the forced configs'
+        # times (session 32: the narrow projections' choices were 9-24 % slower than the
+        # best forced config under PDL).
+        for label, tuner in (("int4_gemv", int4_gemv._gemv4_kernel),
+                             ("skinny", gemv._skinny_kernel),
+                             ("skinny_gate_up", gemv._skinny_gate_up_kernel)):
+            for key, config in getattr(tuner, "cache", {}).items():
+                print(f"chosen {label} {key}: {config}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
