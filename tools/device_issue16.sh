@@ -330,12 +330,13 @@ s29c)  # session 29, on an H200 only (the issues' card): issue 17's verify cost 
   step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
   step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
 s33a)  # next session: the one-row sweep of the 4-bit and FP8 kinds with the autotuners'
-       # choices printed (the layers' narrow rows were 9-24 % slower than the best forced
-       # config in session 32), then issue 16's batch-1 pair W4A16 / FP8
+       # choices and their own timings printed (the layers' narrow rows were 9-24 % slower
+       # than the best forced config in session 32: do the tuner's alone-and-flushed timings
+       # rank the configs as the back-to-back PDL graph does?), then batch-1 W4A16 / FP8
   STEP_PATTERN="Error|bandwidth" step 200 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
-  grep -E "^chosen" "$OUT/sweep.log" | cut -c1-200
-  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -v "^chosen" \
+  grep -E "^(chosen|tuned)" "$OUT/sweep.log" | cut -c1-400
+  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -vE "^(chosen|tuned)" \
       | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
       | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=4' | cut -d" " -f2- | cut -c1-80
   step 150 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"

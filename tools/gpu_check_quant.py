@@ -69,6 +69,33 @@ def _int4(n: int, k: int) -> Int4Weight:
     return Int4Weight(pack_rows(q), s, None, 128)
 
 
+# The one-row layers' autotuners, by the sweep's row label.
+_TUNERS = {"int4": lambda: int4_gemv._gemv4_kernel, "fp8": lambda: gemv._skinny_kernel}
+
+
+def _tuned_label(kind: str, config) -> str:
+    """A config as the sweep labels its forced rows."""
+    k, w = config.kwargs, config.num_warps
+    if kind == "int4":
+        return f"int4/{k['BLOCK_N']}x{k['BLOCK_W']}s{k['SPLIT_K']}w{w}{'mma' if k['MMA'] else ''}"
+    return f"fp8/{k['BLOCK_N']}x{k['BLOCK_K']}s{k['SPLIT_K']}w{w}p{config.num_stages}"
+
+
+def _print_tuning(name: str, label: str) -> None:
+    """The autotuner's own timings of the shape it has just tuned for a layer's row (each
+    config alone, the L2 flushed: triton's do_bench), its best eight, to set beside the same
+    configs' forced rows (back to back under PDL in a graph): whether the two rank alike.
+    Nothing when the choice came from the disk cache."""
+    tuner = _TUNERS.get(label)
+    timings = getattr(tuner(), "configs_timings", None) if tuner else None
+    if not timings:
+        return
+    best = sorted(timings.items(), key=lambda kv: kv[1][0])[:8]
+    print(f"tuned {name:8s} {label}: " + ", ".join(
+        f"{_tuned_label(label, c)} {t[0] * 1e3:.1f}us" for c, t in best), flush=True)
+    tuner().configs_timings = None     # printed once
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="1,4,8,16,64,256,4096")
@@ -168,6 +195,8 @@ def main() -> int:
                              "fraction_of_copy_bw": frac, "tflops": flops / 1e12})
                 print(f"{name:8s} M={m:5d} {label:24s} {us:8.1f}us {100 * frac:5.1f}% "
                       f"{flops / 1e12:6.1f}TF", flush=True)
+                if args.sweep and m == 1:
+                    _print_tuning(name, label)
         del bf16, fp8, int8, int4, tiny
         torch.cuda.empty_cache()
     if args.sweep:
