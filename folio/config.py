@@ -407,7 +407,15 @@ MODEL_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 _SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 # vLLM's older method names, read as folio's.
-_SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+_SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
+# vLLM's older way of asking for prompt lookup: `model` "[ngram]" (or "ngram"), no method.
+_SPEC_NGRAM_MODELS = ("ngram", "[ngram]")
+# vLLM's SpeculativeConfig keys that folio accepts and does not use, so that a config written
+# for vLLM parses: the remote-code revision (folio runs no remote code), the draft's eager
+# mode (it follows the target's CUDA graphs), vLLM's padded-drafter and argmax-reduction
+# switches (its own kernels' choices) and the older log switches.
+_SPEC_UNUSED_KEYS = ("code_revision", "enforce_eager", "disable_padded_drafter_batch",
+                     "use_local_argmax_reduction", "disable_log_stats", "disable_logprobs")
 
 
 @dataclass
@@ -463,6 +471,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method in _SPEC_METHOD_ALIASES:
             self.method = _SPEC_METHOD_ALIASES[self.method]
+        if self.method in (None, "ngram") and self.model in _SPEC_NGRAM_MODELS:
+            self.method, self.model = "ngram", None
         if self.method is None:
             # vLLM's guess from the name when only a model is given
             name = (self.model or "").lower()
@@ -517,7 +527,9 @@ class SpeculativeConfig:
                  and 1 <= k <= MAX_SPECULATIVE_TOKENS,
                  "speculative_config.num_speculative_tokens",
                  f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        # vLLM's defaults: max 5 when neither is given; one given sets the other.
+        # One given sets the other, as in vLLM. Neither given: folio looks from 5 tokens down
+        # to 1 (vLLM fixes both at 5): a short match still drafts, and the adaptive length
+        # stops verifying drafts that do not pay.
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo, hi = 1, 5
@@ -545,10 +557,10 @@ class SpeculativeConfig:
             return value
         value = _json_object(value, "speculative_config")
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - known - set(_SPEC_UNUSED_KEYS))
         _require(not unknown, "speculative_config", f"has unknown keys {unknown}; known: "
-                 f"{sorted(known)}")
-        return cls(**value)
+                 f"{sorted(known)} (and vLLM's {list(_SPEC_UNUSED_KEYS)}, unused)")
+        return cls(**{k: v for k, v in value.items() if k in known})
 
 
 # --kv-transfer-config's connectors folio has: OffloadingConnector (vLLM's name) is the host

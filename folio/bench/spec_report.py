@@ -17,13 +17,13 @@ def spec_counts(engine: Any) -> tuple[int, int, int] | None:
 def spec_report(before: tuple[int, int, int] | None,
                 after: tuple[int, int, int] | None) -> dict[str, Any] | None:
     """The counts between two snapshots; the mean acceptance length counts the token sampled
-    after the accepted drafts."""
+    after the accepted drafts (1.0 where nothing was drafted: each step still gave a token)."""
     if before is None or after is None:
         return None
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
     return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
             "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
             "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0}
 
 

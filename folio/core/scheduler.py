@@ -62,8 +62,9 @@ class SpecDecodingStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens per verify step: the accepted drafts plus the one sampled after them."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        """Tokens per verify step: the accepted drafts plus the one sampled after them (1.0
+        before any draft: a step without drafts still gives its one token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 @dataclass

@@ -161,19 +161,21 @@ class EngineMetrics:
                        self._c_prefix_queries, self._c_prefix_hits):
             family.labels(model_name, "0")   # exported (as 0) before the first step
 
-        # --- speculative decoding (vLLM's spec_decode counters; zero when off) ---
+        # --- speculative decoding (vLLM's spec_decode counters and labels; zero when off) ---
         self._c_spec_drafts = Counter(
             p + "spec_decode_num_drafts", "Number of spec decoding drafts.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._c_spec_draft_tokens = Counter(
             p + "spec_decode_num_draft_tokens", "Number of draft tokens.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._c_spec_accepted = Counter(
             p + "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-            labels, registry=reg).labels(model_name)
+            engine_labels, registry=reg)
         self._c_spec_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
+            "Accepted tokens per draft position.", [*engine_labels, "position"], registry=reg)
+        for family in (self._c_spec_drafts, self._c_spec_draft_tokens, self._c_spec_accepted):
+            family.labels(model_name, "0")
 
         # --- expert parallelism: each rank's experts' (token, expert) pairs ---
         self._c_expert_load = Counter(
@@ -326,14 +328,15 @@ class EngineMetrics:
                              self._c_prefix_queries.labels(*label))
         self._inc_cumulative(f"{engine}:prefix_cache_hits", stats.prefix_cache_hits,
                              self._c_prefix_hits.labels(*label))
-        self._inc_cumulative("spec_num_drafts", stats.spec_num_drafts, self._c_spec_drafts)
-        self._inc_cumulative("spec_num_draft_tokens", stats.spec_num_draft_tokens,
-                             self._c_spec_draft_tokens)
-        self._inc_cumulative("spec_num_accepted_tokens", stats.spec_num_accepted_tokens,
-                             self._c_spec_accepted)
+        for key, value, family in (
+                ("spec_num_drafts", stats.spec_num_drafts, self._c_spec_drafts),
+                ("spec_num_draft_tokens", stats.spec_num_draft_tokens, self._c_spec_draft_tokens),
+                ("spec_num_accepted_tokens", stats.spec_num_accepted_tokens,
+                 self._c_spec_accepted)):
+            self._inc_cumulative(f"{engine}:{key}", value, family.labels(*label))
         for pos, count in enumerate(stats.spec_accepted_per_pos):
-            self._inc_cumulative(f"spec_accepted_pos_{pos}", count,
-                                 self._c_spec_per_pos.labels(self.model_name, str(pos)))
+            self._inc_cumulative(f"{engine}:spec_accepted_pos_{pos}", count,
+                                 self._c_spec_per_pos.labels(*label, str(pos)))
         self._g_offload_usage.set(stats.kv_offload_usage)
         for key, value, counter in (
                 ("offload_hits", stats.kv_offload_hit_blocks, self._c_offload_hits),

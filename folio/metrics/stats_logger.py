@@ -1,6 +1,8 @@
 """The periodic stats line the server logs while it is busy (vLLM's LoggingStatLogger shape):
 prompt and generation throughput over the interval, running and waiting requests, KV cache use,
-the prefix-cache hit rate, and with speculative decoding its mean acceptance length."""
+the prefix-cache hit rate, and with speculative decoding vLLM's SpecDecoding metrics (mean
+acceptance length, accepted and drafted throughput and counts, per-position acceptance rate,
+draft acceptance rate)."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +23,7 @@ class StatsLogger:
         self._last_drafts = 0
         self._last_accepted = 0
         self._last_draft_tokens = 0
+        self._last_per_pos: list[int] = []
 
     def record(self, prompt_tokens: int, generation_tokens: int) -> None:
         self._prompt_tokens += prompt_tokens
@@ -47,9 +50,15 @@ class StatsLogger:
             if drafts > 0:
                 accepted = stats.spec_num_accepted_tokens - self._last_accepted
                 draft_tokens = stats.spec_num_draft_tokens - self._last_draft_tokens
+                last = self._last_per_pos + [0] * len(stats.spec_accepted_per_pos)
+                per_pos = ", ".join(f"{(n - last[i]) / drafts:.3f}"
+                                    for i, n in enumerate(stats.spec_accepted_per_pos))
                 text += (f", SpecDecoding metrics: Mean acceptance length: "
-                         f"{1.0 + accepted / drafts:.2f}, Accepted: {accepted} tokens, "
-                         f"Drafted: {draft_tokens} tokens, Draft acceptance rate: "
+                         f"{1.0 + accepted / drafts:.2f}, Accepted throughput: "
+                         f"{accepted / elapsed:.2f} tokens/s, Drafted throughput: "
+                         f"{draft_tokens / elapsed:.2f} tokens/s, Accepted: {accepted} tokens, "
+                         f"Drafted: {draft_tokens} tokens, Per-position acceptance rate: "
+                         f"{per_pos or '-'}, Draft acceptance rate: "
                          f"{100.0 * accepted / max(draft_tokens, 1):.1f}%")
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
@@ -57,6 +66,7 @@ class StatsLogger:
         self._last_drafts = stats.spec_num_drafts
         self._last_accepted = stats.spec_num_accepted_tokens
         self._last_draft_tokens = stats.spec_num_draft_tokens
+        self._last_per_pos = list(stats.spec_accepted_per_pos)
         return text
 
     def maybe_log(self, now: float, stats: SchedulerStats) -> None:

@@ -23,3 +23,7 @@ def test_spec_report_counts_between_snapshots() -> None:
     assert format_spec_report(report) == ("speculative decoding: mean acceptance length 3.00 "
                                           "(8 of 16 draft tokens accepted over 4 verify steps)")
     assert spec_report(None, after) is None
+    # nothing drafted in the timed part (the adaptive length rested at k = 0): each step
+    # still gave its one token
+    idle = spec_report(after, after)
+    assert idle["mean_acceptance_length"] == 1.0 and idle["draft_acceptance_rate"] == 0.0

@@ -96,6 +96,16 @@ def test_vllm_keys_disable_by_batch_size_and_draft_tp_parse_and_are_checked() ->
                                        "draft_tensor_parallel_size": 1})
     assert (cfg.disable_by_batch_size, cfg.draft_tensor_parallel_size) == (8, 1)
     assert SpeculativeConfig.from_json({"method": "deepseek_mtp"}).method == "mtp"
+    # vLLM's older spellings of prompt lookup, and keys folio accepts without using
+    for legacy in ({"method": "[ngram]"}, {"model": "[ngram]"}, {"model": "ngram"},
+                   {"method": "ngram", "model": "[ngram]"}):
+        cfg = SpeculativeConfig.from_json({**legacy, "num_speculative_tokens": 3})
+        assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("ngram", None, 3)
+    cfg = SpeculativeConfig.from_json({"method": "ngram", "enforce_eager": True,
+                                       "code_revision": "main", "disable_log_stats": False})
+    assert cfg.method == "ngram" and not hasattr(cfg, "enforce_eager")
+    with pytest.raises(ValueError, match=r"unknown keys \['max_model_len'\]"):
+        SpeculativeConfig.from_json({"method": "ngram", "max_model_len": 512})
     for bad, field in [({"disable_by_batch_size": 1}, "disable_by_batch_size"),
                        ({"disable_by_batch_size": True}, "disable_by_batch_size"),
                        ({"draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size")]:

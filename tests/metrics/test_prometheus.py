@@ -24,7 +24,10 @@ def scrape(m: EngineMetrics) -> dict[tuple[str, frozenset], float]:
 _ENGINE_LABELLED = ("folio:num_requests_running", "folio:num_requests_waiting",
                     "folio:kv_cache_usage_perc", "folio:num_preemptions_total",
                     "folio:prefix_cache_queries_total", "folio:prefix_cache_hits_total",
-                    "folio:expert_load_tokens_total")
+                    "folio:expert_load_tokens_total", "folio:spec_decode_num_drafts_total",
+                    "folio:spec_decode_num_draft_tokens_total",
+                    "folio:spec_decode_num_accepted_tokens_total",
+                    "folio:spec_decode_num_accepted_tokens_per_pos_total")
 
 
 def val(m: EngineMetrics, name: str, **labels: str) -> float:
@@ -188,6 +191,22 @@ def test_spec_decode_counters_use_vllm_names(m: EngineMetrics) -> None:
     assert val(m, "folio:spec_decode_num_accepted_tokens_total") == 9
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 3
     assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
+
+
+def test_spec_decode_counters_per_data_parallel_engine(m: EngineMetrics) -> None:
+    """Replicas' cumulative counts arrive in turn: each is its own series (vLLM's engine
+    label), and neither's running total disturbs the other's deltas."""
+    for drafts in (10, 20, 30):
+        m.observe_scheduler_stats(SchedulerStats(spec_num_drafts=drafts,
+                                                 spec_accepted_per_pos=[drafts]), engine=0)
+        m.observe_scheduler_stats(SchedulerStats(spec_num_drafts=drafts // 10,
+                                                 spec_accepted_per_pos=[drafts // 10]),
+                                  engine=1)
+    assert val(m, "folio:spec_decode_num_drafts_total") == 30
+    assert val(m, "folio:spec_decode_num_drafts_total", engine="1") == 3
+    assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 30
+    assert val(m, "folio:spec_decode_num_accepted_tokens_per_pos_total", position="0",
+               engine="1") == 3
 
 
 def test_expert_load_per_rank(m: EngineMetrics) -> None:

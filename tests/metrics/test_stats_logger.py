@@ -34,13 +34,17 @@ def test_line_reports_speculative_decoding_over_the_interval():
     logger = StatsLogger(now=0.0)
     logger.record(0, 10)
     stats = SchedulerStats(num_running=1, spec_num_drafts=4, spec_num_draft_tokens=16,
-                           spec_num_accepted_tokens=8)
+                           spec_num_accepted_tokens=8, spec_accepted_per_pos=[4, 2, 1, 1])
     assert logger.line(10.0, stats).endswith(
-        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted: 8 tokens, Drafted: 16 "
-        "tokens, Draft acceptance rate: 50.0%")
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 0.80 "
+        "tokens/s, Drafted throughput: 1.60 tokens/s, Accepted: 8 tokens, Drafted: 16 tokens, "
+        "Per-position acceptance rate: 1.000, 0.500, 0.250, 0.250, Draft acceptance rate: "
+        "50.0%")
     logger.record(0, 10)
     stats = SchedulerStats(num_running=1, spec_num_drafts=6, spec_num_draft_tokens=24,
-                           spec_num_accepted_tokens=8)
-    assert "Mean acceptance length: 1.00" in logger.line(20.0, stats)
+                           spec_num_accepted_tokens=8, spec_accepted_per_pos=[4, 2, 1, 1])
+    line = logger.line(20.0, stats)
+    assert "Mean acceptance length: 1.00" in line
+    assert "Per-position acceptance rate: 0.000, 0.000, 0.000, 0.000" in line   # the interval's
     logger.record(0, 10)
     assert "SpecDecoding" not in logger.line(30.0, stats)   # no drafts in this interval
