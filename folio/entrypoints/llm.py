@@ -64,14 +64,17 @@ class LLM(PoolingAPI):
                  allow_private_media_urls: bool = False,
                  max_media_bytes: int | None = None,
                  media_fetch_timeout: float | None = None,
-                 max_image_pixels: int | None = None) -> None:
+                 max_image_pixels: int | None = None,
+                 disable_log_stats: bool = True) -> None:
         """`enable_lora` (or a `lora_config`): requests may run with a LoRA adapter
         (`lora_request=LoRARequest(name, id, path)` on generate / chat); up to `max_loras`
         adapters of rank up to `max_lora_rank` in one batch, `max_cpu_loras` kept in host
         memory. A vision-language model: `limit_mm_per_prompt` ({"image": n}),
         `mm_processor_kwargs` (the image processor's settings); chat image URLs are fetched
         under `allowed_local_media_path` (file://), `allowed_media_domains` and
-        `allow_private_media_urls`, as the server's flags of those names."""
+        `allow_private_media_urls`, as the server's flags of those names.
+        `disable_log_stats`: vLLM's switch for `get_metrics`; folio's scheduler counts either
+        way, so `get_metrics` answers with it set too."""
         if isinstance(structured_outputs_config, dict):
             structured_outputs_config = StructuredOutputsConfig(**structured_outputs_config)
         # Bounds on what one request may ask for (vLLM's max_logprobs among them).
@@ -129,6 +132,23 @@ class LLM(PoolingAPI):
         )
         self.llm_engine = LLMEngine(config)
         self._request_counter = 0
+        self._metrics: Any = None      # EngineMetrics, made by the first get_metrics
+
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics: the engine's metrics now, as `folio.metrics.reader`'s
+        Counter / Gauge / Vector / Histogram objects named as `/metrics` serves them
+        (`folio:spec_decode_num_drafts`, `folio:spec_decode_num_accepted_tokens_per_pos` as a
+        Vector by draft position, `folio:num_preemptions`, ...). Counters are cumulative
+        since the engine started; the scheduler's metrics only (the per-request histograms
+        are the server's)."""
+        from folio.metrics import EngineMetrics
+        from folio.metrics.reader import read_metrics
+        if self._metrics is None:
+            config = self.llm_engine.config
+            self._metrics = EngineMetrics(str(config.model.model or "default"),
+                                          self.llm_engine.max_model_len)
+        self._metrics.observe_scheduler_stats(self.llm_engine.engine_core.stats())
+        return read_metrics(self._metrics.registry)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

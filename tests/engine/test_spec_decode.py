@@ -78,6 +78,17 @@ def test_greedy_outputs_equal_the_engine_without_speculation(plain_llm, spec_llm
     # the editing answers copy their prompt: drafts are made and most are kept
     assert drafts > 10 and accepted > drafts, (drafts, accepted)
     assert sum(after.spec_accepted_per_pos) == after.spec_num_accepted_tokens
+    # the offline metrics (vLLM's LLM.get_metrics) tell the same counts
+    from folio.metrics.reader import Counter, Vector
+    metrics = {m.name: m for m in spec_llm.get_metrics()}
+    assert isinstance(metrics["folio:spec_decode_num_drafts"], Counter)
+    assert metrics["folio:spec_decode_num_drafts"].value == after.spec_num_drafts
+    assert metrics["folio:spec_decode_num_draft_tokens"].value == after.spec_num_draft_tokens
+    assert metrics["folio:spec_decode_num_accepted_tokens"].value == \
+        after.spec_num_accepted_tokens
+    per_pos = metrics["folio:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == after.spec_accepted_per_pos
+    assert per_pos.labels["engine"] == "0"
 
 
 def test_requests_with_every_sampling_option_share_the_batch(plain_llm, spec_llm) -> None:
