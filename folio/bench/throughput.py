@@ -58,6 +58,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        metavar=("LOW", "HIGH"), help="prompt length, uniform in [LOW, HIGH]")
     group.add_argument("--output-len-range", type=int, nargs=2, default=[100, 1024],
                        metavar=("LOW", "HIGH"), help="output length, uniform in [LOW, HIGH]")
+    group.add_argument("--input-len", type=int, default=None,
+                       help="vLLM's fixed prompt length: --input-len-range N N")
+    group.add_argument("--output-len", type=int, default=None,
+                       help="vLLM's fixed output length: --output-len-range N N")
     group.add_argument("--temperature", type=float, default=1.0,
                        help="sampling temperature of every request (nano-vllm's workload: 1.0)")
     group.add_argument("--disable-detokenize", action="store_true",
@@ -111,6 +115,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    # vLLM's fixed lengths, as the ranges' one value (checked with them)
+    if getattr(args, "input_len", None) is not None:
+        args.input_len_range = [args.input_len, args.input_len]
+    if getattr(args, "output_len", None) is not None:
+        args.output_len_range = [args.output_len, args.output_len]
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be positive, got {args.num_prompts}")
     if args.peer_batch_size < 1:

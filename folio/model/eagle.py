@@ -171,8 +171,13 @@ class EagleHead(nn.Module):
                 raise ValueError(f"EAGLE head: the checkpoint's {name!r} is not a weight of "
                                  f"an {self.method} head")
             if target.shape != tensor.shape:
-                raise ValueError(f"EAGLE head: {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
+                hint = ""
+                if name.startswith("fc."):   # its input width is set by the target
+                    parts = 3 if self.method == "eagle3" else 2
+                    hint = (f" (fc reads {parts} vectors of the target's width "
+                            f"{self.fc.in_features // parts}: a head made for another target?)")
+                raise ValueError(f"speculative_config.model: EAGLE head: {name} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(target.shape)}{hint}")
             with torch.no_grad():
                 target.copy_(tensor)
             loaded.add(name)

@@ -239,6 +239,15 @@ def test_bad_arguments_are_rejected() -> None:
         throughput.run(_parse(["--peer", "none", "transformers"]))
 
 
+def test_vllm_fixed_lengths_set_the_ranges() -> None:
+    args = _parse(["--input-len", "32", "--output-len", "8"])
+    throughput._validate(args)
+    assert (args.input_len_range, args.output_len_range) == ([32, 32], [8, 8])
+    args = _parse(["--input-len-range", "10", "20"])
+    throughput._validate(args)
+    assert (args.input_len_range, args.output_len_range) == ([10, 20], [100, 1024])
+
+
 def test_random_weights_model_has_the_real_shapes(smollm2_tokenizer, tmp_path) -> None:
     """qwen3-0.6b's shapes, cut to 1 layer (the test-only override) to stay small."""
     from transformers import AutoConfig

@@ -244,6 +244,11 @@ def test_the_name_picks_the_method_and_bad_heads_are_refused(tiny_model_dir, tmp
         _make(target, {"method": "eagle", "model": head})   # an EAGLE-3 checkpoint as EAGLE
     with pytest.raises(ValueError, match="no multi-token-prediction"):
         _make(target, {"method": "mtp"})   # a Llama has no MTP layers
+    other = str(tmp_path / "other")      # an EAGLE-3 head made for a target twice as wide
+    build_head(other, "eagle3", hidden=2 * H)
+    with pytest.raises(ValueError, match=r"speculative_config.model: .*fc.weight.*target's "
+                                         r"width"):
+        _make(target, {"method": "eagle3", "model": other})
 
 
 def test_a_resting_draft_length_stops_the_head_drafting(tiny_model_dir, tmp_path,
