@@ -527,12 +527,12 @@ class SpeculativeConfig:
                  and 1 <= k <= MAX_SPECULATIVE_TOKENS,
                  "speculative_config.num_speculative_tokens",
                  f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        # One given sets the other, as in vLLM. Neither given: folio looks from 5 tokens down
-        # to 1 (vLLM fixes both at 5): a short match still drafts, and the adaptive length
-        # stops verifying drafts that do not pay.
+        # vLLM's defaults: both 5 when neither is given; one given sets the other. (Looking
+        # down to 1-token matches drafted more and was accepted less: on this VM's editing
+        # workload 3.3-3.5 tokens a verify step against 4.1-4.2, 1.2-1.3x against 1.5-1.7x.)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
-            lo, hi = 1, 5
+            lo, hi = 5, 5
         elif lo is None:
             lo = hi
         elif hi is None:

@@ -67,7 +67,8 @@ def test_speculative_config_validates_like_vllm() -> None:
     cfg = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
                                       '"prompt_lookup_max": 4}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 4, 4)
-    assert SpeculativeConfig().prompt_lookup_min == 1
+    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) \
+        == (5, 5)     # vLLM's defaults
     assert SpeculativeConfig().num_speculative_tokens == 4
     assert SpeculativeConfig(method="suffix").num_speculative_tokens == 24
     assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=40) \
