@@ -73,12 +73,20 @@ def _int4(n: int, k: int) -> Int4Weight:
 _TUNERS = {"int4": lambda: int4_gemv._gemv4_kernel, "fp8": lambda: gemv._skinny_kernel}
 
 
+def _int4_label(bn: int, bw: int, sk: int, warps: int, mma: bool) -> str:
+    return f"int4/{bn}x{bw}s{sk}w{warps}{'mma' if mma else ''}"
+
+
+def _fp8_label(bn: int, bk: int, sk: int, warps: int, stages: int) -> str:
+    return f"fp8/{bn}x{bk}s{sk}w{warps}p{stages}"
+
+
 def _tuned_label(kind: str, config) -> str:
     """A config as the sweep labels its forced rows."""
     k, w = config.kwargs, config.num_warps
     if kind == "int4":
-        return f"int4/{k['BLOCK_N']}x{k['BLOCK_W']}s{k['SPLIT_K']}w{w}{'mma' if k['MMA'] else ''}"
-    return f"fp8/{k['BLOCK_N']}x{k['BLOCK_K']}s{k['SPLIT_K']}w{w}p{config.num_stages}"
+        return _int4_label(k["BLOCK_N"], k["BLOCK_W"], k["SPLIT_K"], w, bool(k["MMA"]))
+    return _fp8_label(k["BLOCK_N"], k["BLOCK_K"], k["SPLIT_K"], w, config.num_stages)
 
 
 def _print_tuning(name: str, label: str) -> None:
@@ -161,7 +169,7 @@ def main() -> int:
                     if int4_gemv.fits(n, k, 128, bn, bw, sk, w_ if mma else 0):
                         cfg = dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=sk, num_warps=w_,
                                    num_stages=st, MMA=mma)
-                        cases[f"int4/{bn}x{bw}s{sk}w{w_}{'mma' if mma else ''}"] = (
+                        cases[_int4_label(bn, bw, sk, w_, mma)] = (
                             [lambda l=l, c=cfg: int4_matmul(x, l.codes, l.scales, None, 128,
                                                             pdl=True, _config=c)
                              for l in int4],
@@ -176,7 +184,7 @@ def main() -> int:
                         continue
                     cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, DOT=0, num_warps=w_,
                                num_stages=st)
-                    cases[f"fp8/{bn}x{bk}s{sk}w{w_}p{st}"] = (
+                    cases[_fp8_label(bn, bk, sk, w_, st)] = (
                         [lambda l=l, c=cfg: gemv.skinny_matmul(x, l.codes, scale=l.scale,
                                                                pdl=True, _config=c)
                          for l in fp8], 1.0)
