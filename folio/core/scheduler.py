@@ -200,9 +200,6 @@ class Scheduler:
         if pipelined and async_scheduling:
             raise ValueError("pipelined steps and async_scheduling exclude each other: a "
                              "request's token in flight makes it sit out, not run ahead")
-        if drafter is not None and async_scheduling and drafter.lookahead:
-            raise ValueError("a draft model's drafts come with each step's output: "
-                             "async_scheduling must be off")
         self.kv = kv_cache_manager
         if host_tier is not None:
             if connector is not None:

@@ -2,7 +2,6 @@
 text is the front end's business."""
 from __future__ import annotations
 
-import logging
 
 import gc
 import time
@@ -24,7 +23,6 @@ from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,17 +62,14 @@ class EngineCore:
         sched = config.scheduler
         drafter = make_drafter(config.speculative)
         # A verify step's kept count decides the next step's positions, and host drafters
-        # need its tokens: the step after one is never built before it returns. Steps
-        # without drafts still overlap (async scheduling), so speculation that rests (the
-        # adaptive draft length's k = 0 at large batches) costs the overlap nothing. A draft
-        # model's drafts come with every step's output: there every step is synchronous.
+        # need its tokens: the step after one is never built before it returns; nor is the
+        # step after one whose drafts a draft model or head makes (they come with its
+        # output). Steps without drafts still overlap (async scheduling), so speculation
+        # that rests (the adaptive draft length's k = 0 at large batches) costs the overlap
+        # nothing.
         async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
                             else self.executor.device_type == "cuda")
-        if drafter is not None and drafter.lookahead and async_scheduling:
-            if sched.async_scheduling:
-                logger.warning("async_scheduling is off with a draft model or EAGLE head: "
-                               "its drafts come with each step's output")
-            async_scheduling = False
+        self._drafts_on_worker = drafter is not None and bool(drafter.lookahead)
         if config.parallel.pipeline_parallel_size > 1:
             # pipelined steps overlap instead: each of other requests, one per stage
             async_scheduling = False
@@ -153,10 +148,12 @@ class EngineCore:
             return outputs + self._step_pipelined()
         waiting = None if self._in_flight is None else self._in_flight[0]
         if waiting is not None and (_needs_tokens_first(waiting) or _verifies(waiting)
+                                    or (self._drafts_on_worker
+                                        and waiting.message.propose_drafts)
                                     or self.scheduler.next_step_drafts()):
             # A request in flight needs its new token on the host before its next step can be
             # built (penalties, a grammar's mask, drafts to verify, a verify step's kept
-            # count): finish that step first.
+            # count, the drafts a draft model made in it): finish that step first.
             outputs += self._finish_in_flight()
             if self._time_steps and _verifies(waiting):
                 # a verify step's cost, from its scheduling to its kept tokens on the host

@@ -66,8 +66,9 @@ class DraftModelProposer:
         if not d.req_ids or self.k <= 0:
             return {}
         req_ids, rows, start, steps = d.req_ids, d.rows, d.newest, d.steps
-        tokens = device_tensor([inputs.next_tokens[i] for i in d.which], self.device,
-                               torch.int64)
+        tokens = inputs.next_tokens
+        if len(d.which) < len(inputs.req_ids):
+            tokens = tokens[device_tensor(d.which, self.device, torch.int64)]
         active = np.arange(len(req_ids))
         drafted: list[tuple[np.ndarray, torch.Tensor]] = []
         for j in range(int(steps.max(initial=0))):

@@ -65,11 +65,11 @@ class EagleProposer:
     def _tokens_after(self, inputs: DraftInputs) -> torch.Tensor:
         """The token after each row: the next row's input, or after a request's last row its
         newest token."""
-        if len(inputs.next_tokens) == inputs.input_ids.shape[0]:   # one row each: the newest
-            return device_tensor(inputs.next_tokens, self.device, inputs.input_ids.dtype)
+        newest = inputs.next_tokens.to(inputs.input_ids.dtype)
+        if len(inputs.req_ids) == inputs.input_ids.shape[0]:   # one row each: the newest
+            return newest
         shifted = torch.roll(inputs.input_ids, -1)
-        shifted[device_tensor(inputs.last_rows, self.device, torch.int64)] = device_tensor(
-            inputs.next_tokens, self.device, shifted.dtype)
+        shifted[device_tensor(inputs.last_rows, self.device, torch.int64)] = newest
         return shifted
 
     def _head_hidden(self, features: torch.Tensor) -> torch.Tensor:

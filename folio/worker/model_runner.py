@@ -389,6 +389,11 @@ class ModelRunner:
             query_start_loc = meta.query_start_loc
         if hidden is None:
             return PendingRunnerOutput()   # a pipeline stage before the last: nothing sampled
+        if eager_inputs is None and self.draft_proposer is not None:
+            # The proposer reads the step's inputs unpadded (a graph's live in its buffers),
+            # built again now: under async scheduling their rows fed by the previous step's
+            # sampled tokens are filled from it, which sampling this step replaces below.
+            eager_inputs = self._eager_inputs(step)
         if self.pooling is not None:
             return PendingRunnerOutput(
                 pooled=self.pooling.run(step, batch, hidden, query_start_loc))
@@ -418,7 +423,7 @@ class ModelRunner:
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
             if self.draft_proposer is not None:   # prompt chunks into the proposer's cache
-                self._propose(step, eager_inputs, hidden, query_start_loc, {})
+                self._propose(step, eager_inputs, hidden, query_start_loc, [], [], [])
             return PendingRunnerOutput(prompt_logprobs=prompt_logprobs)
         if step.scheduled_spec_decode_tokens:
             return self._verify_step(step, hidden, query_start_loc, req_ids, prompt_logprobs,
@@ -452,8 +457,10 @@ class ModelRunner:
         self._prev_rows = {rid: j for j, rid in enumerate(sampling)}
         drafts = None
         if self.draft_proposer is not None:
-            drafts = self._propose(step, eager_inputs, hidden, query_start_loc,
-                                   {rid: [t] for rid, t in zip(sampling, sampled.tolist())})
+            # the sampled ids stay on the device: a step that drafts nothing (the draft
+            # length resting) then waits for none, so async scheduling overlaps it
+            drafts = self._propose(step, eager_inputs, hidden, query_start_loc, list(sampling),
+                                   [1] * len(sampling), sampled)
         return PendingRunnerOutput(list(sampling), sampled, logprobs, prompt_logprobs,
                                    draft_token_ids=drafts)
 
@@ -554,37 +561,44 @@ class ModelRunner:
         self._prev_sampled, self._prev_rows = None, {}
         drafts = None
         if self.draft_proposer is not None:
-            drafts = self._propose(step, eager_inputs, hidden, query_start_loc,
-                                   dict(zip(sampling, token_lists)))
+            drafts = self._propose(step, eager_inputs, hidden, query_start_loc, list(sampling),
+                                   [len(t) for t in token_lists], [t[-1] for t in token_lists])
         return PendingRunnerOutput(list(sampling), prompt_logprobs=prompt_logprobs,
                                    draft_token_ids=drafts, token_lists=token_lists,
                                    logprobs_lists=(lp_ids, _concat_lists(lp_parts))
                                    if lp_ids else None)
 
     def _propose(self, step: SchedulerOutput, eager_inputs, hidden: torch.Tensor,
-                 query_start_loc: list[int], kept: dict[str, list[int]]) -> dict[str, list[int]]:
-        """The draft proposer's turn after a step: `kept` maps each sampling request to the
-        tokens it got (one, or a verify step's kept drafts and one more). The step's inputs
-        are built again if a CUDA graph ran the target (they live in its buffers)."""
-        input_ids, positions, meta = eager_inputs or self._eager_inputs(step)
+                 query_start_loc: list[int], sampling: list[str], kept: list[int],
+                 newest: torch.Tensor | list[int]) -> dict[str, list[int]]:
+        """The draft proposer's turn after a step: sampling request `sampling[j]` got
+        `kept[j]` tokens (one, or a verify step's kept drafts and one more), the last of them
+        `newest[j]` (a device tensor of the sampled ids, or host ints)."""
+        input_ids, positions, meta = eager_inputs
         spec = step.scheduled_spec_decode_tokens
         batch = self.input_batch
         req_ids = list(step.num_scheduled_tokens)
-        last_rows, last_positions, next_tokens, drafting = [], [], [], []
+        of_sampling = {rid: j for j, rid in enumerate(sampling)}
+        last_rows, last_positions, drafting = [], [], []
+        tokens: list[int] = []       # host-known next tokens (prompt chunks'; 0 where sampled)
+        sampled_at: list[tuple[int, int]] = []   # (index in the step, index in `sampling`)
         for i, rid in enumerate(req_ids):
             state = batch.requests[rid]
             start, end = query_start_loc[i], query_start_loc[i + 1]
-            tokens = kept.get(rid)
-            if tokens is None:       # a prompt chunk: the next prompt token follows it
+            j = of_sampling.get(rid)
+            if j is None:            # a prompt chunk: the next prompt token follows it
                 row = end - 1
-                token = int(batch.token_ids_of(state)[state.num_computed_tokens + end - start])
+                tokens.append(int(batch.token_ids_of(state)[state.num_computed_tokens
+                                                            + end - start]))
             else:                    # after the kept tokens; rejected drafts' rows beyond
-                row = end - 1 - (len(spec.get(rid, ())) + 1 - len(tokens))
-                token = tokens[-1]
+                row = end - 1 - (len(spec.get(rid, ())) + 1 - kept[j])
+                tokens.append(0)
+                sampled_at.append((i, j))
             last_rows.append(row)
             last_positions.append(state.num_computed_tokens + row - start)
-            next_tokens.append(token)
-            drafting.append(tokens is not None and step.propose_drafts)
+            drafting.append(j is not None and step.propose_drafts)
+        next_tokens = _next_tokens(tokens, sampled_at, newest, len(sampling) == len(req_ids),
+                                   self.device)
         from folio.worker.spec_propose import DraftInputs
         return self.draft_proposer.propose(
             DraftInputs(input_ids, positions, meta, hidden, req_ids, last_rows,
@@ -613,6 +627,27 @@ class ModelRunner:
         # (so wait for its event, after this buffer's last copy) before building this one.
         host[:rows].numpy()[:] = words
         apply_token_bitmask(logits, host[:rows], constrained)
+
+
+def _next_tokens(tokens: list[int], sampled_at: list[tuple[int, int]],
+                 newest: torch.Tensor | list[int], all_sampled: bool,
+                 device: torch.device) -> torch.Tensor:
+    """Each request's newest token as one device tensor: `tokens` (host ints, in the step's
+    order) with `newest[j]` put at index i for each (i, j) of `sampled_at`. Sampled ids still
+    on the device are scattered there, not read: no wait for the step."""
+    if not isinstance(newest, torch.Tensor):
+        for i, j in sampled_at:
+            tokens[i] = newest[j]
+        return device_tensor(tokens, device, torch.int64)
+    newest = newest.reshape(-1).to(torch.int64)
+    if all_sampled and all(i == j for i, j in sampled_at):
+        return newest
+    out = device_tensor(tokens, device, torch.int64)
+    if sampled_at:
+        dst, src = zip(*sampled_at)
+        out[device_tensor(list(dst), device, torch.int64)] = newest[
+            device_tensor(list(src), device, torch.int64)]
+    return out
 
 
 def _concat_lists(parts: list[LogprobsLists]) -> LogprobsLists:

@@ -37,7 +37,7 @@ class DraftInputs:
     req_ids: list[str]
     last_rows: list[int]
     last_positions: list[int]
-    next_tokens: list[int]
+    next_tokens: torch.Tensor     # [len(req_ids)] int64 on the device: each newest token
     drafting: list[bool]          # sampled this step: gets drafts
 
 

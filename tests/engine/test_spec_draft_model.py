@@ -155,6 +155,75 @@ def test_seeded_sampling_a_grammar_and_preemption(tiny_model_dir) -> None:
     assert _ids(other.generate(prompts, params, use_tqdm=False)) == _ids(want)
 
 
+def _run_watching_overlap(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]],
+                                                                         list[bool]]:
+    """Step the engine by hand: the answers, and for each step queued whether the step
+    before it was still in flight then (async scheduling overlapped them). Asserts that no
+    step was queued while one whose drafts the draft model made was in flight (its drafts
+    come with its output, so the next step waits for it)."""
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core
+    executor = core.executor
+    overlapped: list[bool] = []
+    queue = executor.execute_model_async
+
+    def watching(message, fill=None):
+        waiting = core._in_flight
+        assert waiting is None or not waiting[0].message.propose_drafts
+        overlapped.append(waiting is not None)
+        return queue(message, fill)
+
+    executor.execute_model_async = watching
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    executor.execute_model_async = queue
+    return [got[str(i)] for i in range(len(prompts))], overlapped
+
+
+def test_async_scheduling_runs_beside_a_draft_model(tiny_model_dir, monkeypatch) -> None:
+    """A draft model beside async scheduling: a step whose drafts the draft model makes is
+    finished before the next is queued, so every draft is verified as without async (the
+    target as its own draft keeps them all, in as many verify steps); while the adaptive
+    draft length rests the steps overlap, and the drafts made after a rest are still the
+    draft model's greedy continuation of the whole context (its cache written from the
+    kept rows, whose sampled tokens never went to the host)."""
+    from folio.core.spec.policy import AdaptiveDraftLength
+    target, draft = tiny_model_dir("llama"), tiny_model_dir("qwen3")
+    prompts = _prompts(3, seed=15)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    want = _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+    sync = _make(target, _spec(target, k=4), async_scheduling=False)
+    assert _ids(sync.generate(prompts, params, use_tqdm=False)) == want
+    busy = _make(target, _spec(target, k=4), async_scheduling=True)
+    assert busy.llm_engine.engine_core.async_scheduling is True
+    answers, _ = _run_watching_overlap(busy, prompts, params)
+    assert answers == want
+    got, ref = _stats(busy), _stats(sync)
+    assert got.spec_num_drafts == ref.spec_num_drafts > 0
+    assert got.spec_num_accepted_tokens == got.spec_num_draft_tokens
+
+    monkeypatch.setattr(AdaptiveDraftLength, "_best_k", lambda self, *a: 0)
+    resting = _make(target, {"model": draft, "num_speculative_tokens": 3},
+                    async_scheduling=True)
+    seen = _record_drafts(resting)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    answers, overlapped = _run_watching_overlap(resting, prompts[:1], params)
+    assert answers == _ids(_make(target, None).generate(prompts[:1], params, use_tqdm=False))
+    assert sum(overlapped) >= 30      # the resting steps before the probe
+    reference = load_hf_model(draft)
+    probes = [(context, drafts) for context, drafts in seen if drafts][1:]
+    assert probes
+    for context, drafts in probes:
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
+                                     do_sample=False, pad_token_id=0)
+        assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
+
+
 def test_configuration_errors(tiny_model_dir, tmp_path) -> None:
     target = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="speculative_config.model"):

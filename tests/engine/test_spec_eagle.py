@@ -389,6 +389,43 @@ def test_resting_steps_write_the_head_cache_in_one_pass_before_drafting(
     _assert_same_cache(cache, eager_cache)
 
 
+def test_async_scheduling_overlaps_resting_steps_with_the_same_head_cache(
+        tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """An EAGLE-3 head beside async scheduling: resting steps overlap (their sampled tokens
+    stay on the device and go into the kept rows from there), and the answers, the drafts
+    and the head's cache are those of the synchronous engine."""
+    target = tiny_model_dir("llama")
+    head = str(tmp_path / "eagle3")
+    weights = build_head(head, "eagle3", seed=4)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    prompts = _prompts(2, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    _rest_always(monkeypatch)
+    answers, _, cache, _ = _resting_run(target, spec, prompts, params,
+                                        enable_prefix_caching=False, async_scheduling=False)
+    overlapped = []
+    from folio.engine.engine_core import EngineCore
+    step = EngineCore.step
+
+    def watching(core):
+        outputs = step(core)
+        overlapped.append(core._in_flight is not None)
+        return outputs
+
+    monkeypatch.setattr(EngineCore, "step", watching)
+    async_answers, async_seen, async_cache, _ = _resting_run(
+        target, spec, prompts, params, enable_prefix_caching=False, async_scheduling=True)
+    assert sum(overlapped) >= 30
+    assert async_answers == answers
+    # (proposals fall a step later or earlier under async: the drafts are checked, not when)
+    drafted = [(context, drafts) for context, drafts in async_seen if drafts]
+    assert len(drafted) >= 2
+    reference = load_hf_model(target)
+    for context, drafts in drafted:
+        assert drafts == reference_drafts("eagle3", weights, reference, context, 3), len(context)
+    _assert_same_cache(async_cache, cache)
+
+
 def test_leaving_requests_rows_are_written_before_their_blocks_go(tiny_model_dir, tmp_path,
                                                                   monkeypatch) -> None:
     """Few blocks: requests are preempted and finish while the head rests. Their kept rows go
