@@ -583,3 +583,25 @@ def test_int4_gemv_norm_epilogue_every_config() -> None:
             assert torch.equal(stream, want_stream), (n, k, config)
             assert torch.equal(normed, want_normed), (n, k, config)
     assert int(gemv._workspace(CUDA)[1].abs().sum()) == 0
+
+
+def test_one_row_autotuners_time_configs_behind_a_lead_kernel() -> None:
+    """The one-row GEMVs' autotuners time each config behind the lead kernel
+    (`bench_behind_lead`): it runs the config's launch (its result is the config's) and
+    returns do_bench's three quantiles."""
+    from folio.model.kernels import _common, gemv, int4_gemv
+    for tuner in (gemv._skinny_kernel, gemv._skinny_gate_up_kernel, int4_gemv._gemv4_kernel):
+        assert tuner.do_bench is _common.bench_behind_lead
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = [0]
+
+    def call():
+        calls[0] += 1
+        torch.matmul(x, w.t(), out=out)
+
+    chained = _common.bench_behind_lead(call, quantiles=(0.5, 0.2, 0.8))
+    assert calls[0] > 10 and len(chained) == 3
+    assert 0 < chained[1] <= chained[0] <= chained[2]
+    torch.testing.assert_close(out, x @ w.t())

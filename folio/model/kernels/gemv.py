@@ -275,7 +275,7 @@ if HAS_TRITON:
     # NORM is not in the key: the variant with the norm epilogue runs the config of the plain
     # one (the same products bit for bit, so the same tokens with the epilogue on or off).
     @autotune(configs=_configs(), key=["N", "K", "M_PAD"],
-                     prune_configs_by={"early_config_prune": _prune})
+                     prune_configs_by={"early_config_prune": _prune}, behind_lead=True)
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,
                        R, NW, NORMED, RES_OUT, stride_rm, stride_nm, stride_rom, eps,
@@ -325,7 +325,7 @@ if HAS_TRITON:
                                    stride_nm, stride_rom, eps, N, NORM_BLOCK, GRID_TICKET)
 
     @autotune(configs=_configs(), key=["N", "K", "M_PAD"],
-                     prune_configs_by={"early_config_prune": _prune})
+                     prune_configs_by={"early_config_prune": _prune}, behind_lead=True)
     @triton.jit(do_not_specialize=["M"])
     def _skinny_gate_up_kernel(X, W, S, B, OUT, P, C, M, stride_xm, stride_om,
                                N: tl.constexpr, K: tl.constexpr, M_PAD: tl.constexpr,

@@ -588,7 +588,7 @@ if HAS_TRITON:
         return acc
 
     @autotune(configs=_configs(), key=["N", "K", "G", "ZERO_MODE", "GATE_UP"],
-                     prune_configs_by={"early_config_prune": _prune})
+                     prune_configs_by={"early_config_prune": _prune}, behind_lead=True)
     @triton.jit
     def _gemv4_kernel(X, QW, SC, ZP, B, OUT, P, C, N, K, KW,
                       R, NW, NORMED, RES_OUT, stride_rm, stride_nm, stride_rom, eps,
