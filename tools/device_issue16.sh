@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s33a|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s33a|s33b|s33h|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -341,6 +341,24 @@ s33a)  # next session: the one-row sweep of the 4-bit and FP8 kinds with the aut
       | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=4' | cut -d" " -f2- | cut -c1-80
   step 150 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   step 120 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
+s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel (PDL): its
+       # GPU test, the sweep (do the tuner's choices now match the best forced rows?), then
+       # batch 1 FP8 / W4A16, and issue 17's verify cost (the bf16 skinny GEMV's tuning
+       # moved too)
+  step 150 lead_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
+      tests/gpu/test_gpu_quant.py -k "behind_lead"
+  STEP_PATTERN="Error|bandwidth" step 150 sweep python3 tools/gpu_check_quant.py --sweep \
+      --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
+  grep -E "^tuned" "$OUT/sweep.log" | cut -c1-200
+  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -vE "^(chosen|tuned)" \
+      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
+      | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=3' | cut -d" " -f2- | cut -c1-80
+  step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
+  STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
+      --config llama3-8b --k 4 --gaps ;;
+s33h)  # session 33 on an H200: s32d with the lead-kernel tuning (verify, FP8, W4A16, bf16)
+  PART=s32d bash tools/device_issue16.sh ;;
 s32d)  # session 32 on an H200 with little device time left: s29c's steps, bf16 last
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
       --config llama3-8b --k 4 --gaps
