@@ -343,8 +343,8 @@ s33a)  # next session: the one-row sweep of the 4-bit and FP8 kinds with the aut
   step 120 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
 s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel (PDL): its
        # GPU test, the sweep (do the tuner's choices now match the best forced rows?), then
-       # batch 1 FP8 / W4A16, and issue 17's verify cost (the bf16 skinny GEMV's tuning
-       # moved too)
+       # batch 1 FP8, issue 17's verify cost (the bf16 skinny GEMV's tuning moved too),
+       # batch 1 W4A16
   step 150 lead_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
       tests/gpu/test_gpu_quant.py -k "behind_lead"
   STEP_PATTERN="Error|bandwidth" step 150 sweep python3 tools/gpu_check_quant.py --sweep \
@@ -354,9 +354,9 @@ s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel 
       | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
       | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=3' | cut -d" " -f2- | cut -c1-80
   step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
-  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
-      --config llama3-8b --k 4 --gaps ;;
+      --config llama3-8b --k 4 --gaps
+  step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
 s33h)  # session 33 on an H200: s32d with the lead-kernel tuning (verify, FP8, W4A16, bf16)
   PART=s32d bash tools/device_issue16.sh ;;
 s32d)  # session 32 on an H200 with little device time left: s29c's steps, bf16 last
