@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,20 @@ def _download_from_hub(repo_id: str, revision: str | None) -> str:
     return path
 
 
+def _check_quantization_config_type(raw: bytes, config_file: str) -> None:
+    """A `quantization_config` that is not an object (e.g. "gptq") is named here: transformers
+    would fail on it with an error about a `to_dict` attribute."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return   # transformers reports the malformed file itself
+    if isinstance(data, dict) and "quantization_config" in data \
+            and not isinstance(data["quantization_config"], (dict, type(None))):
+        raise ValueError(f"{config_file}: quantization_config must be a JSON object with the "
+                         f"method's settings (quant_method, bits, ...), got "
+                         f"{data['quantization_config']!r}")
+
+
 def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
     """The model's config (a ConfigSnapshot of the transformers config: config_snapshot.py),
     and a chat template found beside the weights (GGUF)."""
@@ -144,9 +159,11 @@ def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
     config_file = os.path.join(source.path, "config.json")
     try:
         with open(config_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+            raw = f.read()
     except OSError as exc:
         raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
+    digest = hashlib.sha256(raw).hexdigest()
+    _check_quantization_config_type(raw, config_file)
 
     def build() -> Any:
         from transformers import AutoConfig

@@ -324,9 +324,11 @@ class Worker:
         kv_total = self.num_blocks * bytes_per_block(self.kv_spec, cache.block_size,
                                                      self.kv_cache_dtype, layout.group_size)
         max_len = config.model.max_model_len
-        logger.info("model loaded in %.1f s (%s, %s); KV cache: %d blocks of %d = %d tokens "
+        logger.info("model loaded in %.1f s (%s, %s%s); KV cache: %d blocks of %d = %d tokens "
                     "(%s, %s)%s; max concurrency at %d tokens: %.1fx", self.load_seconds,
-                    self.dtype, self.device, self.num_blocks, cache.block_size,
+                    self.dtype, self.device,
+                    "" if self.quantization == "none" else f", quantization {self.quantization}",
+                    self.num_blocks, cache.block_size,
                     self.num_blocks * cache.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."), _format_bytes(kv_total),
                     "" if layout.num_groups == 1 else

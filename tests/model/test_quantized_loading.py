@@ -200,6 +200,88 @@ def test_group_size_disagreeing_with_the_tensors_is_named(quantized_dirs, tmp_pa
             _load(bad)
 
 
+def _tensors_edited_copy(qdir: str, dst: str, edit: Callable[[dict], None],
+                        edit_config: Callable[[dict], None] | None = None) -> str:
+    """`qdir` with its tensors changed by `edit` (a dict of every tensor), and its config.json's
+    quantization_config by `edit_config`."""
+    import shutil
+
+    from safetensors.torch import save_file
+    shutil.copytree(qdir, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    if edit_config is not None:
+        config = json.load(open(os.path.join(dst, "config.json")))
+        edit_config(config["quantization_config"])
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    return dst
+
+
+def _set_first(key: str, value: float) -> Callable[[dict], None]:
+    def edit(tensors: dict) -> None:
+        t = tensors[key].clone()
+        t.view(-1)[0] = value
+        tensors[key] = t
+    return edit
+
+
+@pytest.mark.parametrize("fmt,key,value,match", [
+    ("ct-fp8", "model.layers.0.mlp.down_proj.weight_scale", float("nan"),
+     r"down_proj\.weight_scale holds nan"),
+    ("fp8", "model.layers.1.self_attn.k_proj.weight_scale", -0.5,
+     r"k_proj\.weight_scale holds -0\.5"),
+    ("awq", "model.layers.1.self_attn.o_proj.scales", float("inf"), r"o_proj scales holds inf"),
+    ("ct-w4a16", "model.layers.0.mlp.up_proj.weight_scale", -1.0, r"up_proj scales holds -1"),
+])
+def test_scales_not_finite_or_negative_are_named(quantized_dirs, tmp_path: Path, fmt: str,
+                                                 key: str, value: float, match: str) -> None:
+    """A NaN, infinite or negative scale in a checkpoint is refused naming the tensor (a NaN
+    had given token 0 over and over)."""
+    bad = _tensors_edited_copy(quantized_dirs(fmt)[0], str(tmp_path / "bad"),
+                               _set_first(key, value))
+    with pytest.raises(ValueError, match=match):
+        with torch_threads(1):
+            _load(bad)
+
+
+def test_static_input_scale_must_be_one_value(quantized_dirs, tmp_path: Path) -> None:
+    """FP8 with static activations: each projection's input_scale is one value; three (a
+    merged projection's, say) are refused naming the tensor; one positive value loads."""
+    qdir = quantized_dirs("fp8")[0]
+
+    def static(qc: dict) -> None:
+        qc["activation_scheme"] = "static"
+
+    def input_scales(shape: tuple[int, ...]) -> Callable[[dict], None]:
+        def edit(tensors: dict) -> None:
+            for key in [k for k in tensors if k.endswith(".weight_scale")]:
+                tensors[key.replace("weight_scale", "input_scale")] = torch.full(shape, 0.02)
+        return edit
+
+    good = _tensors_edited_copy(qdir, str(tmp_path / "good"), input_scales(()), static)
+    with torch_threads(1):
+        _load(good)
+    bad = _tensors_edited_copy(qdir, str(tmp_path / "bad"), input_scales((3,)), static)
+    with pytest.raises(ValueError, match=r"input_scale has shape \(3,\), expected one value"):
+        with torch_threads(1):
+            _load(bad)
+
+
+def test_quantization_config_not_an_object_is_named(quantized_dirs, tmp_path: Path) -> None:
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(quantized_dirs("gptq")[0], bad)
+    config = json.load(open(os.path.join(bad, "config.json")))
+    config["quantization_config"] = "gptq"
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"quantization_config must be a JSON object .* got "
+                                         r"'gptq'"):
+        _load(bad)
+
+
 def test_eight_bit_dtype_disagreeing_with_the_config_is_named(quantized_dirs,
                                                               tmp_path: Path) -> None:
     """An INT8 file whose config says FP8 weights: the error names the method and the
@@ -251,6 +333,120 @@ def test_engine_greedy_matches_transformers(quantized_dirs, fmt: str) -> None:
                                     name=f"{fmt} prompt {i}")
         equal += parted is None
     assert equal >= 2, f"{fmt}: {equal} of 3 answers equal"
+
+
+def _scatter_groups(qdir: str, deq: str, dst: Path) -> tuple[str, str]:
+    """The symmetric compressed-tensors W4A16 checkpoint `qdir` rewritten with actorder
+    "group" (llm-compressor's GPTQ with act-order by group): each projection's input
+    channels shuffled (a random permutation p: column k holds the old column p[k]) and
+    `weight_g_idx` giving each column's group; the float copy shuffled alike. Returns the
+    (quantized, float) dirs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from folio.model.quant.formats import pack_rows, unpack_rows
+    qdst, fdst = dst / "quantized", dst / "float"
+    shutil.copytree(qdir, qdst)
+    shutil.copytree(deq, fdst)
+    config = json.loads((qdst / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (qdst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(qdst / "model.safetensors"))
+    floats = load_file(str(fdst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        module = key.removesuffix(".weight_packed")
+        codes = unpack_rows(tensors[key])
+        perm = torch.randperm(codes.shape[1], generator=gen)
+        tensors[key] = pack_rows(codes[:, perm].contiguous())
+        tensors[f"{module}.weight_g_idx"] = (perm // GROUP).to(torch.int32)
+        floats[f"{module}.weight"] = floats[f"{module}.weight"][:, perm].contiguous()
+    save_file(tensors, str(qdst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(floats, str(fdst / "model.safetensors"), metadata={"format": "pt"})
+    return str(qdst), str(fdst)
+
+
+def test_compressed_tensors_group_act_order_is_read(quantized_dirs, tmp_path: Path) -> None:
+    """compressed-tensors W4A16 with actorder "group": each projection's weight_g_idx
+    scatters its groups over the input channels (as GPTQ's desc_act); the loader reads it,
+    every projection equals the float copy, and the engine's greedy answers equal
+    transformers' on that copy. Without weight_g_idx the checkpoint is refused naming it."""
+    from folio import LLM, SamplingParams
+    qdir, deq = _scatter_groups(*quantized_dirs("ct-w4a16"), tmp_path)
+    with torch_threads(1):
+        model = _load(qdir)
+    ref = load_file(os.path.join(deq, "model.safetensors"))
+    permuted = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name.endswith("lm_head"):
+            continue
+        prefix, leaf = name.rsplit(".", 1)
+        parts = _SHARDS.get(leaf, (leaf,))
+        want = torch.cat([ref[f"model.{prefix}.{p}.weight"].float() for p in parts])
+        got = _weight(module)
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), name
+        permuted += getattr(module.packed, "perm", None) is not None
+    assert permuted > 0
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 19, 45)]
+    with torch_threads(1):
+        llm = LLM(model=qdir, dtype="float32", device="cpu", max_model_len=256,
+                  num_gpu_blocks_override=64)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+            outs = [o.outputs[0] for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+        want_ids = hf_greedy_batch(deq, prompts, 12)
+    equal = sum(check_greedy_close(a.token_ids, b.token_ids,
+                                   [folio_position_dict(p) for p in a.logprobs],
+                                   [top_k_dict(row) for row in b.logprobs],
+                                   name=f"prompt {i}") is None
+                for i, (a, b) in enumerate(zip(outs, want_ids)))
+    assert equal >= 2
+    from safetensors.torch import save_file
+    tensors = load_file(os.path.join(qdir, "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if "layers.0.mlp.down_proj.weight_g_idx" not in k},
+              os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"down_proj\.\{weight_g_idx\}"):
+        _load(qdir)
+
+
+def test_compressed_tensors_targets_choose_the_quantized_modules(
+        tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
+    """config_groups' targets as a regex: the modules it names are read quantized (FP8: they
+    differ from the float weights by the rounding), the others (here the attention
+    projections, stored float) as float, equal to the source. Targets naming only the float
+    modules leave the quantized ones' scales unread: refused, naming them and the targets."""
+    import shutil
+    from folio.bench import quant_checkpoints as qc
+    src = tiny_model_dir("llama")
+    dst = str(tmp_path / "mlp-only")
+    qc.write_compressed_tensors(src, dst, "fp8", ignore=("lm_head", "re:.*self_attn.*"))
+    config = json.loads(Path(dst, "config.json").read_text())
+    qconf = config["quantization_config"]
+    qconf["ignore"] = ["lm_head"]
+    qconf["config_groups"]["group_0"]["targets"] = ["re:.*mlp.*"]
+    Path(dst, "config.json").write_text(json.dumps(config))
+    with torch_threads(1):
+        model = _load(dst)
+    floats = load_file(os.path.join(src, "model.safetensors"))
+
+    def exact(name: str) -> bool:
+        prefix, leaf = name.rsplit(".", 1)
+        want = torch.cat([floats[f"model.{prefix}.{p}.weight"].float()
+                          for p in _SHARDS.get(leaf, (leaf,))])
+        return torch.equal(_weight(model.get_submodule(name)), want)
+    assert exact("layers.0.self_attn.qkv_proj") and exact("layers.1.self_attn.o_proj")
+    assert not exact("layers.0.mlp.gate_up_proj") and not exact("layers.1.mlp.down_proj")
+    wrong = str(tmp_path / "wrong")
+    shutil.copytree(dst, wrong)
+    qconf["config_groups"]["group_0"]["targets"] = ["re:.*self_attn.*"]
+    Path(wrong, "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not use: .*mlp.*weight_scale.*targets"):
+        _load(wrong)
 
 
 # ---- the W8A8 reference arithmetic ------------------------------------------------------------
@@ -334,6 +530,16 @@ def _ct(**changes: Any) -> dict:
      "config_groups.group_0.input_activations.strategy"),
     (_ct(format="pack-quantized"), "quantization_config.format"),
     (_ct(quantization_status="initialized"), "quantization_config.quantization_status"),
+    (_ct(kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}),
+     "quantization_config.kv_cache_scheme.type"),
+    (_ct(kv_cache_scheme={"num_bits": 4, "type": "float", "strategy": "tensor"}),
+     "quantization_config.kv_cache_scheme.num_bits"),
+    (_ct(sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]}),
+     "quantization_config.sparsity_config"),
+    (_ct(transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+     "quantization_config.transform_config"),
+    (_ct(config_groups={"group_0": {**_CT_FP8["config_groups"]["group_0"], "targets": []}}),
+     "config_groups.group_0.targets"),
 ])
 def test_unsupported_config_is_refused(qc: dict, field: str) -> None:
     source = ModelSource("hf_dir", "/nonexistent")

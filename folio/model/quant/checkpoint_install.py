@@ -124,6 +124,15 @@ class QuantizedCollector:
             stored = tuple(int(v) for v in tensor.reshape(-1).tolist())
             if stored != self._shape(*key):
                 raise ValueError(f"{name} is {stored}, expected {self._shape(*key)}")
+        elif attr == "weight_g_idx":
+            # read with the rest only where the config's actorder is "group": elsewhere it
+            # must be the plain order, or the groups the weight was read with were wrong
+            k = self._shape(*key)[1]
+            plain = torch.arange(k) // (self.scheme.group_size or k)
+            if not torch.equal(tensor.reshape(-1).to("cpu", torch.int64), plain):
+                raise ValueError(f"quantization method {self.config.method!r}: {name} scatters "
+                                 "the groups over the input channels, but quantization_config"
+                                 "'s weights.actorder is not 'group'")
         elif not (attr == "input_scale" and self.scheme.act_dynamic):
             raise ValueError(f"checkpoint tensor {name} comes after its projection was "
                              "complete (a duplicate?)")

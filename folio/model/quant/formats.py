@@ -6,9 +6,10 @@
 - `Int4Weight`: 4-bit codes packed eight to an int32 along K — element k of row n at bits
   4*(k % 8) of word [n, k // 8], unsigned 0..15, the order compressed-tensors writes — with a
   scale and a zero point per group of G input channels: w = (q - z) * s. Symmetric formats
-  have z = 8 and store no zeros. GPTQ's act-order (desc_act) files, whose groups are scattered
-  over K by `g_idx`, are stored with K permuted so that each group is contiguous; the layer
-  then permutes its input by `perm` (one gather per call) and the kernel sees plain groups.
+  have z = 8 and store no zeros. Act-order files (GPTQ's desc_act, compressed-tensors'
+  actorder "group"), whose groups are scattered over K by `g_idx` (`weight_g_idx`), are
+  stored with K permuted so that each group is contiguous; the layer then permutes its input
+  by `perm` (one gather per call) and the kernel sees plain groups.
 
 AWQ, GPTQ and compressed-tensors' pack-quantized files thus share one layout and one kernel
 (kernels/int4_matmul.py). Everything here is torch on whatever device the tensors are on (the
@@ -131,17 +132,35 @@ def eight_bit_from_checkpoint(t: dict[str, torch.Tensor], scheme: LinearScheme, 
     weight = t["weight"]
     want = FP8_DTYPE if scheme.weight == "fp8" else torch.int8
     if weight.dtype != want:
-        raise ValueError(f"{name}.weight is {weight.dtype}, expected {want} for "
-                         f"{scheme.layout} {scheme.weight} weights")
+        raise ValueError(f"{name}.weight is {weight.dtype}, expected {want} "
+                         f"({scheme.weight} weights)")
     if tuple(weight.shape) != shape:
         raise ValueError(f"{name}.weight has shape {tuple(weight.shape)}, expected {shape}")
-    scale = _row_scale(t["weight_scale"], shape[0], f"{name}.weight_scale")
+    scale = _checked_scales(_row_scale(t["weight_scale"], shape[0], f"{name}.weight_scale"),
+                            f"{name}.weight_scale")
     input_scale = None
     if not scheme.act_dynamic:
         if "input_scale" not in t:
             raise ValueError(f"{name}.input_scale is missing (static activation scales)")
-        input_scale = t["input_scale"].to(torch.float32).reshape(-1).amax().reshape(())
+        stored = t["input_scale"]
+        if stored.numel() != 1:
+            raise ValueError(f"{name}.input_scale has shape {tuple(stored.shape)}, expected "
+                             "one value (a static per-tensor activation scale)")
+        input_scale = _checked_scales(stored.to(torch.float32).reshape(()),
+                                      f"{name}.input_scale", positive=True)
     return EightBitWeight(weight.contiguous(), scale, input_scale)
+
+
+def _checked_scales(scales: torch.Tensor, name: str, positive: bool = False) -> torch.Tensor:
+    """Scales as stored, refused when one is not finite or is negative (or, `positive`, zero):
+    a NaN scale would make every logit NaN, and the tokens garbage, without an error."""
+    finite = torch.isfinite(scales)
+    bad = ~finite | ((scales <= 0) if positive else (scales < 0))
+    if bool(bad.any()):
+        value = float(scales.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])
+        raise ValueError(f"{name} holds {value} (scales must be finite and "
+                         f"{'positive' if positive else 'not negative'})")
+    return scales
 
 
 def concat_eight_bit(parts: list[EightBitWeight]) -> EightBitWeight:
@@ -170,6 +189,7 @@ def int4_from_checkpoint(t: dict[str, torch.Tensor], scheme: LinearScheme, name:
     group = scheme.group_size or shape[1]
     _check_int4_shape(name, shape, group, scheme.layout)
     weight = readers[scheme.layout](t, scheme, name, shape, group)
+    _checked_scales(weight.scales, f"{name} scales")
     return _regroup(weight, shape[1]) if shape[1] % group else weight
 
 
@@ -224,7 +244,30 @@ def _from_ct_pack(t, scheme, name, shape, group) -> Int4Weight:
             raise ValueError(f"{name}.weight_zero_point has shape {tuple(zp.shape)}, expected "
                              f"{(-(-n // 8), k // group)} (packed) or {(n, k // group)}")
         zeros = zeros.to(scales.dtype).contiguous()
-    return Int4Weight(packed.contiguous(), scales.contiguous(), zeros, group)
+    perm = _act_order(t, "weight_g_idx", name, k, group, scheme.desc_act)
+    if perm is not None:
+        packed = pack_rows(unpack_rows(packed)[:, perm])
+    return Int4Weight(packed.contiguous(), scales.contiguous(), zeros, group, perm)
+
+
+def _act_order(t: dict[str, torch.Tensor], key: str, name: str, k: int, group: int,
+               required: bool) -> torch.Tensor | None:
+    """The input-channel permutation that makes each group of an act-order weight contiguous,
+    from its `key` tensor ([K]: each input channel's group; GPTQ's g_idx, compressed-tensors'
+    weight_g_idx), or None where there is none or it is the plain order."""
+    g_idx = t.get(key)
+    if g_idx is None:
+        if required:
+            raise ValueError(f"{name}.{key} is missing (the config's act-order needs it)")
+        return None
+    g_idx = _expect(t, key, name, (k,)).to(torch.int64)
+    plain = torch.arange(k, device=g_idx.device) // group
+    if torch.equal(g_idx, plain):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], plain):
+        raise ValueError(f"{name}.{key} does not give every group {group} input channels")
+    return perm
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -264,19 +307,9 @@ def _from_gptq(t, scheme, name, shape, group) -> Int4Weight:
     zeros = zeros.to(scales.dtype).contiguous()
     if scheme.symmetric and scheme.zero_offset and bool((zeros == 8).all()):
         zeros = None   # the usual symmetric file: z = 8 everywhere, nothing to read
-    perm = None
-    g_idx = t.get("g_idx")
-    if g_idx is not None:
-        g_idx = _expect(t, "g_idx", name, (k,)).to(torch.int64)
-        plain = torch.arange(k, device=g_idx.device) // group
-        if not torch.equal(g_idx, plain):
-            perm = torch.argsort(g_idx, stable=True)
-            if not torch.equal(g_idx[perm], plain):
-                raise ValueError(f"{name}.g_idx does not give every group {group} input "
-                                 "channels")
-            codes = codes[:, perm].contiguous()
-    elif scheme.desc_act:
-        raise ValueError(f"{name}.g_idx is missing (desc_act is true)")
+    perm = _act_order(t, "g_idx", name, k, group, scheme.desc_act)
+    if perm is not None:
+        codes = codes[:, perm].contiguous()
     return Int4Weight(pack_rows(codes), scales.t().contiguous(), zeros, group, perm)
 
 
@@ -312,7 +345,8 @@ def required_tensors(scheme: LinearScheme) -> tuple[str, ...]:
         return ("weight", "weight_scale") + (() if scheme.act_dynamic else ("input_scale",))
     if scheme.layout == LAYOUT_CT_PACK:
         return ("weight_packed", "weight_scale") + \
-            (() if scheme.symmetric else ("weight_zero_point",))
+            (() if scheme.symmetric else ("weight_zero_point",)) + \
+            (("weight_g_idx",) if scheme.desc_act else ())
     if scheme.layout == LAYOUT_AWQ:
         return ("qweight", "qzeros", "scales")
     if scheme.layout == LAYOUT_GPTQ:
@@ -323,7 +357,7 @@ def required_tensors(scheme: LinearScheme) -> tuple[str, ...]:
 def optional_tensors(scheme: LinearScheme) -> tuple[str, ...]:
     """Tensor names a projection may carry that the loader takes (or drops) with it."""
     if scheme.layout == LAYOUT_CT_PACK:
-        return ("weight_shape",)
+        return ("weight_shape", "weight_g_idx")
     if scheme.layout == LAYOUT_GPTQ:
         return ("g_idx",)
     if scheme.layout in (LAYOUT_CT_FLOAT, LAYOUT_CT_INT, LAYOUT_FP8):

@@ -66,21 +66,29 @@ class QuantConfig:
     method: str                      # one of CHECKPOINT_METHODS
     scheme: LinearScheme
     ignore: tuple[str, ...] = ()     # checkpoint module names kept float ("re:" = a regex)
+    # compressed-tensors' config_groups targets: the modules quantized ("Linear" = every
+    # projection, "re:" = a regex, else a module name); () = every projection
+    targets: tuple[str, ...] = ()
 
     def is_ignored(self, module_name: str) -> bool:
         """Whether checkpoint module `module_name` (e.g. model.layers.0.mlp.down_proj) is
-        left unquantized by the config's ignore list (compressed-tensors' `ignore`, AWQ's
-        `modules_to_not_convert`)."""
-        short = module_name.removeprefix("model.")
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                pattern = entry[3:]
-                if re.fullmatch(pattern, module_name) or re.fullmatch(pattern, short):
-                    return True
-            elif module_name == entry or short == entry or module_name.endswith("." + entry) \
-                    or module_name.startswith(entry + "."):
-                return True
-        return False
+        left unquantized: named by the config's ignore list (compressed-tensors' `ignore`,
+        AWQ's `modules_to_not_convert`), or not by its targets."""
+        if self.targets and not any(entry == "Linear" or _names(entry, module_name)
+                                    for entry in self.targets):
+            return True
+        return any(_names(entry, module_name) for entry in self.ignore)
+
+
+def _names(entry: str, module_name: str) -> bool:
+    """Whether an ignore or targets entry (a module name, or "re:" and a regex) names the
+    checkpoint module `module_name`, with or without its leading "model."."""
+    short = module_name.removeprefix("model.")
+    if entry.startswith("re:"):
+        pattern = entry[3:]
+        return bool(re.fullmatch(pattern, module_name) or re.fullmatch(pattern, short))
+    return (module_name == entry or short == entry or module_name.endswith("." + entry)
+            or module_name.startswith(entry + "."))
 
 
 # `--quantization fp8` on a float checkpoint. vLLM's on-load FP8 takes one scale per weight
@@ -122,13 +130,40 @@ def checkpoint_method(hf_config: Any) -> str | None:
     qc = _quantization_dict(hf_config)
     if qc is None:
         return None
-    if str(qc.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors" \
-            and not qc.get("config_groups") and qc.get("kv_cache_scheme") is not None:
-        return None
+    if str(qc.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors":
+        _check_ct_extras(qc)
+        if not qc.get("config_groups") and qc.get("kv_cache_scheme") is not None:
+            return None
     method = qc.get("quant_method")
     if not isinstance(method, str):
         raise ValueError(f"quantization_config.quant_method must be a string, got {method!r}")
     return normalize_method(method.lower())
+
+
+def _check_ct_extras(qc: dict) -> None:
+    """compressed-tensors fields beside the weights' scheme: the KV cache's scheme (FP8 KV
+    scales are read; anything else is refused, as vLLM does), and sparsity or transforms,
+    which folio does not apply (loading such a file as if dense would give wrong outputs)."""
+    m = "compressed-tensors"
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None:
+        if not isinstance(kv, dict):
+            raise _fail(m, "kv_cache_scheme", "must be an object")
+        kv_type = str(kv.get("type", "float")).lower()
+        if kv_type != "float":
+            raise _fail(m, "kv_cache_scheme.type", f"{kv.get('type')!r}: only an FP8 KV cache "
+                        "(type 'float', num_bits 8) is supported")
+        if _int(kv.get("num_bits", 8), m, "kv_cache_scheme.num_bits") != 8:
+            raise _fail(m, "kv_cache_scheme.num_bits", f"{kv.get('num_bits')}: only an FP8 KV "
+                        "cache (type 'float', num_bits 8) is supported")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and not (isinstance(sparsity, dict)
+                         and str(sparsity.get("format", "dense")).lower() == "dense"):
+        raise _fail(m, "sparsity_config", f"{sparsity!r}: sparse checkpoints are not "
+                    "supported (format 'dense' or none is)")
+    if qc.get("transform_config"):
+        raise _fail(m, "transform_config", "is not supported (rotations such as Hadamard "
+                    "transforms are not applied): only checkpoints without one load")
 
 
 def _quantization_dict(hf_config: Any) -> dict | None:
@@ -233,16 +268,24 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
     if status not in ("compressed", "frozen"):
         raise _fail(m, "quantization_status", f"must be 'compressed', got {status!r}")
     schemes = {}
+    targets: list[str] = []
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise _fail(m, f"config_groups.{name}", "must be an object")
         fmt = group.get("format") or qc.get("format")
         schemes[name] = _ct_group(group, fmt, f"config_groups.{name}")
+        group_targets = group.get("targets", ["Linear"])
+        if not isinstance(group_targets, list) or not group_targets \
+                or not all(isinstance(t, str) for t in group_targets):
+            raise _fail(m, f"config_groups.{name}.targets", f"must be a non-empty list of "
+                        f"module names or 're:' regexes, got {group_targets!r}")
+        targets += group_targets
     distinct = set(schemes.values())
     if len(distinct) > 1:
         raise _fail(m, "config_groups", f"mixes schemes across groups {list(schemes)}: one "
                     "scheme for every layer is supported")
-    return QuantConfig(m, distinct.pop(), ignore=tuple(qc.get("ignore") or ()))
+    return QuantConfig(m, distinct.pop(), ignore=tuple(qc.get("ignore") or ()),
+                       targets=() if "Linear" in targets else tuple(targets))
 
 
 def _ct_args(args: Any, prefix: str) -> dict:
@@ -315,11 +358,17 @@ def _ct_group(group: dict, fmt: Any, prefix: str) -> LinearScheme:
         else:
             raise _fail(m, f"{prefix}.weights.strategy", f"{w['strategy']!r}: 4-bit weights "
                         "take 'group' or 'channel' scales")
-        if w.get("actorder") not in (None, False, "static", "weight", "group"):
-            raise _fail(m, f"{prefix}.weights.actorder", f"{w.get('actorder')!r} is not "
-                        "supported")
+        actorder = w.get("actorder")
+        if actorder not in (None, False, "static", "weight", "group"):
+            raise _fail(m, f"{prefix}.weights.actorder", f"{actorder!r} is not supported "
+                        "('weight', 'static' and 'group' are)")
+        if actorder == "group" and group is None:
+            raise _fail(m, f"{prefix}.weights.actorder", "'group' needs strategy 'group'")
+        # "group": the groups are scattered over K as each projection's weight_g_idx says
+        # (GPTQ's desc_act); "weight" / "static" quantized in act-order, groups contiguous
         return LinearScheme(weight="int4", strategy=w["strategy"], group_size=group,
-                            symmetric=bool(sym), activation=None, layout=LAYOUT_CT_PACK)
+                            symmetric=bool(sym), activation=None, layout=LAYOUT_CT_PACK,
+                            desc_act=actorder == "group")
     raise _fail(m, f"{prefix}.weights.num_bits", f"{w['num_bits']}: integer weights of 4 or 8 "
                 "bits are supported")
 
