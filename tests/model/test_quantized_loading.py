@@ -414,6 +414,38 @@ def test_compressed_tensors_group_act_order_is_read(quantized_dirs, tmp_path: Pa
         _load(qdir)
 
 
+def test_scattered_groups_without_group_act_order(quantized_dirs, tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """A weight_g_idx that scatters the groups in a file whose actorder is not "group": read
+    with the rest of its projection it is applied all the same (the weights equal the float
+    copy); arriving after the projection was complete (tensors of another shard file) it is
+    refused, naming it and actorder."""
+    from folio.model import loader
+    qdir, deq = _scatter_groups(*quantized_dirs("ct-w4a16"), tmp_path / "scattered")
+
+    def weight_order(qc: dict) -> None:
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "weight"
+
+    plain = _edited_copy(qdir, str(tmp_path / "weight-order"), weight_order)
+    with torch_threads(1):
+        model = _load(plain)
+    ref = load_file(os.path.join(deq, "model.safetensors"))
+    got = _weight(model.get_submodule("layers.0.mlp.down_proj"))
+    torch.testing.assert_close(got, ref["model.layers.0.mlp.down_proj.weight"].float(),
+                               rtol=0, atol=1e-6 * float(got.abs().max()))
+    read = loader.iter_checkpoint_weights
+
+    def g_idx_last(source):
+        items = list(read(source))
+        return iter([x for x in items if not x[0].endswith("weight_g_idx")]
+                    + [x for x in items if x[0].endswith("weight_g_idx")])
+
+    monkeypatch.setattr(loader, "iter_checkpoint_weights", g_idx_last)
+    with pytest.raises(ValueError, match=r"weight_g_idx scatters the groups .*actorder is "
+                                         r"not 'group'"):
+        _load(plain)
+
+
 def test_compressed_tensors_targets_choose_the_quantized_modules(
         tiny_model_dir: Callable[[str], str], tmp_path: Path) -> None:
     """config_groups' targets as a regex: the modules it names are read quantized (FP8: they
