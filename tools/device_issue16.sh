@@ -346,7 +346,7 @@ s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel 
        # batch 1 FP8, issue 17's verify cost (the bf16 skinny GEMV's tuning moved too),
        # batch 1 W4A16
   step 150 lead_test python3 -m pytest -q -p no:cacheprovider --noconftest -rf \
-      tests/gpu/test_gpu_quant.py -k "behind_lead"
+      tests/gpu/test_gpu_quant.py -k "behind_a_lead"
   STEP_PATTERN="Error|bandwidth" step 150 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
   grep -E "^tuned" "$OUT/sweep.log" | cut -c1-200

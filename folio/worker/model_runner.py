@@ -3,6 +3,7 @@ message's diffs, the step's inputs built (eager, or into a CUDA graph's buffers)
 pass and the sampling queued."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,6 +60,15 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self._eager_buffers = StepBuffers(max_num_tokens, max_num_seqs, self.max_blocks,
                                           pin=self._pin, num_kv_groups=num_kv_groups)
+        # A draft proposer's inputs rebuilt after a graph replay (made on first use): two
+        # buffers taken in turn, so that step N's rebuild waits only for step N - 2's copies
+        # (its own buffer's). Step N - 1's sit behind that step's graph on the stream:
+        # waiting for them would hold the host until step N - 1 had run.
+        self._new_rebuild_buffer = functools.partial(
+            StepBuffers, max_num_tokens, max_num_seqs, self.max_blocks, pin=self._pin,
+            num_kv_groups=num_kv_groups)
+        self._rebuild_buffers: list[StepBuffers | None] = [None, None]
+        self._rebuild_turn = 0
         self._bitmask_host: torch.Tensor | None = None
         # The last launched step's sampled ids (on the device) and each sampling request's row
         # in them: the next step, scheduled before those ids reach the host, reads its
@@ -81,8 +91,8 @@ class ModelRunner:
         # positions in three rows (model/mrope.py); None = plain positions.
         self.mrope_merge: int | None = None
 
-    def _eager_inputs(self, step: SchedulerOutput):
-        buf = self._eager_buffers
+    def _eager_inputs(self, step: SchedulerOutput, buf: StepBuffers | None = None):
+        buf = buf or self._eager_buffers
         buf.wait_for_copies()
         flat = build_flat_batch(step, self.input_batch, self._prev_rows, buf, self.block_size)
         T, B = flat.num_tokens, flat.num_reqs
@@ -107,6 +117,14 @@ class ModelRunner:
         if flat.pending_dst:
             self._fill_pending_inputs(ids, flat.pending_dst, flat.pending_src)
         return ids, positions, meta
+
+    def _rebuild_buffer(self) -> StepBuffers:
+        """The next of the two buffers for a proposer's rebuilt inputs."""
+        turn = self._rebuild_turn
+        self._rebuild_turn = 1 - turn
+        if self._rebuild_buffers[turn] is None:
+            self._rebuild_buffers[turn] = self._new_rebuild_buffer()
+        return self._rebuild_buffers[turn]
 
     def _token_types(self, step: SchedulerOutput, device: torch.device) -> torch.Tensor | None:
         """The step's tokens' segment ids, flat (None when every one is 0)."""
@@ -393,7 +411,7 @@ class ModelRunner:
             # The proposer reads the step's inputs unpadded (a graph's live in its buffers),
             # built again now: under async scheduling their rows fed by the previous step's
             # sampled tokens are filled from it, which sampling this step replaces below.
-            eager_inputs = self._eager_inputs(step)
+            eager_inputs = self._eager_inputs(step, self._rebuild_buffer())
         if self.pooling is not None:
             return PendingRunnerOutput(
                 pooled=self.pooling.run(step, batch, hidden, query_start_loc))

@@ -310,9 +310,10 @@ def test_priority_preempts_a_speculating_request_and_it_resumes() -> None:
 
 
 def test_under_async_scheduling_a_draft_models_step_runs_ahead_with_its_slots() -> None:
-    """A draft model beside async scheduling: a step scheduled while the request's token is
-    in flight gets that token's slot and the k slots its drafts are written to past it; once
-    the worker's drafts arrive with a finished step, the next step verifies them."""
+    """A draft model beside async scheduling (the engine queues a step while another is in
+    flight only when that one drafts nothing, the draft length resting): the step scheduled
+    while the request's token is in flight gets that token's slot and the k slots past it
+    that a later drafting step's chain writes."""
     s = Scheduler(kv_cache_manager=KVCacheManager(64, BS, True), max_num_seqs=2,
                   max_num_batched_tokens=16, max_model_len=64, async_scheduling=True,
                   drafter=WorkerDrafts(SpeculativeConfig(num_speculative_tokens=2)),
@@ -324,8 +325,7 @@ def test_under_async_scheduling_a_draft_models_step_runs_ahead_with_its_slots() 
     assert decode.message.num_scheduled_tokens == {"a": 1}
     # its drafts' slots 2 BS - 1 and 2 BS: a third block
     assert len(s.kv.get_block_ids("a")[0]) == 3
-    s.update_from_output(prefill, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[50]],
-                                                    draft_token_ids={"a": [7, 8]}))
+    s.update_from_output(prefill, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[50]]))
     s.update_from_output(decode, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[51]],
                                                    draft_token_ids={"a": [9, 10]}))
     step = s.schedule()

@@ -13,6 +13,7 @@ from folio import LLM, SamplingParams
 from folio.sampling_params import StructuredOutputsParams
 
 from model_utils import load_hf_model
+from spec_overlap import watch_queued_steps
 from test_invariants import _prompts
 
 
@@ -52,6 +53,24 @@ def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+def _assert_continuation(reference, context: list[int], drafts: list[int]) -> None:
+    """The drafts are transformers' greedy continuation of `context` by the draft model."""
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
+                                 do_sample=False, pad_token_id=0)
+    assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
+
+
+def _assert_probes_follow(draft: str, seen: list[tuple[list[int], list[int]]]) -> None:
+    """Every proposal after the first verdict's (the probes', after resting) is the draft
+    model's greedy continuation of its whole context; there is at least one."""
+    reference = load_hf_model(draft)
+    probes = [(context, drafts) for context, drafts in seen if drafts][1:]
+    assert probes
+    for context, drafts in probes:
+        _assert_continuation(reference, context, drafts)
+
+
 def test_the_drafts_are_the_draft_models_greedy_continuation(tiny_model_dir) -> None:
     target, draft = tiny_model_dir("llama"), tiny_model_dir("qwen3")
     llm = _make(target, _spec(draft, k=4))
@@ -61,13 +80,9 @@ def test_the_drafts_are_the_draft_models_greedy_continuation(tiny_model_dir) -> 
     reference = load_hf_model(draft)
     checked = 0
     for context, drafts in seen[:24]:
-        if not drafts:
-            continue
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
-                                     do_sample=False, pad_token_id=0)
-        assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
-        checked += 1
+        if drafts:
+            _assert_continuation(reference, context, drafts)
+            checked += 1
     assert checked >= 10
 
 
@@ -93,14 +108,7 @@ def test_a_resting_draft_model_writes_its_cache_before_it_drafts_again(tiny_mode
     llm.generate(_prompts(1, seed=8), SamplingParams(temperature=0, max_tokens=48),
                  use_tqdm=False)
     assert most_kept[0] >= 30   # the 32 resting steps before the probe
-    reference = load_hf_model(draft)
-    probes = [(context, drafts) for context, drafts in seen if drafts][1:]
-    assert probes
-    for context, drafts in probes:
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
-                                     do_sample=False, pad_token_id=0)
-        assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
+    _assert_probes_follow(draft, seen)
 
 
 def test_greedy_outputs_equal_the_engine_without_speculation(tiny_model_dir) -> None:
@@ -157,31 +165,11 @@ def test_seeded_sampling_a_grammar_and_preemption(tiny_model_dir) -> None:
 
 def _run_watching_overlap(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]],
                                                                          list[bool]]:
-    """Step the engine by hand: the answers, and for each step queued whether the step
-    before it was still in flight then (async scheduling overlapped them). Asserts that no
-    step was queued while one whose drafts the draft model made was in flight (its drafts
-    come with its output, so the next step waits for it)."""
-    engine, core = llm.llm_engine, llm.llm_engine.engine_core
-    executor = core.executor
-    overlapped: list[bool] = []
-    queue = executor.execute_model_async
-
-    def watching(message, fill=None):
-        waiting = core._in_flight
-        assert waiting is None or not waiting[0].message.propose_drafts
-        overlapped.append(waiting is not None)
-        return queue(message, fill)
-
-    executor.execute_model_async = watching
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = list(out.outputs[0].token_ids)
-    executor.execute_model_async = queue
-    return [got[str(i)] for i in range(len(prompts))], overlapped
+    """Generate, and for each step queued whether the step before it was still in flight
+    then (spec_overlap.watch_queued_steps, which also asserts that no step was queued while
+    a drafting step was in flight)."""
+    overlapped = watch_queued_steps(llm)
+    return _ids(llm.generate(prompts, params, use_tqdm=False)), overlapped
 
 
 def test_async_scheduling_runs_beside_a_draft_model(tiny_model_dir, monkeypatch) -> None:
@@ -200,8 +188,9 @@ def test_async_scheduling_runs_beside_a_draft_model(tiny_model_dir, monkeypatch)
     assert _ids(sync.generate(prompts, params, use_tqdm=False)) == want
     busy = _make(target, _spec(target, k=4), async_scheduling=True)
     assert busy.llm_engine.engine_core.async_scheduling is True
-    answers, _ = _run_watching_overlap(busy, prompts, params)
+    answers, overlapped = _run_watching_overlap(busy, prompts, params)
     assert answers == want
+    assert overlapped and not any(overlapped)   # every step drafts at a fixed k
     got, ref = _stats(busy), _stats(sync)
     assert got.spec_num_drafts == ref.spec_num_drafts > 0
     assert got.spec_num_accepted_tokens == got.spec_num_draft_tokens
@@ -214,14 +203,7 @@ def test_async_scheduling_runs_beside_a_draft_model(tiny_model_dir, monkeypatch)
     answers, overlapped = _run_watching_overlap(resting, prompts[:1], params)
     assert answers == _ids(_make(target, None).generate(prompts[:1], params, use_tqdm=False))
     assert sum(overlapped) >= 30      # the resting steps before the probe
-    reference = load_hf_model(draft)
-    probes = [(context, drafts) for context, drafts in seen if drafts][1:]
-    assert probes
-    for context, drafts in probes:
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([context]), max_new_tokens=len(drafts),
-                                     do_sample=False, pad_token_id=0)
-        assert drafts == out[0, len(context):].tolist(), (len(context), drafts)
+    _assert_probes_follow(draft, seen)
 
 
 def test_configuration_errors(tiny_model_dir, tmp_path) -> None:

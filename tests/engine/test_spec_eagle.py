@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from folio import LLM, SamplingParams
 
 from model_utils import load_hf_model
+from spec_overlap import watch_queued_steps
 from test_invariants import _prompts
 
 VOCAB = 49152
@@ -298,13 +299,17 @@ def _resting_spec(tmp_path) -> dict:
 
 
 def _resting_run(target: str, spec: dict, prompts: list[str], params: SamplingParams,
+                 on_engine: Callable[[LLM], None] | None = None,
                  **overrides) -> tuple[list[list[int]], list, dict[str, torch.Tensor], dict]:
     """Generate with `spec` (the adaptive draft length patched to rest by the caller) and
     return the answers, the drafts proposed (record_drafts), each request's head K/V at its
     positions [0, end of its last kept row) once the kept rows are written, and what the
     proposer saw: the most rows it kept at once, the steps its deferred writes ran and the
-    preemptions. Every step message checks that no request leaving the batch keeps rows."""
+    preemptions. Every step message checks that no request leaving the batch keeps rows.
+    `on_engine` is called with the engine before it generates."""
     llm = _make(target, spec, **overrides)
+    if on_engine is not None:
+        on_engine(llm)
     seen = record_drafts(llm)
     runner = llm.llm_engine.engine_core.executor.worker.runner
     proposer, batch = runner.draft_proposer, runner.input_batch
@@ -392,8 +397,9 @@ def test_resting_steps_write_the_head_cache_in_one_pass_before_drafting(
 def test_async_scheduling_overlaps_resting_steps_with_the_same_head_cache(
         tiny_model_dir, tmp_path, monkeypatch) -> None:
     """An EAGLE-3 head beside async scheduling: resting steps overlap (their sampled tokens
-    stay on the device and go into the kept rows from there), and the answers, the drafts
-    and the head's cache are those of the synchronous engine."""
+    stay on the device and go into the kept rows from there), no step is queued while a
+    drafting one is in flight, the drafts are the reference's, and the answers and the head's
+    cache are those of the synchronous engine."""
     target = tiny_model_dir("llama")
     head = str(tmp_path / "eagle3")
     weights = build_head(head, "eagle3", seed=4)
@@ -403,19 +409,11 @@ def test_async_scheduling_overlaps_resting_steps_with_the_same_head_cache(
     _rest_always(monkeypatch)
     answers, _, cache, _ = _resting_run(target, spec, prompts, params,
                                         enable_prefix_caching=False, async_scheduling=False)
-    overlapped = []
-    from folio.engine.engine_core import EngineCore
-    step = EngineCore.step
-
-    def watching(core):
-        outputs = step(core)
-        overlapped.append(core._in_flight is not None)
-        return outputs
-
-    monkeypatch.setattr(EngineCore, "step", watching)
+    watched: list[list[bool]] = []   # each step queued: whether one was in flight then
     async_answers, async_seen, async_cache, _ = _resting_run(
-        target, spec, prompts, params, enable_prefix_caching=False, async_scheduling=True)
-    assert sum(overlapped) >= 30
+        target, spec, prompts, params, enable_prefix_caching=False, async_scheduling=True,
+        on_engine=lambda llm: watched.append(watch_queued_steps(llm)))
+    assert sum(watched[0]) >= 30
     assert async_answers == answers
     # (proposals fall a step later or earlier under async: the drafts are checked, not when)
     drafted = [(context, drafts) for context, drafts in async_seen if drafts]

@@ -133,6 +133,32 @@ def test_draft_model_and_eagle3_heads_on_cuda(model_dir, tmp_path) -> None:
     assert stats.spec_num_drafts > 0 and exact >= len(prompts) // 2
 
 
+def test_resting_draft_model_beside_async_scheduling_and_graphs(model_dir, monkeypatch) -> None:
+    """The draft length resting (k = 0 verdicts) with async scheduling and CUDA graphs, both
+    CUDA's defaults: resting steps overlap, and the draft model's cache rows kept back from
+    them are the step's inputs rebuilt after each graph replay, whose tokens sampled by the
+    step before are filled in on the device (session 33). With the target as its own draft,
+    the probes' drafts after a rest are kept as often as a fixed k keeps them (most, in
+    bf16) only if those rows hold the right tokens; the answers are the engine's without
+    speculation up to near-ties."""
+    from folio import SamplingParams
+    from folio.core.spec.policy import AdaptiveDraftLength
+    monkeypatch.setattr(AdaptiveDraftLength, "_best_k", lambda self, *a: 0)
+    prompts = _prompts(8, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=80, logprobs=5)
+    want, _ = _run(model_dir, None, prompts, params)
+    got, stats = _run(model_dir, {"model": model_dir, "num_speculative_tokens": 4},
+                      prompts, params, async_scheduling=True)
+    exact = sum(_close(a, b, f"resting draft model, prompt {i}") for i, (a, b) in
+                enumerate(zip(got, want)))
+    print(f"resting draft model: {exact} of {len(prompts)} identical; accepted "
+          f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} in "
+          f"{stats.spec_num_drafts} drafts")
+    # the first verdict's drafts (before any rest) and the probes' after 32 resting steps
+    assert stats.spec_num_drafts > len(prompts)
+    assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens // 2
+
+
 def test_eagle3_streams_come_out_of_the_graphs(model_dir, tmp_path) -> None:
     """EAGLE-3 beside CUDA graphs (session 28; graphs were off for it before): the decode
     graphs are captured and replayed, and after a replay the target's kept streams

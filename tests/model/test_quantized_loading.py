@@ -308,8 +308,16 @@ def test_eight_bit_dtype_disagreeing_with_the_config_is_named(quantized_dirs,
 def test_engine_greedy_matches_transformers(quantized_dirs, fmt: str) -> None:
     """LLM.generate on the quantized directory against transformers on the same weights
     dequantized: equal greedy tokens up to near-ties (vLLM's rule)."""
-    from folio import LLM, SamplingParams
     qdir, deq = quantized_dirs(fmt)
+    equal = _greedy_equal_to_transformers(qdir, deq, fmt)
+    assert equal >= 2, f"{fmt}: {equal} of 3 answers equal"
+
+
+def _greedy_equal_to_transformers(qdir: str, deq: str, label: str) -> int:
+    """How many of three greedy answers of LLM.generate on `qdir` equal transformers' on the
+    float copy `deq` (each answer, where it parts, must part at a near-tie); the engine must
+    run the checkpoint's quant_method."""
+    from folio import LLM, SamplingParams
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 19, 45)]
     with torch_threads(1):
@@ -325,14 +333,11 @@ def test_engine_greedy_matches_transformers(quantized_dirs, fmt: str) -> None:
         finally:
             llm.llm_engine.shutdown()
         ref = hf_greedy_batch(deq, prompts, 12)
-    equal = 0
-    for i, (a, b) in enumerate(zip(outs, ref)):
-        parted = check_greedy_close(a.token_ids, b.token_ids,
-                                    [folio_position_dict(p) for p in a.logprobs],
-                                    [top_k_dict(row) for row in b.logprobs],
-                                    name=f"{fmt} prompt {i}")
-        equal += parted is None
-    assert equal >= 2, f"{fmt}: {equal} of 3 answers equal"
+    return sum(check_greedy_close(a.token_ids, b.token_ids,
+                                  [folio_position_dict(p) for p in a.logprobs],
+                                  [top_k_dict(row) for row in b.logprobs],
+                                  name=f"{label} prompt {i}") is None
+               for i, (a, b) in enumerate(zip(outs, ref)))
 
 
 def _scatter_groups(qdir: str, deq: str, dst: Path) -> tuple[str, str]:
@@ -372,7 +377,6 @@ def test_compressed_tensors_group_act_order_is_read(quantized_dirs, tmp_path: Pa
     scatters its groups over the input channels (as GPTQ's desc_act); the loader reads it,
     every projection equals the float copy, and the engine's greedy answers equal
     transformers' on that copy. Without weight_g_idx the checkpoint is refused naming it."""
-    from folio import LLM, SamplingParams
     qdir, deq = _scatter_groups(*quantized_dirs("ct-w4a16"), tmp_path)
     with torch_threads(1):
         model = _load(qdir)
@@ -388,24 +392,7 @@ def test_compressed_tensors_group_act_order_is_read(quantized_dirs, tmp_path: Pa
         assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), name
         permuted += getattr(module.packed, "perm", None) is not None
     assert permuted > 0
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 19, 45)]
-    with torch_threads(1):
-        llm = LLM(model=qdir, dtype="float32", device="cpu", max_model_len=256,
-                  num_gpu_blocks_override=64)
-        try:
-            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-            outs = [o.outputs[0] for o in llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        finally:
-            llm.llm_engine.shutdown()
-        want_ids = hf_greedy_batch(deq, prompts, 12)
-    equal = sum(check_greedy_close(a.token_ids, b.token_ids,
-                                   [folio_position_dict(p) for p in a.logprobs],
-                                   [top_k_dict(row) for row in b.logprobs],
-                                   name=f"prompt {i}") is None
-                for i, (a, b) in enumerate(zip(outs, want_ids)))
-    assert equal >= 2
+    assert _greedy_equal_to_transformers(qdir, deq, "actorder group") >= 2
     from safetensors.torch import save_file
     tensors = load_file(os.path.join(qdir, "model.safetensors"))
     save_file({k: v for k, v in tensors.items() if "layers.0.mlp.down_proj.weight_g_idx" not in k},
