@@ -9,6 +9,12 @@ set -uo pipefail
 LAT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 128 --output-len 128 --max-model-len 4096 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3"
 THR="python3 -m folio.bench.throughput --random-weights --config llama3-8b --num-prompts 256 --input-len-range 100 1024 --output-len-range 100 1024 --max-model-len 2048 --no-tqdm"
 TTFT="python3 -m folio.bench.latency --random-weights --config llama3-8b --input-len 8000 --output-len 2 --max-model-len 8192 --max-num-batched-tokens 8192 --max-num-seqs 1 --num-iters-warmup 1 --num-iters 3 --no-roofline"
+# The sweep's fastest N rows of each (projection, kind): forced configs, the layers' own rows
+best_rows() {
+  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -vE "^(chosen|tuned)" \
+      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
+      | sort -k1,1 -k6,6g | awk -v n="$1" '{c[$1]++} c[$1]<=n' | cut -d" " -f2- | cut -c1-80
+}
 case "${PART:-tests}" in
 s14b)  # next session, first call: this session's CPU-only changes on the GPU -- the decode
        # kernel tuned on real contexts before capture, the norms writing the W8A8
@@ -336,9 +342,7 @@ s33a)  # next session: the one-row sweep of the 4-bit and FP8 kinds with the aut
   STEP_PATTERN="Error|bandwidth" step 200 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
   grep -E "^(chosen|tuned)" "$OUT/sweep.log" | cut -c1-400
-  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -vE "^(chosen|tuned)" \
-      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
-      | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=4' | cut -d" " -f2- | cut -c1-80
+  best_rows 4
   step 150 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json"
   step 120 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json" ;;
 s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel (PDL): its
@@ -350,9 +354,7 @@ s33b)  # session 33: the one-row autotuners timing configs behind a lead kernel 
   STEP_PATTERN="Error|bandwidth" step 150 sweep python3 tools/gpu_check_quant.py --sweep \
       --m 1 --kinds int4,fp8 --json "$OUT/sweep.json"
   grep -E "^tuned" "$OUT/sweep.log" | cut -c1-200
-  grep -E " (int4|fp8)" "$OUT/sweep.log" | grep -vE "^(chosen|tuned)" \
-      | awk '{split($4, a, "/"); print a[1]"-"$1, $0}' | sed 's/-mma-/-/; s/-tri-/-/' \
-      | sort -k1,1 -k6,6g | awk '{c[$1]++} c[$1]<=3' | cut -d" " -f2- | cut -c1-80
+  best_rows 3
   step 110 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
   STEP_PATTERN="verify|plain|Error" step 120 verify python3 tools/gpu_verify_cost.py \
       --config llama3-8b --k 4 --gaps
