@@ -2,7 +2,6 @@
 text is the front end's business."""
 from __future__ import annotations
 
-
 import gc
 import time
 from collections import deque
@@ -22,7 +21,6 @@ from folio.engine.grammar_manager import StructuredOutputManager
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
-
 
 
 @dataclass
