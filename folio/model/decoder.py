@@ -14,6 +14,7 @@ from folio.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbed
 from folio.model.mla import MLAttention
 from folio.model.moe.layer import EXPERT_SHARDS, SparseMoeBlock
 from folio.model.pipeline_parallel import WHOLE, PPStage
+from folio.model.quant.formats import QUANTIZED_TENSOR_NAMES
 from folio.model.tensor_parallel import (SINGLE, TPGroup, VocabParallelEmbedding, read_part,
                                          shard_of_checkpoint, vocab_part)
 
@@ -22,11 +23,6 @@ _MERGED_SHARDS = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
-# Tensor names (after "<module>.") of quantized checkpoints' projections: a load error names
-# them as such when a file has them where the config reads a float weight.
-_QUANTIZED_TENSOR_NAMES = frozenset({
-    "weight_scale", "weight_packed", "weight_zero_point", "weight_g_idx", "weight_shape",
-    "input_scale", "qweight", "qzeros", "scales", "g_idx"})
 # Checkpoint names of the FP8 KV cache scales, past "self_attn.", and the Attention buffer each
 # loads (Attention.load_kv_scale): compressed-tensors' kv_cache_scheme (vLLM's own names),
 # older FP8 checkpoints' k/v_proj output_scale, ModelOpt's, and the deprecated single kv_scale
@@ -465,7 +461,7 @@ class DecoderLM(nn.Module):
                 loaded.add(f"{path}.{attr}" + (f":{shard}" if shard else ""))
         if unexpected:
             hint = ""
-            if any(n.rsplit(".", 1)[-1] in _QUANTIZED_TENSOR_NAMES for n in unexpected):
+            if any(n.rsplit(".", 1)[-1] in QUANTIZED_TENSOR_NAMES for n in unexpected):
                 hint = (" (quantized tensors of projections read as float: the config.json "
                         "quantization_config's targets or ignore list leave them out, or "
                         "there is none)")

@@ -615,8 +615,7 @@ class ModelRunner:
             last_rows.append(row)
             last_positions.append(state.num_computed_tokens + row - start)
             drafting.append(j is not None and step.propose_drafts)
-        next_tokens = _next_tokens(tokens, sampled_at, newest, len(sampling) == len(req_ids),
-                                   self.device)
+        next_tokens = _next_tokens(tokens, sampled_at, newest, self.device)
         from folio.worker.spec_propose import DraftInputs
         return self.draft_proposer.propose(
             DraftInputs(input_ids, positions, meta, hidden, req_ids, last_rows,
@@ -648,8 +647,7 @@ class ModelRunner:
 
 
 def _next_tokens(tokens: list[int], sampled_at: list[tuple[int, int]],
-                 newest: torch.Tensor | list[int], all_sampled: bool,
-                 device: torch.device) -> torch.Tensor:
+                 newest: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
     """Each request's newest token as one device tensor: `tokens` (host ints, in the step's
     order) with `newest[j]` put at index i for each (i, j) of `sampled_at`. Sampled ids still
     on the device are scattered there, not read: no wait for the step."""
@@ -658,7 +656,7 @@ def _next_tokens(tokens: list[int], sampled_at: list[tuple[int, int]],
             tokens[i] = newest[j]
         return device_tensor(tokens, device, torch.int64)
     newest = newest.reshape(-1).to(torch.int64)
-    if all_sampled and all(i == j for i, j in sampled_at):
+    if len(sampled_at) == len(tokens) and all(i == j for i, j in sampled_at):
         return newest
     out = device_tensor(tokens, device, torch.int64)
     if sampled_at:

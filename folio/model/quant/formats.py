@@ -339,6 +339,14 @@ def concat_int4(parts: list[Int4Weight]) -> Int4Weight | None:
 
 # ---- which tensors each layout has -----------------------------------------------------------
 
+# Every name (after "<module>.") a layout below stores beside or instead of a float `weight`:
+# the decoder's load error calls such tensors quantized ones when the config reads the
+# projection as float.
+QUANTIZED_TENSOR_NAMES = frozenset({
+    "weight_scale", "weight_packed", "weight_zero_point", "weight_g_idx", "weight_shape",
+    "input_scale", "qweight", "qzeros", "scales", "g_idx"})
+
+
 def required_tensors(scheme: LinearScheme) -> tuple[str, ...]:
     """The tensor names (after `<module>.`) a projection of this layout must have."""
     if scheme.layout in (LAYOUT_CT_FLOAT, LAYOUT_CT_INT, LAYOUT_FP8):
