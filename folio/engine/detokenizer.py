@@ -335,17 +335,33 @@ class IncrementalDetokenizer:
         ``include_stop_str_in_output`` asks for stops to be shown and it is not
         a special token being skipped. The request is over, so any text held
         back for an incomplete character is flushed too.
+
+        With stop strings the tokens are checked one at a time, and
+        ``output_token_ids`` ends at the token that completed the match: a step
+        that brought several tokens (speculative decoding's kept drafts) ends
+        the output where one token a step would have, and the caller keeps only
+        the ids taken (``len(output_token_ids)`` before and after).
         """
-        self.output_token_ids.extend(new_token_ids)
         if self.stopped:
-            return None  # output already ended; later tokens are not rendered
-        to_render = list(new_token_ids)
-        if stop_terminated and to_render and not self.include_stop_str_in_output:
-            to_render.pop()
-        parts = [self._push_token(t) for t in to_render if self._renders(t)]
-        if stop_terminated:
-            parts.append(self._flush_run())
-        return self._append_and_check_stop("".join(parts))
+            return None  # output already ended; later tokens are not taken
+        last = len(new_token_ids) - 1
+        parts: list[str] = []
+        for i, token_id in enumerate(new_token_ids):
+            self.output_token_ids.append(token_id)
+            ends_request = stop_terminated and i == last
+            if self._renders(token_id) and not (ends_request
+                                                and not self.include_stop_str_in_output):
+                parts.append(self._push_token(token_id))
+            if ends_request:
+                parts.append(self._flush_run())
+            if self.stop:
+                matched = self._append_and_check_stop("".join(parts))
+                parts.clear()
+                if matched is not None:
+                    return matched
+        if parts:  # no stop strings: the text only grows
+            self._append_and_check_stop("".join(parts))
+        return None
 
     def flush(self) -> str | None:
         """Emit text held for an incomplete trailing character (call when the

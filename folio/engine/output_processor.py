@@ -204,20 +204,28 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-            child.token_ids.extend(out.new_token_ids)
-            if child.logprobs is not None:
-                for entry in out.new_logprobs:
-                    child.logprobs.append(to_position_logprobs(entry, self.token_text))
-                    child.cumulative_logprob += entry.logprob
+            new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 # An EOS/stop token that ended the request is not part of the text.
                 ended_by_token = finish_reason == "stop" and not child.params.include_stop_str_in_output
-                matched = child.detokenizer.update(out.new_token_ids, stop_terminated=ended_by_token)
-                if matched is not None and finish_reason is None:
+                taken = len(child.detokenizer.output_token_ids)
+                matched = child.detokenizer.update(new_ids, stop_terminated=ended_by_token)
+                taken = len(child.detokenizer.output_token_ids) - taken
+                if matched is not None and (finish_reason is None or taken < len(new_ids)):
+                    # The stop string came first (before the core's own finish, or with
+                    # tokens of the same step after it: kept drafts): the output ends at
+                    # the token that completed it, as with one token a step.
                     finish_reason, stop_reason = "stop", matched
-                    stopped_by_text.append(child.request_id)
+                    new_ids, new_logprobs = new_ids[:taken], new_logprobs[:taken]
+                    if out.finish_reason is None:
+                        stopped_by_text.append(child.request_id)
                     touched[parent.request_id] = parent
+            child.token_ids.extend(new_ids)
+            if child.logprobs is not None:
+                for entry in new_logprobs:
+                    child.logprobs.append(to_position_logprobs(entry, self.token_text))
+                    child.cumulative_logprob += entry.logprob
             if finish_reason is not None:
                 child.finish_reason, child.stop_reason = finish_reason, stop_reason
         outputs: list[RequestOutput | PoolingRequestOutput] = list(pooled)

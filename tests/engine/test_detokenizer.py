@@ -377,10 +377,31 @@ def test_updates_after_stop_are_ignored(smol):
     d = IncrementalDetokenizer(smol, [], stop=["!"])
     assert d.update(encode(smol, "Hi! there")) == "!"
     assert d.output_text == "Hi"
-    more = encode(smol, " more")
-    assert d.update(more) is None
-    assert d.output_text == "Hi"
-    assert d.output_token_ids[-len(more) :] == more
+    taken = list(d.output_token_ids)
+    assert smol.decode(taken) == "Hi!"   # the ids end at the token that completed the stop
+    assert d.update(encode(smol, " more")) is None
+    assert d.output_text == "Hi" and d.output_token_ids == taken
+
+
+def test_a_several_token_update_ends_at_the_token_completing_the_stop(smol):
+    """Several tokens in one update (a speculative step's kept drafts): the ids taken end
+    at the token that completed the stop string, as one token an update would; without
+    stop strings every id is taken."""
+    ids = encode(smol, "alpha beta gamma delta")
+    one = IncrementalDetokenizer(smol, [], stop=["gam"])
+    for n, t in enumerate(ids, 1):
+        if one.update([t]) is not None:
+            break
+    for chunk in (2, 3, len(ids)):
+        d = IncrementalDetokenizer(smol, [], stop=["gam"])
+        matched = None
+        for i in range(0, len(ids), chunk):
+            matched = d.update(ids[i:i + chunk])
+            if matched:
+                break
+        assert matched == "gam" and d.output_token_ids == ids[:n] and d.output_text == "alpha beta "
+    d = IncrementalDetokenizer(smol, [])
+    assert d.update(ids) is None and d.output_token_ids == ids
 
 
 def test_random_stop_strings_against_reference(tok):

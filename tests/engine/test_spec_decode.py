@@ -121,6 +121,47 @@ def test_requests_with_every_sampling_option_share_the_batch(plain_llm, spec_llm
     json.loads(got[4].outputs[0].text)
 
 
+def _piece_from(text: str, at: float, length: int = 7) -> str:
+    """A piece of an answer that first occurs past the fraction `at` of it: a stop string
+    that the copying answers reach after kept drafts."""
+    for start in range(int(at * len(text)), len(text) - length):
+        piece = text[start:start + length]
+        if text.find(piece) == start:
+            return piece
+    raise AssertionError(f"no piece of {text!r} occurs once past {at}")
+
+
+def test_stop_strings_end_the_output_where_one_token_a_step_would(plain_llm, spec_llm) -> None:
+    """A stop string completed by a kept draft ends the output at that token: the tokens the
+    same step kept after it are neither in token_ids nor in the logprobs (they had been), and
+    the finish is the stop string's."""
+    prompts = _editing_prompts()[:3]   # (the fourth answer loops: no piece occurs once)
+    free = plain_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64),
+                              use_tqdm=False)
+    # several stop strings a prompt, each its own request: the answers copy their prompt, so
+    # most steps keep several drafts, and a stop string that completes at the last token of
+    # its step would not show the difference
+    cases = [(p, _piece_from(o.outputs[0].text, at))
+             for p, o in zip(prompts, free) for at in (0.3, 0.42, 0.54, 0.66, 0.78)]
+    prompts = [p for p, _ in cases]
+    before = _spec_stats(spec_llm)
+    cut_short = 0
+    for include in (False, True):
+        params = [SamplingParams(temperature=0, max_tokens=64, logprobs=1, stop=[s],
+                                 include_stop_str_in_output=include) for _, s in cases]
+        want = plain_llm.generate(prompts, params, use_tqdm=False)
+        got = spec_llm.generate(prompts, params, use_tqdm=False)
+        for g, w, (_, s) in zip(got, want, cases):
+            g, w = g.outputs[0], w.outputs[0]
+            assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == \
+                (list(w.token_ids), w.text, w.finish_reason, w.stop_reason)
+            assert g.stop_reason == s and len(g.logprobs) == len(g.token_ids)
+            cut_short += len(g.token_ids) < 64
+    after = _spec_stats(spec_llm)
+    assert cut_short == 2 * len(cases)
+    assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens > 50
+
+
 _RECORDS = [{"name": "Ada Lovelace", "born": 1815, "field": "mathematics"},
             {"name": "Alan Turing", "born": 1912, "field": "computing"},
             {"name": "Grace Hopper", "born": 1906, "field": "compilers"}]
