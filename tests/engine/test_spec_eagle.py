@@ -424,6 +424,38 @@ def test_async_scheduling_overlaps_resting_steps_with_the_same_head_cache(
     _assert_same_cache(async_cache, cache)
 
 
+def test_async_drafting_steps_are_timed_for_the_draft_length(tiny_model_dir, tmp_path) -> None:
+    """Under async scheduling a step whose drafts the head makes is finished before the next
+    is queued, and timed, as a plain step when it verifies nothing: the adaptive draft
+    length prices k = 0 on measured plain steps, as in the synchronous engine. Untimed, its
+    plain curve stayed empty, k = 0 was priced on the verify steps' curve, and a random head
+    drafted on until its acceptance estimate decayed (SmolLM2 with a random EAGLE head: 150
+    drafts in six requests' first 64 tokens, against 12 synchronous)."""
+    target = tiny_model_dir("llama")
+    spec = _resting_spec(tmp_path)
+    prompts = _prompts(4, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = _ids(_make(target, None).generate(prompts, params, use_tqdm=False))
+    llm = _make(target, spec, enable_prefix_caching=False, async_scheduling=True)
+    core = llm.llm_engine.engine_core
+    assert core.async_scheduling
+    timed: list[tuple[int, bool]] = []   # (tokens, verify) of every step timed
+    observe = core.scheduler.observe_step_time
+
+    def recording(num_tokens, seconds, verify, *args):
+        timed.append((num_tokens, verify))
+        return observe(num_tokens, seconds, verify, *args)
+
+    core.scheduler.observe_step_time = recording
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    prefill = sum(len(ids) for ids in llm.get_tokenizer()(prompts)["input_ids"])
+    # the prefill (whose drafts the head made) is timed as a plain step; after the first
+    # verify step the policy times a plain decode step before it prices k = 0 on it
+    assert timed[0] == (prefill, False), timed[:3]
+    first_verify = next(i for i, (_, verify) in enumerate(timed) if verify)
+    assert timed[first_verify + 1] == (len(prompts), False), timed[:first_verify + 3]
+
+
 def test_leaving_requests_rows_are_written_before_their_blocks_go(tiny_model_dir, tmp_path,
                                                                   monkeypatch) -> None:
     """Few blocks: requests are preempted and finish while the head rests. Their kept rows go
