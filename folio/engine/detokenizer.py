@@ -173,6 +173,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         stream_holdback: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -180,6 +181,9 @@ class IncrementalDetokenizer:
         self.stop: list[str] = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stream_holdback = stream_holdback
+        # Stop strings are not looked for in the text of the first min_tokens tokens (vLLM's
+        # rule; a match may still start there and end later).
+        self.min_tokens = max(0, min_tokens)
 
         self.output_text: str = ""
         self.output_token_ids: list[int] = []
@@ -297,7 +301,7 @@ class IncrementalDetokenizer:
             return None
         start = len(self.output_text)
         self.output_text += text
-        if not self.stop:
+        if not self.stop or len(self.output_token_ids) <= self.min_tokens:
             return None
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for s in self.stop:
@@ -360,7 +364,7 @@ class IncrementalDetokenizer:
                 if matched is not None:
                     return matched
         if parts:  # no stop strings: the text only grows
-            self._append_and_check_stop("".join(parts))
+            self.output_text += "".join(parts)
         return None
 
     def flush(self) -> str | None:

@@ -137,7 +137,8 @@ class OutputProcessor:
                     skip_special_tokens=child_params.skip_special_tokens,
                     spaces_between_special_tokens=child_params.spaces_between_special_tokens,
                     stop=child_params.stop, include_stop_str_in_output=child_params.include_stop_str_in_output,
-                    stream_holdback=child_params.output_kind == RequestOutputKind.DELTA)
+                    stream_holdback=child_params.output_kind == RequestOutputKind.DELTA,
+                    min_tokens=child_params.min_tokens)
             child = ChildState(child_id, index, parent, child_params, detok,
                                logprobs=[] if child_params.logprobs is not None else None,
                                cumulative_logprob=0.0 if child_params.logprobs is not None else None)

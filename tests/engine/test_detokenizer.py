@@ -475,3 +475,25 @@ def test_backend_decode_is_transformers_decode(name, request):
             run.insert(rng.randrange(len(run) + 1), rng.choice(specials))
         expected = tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         assert _decode(tok, run, backend) == expected, run
+
+
+def test_stop_strings_wait_for_min_tokens(smol):
+    """vLLM's rule: no stop string is looked for in the text of the first min_tokens tokens;
+    one that starts there and ends later still matches. Whatever the update sizes."""
+    ids = encode(smol, "one two one two one three")
+    n_min = 3
+    head = smol.decode(ids[:n_min])
+    assert "one" in head      # an earlier match, inside the first min_tokens tokens
+    for chunk in (1, 2, len(ids)):
+        d = IncrementalDetokenizer(smol, [], stop=["one"], min_tokens=n_min)
+        matched = None
+        for i in range(0, len(ids), chunk):
+            matched = d.update(ids[i:i + chunk])
+            if matched:
+                break
+        assert matched == "one"
+        want = smol.decode(ids)
+        cut = want.index("one", len(head))
+        assert d.output_text == want[:cut], (chunk, d.output_text)
+    d = IncrementalDetokenizer(smol, [], stop=["one"])
+    assert d.update(ids) == "one" and d.output_text == ""

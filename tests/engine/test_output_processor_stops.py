@@ -38,3 +38,14 @@ def test_a_step_of_several_tokens_ends_at_the_stop_string(smollm2_tokenizer) -> 
     # without a stop string in the text every token is kept, with the core's finish
     out, _ = _run(tok, ids, "length", stop=["zzz"])
     assert list(out.token_ids) == ids and out.finish_reason == "length"
+
+
+def test_stop_strings_wait_for_min_tokens(smollm2_tokenizer) -> None:
+    """The request's min_tokens reaches the detokenizer: a stop string in the text of the
+    first min_tokens tokens does not end the output (vLLM's rule)."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    out, stopped = _run(tok, ids, None, stop=["alpha"], min_tokens=2)
+    assert list(out.token_ids) == ids and out.finish_reason is None and stopped == []
+    out, stopped = _run(tok, ids, None, stop=["alpha"])
+    assert list(out.token_ids) == ids[:1] and out.stop_reason == "alpha" and stopped == ["r"]
