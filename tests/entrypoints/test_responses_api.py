@@ -451,6 +451,49 @@ def test_reasoning_and_auto_tool_call_items(tokenizer):  # noqa: F811
     assert [item.type for item in one.output] == ["reasoning", "message", "function_call"]
 
 
+def test_reasoning_alone_is_one_item_streamed_or_not(tokenizer):  # noqa: F811
+    """A reply that is only reasoning: the reasoning item alone, created or streamed (the
+    created response had carried an empty message after it, which the stream had not)."""
+    client, _ = _scripted_client(tokenizer, "<think>Only thinking here.</think>")
+
+    async def run() -> tuple[Any, list[Any]]:
+        response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION)
+        events = [e async for e in await client.responses.create(
+            model=MODEL, input=WEATHER_QUESTION, stream=True)]
+        return response, events
+
+    response, events = asyncio.run(run())
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == "Only thinking here."
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [item.type for item in final.output] == ["reasoning"]
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == \
+        ["reasoning"]
+
+
+def test_a_newline_between_calls_is_no_message_streamed_or_not(tokenizer):  # noqa: F811
+    """Two calls with a newline between them (as models write them): two function_call
+    items, created or streamed (the stream had sent the newline as a message of its own)."""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {"city": "Paris"}}</tool_call>\n')
+    client, _ = _scripted_client(tokenizer, text)
+
+    async def run() -> tuple[Any, list[Any]]:
+        response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION,
+                                                 tools=TOOLS)
+        events = [e async for e in await client.responses.create(
+            model=MODEL, input=WEATHER_QUESTION, tools=TOOLS, stream=True)]
+        return response, events
+
+    response, events = asyncio.run(run())
+    assert [item.type for item in response.output] == ["function_call", "function_call"]
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == \
+        ["function_call", "function_call"]
+    assert [item.type for item in events[-1].response.output] == \
+        ["function_call", "function_call"]
+
+
 def test_background_poll_shows_progress_and_cancel_aborts(tokenizer):  # noqa: F811
     long_text = " ".join(["word"] * 200)
     client, engine = _scripted_client(tokenizer, long_text, step_delay_s=0.01)

@@ -88,13 +88,14 @@ def output_items(reasoning: str | None, text: str | None,
                  calls: Sequence[tuple[str, str, str]], incomplete: bool
                  ) -> list[dict[str, Any]]:
     """reasoning, then the message, then one function_call per (call id, name, arguments):
-    the order OpenAI's are in. A reply with neither text nor calls is one empty message
-    (clients read output_text)."""
+    the order OpenAI's are in. A reply with nothing else is one empty message (clients read
+    output_text); reasoning alone (the output ran out while reasoning) is not given an empty
+    message, as OpenAI's and as the stream (responses_events) does."""
     status = ITEM_INCOMPLETE if incomplete else ITEM_COMPLETED
     items = []
     if reasoning:
         items.append(reasoning_item(new_item_id(REASONING), reasoning, status))
-    if text or not calls:
+    if text or not (calls or reasoning):
         items.append(message_item(new_item_id(MESSAGE), text or "", status))
     items += [function_call_item(call_item_id(call_id), call_id, name, arguments,
                                  ITEM_COMPLETED) for call_id, name, arguments in calls]

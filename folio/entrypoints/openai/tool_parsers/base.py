@@ -229,6 +229,7 @@ class ToolParser:
             # Not tool calls after all: everything is content. Already-emitted
             # calls cannot be taken back (see module docstring).
             segments = [Text(self._buffer)]
+            return self._emit(segments, blank_is_content=not self._sent_calls)
         return self._emit(segments)
 
     def stream_pieces(self, content: str | None, final: bool) -> list[StreamDelta]:
@@ -239,11 +240,17 @@ class ToolParser:
             pieces.append(self.finish())
         return [piece for piece in pieces if piece is not None]
 
-    def _emit(self, segments: list[Segment]) -> StreamDelta | None:
-        """Diff ``segments`` against what was already sent."""
+    def _emit(self, segments: list[Segment], blank_is_content: bool = False
+              ) -> StreamDelta | None:
+        """Diff ``segments`` against what was already sent. Content that is only whitespace
+        so far is held back: beside tool calls the whole reply drops it (``extract``: content
+        None; a newline between two calls had been streamed as content, and became a message
+        item or text block of its own in the Responses and Messages streams). A reply that
+        ends without calls sends it (``blank_is_content``)."""
         out = StreamDelta()
         content = "".join(s.text for s in segments if isinstance(s, Text))
-        if len(content) > len(self._sent_content) and content.startswith(self._sent_content):
+        if (content.strip() or blank_is_content) and len(content) > len(self._sent_content) \
+                and content.startswith(self._sent_content):
             out.content = content[len(self._sent_content):]
             self._sent_content = content
         calls = [s for s in segments if isinstance(s, PartialCall)]
