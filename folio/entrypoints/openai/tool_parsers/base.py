@@ -4,7 +4,9 @@ Every format module implements one method, ``_parse(text, final)``, which turns
 the model output seen so far into a list of segments (plain text and calls).
 Streaming re-parses the whole buffer on each delta and emits only the *growth*
 since the last delta. That keeps streaming and non-streaming on one code path,
-so they cannot disagree on well-formed output.
+so they cannot disagree on well-formed output, but in one respect: the full
+reply re-serializes each call's arguments (compact JSON), where the stream sends
+the model's own text of them (the same object, its whitespace as written).
 
 Contract for ``_parse(text, final=False)`` (the streaming view): everything it
 reports must be stable, i.e. a prefix of what any longer text would report:
