@@ -40,14 +40,17 @@ def tokenizer() -> Any:
 
 class FakeEngine:
     """Stands in for AsyncLLM: each child j of a request generates `texts[j % len]`,
-    one token per step, with scripted logprobs (the sampled token is rank 1 at -0.5, the
+    `tokens_per_step` tokens a step (1; more, as speculative decoding's kept drafts come), with
+    scripted logprobs (the sampled token is rank 1 at -0.5, the
     k alternatives are the next ids at -1.5, -2.5, ...)."""
 
     def __init__(self, tokenizer: Any, *, max_model_len: int = 256,
                  texts: tuple[str, ...] = (" Hello there, friend!",),
                  finish_reason: str = "stop", num_cached_tokens: int = 3,
-                 step_delay_s: float = 0.0, defaults: SamplingParams | None = None) -> None:
+                 step_delay_s: float = 0.0, defaults: SamplingParams | None = None,
+                 tokens_per_step: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.tokens_per_step = tokens_per_step
         self.max_model_len = max_model_len
         self.texts = texts
         self.finish_reason = finish_reason
@@ -88,7 +91,8 @@ class FakeEngine:
         for j in range(params.n):
             ids = self.tokenizer.encode(self.texts[j % len(self.texts)], add_special_tokens=False)
             scripts.append(ids[:params.max_tokens])
-        steps = max(len(s) for s in scripts)
+        per_step = self.tokens_per_step
+        steps = -(-max(len(s) for s in scripts) // per_step)
         sent = [0] * params.n
         finished = False
         try:
@@ -102,7 +106,7 @@ class FakeEngine:
                 outputs = []
                 for j, ids in enumerate(scripts):
                     start = sent[j] if params.output_kind == RequestOutputKind.DELTA else 0
-                    end = min(step + 1, len(ids))
+                    end = min((step + 1) * per_step, len(ids))
                     if params.output_kind == RequestOutputKind.DELTA and end == sent[j]:
                         continue
                     new = ids[start:end]

@@ -392,10 +392,13 @@ SCRIPTED = ('<think>The user wants the weather.</think>Let me check. '
 
 
 def _scripted_client(tokenizer: Any, text: str, step_delay_s: float = 0.0,
-                     **settings: Any) -> tuple[openai.AsyncOpenAI, Any]:
-    """The SDK against the app in process, its engine scripted to "generate" `text`."""
+                     tokens_per_step: int = 1, **settings: Any
+                     ) -> tuple[openai.AsyncOpenAI, Any]:
+    """The SDK against the app in process, its engine scripted to "generate" `text`,
+    `tokens_per_step` tokens a step."""
     from folio.entrypoints.openai.api_server import ServerSettings, build_app
-    engine = FakeEngine(tokenizer, max_model_len=4096, texts=(text,), step_delay_s=step_delay_s)
+    engine = FakeEngine(tokenizer, max_model_len=4096, texts=(text,), step_delay_s=step_delay_s,
+                        tokens_per_step=tokens_per_step)
     engine.is_healthy, engine.errored = True, None
     engine.model_info = SimpleNamespace(source=SimpleNamespace(path="/models/smol"),
                                         vocab_size=len(tokenizer), pooling=None)
@@ -449,6 +452,37 @@ def test_reasoning_and_auto_tool_call_items(tokenizer):  # noqa: F811
     assert [e.sequence_number for e in events] == list(range(len(events)))
     # parallel_tool_calls=false: one call at most.
     assert [item.type for item in one.output] == ["reasoning", "message", "function_call"]
+
+
+def test_steps_of_several_tokens_stream_the_same_items(tokenizer):  # noqa: F811
+    """Steps that bring several tokens (speculative decoding's kept drafts), so that the end
+    of the reasoning, a call's start and its end fall inside one delta: the streamed items and
+    the created response are those of one token a step."""
+    def outputs(per_step: int) -> tuple[list[dict], list[dict], str, str]:
+        client, _ = _scripted_client(tokenizer, SCRIPTED, tokens_per_step=per_step)
+
+        async def run() -> tuple[Any, list[Any]]:
+            response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION,
+                                                     tools=TOOLS)
+            events = [e async for e in await client.responses.create(
+                model=MODEL, input=WEATHER_QUESTION, tools=TOOLS, stream=True)]
+            return response, events
+
+        response, events = asyncio.run(run())
+
+        def shape(items: list[Any]) -> list[dict]:
+            return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}
+                    for item in items]
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        reasoning = "".join(e.delta for e in events
+                            if e.type == "response.reasoning_text.delta")
+        return shape(response.output), shape(events[-1].response.output), text, reasoning
+
+    one = outputs(1)
+    assert one[0] == one[1]
+    assert (one[2], one[3]) == ("Let me check. ", "The user wants the weather.")
+    for per_step in (3, 7):
+        assert outputs(per_step) == one, per_step
 
 
 def test_reasoning_alone_is_one_item_streamed_or_not(tokenizer):  # noqa: F811

@@ -46,8 +46,10 @@ def test_auto_tool_call_non_streaming(tokenizer):
     assert engine.calls[0]["prompt"]["prompt"] == "[get_weather]Say hello"
 
 
-def test_auto_tool_call_streaming(tokenizer):
-    engine = FakeEngine(tokenizer, texts=(CALL,))
+# 4 tokens a step: as speculative decoding's kept drafts come, a call's markers inside one delta
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_auto_tool_call_streaming(tokenizer, per_step):
+    engine = FakeEngine(tokenizer, texts=(CALL,), tokens_per_step=per_step)
     chunks = [e for e in events(_chat(engine, tools=TOOLS, stream=True)) if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
@@ -130,8 +132,9 @@ def test_required_sends_an_array_schema_and_parses_calls(tokenizer, parallel):
     assert out["message"]["content"] is None and out["finish_reason"] == "tool_calls"
 
 
-def test_required_streams_name_then_argument_fragments(tokenizer):
-    engine = FakeEngine(tokenizer, texts=(REQUIRED_OUT,))
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_required_streams_name_then_argument_fragments(tokenizer, per_step):
+    engine = FakeEngine(tokenizer, texts=(REQUIRED_OUT,), tokens_per_step=per_step)
     chunks = [e for e in events(_chat(engine, parser=None, auto=False, tools=TWO_TOOLS,
                                       tool_choice="required", stream=True)) if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
