@@ -454,21 +454,23 @@ def test_reasoning_and_auto_tool_call_items(tokenizer):  # noqa: F811
     assert [item.type for item in one.output] == ["reasoning", "message", "function_call"]
 
 
+def _create_and_stream(client: openai.AsyncOpenAI, **fields: Any) -> tuple[Any, list[Any]]:
+    """The response created, and the events of the same request streamed."""
+    async def run() -> tuple[Any, list[Any]]:
+        response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION, **fields)
+        events = [e async for e in await client.responses.create(
+            model=MODEL, input=WEATHER_QUESTION, stream=True, **fields)]
+        return response, events
+    return asyncio.run(run())
+
+
 def test_steps_of_several_tokens_stream_the_same_items(tokenizer):  # noqa: F811
     """Steps that bring several tokens (speculative decoding's kept drafts), so that the end
     of the reasoning, a call's start and its end fall inside one delta: the streamed items and
     the created response are those of one token a step."""
     def outputs(per_step: int) -> tuple[list[dict], list[dict], str, str]:
         client, _ = _scripted_client(tokenizer, SCRIPTED, tokens_per_step=per_step)
-
-        async def run() -> tuple[Any, list[Any]]:
-            response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION,
-                                                     tools=TOOLS)
-            events = [e async for e in await client.responses.create(
-                model=MODEL, input=WEATHER_QUESTION, tools=TOOLS, stream=True)]
-            return response, events
-
-        response, events = asyncio.run(run())
+        response, events = _create_and_stream(client, tools=TOOLS)
 
         def shape(items: list[Any]) -> list[dict]:
             return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}
@@ -489,14 +491,7 @@ def test_reasoning_alone_is_one_item_streamed_or_not(tokenizer):  # noqa: F811
     """A reply that is only reasoning: the reasoning item alone, created or streamed (the
     created response had carried an empty message after it, which the stream had not)."""
     client, _ = _scripted_client(tokenizer, "<think>Only thinking here.</think>")
-
-    async def run() -> tuple[Any, list[Any]]:
-        response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION)
-        events = [e async for e in await client.responses.create(
-            model=MODEL, input=WEATHER_QUESTION, stream=True)]
-        return response, events
-
-    response, events = asyncio.run(run())
+    response, events = _create_and_stream(client)
     assert [item.type for item in response.output] == ["reasoning"]
     assert response.output[0].content[0].text == "Only thinking here."
     final = events[-1].response
@@ -512,15 +507,7 @@ def test_a_newline_between_calls_is_no_message_streamed_or_not(tokenizer):  # no
     text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {"city": "Paris"}}</tool_call>\n')
     client, _ = _scripted_client(tokenizer, text)
-
-    async def run() -> tuple[Any, list[Any]]:
-        response = await client.responses.create(model=MODEL, input=WEATHER_QUESTION,
-                                                 tools=TOOLS)
-        events = [e async for e in await client.responses.create(
-            model=MODEL, input=WEATHER_QUESTION, tools=TOOLS, stream=True)]
-        return response, events
-
-    response, events = asyncio.run(run())
+    response, events = _create_and_stream(client, tools=TOOLS)
     assert [item.type for item in response.output] == ["function_call", "function_call"]
     assert [e.item.type for e in events if e.type == "response.output_item.added"] == \
         ["function_call", "function_call"]
