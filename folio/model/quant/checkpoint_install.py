@@ -128,8 +128,8 @@ class QuantizedCollector:
             # read with the rest only where the config's actorder is "group": elsewhere it
             # must be the plain order, or the groups the weight was read with were wrong
             k = self._shape(*key)[1]
-            plain = torch.arange(k) // (self.scheme.group_size or k)
-            if not torch.equal(tensor.reshape(-1).to("cpu", torch.int64), plain):
+            if formats.act_order_perm({attr: tensor}, attr, name.removesuffix("." + attr), k,
+                                      self.scheme.group_size or k, False) is not None:
                 raise ValueError(f"quantization method {self.config.method!r}: {name} scatters "
                                  "the groups over the input channels, but quantization_config"
                                  "'s weights.actorder is not 'group'")

@@ -244,13 +244,13 @@ def _from_ct_pack(t, scheme, name, shape, group) -> Int4Weight:
             raise ValueError(f"{name}.weight_zero_point has shape {tuple(zp.shape)}, expected "
                              f"{(-(-n // 8), k // group)} (packed) or {(n, k // group)}")
         zeros = zeros.to(scales.dtype).contiguous()
-    perm = _act_order(t, "weight_g_idx", name, k, group, scheme.desc_act)
+    perm = act_order_perm(t, "weight_g_idx", name, k, group, scheme.desc_act)
     if perm is not None:
         packed = pack_rows(unpack_rows(packed)[:, perm])
     return Int4Weight(packed.contiguous(), scales.contiguous(), zeros, group, perm)
 
 
-def _act_order(t: dict[str, torch.Tensor], key: str, name: str, k: int, group: int,
+def act_order_perm(t: dict[str, torch.Tensor], key: str, name: str, k: int, group: int,
                required: bool) -> torch.Tensor | None:
     """The input-channel permutation that makes each group of an act-order weight contiguous,
     from its `key` tensor ([K]: each input channel's group; GPTQ's g_idx, compressed-tensors'
@@ -307,7 +307,7 @@ def _from_gptq(t, scheme, name, shape, group) -> Int4Weight:
     zeros = zeros.to(scales.dtype).contiguous()
     if scheme.symmetric and scheme.zero_offset and bool((zeros == 8).all()):
         zeros = None   # the usual symmetric file: z = 8 everywhere, nothing to read
-    perm = _act_order(t, "g_idx", name, k, group, scheme.desc_act)
+    perm = act_order_perm(t, "g_idx", name, k, group, scheme.desc_act)
     if perm is not None:
         codes = codes[:, perm].contiguous()
     return Int4Weight(pack_rows(codes), scales.t().contiguous(), zeros, group, perm)
