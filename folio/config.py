@@ -34,10 +34,10 @@ _KV_CACHE_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloa
 # config.json's quantization_config, which also picks them when the field is None); "none" =
 # every weight dequantized to the model dtype (the reference path). None = the checkpoint's
 # method, else "gguf" for a GGUF model, else "none". vLLM's kernel-specific names
-# awq_marlin and gptq_marlin are accepted for awq and gptq.
+# awq_marlin and gptq_marlin are accepted for awq and gptq, fbgemm_fp8 for fp8.
 QUANTIZATION_METHODS = ("none", "gguf", "int8", "fp8", "compressed-tensors", "awq", "gptq")
 QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq",
-                        "compressed_tensors": "compressed-tensors"}
+                        "compressed_tensors": "compressed-tensors", "fbgemm_fp8": "fp8"}
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:

@@ -49,7 +49,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -830,11 +830,13 @@ def _awq_pack(values: torch.Tensor) -> torch.Tensor:
 
 
 def write_awq(src: str, dst: str, *, group_size: int = 128,
-              dequantized_dir: str | None = None) -> None:
+              dequantized_dir: str | None = None,
+              modules_to_not_convert: Sequence[str] = ()) -> None:
     """`src` in AutoAWQ's GEMM format (4-bit, zero point, version "gemm").
 
     config.json: quantization_config = {"quant_method": "awq", "bits": 4, "group_size": G,
-    "zero_point": true, "version": "gemm", "modules_to_not_convert": null}.
+    "zero_point": true, "version": "gemm", "modules_to_not_convert": [...] or null}: a
+    projection whose name contains one of those entries is kept float (AutoAWQ's rule).
     Per projection (K = in_features, N = out_features), stored transposed relative to
     nn.Linear (K rows, N columns) and without the `weight`:
       qweight int32 [K, N // 8]: q[k, n] in 0..15, packed along N; nibble slot i of word
@@ -853,7 +855,8 @@ def write_awq(src: str, dst: str, *, group_size: int = 128,
 
     _check_group_size(group_size)
     config, tensors = _read_source(src)
-    names = _projections(tensors)
+    names = [n for n in _projections(tensors)
+             if not any(entry in n.removesuffix(".weight") for entry in modules_to_not_convert)]
     for name in names:
         _check_shape(name, tensors[name], group_size=group_size, out_multiple=8)
     out = dict(tensors)
@@ -877,7 +880,7 @@ def write_awq(src: str, dst: str, *, group_size: int = 128,
         out[prefix + "scales"] = scales
         dequantized[name] = ((q - z_full) * s_full).t().contiguous()
     qconfig = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-               "version": "gemm", "modules_to_not_convert": None}
+               "version": "gemm", "modules_to_not_convert": list(modules_to_not_convert) or None}
     _write_dir(src, dst, {**config, "quantization_config": qconfig}, out)
     _write_dequantized(src, dequantized_dir, config, tensors, dequantized)
 
@@ -908,7 +911,7 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
                desc_act: bool = False, dequantized_dir: str | None = None,
                checkpoint_format: str = "gptq", seed: int = 0, calibration: str = "rtn",
                calibration_ids: torch.Tensor | None = None, damp_percent: float = 0.01,
-               static_groups: bool = False) -> None:
+               static_groups: bool = False, skip: Sequence[str] = ()) -> None:
     """`src` in the AutoGPTQ / GPTQModel 4-bit format.
 
     config.json: quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": G,
@@ -939,6 +942,9 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
     act-order is the real one (decreasing diag(H)), `seed` unused; static_groups: the groups'
     scales and zeros from the weight before GPTQ's updates (needed for act-order without a
     permuted g_idx).
+
+    skip: regexes of modules kept float, written as GPTQModel's `dynamic` rules
+    ({"-:regex": {}}, matched from the start of the module name).
     """
     import torch
 
@@ -951,7 +957,8 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
         raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got "
                          f"{checkpoint_format!r}")
     config, tensors = _read_source(src)
-    names = _projections(tensors)
+    names = [n for n in _projections(tensors)
+             if not any(re.match(p, n.removesuffix(".weight")) for p in skip)]
     for name in names:
         # AutoGPTQ / GPTQModel end a row whose K is not a multiple of G in a shorter group
         _check_shape(name, tensors[name], in_multiple=8, out_multiple=8)
@@ -989,5 +996,7 @@ def write_gptq(src: str, dst: str, *, group_size: int = 128, sym: bool = True,
                "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
                "static_groups": static_groups, "true_sequential": True,
                "damp_percent": damp_percent}
+    if skip:
+        qconfig["dynamic"] = {f"-:{p}": {} for p in skip}
     _write_dir(src, dst, {**config, "quantization_config": qconfig}, out)
     _write_dequantized(src, dequantized_dir, config, tensors, dequantized)

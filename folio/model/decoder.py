@@ -31,6 +31,7 @@ _KV_SCALE_NAMES = {
     "k_scale": "k_scale", "v_scale": "v_scale", "kv_scale": "kv_scale",
     "k_proj.output_scale": "k_scale", "v_proj.output_scale": "v_scale",
     "k_proj.k_scale": "k_scale", "v_proj.v_scale": "v_scale",
+    "attn.k_scale": "k_scale", "attn.v_scale": "v_scale",   # vLLM's own parameter names
 }
 _KV_SCALE_ATTRS = frozenset(_KV_SCALE_NAMES.values())
 # Scales of quantized attention arithmetic (FP8 queries, probabilities): folio's attention

@@ -140,6 +140,43 @@ def _check_quantization_config_type(raw: bytes, config_file: str) -> None:
                          f"{data['quantization_config']!r}")
 
 
+# Older AutoGPTQ / AutoAWQ exports keep the settings beside config.json rather than in its
+# quantization_config (vLLM reads these files too). AutoAWQ's has no quant_method; its keys
+# (w_bit, q_group_size, version, zero_point) say which it is.
+_SIDE_QUANT_FILES = ("quantize_config.json", "quant_config.json")
+_AWQ_KEYS = ("w_bit", "q_group_size", "version", "zero_point")
+
+
+def _side_quantization_config(path: str, raw: bytes) -> dict | None:
+    """The quantization settings in a side file, for a config.json without any (neither
+    quantization_config nor compressed-tensors' older compression_config); None otherwise."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("quantization_config") is not None \
+            or data.get("compression_config") is not None:
+        return None
+    for name in _SIDE_QUANT_FILES:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                side = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"could not read the quantization settings in {file}: {exc}"
+                             ) from exc
+        if not isinstance(side, dict):
+            raise ValueError(f"{file} must be a JSON object with the method's settings "
+                             f"(bits, group_size, ...), got {side!r}")
+        if "quant_method" not in side:
+            awq = any(k in side for k in _AWQ_KEYS)
+            side = {**side, "quant_method": "awq" if awq else "gptq"}
+        return side
+    return None
+
+
 def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
     """The model's config (a ConfigSnapshot of the transformers config: config_snapshot.py),
     and a chat template found beside the weights (GGUF)."""
@@ -162,16 +199,20 @@ def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
             raw = f.read()
     except OSError as exc:
         raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
-    digest = hashlib.sha256(raw).hexdigest()
     _check_quantization_config_type(raw, config_file)
+    side = _side_quantization_config(source.path, raw)
+    digest = hashlib.sha256(raw + json.dumps(side, sort_keys=True).encode()).hexdigest()
 
     def build() -> Any:
         from transformers import AutoConfig
         try:
-            return AutoConfig.from_pretrained(source.path)
+            config = AutoConfig.from_pretrained(source.path)
         except Exception as exc:
             raise ValueError(f"could not read the model config in {source.path!r}: {exc}"
                              ) from exc
+        if side is not None:
+            config.quantization_config = side
+        return config
     from folio.model.families import decoder_config
     return decoder_config(cached_config(["hf_dir", os.path.abspath(source.path), digest],
                                         build)), None

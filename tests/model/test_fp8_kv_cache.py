@@ -349,6 +349,9 @@ def test_weight_target_knows_the_scale_names():
     assert target("model.layers.1.self_attn.k_proj.k_scale") == \
         ("layers.1.self_attn", None, "k_scale")
     assert target("model.layers.1.self_attn.kv_scale") == ("layers.1.self_attn", None, "kv_scale")
+    # vLLM's own parameter names (weights saved from a vLLM model)
+    assert target("model.layers.1.self_attn.attn.v_scale") == \
+        ("layers.1.self_attn", None, "v_scale")
     assert target("model.layers.1.self_attn.q_scale") is None
     # The projections themselves are untouched.
     assert target("model.layers.0.self_attn.k_proj.weight") == \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -468,6 +469,96 @@ def test_compressed_tensors_targets_choose_the_quantized_modules(
         _load(wrong)
 
 
+def _assert_read_as_written(model: nn.Module, deq: str, is_float: Callable[[str], bool]
+                            ) -> None:
+    """Every projection equals the writer's dequantized copy; those `is_float` names (folio
+    module paths) are kept float, the others quantized (4-bit planes on the CPU)."""
+    ref = load_file(os.path.join(deq, "model.safetensors"))
+    kinds = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, leaf = name.rsplit(".", 1)
+        want = torch.cat([ref[f"model.{prefix}.{p}.weight"].float()
+                          for p in _SHARDS.get(leaf, (leaf,))])
+        assert torch.equal(_weight(module), want), name
+        assert (module.packed is None) == is_float(name), name
+        kinds.add(module.packed is None)
+    assert False in kinds   # some projection was read quantized
+
+
+@pytest.mark.parametrize("fmt,kept,is_float", [
+    ("awq", ["self_attn"], lambda name: ".self_attn." in name),
+    ("awq", ["mlp"], lambda name: ".mlp." in name),
+    ("awq", ["layers.0."], lambda name: name.startswith("layers.0.")),
+    ("gptq", [r".*self_attn\.[qkv]_proj", r".*\.o_proj"], lambda name: ".self_attn." in name),
+])
+def test_modules_kept_float_as_the_tools_name_them(tiny_model_dir: Callable[[str], str],
+                                                    tmp_path: Path, fmt: str, kept: list[str],
+                                                    is_float: Callable[[str], bool]) -> None:
+    """AutoAWQ's modules_to_not_convert keeps every module whose name contains an entry
+    float ("self_attn": all four attention projections); GPTQModel's `dynamic` "-:" rules
+    keep the modules a regex matches from the name's start. The float ones load as float,
+    the rest quantized, each equal to the writer's copy. Without the field, the float weights
+    are refused naming the projection and the field that would keep it float."""
+    from folio.bench import quant_checkpoints as qc
+    src = tiny_model_dir("llama")
+    dst, deq = str(tmp_path / "q"), str(tmp_path / "deq")
+    if fmt == "awq":
+        qc.write_awq(src, dst, group_size=GROUP, dequantized_dir=deq,
+                     modules_to_not_convert=kept)
+    else:
+        qc.write_gptq(src, dst, group_size=GROUP, dequantized_dir=deq, skip=kept)
+    with torch_threads(1):
+        _assert_read_as_written(_load(dst), deq, is_float)
+    field = "modules_to_not_convert" if fmt == "awq" else "dynamic"
+    config = json.loads(Path(dst, "config.json").read_text())
+    config["quantization_config"][field] = None
+    Path(dst, "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor model\.layers\.0\..*\.weight is a "
+                                         rf"float weight.*quantization_config\.{field}"):
+        _load(dst)
+
+
+@pytest.mark.parametrize("fmt,side_file", [("gptq", "quantize_config.json"),
+                                           ("awq", "quant_config.json")])
+def test_settings_in_a_side_file(quantized_dirs, tmp_path: Path, fmt: str,
+                                 side_file: str) -> None:
+    """Older AutoGPTQ / AutoAWQ exports keep the settings beside config.json (AutoGPTQ's
+    quantize_config.json, AutoAWQ's quant_config.json with its own key names and no
+    quant_method): read as vLLM reads them, with or without --quantization."""
+    import shutil
+    qdir, deq = quantized_dirs(fmt)
+    dst = tmp_path / "side"
+    shutil.copytree(qdir, dst)
+    config = json.loads((dst / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    if fmt == "awq":
+        settings = {"w_bit": 4, "q_group_size": settings["group_size"], "zero_point": True,
+                    "version": "GEMM"}
+    else:
+        settings.pop("quant_method")
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / side_file).write_text(json.dumps(settings))
+    with torch_threads(1):
+        for quantization in (None, fmt):
+            _assert_read_as_written(_load(str(dst), quantization), deq, lambda _: False)
+
+
+def test_compression_config_is_read(quantized_dirs, tmp_path: Path) -> None:
+    """compressed-tensors' older config key, `compression_config`, is read as
+    quantization_config (vLLM falls back to it too)."""
+    import shutil
+    qdir, deq = quantized_dirs("ct-w4a16")
+    dst = tmp_path / "older"
+    shutil.copytree(qdir, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))
+    with torch_threads(1):
+        _assert_read_as_written(_load(str(dst), "compressed-tensors"), deq, lambda _: False)
+
+
 # ---- the W8A8 reference arithmetic ------------------------------------------------------------
 
 @pytest.mark.parametrize("act", ["fp8", "int8"])
@@ -559,10 +650,18 @@ def _ct(**changes: Any) -> dict:
      "quantization_config.transform_config"),
     (_ct(config_groups={"group_0": {**_CT_FP8["config_groups"]["group_0"], "targets": []}}),
      "config_groups.group_0.targets"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True},
+     "quantization_config.lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+      "dynamic": {r"+:.*down_proj": {"bits": 8}}}, r"quantization_config.dynamic.+:.*down_proj.bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:(": {}}},
+     "quantization_config.dynamic.-:("),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": "mlp"},
+     "quantization_config.modules_to_not_convert"),
 ])
 def test_unsupported_config_is_refused(qc: dict, field: str) -> None:
     source = ModelSource("hf_dir", "/nonexistent")
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
+    with pytest.raises(ValueError, match=re.escape(field)) as info:
         resolve_quantization(None, source, "cuda", _Config(qc))
     method = qc["quant_method"]
     if method != "bitsandbytes":
@@ -601,6 +700,7 @@ def test_vllm_method_aliases() -> None:
     from folio.engine.arg_utils import add_engine_args, engine_kwargs_from_args
     assert ModelConfig(quantization="awq_marlin").quantization == "awq"
     assert ModelConfig(quantization="GPTQ_Marlin").quantization == "gptq"
+    assert ModelConfig(quantization="fbgemm_fp8").quantization == "fp8"
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs_from_args(parser.parse_args(["-q", "gptq_marlin"]))[

@@ -98,6 +98,9 @@ class QuantizedCollector:
              ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             target = self.model.weight_target(name)
+            if target is not None and target[0] in self.plan and target[2] == "weight" \
+                    and "weight" not in self.accepted:
+                self._float_weight(name, *target[:2])
             if target is None or target[0] not in self.plan or target[2] not in self.accepted:
                 yield name, tensor
                 continue
@@ -115,6 +118,16 @@ class QuantizedCollector:
             if all(r in self.pending[key] for r in self.required) and \
                     self._complete_optional(key):
                 self._convert(key)
+
+    def _float_weight(self, name: str, path: str, shard: str | None) -> None:
+        """A float weight for a projection the config quantizes (the checkpoint keeps it
+        float, but the config's float-module fields do not say so): named, with the fields."""
+        if shard is not None and shard not in self.plan[path]:
+            return   # not this module's layout: load_weights reports it
+        module = checkpoint_module_name(path, shard)
+        raise ValueError(f"quantization method {self.config.method!r}: checkpoint tensor {name} "
+                         f"is a float weight, but quantization_config quantizes {module} (its "
+                         f"{self.config.float_fields_text()} do not keep it float)")
 
     def _late(self, name: str, key: tuple[str, str | None], attr: str,
               tensor: torch.Tensor) -> None:

@@ -14,7 +14,11 @@ Formats read (vLLM's method names, `quant_method` in config.json):
   `activation_scheme` dynamic or static);
 - "awq": AutoAWQ's GEMM layout (4 bits, zero points);
 - "gptq": AutoGPTQ / GPTQModel (4 bits, symmetric or not, `desc_act` false or true, the v1
-  zero-minus-one convention or `checkpoint_format` gptq_v2).
+  zero-minus-one convention or `checkpoint_format` gptq_v2; GPTQModel's `dynamic` rules that
+  keep modules float).
+Modules kept float are named as each tool names them: compressed-tensors' `ignore` and vLLM's
+`ignored_layers` by module name or "re:" regex; `modules_to_not_convert` (AutoAWQ, transformers)
+by any part of the name; GPTQModel's `dynamic` "-:" keys by a regex matched at the name's start.
 And `--quantization fp8` on a float checkpoint: FP8 weights quantized per output channel on
 load, dynamic per-token activations.
 """
@@ -24,12 +28,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from folio.config import QUANTIZATION_ALIASES
+
 # vLLM's names of the methods read from a checkpoint's config.json (plus "fp8", which is also
 # the quantize-on-load flag).
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
-# Names vLLM users pass that mean one of the above here (vLLM's kernel-specific variants).
-METHOD_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors":
-                  "compressed-tensors", "fbgemm_fp8": "fp8"}
+# Names vLLM users pass that mean one of the above here (vLLM's kernel-specific variants): the
+# same table the engine's config normalizes `--quantization` with.
+METHOD_ALIASES = QUANTIZATION_ALIASES
 
 # Where the weights come from, which decides the tensor names read (formats.py).
 LAYOUT_CT_FLOAT = "ct-float"     # compressed-tensors float-quantized: weight (fp8), weight_scale
@@ -69,15 +75,29 @@ class QuantConfig:
     # compressed-tensors' config_groups targets: the modules quantized ("Linear" = every
     # projection, "re:" = a regex, else a module name); () = every projection
     targets: tuple[str, ...] = ()
+    # `modules_to_not_convert`: a module whose name contains one of these stays float
+    # (AutoAWQ's and transformers' rule: "self_attn" keeps every attention projection float)
+    not_converted: tuple[str, ...] = ()
+    # GPTQModel's `dynamic` "-:" rules: a module whose name a regex matches from its start
+    skipped: tuple[str, ...] = ()
+    # the config.json fields that choose the float modules, for errors that point at them
+    float_fields: tuple[str, ...] = ("ignore",)
 
     def is_ignored(self, module_name: str) -> bool:
         """Whether checkpoint module `module_name` (e.g. model.layers.0.mlp.down_proj) is
         left unquantized: named by the config's ignore list (compressed-tensors' `ignore`,
-        AWQ's `modules_to_not_convert`), or not by its targets."""
+        vLLM's `ignored_layers`), containing a `modules_to_not_convert` entry, matched by a
+        GPTQModel `dynamic` "-:" rule, or not named by the targets."""
         if self.targets and not any(entry == "Linear" or _names(entry, module_name)
                                     for entry in self.targets):
             return True
-        return any(_names(entry, module_name) for entry in self.ignore)
+        return (any(_names(entry, module_name) for entry in self.ignore)
+                or any(entry in module_name for entry in self.not_converted)
+                or any(re.match(pattern, module_name) for pattern in self.skipped))
+
+    def float_fields_text(self) -> str:
+        """The fields that keep modules float, as config.json spells them."""
+        return " / ".join(f"quantization_config.{f}" for f in self.float_fields)
 
 
 def _names(entry: str, module_name: str) -> bool:
@@ -169,6 +189,9 @@ def _check_ct_extras(qc: dict) -> None:
 def _quantization_dict(hf_config: Any) -> dict | None:
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
+        # compressed-tensors' older key for the same object (vLLM reads it too)
+        qc = getattr(hf_config, "compression_config", None)
+    if qc is None:
         return None
     if not isinstance(qc, dict):
         to_dict = getattr(qc, "to_dict", None)
@@ -213,7 +236,9 @@ def _parse_fp8(qc: dict) -> QuantConfig:
     return QuantConfig(m, LinearScheme(
         weight="fp8", strategy="channel", group_size=None, symmetric=True, activation=ACT_FP8,
         act_strategy="token" if dynamic else "tensor", act_dynamic=dynamic, layout=LAYOUT_FP8),
-        ignore=tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+        ignore=_names_list(qc, m, "ignored_layers"),
+        not_converted=_names_list(qc, m, "modules_to_not_convert"),
+        float_fields=("ignored_layers", "modules_to_not_convert"))
 
 
 def _parse_awq(qc: dict) -> QuantConfig:
@@ -232,7 +257,8 @@ def _parse_awq(qc: dict) -> QuantConfig:
         raise _fail(m, "zero_point", "must be true (AWQ without zero points is not supported)")
     return QuantConfig(m, LinearScheme(
         weight="int4", strategy="group", group_size=group, symmetric=False, activation=None,
-        layout=LAYOUT_AWQ), ignore=tuple(qc.get("modules_to_not_convert") or ()))
+        layout=LAYOUT_AWQ), not_converted=_names_list(qc, m, "modules_to_not_convert"),
+        float_fields=("modules_to_not_convert",))
 
 
 def _parse_gptq(qc: dict) -> QuantConfig:
@@ -252,11 +278,57 @@ def _parse_gptq(qc: dict) -> QuantConfig:
     for field, value in (("sym", sym), ("desc_act", desc_act)):
         if not isinstance(value, bool):
             raise _fail(m, field, f"must be true or false, got {value!r}")
+    if qc.get("lm_head", False) is not False:
+        raise _fail(m, "lm_head", f"{qc['lm_head']!r}: a quantized lm_head is not supported "
+                    "(folio's output layer reads float weights); quantize with lm_head false")
+    base = {"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
     return QuantConfig(m, LinearScheme(
         weight="int4", strategy="channel" if group == -1 else "group",
         group_size=None if group == -1 else group, symmetric=sym, activation=None,
         layout=LAYOUT_GPTQ, desc_act=desc_act, zero_offset=1 if fmt == "gptq" else 0),
-        ignore=tuple(qc.get("modules_to_not_convert") or ()))
+        not_converted=_names_list(qc, m, "modules_to_not_convert"),
+        skipped=_gptq_dynamic(qc.get("dynamic"), base),
+        float_fields=("modules_to_not_convert", "dynamic"))
+
+
+def _names_list(qc: dict, method: str, field: str) -> tuple[str, ...]:
+    """A list of module names (or name parts) from config.json; null means none."""
+    value = qc.get(field)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _fail(method, field, f"must be a list of module names, got {value!r}")
+    return tuple(value)
+
+
+def _gptq_dynamic(dynamic: Any, base: dict[str, Any]) -> tuple[str, ...]:
+    """GPTQModel's per-module rules: {"-:regex": {}} keeps the modules a regex matches float;
+    "+:regex" (or a bare regex) overrides settings for them. One scheme runs every quantized
+    projection here, so an override may only repeat the base settings."""
+    m = "gptq"
+    if dynamic is None:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise _fail(m, "dynamic", f"must be an object of regex rules, got {dynamic!r}")
+    skipped = []
+    for key, overrides in dynamic.items():
+        negative = key.startswith("-:")
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _fail(m, f"dynamic.{key}", f"is not a valid regex: {exc}") from None
+        if negative:
+            skipped.append(pattern)
+            continue
+        if not isinstance(overrides, dict):
+            raise _fail(m, f"dynamic.{key}", f"must be an object of settings, got {overrides!r}")
+        for field, value in overrides.items():
+            if field in base and value != base[field]:
+                raise _fail(m, f"dynamic.{key}.{field}", f"{value!r} differs from the "
+                            f"model's {field} {base[field]!r}: per-module schemes are not "
+                            "supported (a '-:' rule keeping modules float is)")
+    return tuple(skipped)
 
 
 def _parse_compressed_tensors(qc: dict) -> QuantConfig:
@@ -284,8 +356,9 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
     if len(distinct) > 1:
         raise _fail(m, "config_groups", f"mixes schemes across groups {list(schemes)}: one "
                     "scheme for every layer is supported")
-    return QuantConfig(m, distinct.pop(), ignore=tuple(qc.get("ignore") or ()),
-                       targets=() if "Linear" in targets else tuple(targets))
+    return QuantConfig(m, distinct.pop(), ignore=_names_list(qc, m, "ignore"),
+                       targets=() if "Linear" in targets else tuple(targets),
+                       float_fields=("ignore", "config_groups.*.targets"))
 
 
 def _ct_args(args: Any, prefix: str) -> dict:
