@@ -3,12 +3,13 @@ text is the front end's business."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from folio.config import EngineConfig
+from folio.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from folio.core.kv_cache_manager import make_kv_cache_manager
 from folio.core.kv_connector import KVConnectorScheduler
 from folio.core.kv_offload import DiskKVIndex, HostKVTier, OffloadingConnectorScheduler
@@ -18,9 +19,17 @@ from folio.core.engine_core_outputs import EngineCoreOutput, SchedulerStats
 from folio.core.scheduler import ScheduledStep, Scheduler
 from folio.core.spec.drafter import make_drafter
 from folio.engine.grammar_manager import StructuredOutputManager
+from folio.engine.kv_scale_calibration import calibration_token_ids
 from folio.executor import make_executor, resolve_device_type
 from folio.executor.base import PendingOutput
 from folio.model.discovery import ModelSource
+from folio.sampling_params import SamplingParams
+
+# The start-up request whose step sets an FP8 cache's computed scales (never a user's id: the
+# front end's ids are its own counters and user strings, and this one runs before any).
+_CALIBRATION_REQUEST_ID = "folio-kv-scale-calibration"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,6 +116,15 @@ class EngineCore:
             config.structured_outputs,
             (lambda: tokenizer) if tokenizer is not None else lambda: _load_tokenizer(config, source),
             vocab_size=self.executor.vocab_size, max_num_seqs=sched.max_num_seqs)
+        if config.cache.calculate_kv_scales and config.cache.cache_dtype in FP8_KV_CACHE_DTYPES:
+            try:
+                if tokenizer is None:
+                    tokenizer = _load_tokenizer(config, source)
+            except ValueError as exc:
+                logger.warning("FP8 KV cache: no tokenizer for the calibration text (%s); the "
+                               "scales come from the first request's step", exc)
+            else:
+                self._calibrate_kv_scales(tokenizer)
         # Everything built so far (torch, transformers, the model's modules) lives as long as
         # the engine: move it out of the garbage collector's sight (as vLLM's engine core
         # does). Otherwise a full collection walks it all in the middle of serving (measured:
@@ -117,6 +135,19 @@ class EngineCore:
         if on_cuda:
             gc.collect()
         gc.freeze()
+
+    def _calibrate_kv_scales(self, tokenizer: Any) -> None:
+        """Run the fixed calibration text as the engine's first step, so the FP8 cache's
+        computed scales come from it rather than from whichever request comes first
+        (kv_scale_calibration.py). Its output is dropped, its cached blocks released."""
+        ids = calibration_token_ids(tokenizer)
+        ids = ids[:max(1, min(len(ids), self.config.model.max_model_len - 1,
+                              self.config.scheduler.max_num_batched_tokens))]
+        self.add_request(EngineCoreRequest(
+            _CALIBRATION_REQUEST_ID, ids, SamplingParams(max_tokens=1, temperature=0.0)))
+        while self.has_unfinished_requests():
+            self.step()
+        self.scheduler.reset_prefix_cache()
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         if isinstance(request, EngineCoreRequest):

@@ -431,13 +431,14 @@ class Worker:
     def _log_kv_scales(self) -> None:
         """Where the FP8 cache's scales come from; vLLM warns of 1.0 too."""
         if self.config.cache.calculate_kv_scales:
-            logger.info("FP8 KV cache: scales computed from the first step's keys and values")
+            logger.info("FP8 KV cache: scales computed at start-up from a calibration text's "
+                        "keys and values (the engine's first step)")
         elif self.model.kv_scales_loaded:
             logger.info("FP8 KV cache: scales from the checkpoint")
         else:
             logger.warning("FP8 KV cache with scales 1.0 (the checkpoint has none): keys and "
                            "values past %g saturate; calculate_kv_scales computes scales from "
-                           "the first step", fp8_max(self.kv_cache_dtype))
+                           "a calibration text at start-up", fp8_max(self.kv_cache_dtype))
 
     def _profile_run(self) -> int:
         """One forward pass at the largest step (max_num_batched_tokens tokens, logits for

@@ -243,10 +243,9 @@ def test_fp8_cache_holds_twice_the_blocks_and_graphs_read_calculated_scales(mode
         worker = _worker(llm)
         assert worker.kv_cache_dtype == E4M3 and worker.num_blocks == 2 * bf16_blocks
         attn = worker.model.layers[0].self_attn
-        assert attn.k_scale.tolist() == [1.0, 1.0]
-        runs[eager] = _generate(llm, prompts, params)
-        scales = attn.k_scale.clone()
+        scales = attn.k_scale.clone()   # computed at start-up (the calibration text)
         assert (scales != 1.0).all() and (scales == scales[0]).all()
+        runs[eager] = _generate(llm, prompts, params)
         if not eager:
             assert worker.graph_runner.num_replays > 0
         _generate(llm, prompts[:2], params[:2])
