@@ -210,6 +210,14 @@ class CacheConfig:
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
+    def metrics_info(self) -> dict[str, str]:
+        """The settings `cache_config_info` carries as labels (as vLLM's does, e.g. the KV
+        cache's dtype); the block count is added where it is known."""
+        return {"block_size": str(self.block_size), "cache_dtype": self.cache_dtype,
+                "calculate_kv_scales": str(self.calculate_kv_scales),
+                "enable_prefix_caching": str(self.enable_prefix_caching),
+                "gpu_memory_utilization": str(self.gpu_memory_utilization)}
+
 
 @dataclass
 class SchedulerConfig:

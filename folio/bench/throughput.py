@@ -283,6 +283,12 @@ def _run_folio(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[Engine
         "max_model_len": engine.max_model_len,
         "stored_weight_bytes": packed_weight_bytes(worker),
         "cache_dtype_bytes": int(getattr(getattr(worker, "kv_cache_dtype", None), "itemsize", 0)),
+        # what the engine resolved (a checkpoint's own method, the cache's dtype), as the
+        # latency bench reports them
+        "resolved_quantization": getattr(worker, "quantization", None),
+        "resolved_kv_cache_dtype": (str(worker.kv_cache_dtype).replace("torch.", "")
+                                    if getattr(worker, "kv_cache_dtype", None) is not None
+                                    else None),
     }
     # Release the engine (model weights, KV cache) before any peer runs.
     del outputs, llm, engine, executor, worker
@@ -348,6 +354,9 @@ def _report(args: argparse.Namespace, results: list[EngineResult], info: dict) -
         },
         "model": info["model_source"], "dtype": info["dtype"], "device": info["device"],
         "max_model_len": info["max_model_len"],
+        # as the engine resolved them (a checkpoint's own method, the cache's dtype)
+        "quantization": info.get("resolved_quantization"),
+        "kv_cache_dtype": info.get("resolved_kv_cache_dtype"),
         # folio's start-to-ready (= engines[0].load_s), split; the random-weights build apart.
         "startup": folio.extra.get("startup"),
         "roofline": info.get("roofline"),

@@ -146,7 +146,8 @@ class LLM(PoolingAPI):
         if self._metrics is None:
             config = self.llm_engine.config
             self._metrics = EngineMetrics(str(config.model.model or "default"),
-                                          self.llm_engine.max_model_len)
+                                          self.llm_engine.max_model_len,
+                                          cache_info=config.cache.metrics_info())
         self._metrics.observe_scheduler_stats(self.llm_engine.engine_core.stats())
         return read_metrics(self._metrics.registry)
 

@@ -97,10 +97,13 @@ class EngineMetrics:
 
     CONTENT_TYPE: str = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, max_model_len: int, *, max_lora: int = 0) -> None:
+    def __init__(self, model_name: str, max_model_len: int, *, max_lora: int = 0,
+                 cache_info: dict[str, str] | None = None) -> None:
         """`max_lora`: the adapters a step may run (--max-loras); 0 = LoRA off, and the
-        LoRA metrics are not exported."""
+        LoRA metrics are not exported. `cache_info`: the KV cache's settings as
+        `cache_config_info` labels (CacheConfig.metrics_info)."""
         self.model_name = model_name
+        self._cache_info = dict(cache_info or {})
         self.max_model_len = max_model_len
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests: dict[str, _RequestState] = {}
@@ -138,7 +141,7 @@ class EngineMetrics:
         # Info-style gauge (always 1); the block count lives in a label, like vLLM's.
         self._g_cache_info = Gauge(
             p + "cache_config_info", "Information of the KV cache configuration.",
-            ["model_name", "num_gpu_blocks"], registry=reg)
+            ["model_name", "num_gpu_blocks", *self._cache_info], registry=reg)
 
         # --- cumulative scheduler counters (fed as deltas) ---
         # prometheus_client appends "_total" on exposition: folio:num_preemptions_total etc.
@@ -361,9 +364,10 @@ class EngineMetrics:
 
         if stats.num_blocks and stats.num_blocks != self._cache_info_blocks:
             # Replace, not add: a stale label set would read as a second cache config.
+            info = tuple(self._cache_info.values())
             if self._cache_info_blocks is not None:
-                self._g_cache_info.remove(self.model_name, str(self._cache_info_blocks))
-            self._g_cache_info.labels(self.model_name, str(stats.num_blocks)).set(1)
+                self._g_cache_info.remove(self.model_name, str(self._cache_info_blocks), *info)
+            self._g_cache_info.labels(self.model_name, str(stats.num_blocks), *info).set(1)
             self._cache_info_blocks = stats.num_blocks
 
     def _set_lora_info(self, running: list[str], waiting: list[str]) -> None:

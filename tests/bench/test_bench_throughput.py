@@ -78,6 +78,8 @@ def test_throughput_counts_add_up(tiny_model_dir, tmp_path) -> None:
     assert startup["profile_s"] == 0.0 and startup["graph_capture_s"] == 0.0
     assert report["random_model"] is None and report["device"] == "cpu"
     assert peer["extra"]["device"] == "cpu"
+    # resolved by the engine: no flag given, a float checkpoint, a cache in the model dtype
+    assert report["quantization"] == "none" and report["kv_cache_dtype"] == "float32"
 
     # The workload's floor at the bandwidth and matmul peak measured now, and folio's share.
     roof = report["roofline"]

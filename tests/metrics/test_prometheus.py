@@ -58,6 +58,22 @@ def test_gauges_reflect_last_stats(m: EngineMetrics) -> None:
     assert val(m, "folio:cache_config_info", num_gpu_blocks="100") == 1
 
 
+def test_cache_config_info_carries_the_cache_settings() -> None:
+    """As vLLM's: the KV cache's settings are labels of cache_config_info (an FP8 cache shows
+    as cache_dtype="fp8"), beside the block count, which replaces its old label set."""
+    from folio.config import CacheConfig
+    m = EngineMetrics(MODEL, max_model_len=2048, cache_info=CacheConfig(
+        cache_dtype="fp8", calculate_kv_scales=True, block_size=32).metrics_info())
+    for blocks in (100, 200):
+        m.observe_scheduler_stats(SchedulerStats(num_blocks=blocks, num_free_blocks=blocks))
+    info = dict(model_name=MODEL, block_size="32", cache_dtype="fp8",
+                calculate_kv_scales="True", enable_prefix_caching="True",
+                gpu_memory_utilization="0.9")
+    assert val(m, "folio:cache_config_info", num_gpu_blocks="200", **info) == 1
+    assert m.registry.get_sample_value("folio:cache_config_info",
+                                       {**info, "num_gpu_blocks": "100"}) is None
+
+
 def test_cumulative_stats_become_counter_deltas(m: EngineMetrics) -> None:
     m.observe_scheduler_stats(SchedulerStats(num_preemptions=2, prefix_cache_queries=100,
                                              prefix_cache_hits=40))

@@ -640,7 +640,8 @@ def serve(args: argparse.Namespace) -> int:
         if not args.disable_log_stats:
             from folio.metrics import EngineMetrics
             metrics = EngineMetrics(names[0], engine.max_model_len,
-                                    max_lora=config.lora.max_loras if config.lora else 0)
+                                    max_lora=config.lora.max_loras if config.lora else 0,
+                                    cache_info=config.cache.metrics_info())
             metrics.track_api_requests(engine.num_tracked_requests)
             engine.metrics = metrics
         ready = engine.ready

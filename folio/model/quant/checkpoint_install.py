@@ -18,6 +18,7 @@ transformers runs.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -41,6 +42,8 @@ _SHARD_NAMES = {("qkv_proj", "q"): "q_proj", ("qkv_proj", "k"): "k_proj",
                 ("gate_up_proj", "up"): "up_proj"}
 
 Converted = EightBitWeight | Int4Weight
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_module_name(path: str, shard: str | None) -> str:
@@ -200,6 +203,7 @@ class QuantizedCollector:
                              f"{' ...' if len(missing) > 4 else ''}")
 
     def install(self, kernels: KernelConfig, dtype: torch.dtype) -> None:
+        widened = 0
         for path, shards in self.plan.items():
             parts = [self.done.pop((path, s)) for s in shards]
             module = self.model.get_submodule(path)
@@ -210,8 +214,16 @@ class QuantizedCollector:
                 if packed is None:   # no exact CPU kernel form: the dequantized weight
                     w = torch.cat([p.dequantize() for p in parts]).to(dtype)
                     module.weight = nn.Parameter(w, requires_grad=False)
+                    widened += 1
                 else:
                     module.packed = packed
+        if widened:
+            # the same outputs as the quantized model, but none of its memory or speed
+            logger.warning("%d of %d quantized projections (%s) run dequantized to %s on the "
+                           "CPU, which has no kernel for their form: they take the float "
+                           "model's memory and time (int8 and 4-bit groups of 32 run packed)",
+                           widened, len(self.plan), describe_scheme(self.scheme),
+                           str(dtype).replace("torch.", ""))
 
     def _gpu_module(self, parts: list[Converted], kernels: KernelConfig) -> nn.Module:
         scheme = self.scheme
