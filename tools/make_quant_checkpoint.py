@@ -21,6 +21,10 @@ Methods:
 ct-w4a16 llm-compressor's actorder "weight" (static groups), and --desc-act gives gptq the real
 act-order (decreasing Hessian diagonal) in place of a seeded permutation.
 
+--kv-cache-scales tensor|attn_head (ct-* methods) adds static FP8 KV cache scales, one per layer
+or one per KV head, from the float model's keys and values over the same calibration text
+(compressed-tensors' kv_cache_scheme, read with --kv-cache-dtype fp8).
+
 --dequantized DIR also writes the same model as a plain float checkpoint whose projections are
 the dequantized values of what was written (a reference for comparing loaders).
 """
@@ -29,8 +33,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from folio.bench.quant_checkpoints import (write_awq, write_compressed_tensors, write_fp8,
-                                           write_gptq)
+from folio.bench.quant_checkpoints import (KV_SCALE_STRATEGIES, write_awq,
+                                           write_compressed_tensors, write_fp8, write_gptq,
+                                           write_kv_cache_scales)
 
 METHODS = ("fp8", "fp8-tensor", "ct-fp8", "ct-fp8-tensor", "ct-w8a8-int8", "ct-w4a16", "awq",
            "gptq")
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoothing-strength", type=float, default=None,
                         help="ct-* methods: SmoothQuant at this strength first (llm-compressor's "
                              "W8A8 recipes; 0.6 measured best for SmolLM2 W8A8 INT8)")
+    parser.add_argument("--kv-cache-scales", choices=KV_SCALE_STRATEGIES, default=None,
+                        help="ct-* methods: add static FP8 KV cache scales (kv_cache_scheme), "
+                             "per layer (tensor) or per KV head (attn_head)")
     parser.add_argument("--dequantized", metavar="DIR", default=None,
                         help="also write the dequantized model as a float checkpoint here")
     args = parser.parse_args(argv)
@@ -72,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--asym applies to {', '.join(_ASYM)}, not {args.method}")
     if args.smoothing_strength is not None and not method.startswith("ct-"):
         parser.error(f"--smoothing-strength applies to the ct-* methods, not {args.method}")
+    if args.kv_cache_scales is not None and not method.startswith("ct-"):
+        parser.error(f"--kv-cache-scales applies to the ct-* methods, not {args.method}")
     if args.desc_act and method != "gptq":
         parser.error(f"--desc-act applies to gptq, not {args.method}")
     if args.calibration == "gptq" and method not in ("gptq", "ct-w4a16", "ct-w8a8-int8"):
@@ -90,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                      dequantized_dir=args.dequantized,
                                      smoothing_strength=args.smoothing_strength,
                                      calibration=args.calibration, act_order=args.act_order)
+            if args.kv_cache_scales is not None:
+                write_kv_cache_scales(args.src, args.dst, strategy=args.kv_cache_scales)
         elif method == "awq":
             write_awq(args.src, args.dst, group_size=args.group_size,
                       dequantized_dir=args.dequantized)

@@ -780,6 +780,95 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, *, group_size: int
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8 KV cache scales (compressed-tensors' kv_cache_scheme)
+# ----------------------------------------------------------------------------------------------
+
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")
+
+
+def write_kv_cache_scales(src: str, dst: str, *, strategy: str = "tensor",
+                          calibration_ids: torch.Tensor | None = None) -> None:
+    """Add static FP8 KV cache scales to the checkpoint in `dst` (a compressed-tensors one
+    written from the float model `src`, or a float copy of it), as llm-compressor saves a
+    `kv_cache_scheme`: config.json's quantization_config gains
+    kv_cache_scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": false,
+    "symmetric": true} (a float checkpoint gets a quantization_config of that alone), and each
+    layer's `model.layers.N.self_attn.k_scale` / `v_scale` (float32 [1] per tensor, or
+    [kv_heads, 1, 1] per KV head with "attn_head") join the weights.
+
+    A scale is the largest |K| or |V| the float model writes to its cache over
+    `calibration_ids` (default calibration_tokens(src)) over e4m3's 448, as llm-compressor's
+    min-max observer makes it. K is the rotated key: each rotary pair (j, j + d/2) is turned by
+    an angle, so |K_j| after it is at most the pair's norm before it, which is the bound taken
+    (the rotation itself is not run); a family that normalizes keys (q_norm / k_norm) is read
+    after its k_norm."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if strategy not in KV_SCALE_STRATEGIES:
+        raise ValueError(f"strategy must be one of {KV_SCALE_STRATEGIES}, got {strategy!r}")
+    config_path = os.path.join(dst, "config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    qconfig = config.get("quantization_config")
+    if qconfig is not None and qconfig.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"{dst}: KV cache scales are written into compressed-tensors "
+                         f"checkpoints (or float ones), not {qconfig.get('quant_method')!r}")
+    weights_file = os.path.join(dst, "model.safetensors")
+    if not os.path.isfile(weights_file):
+        raise ValueError(f"{dst}: expected one model.safetensors (as this module writes)")
+    if calibration_ids is None:
+        calibration_ids = calibration_tokens(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.eval()
+    text = model.config.get_text_config()
+    kv_heads = text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    amax: dict[str, torch.Tensor] = {}
+
+    def observe(name: str, rotary: bool) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            x = out.detach().float().reshape(-1, kv_heads, head_dim)
+            if rotary:   # the rotary pairs' norms bound the rotated key's elements
+                half = head_dim // 2
+                x = torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2)
+            per_head = x.abs().amax(dim=(0, 2))
+            amax[name] = per_head if name not in amax else torch.maximum(amax[name], per_head)
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.get_decoder().layers):
+        attn = layer.self_attn
+        k_out = getattr(attn, "k_norm", None) or attn.k_proj
+        prefix = f"model.layers.{i}.self_attn."
+        handles.append(k_out.register_forward_hook(observe(prefix + "k_scale", True)))
+        handles.append(attn.v_proj.register_forward_hook(observe(prefix + "v_scale", False)))
+    try:
+        with torch.no_grad():
+            model.get_decoder()(input_ids=calibration_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    fp8_max = float(torch.finfo(torch.float8_e4m3fn).max)
+    tensors = load_file(weights_file)
+    for name, per_head in amax.items():
+        scale = (per_head if strategy == "attn_head" else per_head.amax().reshape(1)) / fp8_max
+        scale = scale.clamp(min=1e-12)   # an all-zero K keeps a positive scale
+        tensors[name] = scale.reshape(kv_heads, 1, 1) if strategy == "attn_head" else scale
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False,
+              "symmetric": True}
+    if qconfig is None:
+        qconfig = {"quant_method": "compressed-tensors", "config_groups": {},
+                   "format": "dense", "quantization_status": "compressed", "ignore": []}
+    config["quantization_config"] = {**qconfig, "kv_cache_scheme": scheme}
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------------------------
 # vLLM "fp8" (AutoFP8)
 # ----------------------------------------------------------------------------------------------
 

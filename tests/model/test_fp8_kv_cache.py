@@ -8,6 +8,7 @@ tests/gpu/test_fp8_kv_cache_gpu.py."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -532,3 +533,57 @@ def test_smollm2_quality_with_an_fp8_cache(smollm2_dir):
     assert agree >= 0.9
     _, _, ppl_after_hi, after_hi = run(first="Hi", **fp8)
     assert after_hi == calibrated and ppl_after_hi == ppl
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_written_kv_cache_scales_are_read(tiny_model_dir, tmp_path, strategy):
+    """folio.bench.quant_checkpoints.write_kv_cache_scales (tools/make_quant_checkpoint.py
+    --kv-cache-scales) adds llm-compressor's static kv_cache_scheme to a compressed-tensors
+    checkpoint: each layer's k_scale / v_scale bound the float model's rotated keys and its
+    values over the calibration tokens (amax / 448, the rotary pairs' norms for K), and folio
+    loads them as the FP8 cache's scales, per tensor or per KV head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from folio.bench import quant_checkpoints as qc
+    src = tiny_model_dir("llama")
+    dst = str(tmp_path / "ct-fp8-kv")
+    qc.write_compressed_tensors(src, dst, "fp8")
+    tokens = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    qc.write_kv_cache_scales(src, dst, strategy=strategy, calibration_ids=tokens)
+    config = json.loads(open(os.path.join(dst, "config.json")).read())
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == strategy
+    stored = load_file(os.path.join(dst, "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    kv_heads, head_dim = hf.config.num_key_value_heads, hf.config.head_dim
+    seen = {}
+    hooks = [getattr(layer.self_attn, proj).register_forward_hook(
+        lambda m, a, out, key=(proj, i): seen.__setitem__(key, out.reshape(-1, kv_heads, head_dim)))
+        for i, layer in enumerate(hf.model.layers) for proj in ("k_proj", "v_proj")]
+    with torch.no_grad():
+        hf.model(input_ids=tokens, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    for i in range(hf.config.num_hidden_layers):
+        v = stored[f"model.layers.{i}.self_attn.v_scale"]
+        want = seen["v_proj", i].abs().amax(dim=(0, 2)) / 448.0
+        if strategy == "tensor":
+            want = want.amax().reshape(1)
+        else:
+            want = want.reshape(kv_heads, 1, 1)
+        assert v.shape == want.shape and torch.allclose(v, want, rtol=1e-6), i
+        # K's bound: at least every unrotated element (a pair's norm bounds both of its
+        # elements, before and after the rotation), at most sqrt(2) times the largest
+        k = stored[f"model.layers.{i}.self_attn.k_scale"]
+        k_max = seen["k_proj", i].abs().amax(dim=(0, 2)) / 448.0
+        k_max = k_max.amax().reshape(1) if strategy == "tensor" else k_max.reshape(kv_heads, 1, 1)
+        assert k.shape == want.shape and bool((k >= k_max * (1 - 1e-6)).all())
+        assert bool((k <= k_max * 2 ** 0.5 * (1 + 1e-6)).all())
+    with torch_threads(1):
+        llm = LLM(dst, dtype="float32", max_model_len=256, kv_cache_dtype="fp8",
+                  kv_cache_memory_bytes=64 * _FP32_BLOCK, distributed_executor_backend="uni")
+        worker = llm.llm_engine.engine_core.executor.worker
+        for i, layer in enumerate(worker.model.layers):
+            k = stored[f"model.layers.{i}.self_attn.k_scale"].reshape(-1)
+            assert torch.equal(layer.self_attn.k_scale, k.expand(kv_heads)), i
+        assert [len(ids) for ids in _greedy(llm)] == [8] * len(PROMPTS)

@@ -467,7 +467,14 @@ def test_cli(src: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):   # act-order of compressed-tensors needs GPTQ
         cli.main([src, str(tmp_path / "bad"), "--method", "ct-w4a16", "--act-order"])
     assert "--act-order applies to ct-w4a16 with --calibration gptq" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # KV scales: into compressed-tensors checkpoints
+        cli.main([src, str(tmp_path / "bad"), "--method", "gptq", "--kv-cache-scales", "tensor"])
+    assert "--kv-cache-scales applies to" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "bad")
+    assert cli.main([src, str(tmp_path / "kv"), "--method", "ct-fp8",
+                     "--kv-cache-scales", "attn_head"]) == 0
+    kv = _config(str(tmp_path / "kv"))["quantization_config"]["kv_cache_scheme"]
+    assert (kv["type"], kv["num_bits"], kv["strategy"]) == ("float", 8, "attn_head")
 
 
 def test_cli_calibrated(src: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
