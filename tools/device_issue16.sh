@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16 (quantization) on the lent GPU, in parts that each fit one device call:
-#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s33a|s33b|s33h|s34|s34b|s34c|s23 bash tools/device_issue16.sh
+#   PART=s14b|s14c|s14a|s13a|s13b|s13c|s13d|s13e|s12a|s12b|s12c|s12d|s12e|first|second|kernels|sweep|sweep2|final2a|final2b|spec17|profile1|s21|s22|s22b|s22c|s23a|s23b|s23c|s23d|s24c|s24d|s25b|s26b|s26c|s27h|s29c|s30a|s30b|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s33a|s33b|s33h|s34|s34b|s34c|s35|s23 bash tools/device_issue16.sh
 # Carry `.whl` (../shared/tools/device-wheels.sh compressed-tensors==0.20.1 loguru==0.7.3) and
 # `device_tokenizer/` (untracked: the default model's tokenizer files, for the random-weight
 # models). Logs and JSON go to $OUT.
@@ -335,6 +335,12 @@ s29c)  # session 29, on an H200 only (the issues' card): issue 17's verify cost 
   step 110 lat_bf16 $LAT --output-json "$OUT/lat_bf16.json"
   step 100 lat_fp8 $LAT --quantization fp8 --output-json "$OUT/lat_fp8.json"
   step 110 lat_w4a16 $LAT --random-quantization w4a16 --output-json "$OUT/lat_w4a16.json" ;;
+s35)  # session 35: s34, then the FP8 cache's GPU test of scales set at start-up (the engine's
+       # calibration step, session 35) beside CUDA graphs
+  PART=s34 bash tools/device_issue16.sh
+  STEP_PATTERN="passed|failed|Error" step 150 fp8kv_tests python3 -m pytest -q \
+      -p no:cacheprovider --noconftest -rf tests/gpu/test_fp8_kv_cache_gpu.py \
+      -k "calculated_scales" ;;
 s34c)  # s34 for a call of ~220 s: on an H200 issue 17's verify cost alone (its last target),
         # else the speculative-decoding GPU tests (the resting draft model beside async graphs)
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
