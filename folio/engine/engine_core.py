@@ -141,8 +141,11 @@ class EngineCore:
         computed scales come from it rather than from whichever request comes first
         (kv_scale_calibration.py). Its output is dropped, its cached blocks released."""
         ids = calibration_token_ids(tokenizer)
+        # one step, and never more than the cache holds (a request it cannot hold would wait
+        # here for good)
         ids = ids[:max(1, min(len(ids), self.config.model.max_model_len - 1,
-                              self.config.scheduler.max_num_batched_tokens))]
+                              self.config.scheduler.max_num_batched_tokens,
+                              self.kv_capacity_tokens - 1))]
         self.add_request(EngineCoreRequest(
             _CALIBRATION_REQUEST_ID, ids, SamplingParams(max_tokens=1, temperature=0.0)))
         while self.has_unfinished_requests():

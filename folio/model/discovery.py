@@ -126,14 +126,20 @@ def _download_from_hub(repo_id: str, revision: str | None) -> str:
     return path
 
 
-def _check_quantization_config_type(raw: bytes, config_file: str) -> None:
-    """A `quantization_config` that is not an object (e.g. "gptq") is named here: transformers
-    would fail on it with an error about a `to_dict` attribute."""
+def _config_object(raw: bytes) -> dict | None:
+    """config.json's top-level object; None where it is malformed (transformers reports that
+    itself) or not an object."""
     try:
         data = json.loads(raw)
     except ValueError:
-        return   # transformers reports the malformed file itself
-    if isinstance(data, dict) and "quantization_config" in data \
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_quantization_config_type(data: dict | None, config_file: str) -> None:
+    """A `quantization_config` that is not an object (e.g. "gptq") is named here: transformers
+    would fail on it with an error about a `to_dict` attribute."""
+    if data is not None and "quantization_config" in data \
             and not isinstance(data["quantization_config"], (dict, type(None))):
         raise ValueError(f"{config_file}: quantization_config must be a JSON object with the "
                          f"method's settings (quant_method, bits, ...), got "
@@ -147,14 +153,11 @@ _SIDE_QUANT_FILES = ("quantize_config.json", "quant_config.json")
 _AWQ_KEYS = ("w_bit", "q_group_size", "version", "zero_point")
 
 
-def _side_quantization_config(path: str, raw: bytes) -> dict | None:
-    """The quantization settings in a side file, for a config.json without any (neither
-    quantization_config nor compressed-tensors' older compression_config); None otherwise."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or data.get("quantization_config") is not None \
+def _side_quantization_config(path: str, data: dict | None) -> dict | None:
+    """The quantization settings in a side file, for a config.json (`data`) without any
+    (neither quantization_config nor compressed-tensors' older compression_config); None
+    otherwise."""
+    if data is None or data.get("quantization_config") is not None \
             or data.get("compression_config") is not None:
         return None
     for name in _SIDE_QUANT_FILES:
@@ -199,8 +202,9 @@ def load_hf_config(source: ModelSource) -> tuple[Any, str | None]:
             raw = f.read()
     except OSError as exc:
         raise ValueError(f"could not read the model config in {source.path!r}: {exc}") from exc
-    _check_quantization_config_type(raw, config_file)
-    side = _side_quantization_config(source.path, raw)
+    data = _config_object(raw)
+    _check_quantization_config_type(data, config_file)
+    side = _side_quantization_config(source.path, data)
     digest = hashlib.sha256(raw + json.dumps(side, sort_keys=True).encode()).hexdigest()
 
     def build() -> Any:
